@@ -1,0 +1,214 @@
+"""Save and resume a training run with torch.distributed.checkpoint (DCP).
+
+A checkpoint holds the model, the optimizer, the LR scheduler, every data-parallel rank's data
+loader position, the step and each rank's RNG state. Model and optimizer are saved as sharded
+DTensors, so a checkpoint written under one parallel layout loads under another (DCP reshards).
+Per-rank items (loader position, RNG) are keyed by rank and restored when the rank exists.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from concurrent.futures import Future
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict, get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict)
+
+from titanlab.checkpoint import store
+from titanlab.config.job_config import Checkpoint, ConfigError
+
+logger = logging.getLogger(__name__)
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class Checkpointer:
+    """Periodic DCP checkpoints under `<dump_folder>/<checkpoint.folder>/step-N`.
+
+    Args:
+        cfg: the `[checkpoint]` section.
+        dump_folder: `job.dump_folder`; a relative `cfg.folder` is taken inside it.
+        model_parts: the model (or the pipeline stages this rank holds).
+        optimizer, lr_scheduler, dataloader: objects with state_dict / load_state_dict.
+        dp_rank: data-parallel index of this rank (keys the loader position).
+    """
+
+    def __init__(self, cfg: Checkpoint, dump_folder: str, *, model_parts: list[nn.Module],
+                 optimizer, lr_scheduler, dataloader, dp_rank: int) -> None:
+        self.cfg = cfg
+        self.root = cfg.folder if os.path.isabs(cfg.folder) else os.path.join(dump_folder, cfg.folder)
+        self.model_parts = model_parts
+        self.optimizer = optimizer
+        self.lr_scheduler = lr_scheduler
+        self.dataloader = dataloader
+        self.dp_rank = dp_rank
+        self.rank = dist.get_rank()
+        self._pending: tuple[int, Future] | None = None
+        self._async_pg = None
+        if cfg.async_mode == "async":
+            # The background write runs its own collectives; keep them off the training groups.
+            self._async_pg = dist.new_group(backend="gloo")
+
+    # --- state dicts ---------------------------------------------------------------------
+    def _model_sd(self) -> dict:
+        sd: dict = {}
+        for part in self.model_parts:
+            sd.update(get_model_state_dict(part))
+        return sd
+
+    def _optim_sd(self) -> dict:
+        sd: dict = {}
+        for part in self.model_parts:
+            sd.update(get_optimizer_state_dict(part, self.optimizer))
+        return sd
+
+    def _full_state(self, step: int) -> dict:
+        return {
+            "model": self._model_sd(),
+            "optimizer": self._optim_sd(),
+            "lr_scheduler": self.lr_scheduler.state_dict(),
+            "dataloader": {f"dp_rank_{self.dp_rank}": self.dataloader.state_dict()},
+            "rng": {f"rank_{self.rank}": torch.get_rng_state()},
+            "train_state": {"step": step},
+        }
+
+    # --- saving --------------------------------------------------------------------------
+    def maybe_save(self, step: int, last_step: int) -> None:
+        """Save when checkpointing is on and `step` is a multiple of the interval or the last."""
+        if self.cfg.enable and (step % self.cfg.interval == 0 or step == last_step):
+            self.save(step)
+            if step == last_step and self.cfg.export_at_end:
+                self.export(step)
+
+    def save(self, step: int) -> str:
+        """Write the full training state of `step` (async when configured). Returns the folder."""
+        self.wait()
+        path = self._fresh_dir(step)
+        begin = time.perf_counter()
+        state = self._full_state(step)
+        if self._async_pg is not None:
+            self._pending = (step, dcp.async_save(state, checkpoint_id=path, process_group=self._async_pg))
+            logger.info("checkpoint: step %d staged in %.2fs, writing to %s in the background",
+                        step, time.perf_counter() - begin, path)
+        else:
+            dcp.save(state, checkpoint_id=path)
+            logger.info("checkpoint: saved step %d to %s in %.2fs", step, path, time.perf_counter() - begin)
+            self._after_complete()
+        return path
+
+    def save_model_only(self, step: int, dtype: torch.dtype = torch.float32,
+                        name: str | None = None) -> str:
+        """Write only the model weights (cast to `dtype`), e.g. the seed checkpoint (step 0)
+        or the final export. Returns the folder."""
+        self.wait()
+        path = self._fresh_dir(step, name)
+        model = {k: v.to(dtype) if v.is_floating_point() else v for k, v in self._model_sd().items()}
+        dcp.save({"model": model, "train_state": {"step": step}}, checkpoint_id=path)
+        logger.info("checkpoint: saved model weights (%s) of step %d to %s", dtype, step, path)
+        return path
+
+    def export(self, step: int) -> str:
+        """The final model-only export in `checkpoint.export_dtype`, at `<root>/export-step-N`."""
+        return self.save_model_only(step, _DTYPES[self.cfg.export_dtype], name=f"export-step-{step}")
+
+    def _fresh_dir(self, step: int, name: str | None = None) -> str:
+        path = os.path.join(self.root, name) if name else store.step_dir(self.root, step)
+        if self.rank == 0:
+            store.remove(path)  # a cut-off earlier attempt at this step must not mix in
+            os.makedirs(path, exist_ok=True)
+        dist.barrier()
+        return path
+
+    def wait(self) -> None:
+        """Block until a background save has finished, then apply `keep_latest_k`."""
+        if self._pending is not None:
+            step, future = self._pending
+            future.result()
+            self._pending = None
+            logger.info("checkpoint: background write of step %d finished", step)
+            self._after_complete()
+
+    def _after_complete(self) -> None:
+        if self.rank != 0 or self.cfg.keep_latest_k == 0:
+            return
+        complete = [s for s in store.list_steps(self.root) if s > 0
+                    and store.incomplete_reason(store.step_dir(self.root, s)) is None]
+        for s in complete[:-self.cfg.keep_latest_k]:
+            store.remove(store.step_dir(self.root, s))
+
+    # --- loading -------------------------------------------------------------------------
+    def last_complete(self) -> str | None:
+        """Folder of the newest complete checkpoint, or None."""
+        for s in reversed(store.list_steps(self.root)):
+            if store.incomplete_reason(store.step_dir(self.root, s)) is None:
+                return store.step_dir(self.root, s)
+        return None
+
+    def _choose(self) -> str | None:
+        if self.cfg.load_step >= 0:
+            path = store.step_dir(self.root, self.cfg.load_step)
+            reason = store.incomplete_reason(path) if os.path.isdir(path) else "it does not exist"
+            if reason:
+                raise ConfigError(f"checkpoint.load_step={self.cfg.load_step}: {path} cannot be "
+                                  f"loaded: {reason}; complete steps: {self._complete_steps()}")
+            return path
+        for s in reversed(store.list_steps(self.root)):
+            path = store.step_dir(self.root, s)
+            reason = store.incomplete_reason(path)
+            if reason is None:
+                return path
+            if self.rank == 0:
+                logger.warning("checkpoint: skipping incomplete %s: %s", path, reason)
+        return None
+
+    def _complete_steps(self) -> list[int]:
+        return [s for s in store.list_steps(self.root)
+                if store.incomplete_reason(store.step_dir(self.root, s)) is None]
+
+    def load(self) -> int:
+        """Restore the newest complete checkpoint (or `checkpoint.load_step`).
+
+        Returns the step it holds (0 when there is none, or for a model-only seed checkpoint).
+        Raises ConfigError when `load_step` names a missing or incomplete checkpoint.
+        """
+        path = self._choose()
+        if path is None:
+            return 0
+        keys = store.saved_keys(path)
+        has_optim = any(k.startswith("optimizer.") for k in keys)
+        state: dict = {"model": self._model_sd(), "train_state": {"step": 0}}
+        if has_optim:
+            state["optimizer"] = self._optim_sd()
+            state["lr_scheduler"] = self.lr_scheduler.state_dict()
+            for group, key in (("dataloader", f"dp_rank_{self.dp_rank}"), ("rng", f"rank_{self.rank}")):
+                if f"{group}.{key}" in keys:
+                    state[group] = {key: self.dataloader.state_dict() if group == "dataloader"
+                                    else torch.get_rng_state()}
+        dcp.load(state, checkpoint_id=path)
+        for part in self.model_parts:
+            set_model_state_dict(part, state["model"])
+        if has_optim:
+            for part in self.model_parts:
+                set_optimizer_state_dict(part, self.optimizer, state["optimizer"])
+            self.lr_scheduler.load_state_dict(state["lr_scheduler"])
+            if "dataloader" in state:
+                self.dataloader.load_state_dict(state["dataloader"][f"dp_rank_{self.dp_rank}"])
+            elif self.rank == 0:
+                logger.warning("checkpoint: %s has no loader position for dp rank %d (saved under"
+                               " another layout); the data order restarts", path, self.dp_rank)
+            if "rng" in state:
+                torch.set_rng_state(state["rng"][f"rank_{self.rank}"])
+        step = int(state["train_state"]["step"])
+        logger.info("checkpoint: loaded %s (step %d%s)", path, step, "" if has_optim else ", model only")
+        return step
+
+    def close(self) -> None:
+        self.wait()
+        if self._async_pg is not None:
+            dist.destroy_process_group(self._async_pg)
+            self._async_pg = None

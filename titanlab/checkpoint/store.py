@@ -1,0 +1,61 @@
+"""Checkpoint folders on disk: naming, finding them, and telling complete from cut-off ones.
+
+A checkpoint of step N is the DCP folder `<root>/step-N`. It is complete when DCP's `.metadata`
+file exists (the coordinator writes it, atomically, only after every rank finished writing its
+data) and every data file that the metadata points into exists and is long enough. Anything else
+— a run killed mid-write, a truncated or missing shard — is incomplete and is never loaded.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+
+from torch.distributed.checkpoint import FileSystemReader
+
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+
+
+def step_dir(root: str, step: int) -> str:
+    """Folder of the checkpoint of `step` under `root`."""
+    return os.path.join(root, f"step-{step}")
+
+
+def list_steps(root: str) -> list[int]:
+    """Steps that have a checkpoint folder under `root` (complete or not), ascending."""
+    if not os.path.isdir(root):
+        return []
+    steps = [int(m.group(1)) for name in os.listdir(root) if (m := _STEP_DIR.match(name))]
+    return sorted(steps)
+
+
+def incomplete_reason(path: str) -> str | None:
+    """Why the DCP checkpoint at `path` cannot be loaded, or None when it is complete."""
+    if not os.path.isfile(os.path.join(path, ".metadata")):
+        return "no .metadata (the write did not finish)"
+    try:
+        metadata = FileSystemReader(path).read_metadata()
+    except Exception as e:  # a torn or foreign .metadata file
+        return f"unreadable .metadata ({type(e).__name__}: {e})"
+    needed: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        end = info.offset + info.length
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), end)
+    for rel, end in sorted(needed.items()):
+        file = os.path.join(path, rel)
+        if not os.path.isfile(file):
+            return f"data file {rel} is missing"
+        size = os.path.getsize(file)
+        if size < end:
+            return f"data file {rel} is truncated ({size} of {end} bytes)"
+    return None
+
+
+def saved_keys(path: str) -> set[str]:
+    """Flattened state-dict keys stored in the complete checkpoint at `path`."""
+    return set(FileSystemReader(path).read_metadata().state_dict_metadata)
+
+
+def remove(path: str) -> None:
+    shutil.rmtree(path, ignore_errors=True)

@@ -1,0 +1,170 @@
+"""Build a `JobConfig` from defaults, a TOML file and command-line overrides.
+
+Precedence: command line > TOML file > dataclass defaults. Every unknown section or key, wrong
+type and out-of-range value raises `ConfigError` with one line naming it (and the closest valid
+name where there is one). Nothing here touches torch.distributed, so a bad config fails before
+any process group exists.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import typing
+from typing import Any
+
+import tomli
+
+from titanlab.config.docs import sections, type_name
+from titanlab.config.job_config import ConfigError, JobConfig
+
+_TRUE = {"true", "1", "yes", "on"}
+_FALSE = {"false", "0", "no", "off"}
+
+
+def _suggest(name: str, choices: list[str]) -> str:
+    close = difflib.get_close_matches(name, choices, n=1, cutoff=0.5)
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
+def _section_class(name: str) -> type:
+    table = dict(sections())
+    if name not in table:
+        raise ConfigError(f"unknown config section [{name}]{_suggest(name, list(table))}")
+    return table[name]
+
+
+def _field_type(section: str, key: str) -> Any:
+    cls = _section_class(section)
+    hints = typing.get_type_hints(cls)
+    if key not in hints:
+        valid = [f"{section}.{k}" for k in hints]
+        raise ConfigError(f"unknown config key {section}.{key}{_suggest(f'{section}.{key}', valid)}")
+    return hints[key]
+
+
+def _coerce(section: str, key: str, value: Any, from_cli: bool) -> Any:
+    """Convert `value` (a CLI string or a TOML value) to the field's type, or raise ConfigError."""
+    tp = _field_type(section, key)
+    where = f"{section}.{key}={value!r}"
+    origin = typing.get_origin(tp)
+    if origin is typing.Literal:
+        choices = typing.get_args(tp)
+        if value not in choices:
+            raise ConfigError(f"{where} is not valid; valid: {', '.join(map(str, choices))}"
+                              f"{_suggest(str(value), [str(c) for c in choices])}")
+        return value
+    if origin is list:
+        if from_cli and isinstance(value, str):
+            return [v.strip() for v in value.split(",") if v.strip()]
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise ConfigError(f"{where} must be a list of strings")
+        return value
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if from_cli and str(value).lower() in _TRUE | _FALSE:
+            return str(value).lower() in _TRUE
+        raise ConfigError(f"{where} must be a bool (true or false)")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if from_cli:
+            try:
+                return int(value)
+            except ValueError:
+                pass
+        raise ConfigError(f"{where} must be an int")
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if from_cli:
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise ConfigError(f"{where} must be a float")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise ConfigError(f"{where} must be a string")
+    raise AssertionError(f"unsupported config type {type_name(tp)} for {section}.{key}")
+
+
+def _set(config: JobConfig, dotted: str, value: Any, from_cli: bool) -> None:
+    if "." not in dotted:
+        raise ConfigError(f"option --{dotted} must look like --section.key")
+    section, key = dotted.split(".", 1)
+    coerced = _coerce(section, key, value, from_cli)
+    setattr(getattr(config, section), key, coerced)
+
+
+def _split_cli(argv: list[str]) -> list[tuple[str, str]]:
+    """Turn `--a.b v`, `--a.b=v` and a bare boolean `--a.b` into (name, value) pairs."""
+    pairs, i = [], 0
+    while i < len(argv):
+        arg = argv[i]
+        if not arg.startswith("--"):
+            raise ConfigError(f"unexpected argument {arg!r}; options look like --section.key VALUE")
+        name = arg[2:]
+        if "=" in name:
+            name, value = name.split("=", 1)
+            i += 1
+        elif i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+            value, i = argv[i + 1], i + 2
+        else:
+            if "." in name:
+                sec, key = name.split(".", 1)
+                if _field_type(sec, key) is not bool:
+                    raise ConfigError(f"option --{name} needs a value")
+            value, i = "true", i + 1
+        pairs.append((name, value))
+    return pairs
+
+
+def load_toml(path: str) -> dict[str, Any]:
+    """Read a TOML config file. Raises ConfigError for a missing or malformed file."""
+    try:
+        with open(path, "rb") as f:
+            return tomli.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path!r} does not exist") from None
+    except tomli.TOMLDecodeError as e:
+        raise ConfigError(f"config file {path!r} is not valid TOML: {e}") from None
+
+
+def build_config(argv: list[str]) -> JobConfig:
+    """Parse `argv` (without the program name) into a validated JobConfig.
+
+    `--job.config_file PATH` selects the TOML file. Raises ConfigError (one line) on any bad
+    section, key, type or value.
+    """
+    pairs = _split_cli(argv)
+    config = JobConfig()
+    config_file = next((v for k, v in pairs if k == "job.config_file"), "")
+    if config_file:
+        for section, table in load_toml(config_file).items():
+            _section_class(section)
+            if not isinstance(table, dict):
+                raise ConfigError(f"[{section}] in {config_file} must be a table of key = value")
+            for key, value in table.items():
+                _set(config, f"{section}.{key}", value, from_cli=False)
+    for name, value in pairs:
+        _set(config, name, value, from_cli=True)
+    config.job.config_file = config_file
+    config.validate()
+    return config
+
+
+def to_dict(config: JobConfig) -> dict[str, dict[str, Any]]:
+    """The config as {section: {key: value}}, e.g. for logging or saving next to a checkpoint."""
+    return dataclasses.asdict(config)
+
+
+def format_config(config: JobConfig) -> str:
+    """The resolved config as TOML-like text, one `key = value` per line."""
+    lines = []
+    for section, table in to_dict(config).items():
+        lines.append(f"[{section}]")
+        lines += [f"  {k} = {v!r}" for k, v in table.items()]
+    return "\n".join(lines)

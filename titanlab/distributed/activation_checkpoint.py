@@ -1,0 +1,83 @@
+"""Activation checkpointing (AC) of transformer blocks: full, selective per layer, selective per op.
+
+- full: every block's activations are recomputed in backward (Chen et al. 2016, "Training Deep
+  Nets with Sublinear Memory Cost").
+- selective per layer (`selective_ac_option = N`): every N-th block is fully checkpointed.
+- selective per op (`selective_ac_option = "op"`): inside each block, the outputs of attention
+  kernels, of reduce-scatters and of every other matmul are saved; everything else (norms,
+  activations, elementwise ops) is recomputed (Korthikanti et al. 2022, "Reducing Activation
+  Recomputation in Large Transformer Models"; the save list follows torchtitan's recipe).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections import defaultdict
+
+import torch
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+_aten = torch.ops.aten
+# Ops whose outputs are always kept under op-level selective AC: attention kernels (expensive to
+# recompute), reduce-scatter outputs (recomputing them means communicating again) and the
+# max used by float8 scaling.
+_SAVE_ALWAYS = {
+    _aten._scaled_dot_product_flash_attention.default,
+    _aten._scaled_dot_product_efficient_attention.default,
+    _aten._scaled_dot_product_cudnn_attention.default,
+    _aten._scaled_dot_product_flash_attention_for_cpu.default,
+    torch.ops._c10d_functional.reduce_scatter_tensor.default,
+    _aten.max.default,
+}
+_MATMULS = {_aten.mm.default, _aten.addmm.default, _aten.bmm.default}
+
+
+def _op_sac_context():
+    """A fresh pair of SAC contexts for one checkpointed forward (and its recompute).
+
+    Matmuls are counted separately in the forward and in the recompute so both make the same
+    decision for the k-th matmul: even-numbered ones are saved, odd-numbered ones recomputed.
+    Module-level (not a lambda) because torch.compile cannot trace a nested `context_fn`.
+    """
+    counts: dict[str, int] = defaultdict(int)
+
+    def policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+        if op in _SAVE_ALWAYS:
+            return CheckpointPolicy.MUST_SAVE
+        if op in _MATMULS:
+            key = "recompute" if ctx.is_recompute else "forward"
+            counts[key] += 1
+            return CheckpointPolicy.MUST_SAVE if counts[key] % 2 == 1 else \
+                CheckpointPolicy.PREFER_RECOMPUTE
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)
+
+
+def _wrap(block: nn.Module, mode: str, option: str, layer_idx: int) -> nn.Module:
+    if mode == "full":
+        return checkpoint_wrapper(block, preserve_rng_state=False)
+    if option == "op":
+        return checkpoint_wrapper(block, context_fn=functools.partial(_op_sac_context),
+                                  preserve_rng_state=False)
+    every = int(option)
+    return checkpoint_wrapper(block, preserve_rng_state=False) if layer_idx % every == 0 else block
+
+
+def apply_ac(model: nn.Module, mode: str, selective_ac_option: str = "op") -> None:
+    """Wrap each block of `model.layers` (a ModuleDict) in place for activation checkpointing.
+
+    Args:
+        mode: "none" (no-op), "full" or "selective".
+        selective_ac_option: "op", or an integer N as a string (checkpoint every N-th block).
+    Raises:
+        ValueError: an unknown mode.
+    """
+    if mode == "none":
+        return
+    if mode not in ("full", "selective"):
+        raise ValueError(f"activation_checkpoint.mode={mode!r}; valid: none, full, selective")
+    for i, (name, block) in enumerate(list(model.layers.items())):
+        model.layers[name] = _wrap(block, mode, selective_ac_option, i)

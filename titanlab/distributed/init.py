@@ -1,0 +1,66 @@
+"""Process-group set-up: pick the device and backend, apply the init and training timeouts.
+
+The same code runs under torchrun on GPUs (NCCL) and on CPUs (gloo): the device is CUDA when
+one is visible, else CPU. A plain `python -m titanlab.train` (no torchrun) runs as a world of one.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.distributed import distributed_c10d
+
+
+def device_type() -> str:
+    """'cuda' when a CUDA device is visible, else 'cpu'."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed(init_timeout_s: int) -> tuple[torch.device, int, int]:
+    """Create the default process group (cuda:nccl + cpu:gloo, or cpu:gloo).
+
+    Args:
+        init_timeout_s: seconds any collective may wait until `set_train_timeout` is called.
+    Returns:
+        (device, rank, world_size). The device is `cuda:<LOCAL_RANK>` or `cpu`.
+    """
+    if "RANK" not in os.environ:  # a world of one, launched without torchrun
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if device_type() == "cuda":
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        backend = "cpu:gloo,cuda:nccl"
+    else:
+        device = torch.device("cpu")
+        backend = "gloo"
+    dist.init_process_group(backend=backend, timeout=timedelta(seconds=init_timeout_s))
+    return device, dist.get_rank(), dist.get_world_size()
+
+
+def set_train_timeout(train_timeout_s: int) -> None:
+    """Shorten the timeout of every process group once the first step has run.
+
+    A rank that stops taking part in a collective then fails the job after `train_timeout_s`
+    instead of after the (longer) init timeout.
+    """
+    timeout = timedelta(seconds=train_timeout_s)
+    dist.barrier()
+    for group in distributed_c10d._world.pg_map:  # every group, including mesh sub-groups
+        distributed_c10d._set_pg_timeout(timeout, group)
+
+
+def destroy_distributed() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

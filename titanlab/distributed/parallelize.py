@@ -1,0 +1,110 @@
+"""`parallelize_llama`: apply parallelisms and training features to a Llama model from outside.
+
+The order is fixed and each step is a small `apply_*` helper taking the model, a mesh and its
+own config: tensor parallel → activation checkpointing → torch.compile → FSDP2/HSDP. The model
+arrives on the meta device and leaves on the meta device; the caller materializes it afterwards
+with `to_empty` + `init_weights` (or a checkpoint load).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+from titanlab.config.job_config import JobConfig
+from titanlab.distributed.activation_checkpoint import apply_ac
+from titanlab.distributed.parallel_dims import ParallelDims
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def param_dtype(config: JobConfig, device: torch.device) -> torch.dtype:
+    """Compute dtype of parameters in forward/backward: `training.mixed_precision_param` on
+    accelerators, float32 on CPU unless `training.mixed_precision_on_cpu`."""
+    if device.type == "cpu" and not config.training.mixed_precision_on_cpu:
+        return torch.float32
+    return _DTYPES[config.training.mixed_precision_param]
+
+
+def parallelize_llama(model: nn.Module, parallel_dims: ParallelDims, config: JobConfig,
+                      device: torch.device) -> nn.Module:
+    """Apply, in order, AC → compile → FSDP2 (HSDP when dp_replicate > 1) to `model` in place.
+
+    Tensor, pipeline and context parallel slot in before AC (see the parallelism guide).
+    Returns the same model object.
+    """
+    apply_ac(model, config.activation_checkpoint.mode, config.activation_checkpoint.selective_ac_option)
+    if config.compile.enable and "model" in config.compile.components:
+        apply_compile(model, config.compile.backend)
+    if parallel_dims.fsdp_enabled or parallel_dims.dp_replicate_enabled:
+        apply_fsdp(
+            model,
+            fsdp_mesh(parallel_dims),
+            param_dtype=param_dtype(config, device),
+            reduce_dtype=_DTYPES[config.training.mixed_precision_reduce],
+            cpu_offload=config.training.enable_cpu_offload,
+            pin_memory=device.type == "cuda",
+            reshard_after_forward=reshard_policy(config.parallelism.fsdp_reshard_after_forward,
+                                                 pp_enabled=parallel_dims.pp_enabled),
+        )
+    return model
+
+
+def fsdp_mesh(parallel_dims: ParallelDims) -> DeviceMesh:
+    """The mesh FSDP shards over: 1D `dp_shard_cp`, or 2D (dp_replicate, dp_shard_cp) for HSDP
+    (parameters replicated on dim 0, sharded on dim 1)."""
+    root = parallel_dims.mesh("root")
+    if parallel_dims.dp_replicate_enabled:
+        shard_dims = [n for n in ("dp_shard", "cp") if parallel_dims.mesh(n) is not None]
+        assert shard_dims, "pure replication is refused by ParallelDims"
+        inner = "dp_shard_cp" if len(shard_dims) > 1 else shard_dims[0]
+        return root["dp_replicate", inner]
+    mesh = parallel_dims.mesh("dp_shard_cp")
+    assert mesh is not None
+    return mesh
+
+
+def reshard_policy(option: str, pp_enabled: bool) -> bool:
+    """Whether blocks free their gathered parameters after forward.
+
+    default: yes, except under pipeline parallel, where a stage runs several microbatches'
+    forwards before their backwards and resharding would all-gather again each time.
+    """
+    if option == "always":
+        return True
+    if option == "never":
+        return False
+    return not pp_enabled
+
+
+def apply_compile(model: nn.Module, backend: str) -> None:
+    """Compile each transformer block in place (`Module.compile`, so parameter names do not
+    change and checkpoints stay portable). Blocks are identical, so one graph serves all."""
+    for block in model.layers.values():
+        block.compile(backend=backend, fullgraph=True)
+
+
+def apply_fsdp(model: nn.Module, mesh: DeviceMesh, *, param_dtype: torch.dtype,
+               reduce_dtype: torch.dtype, cpu_offload: bool, pin_memory: bool,
+               reshard_after_forward: bool) -> None:
+    """FSDP2 `fully_shard` each block, the final norm + output together, then the root.
+
+    The final norm and output run last in forward and first in backward, so they are never
+    resharded after forward. With tied embeddings the shared weight stays with the root.
+    """
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    offload = CPUOffloadPolicy(pin_memory=pin_memory) if cpu_offload else OffloadPolicy()
+    kw = dict(mesh=mesh, mp_policy=mp, offload_policy=offload)
+    for block in model.layers.values():
+        fully_shard(block, reshard_after_forward=reshard_after_forward, **kw)
+    tied = model.output is not None and model.tok_embeddings is not None and \
+        model.output.weight is model.tok_embeddings.weight
+    if not tied:
+        if model.tok_embeddings is not None:
+            fully_shard(model.tok_embeddings, reshard_after_forward=reshard_after_forward, **kw)
+        tail = [m for m in (model.norm, model.output) if m is not None]
+        if tail:
+            fully_shard(tail, reshard_after_forward=False, **kw)
+    fully_shard(model, reshard_after_forward=False, **kw)

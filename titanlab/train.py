@@ -1,0 +1,213 @@
+"""Train a Llama 3 model: `python -m titanlab.train --job.config_file FILE.toml [--section.key V ...]`.
+
+Launch several processes with torchrun (see run_train.sh). One training step is:
+get batch → forward/backward (per microbatch) → clip → optimizer step → log → maybe checkpoint.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+
+from titanlab import components
+from titanlab.checkpoint import Checkpointer
+from titanlab.config.docs import format_help
+from titanlab.config.job_config import ConfigError, JobConfig
+from titanlab.config.manager import build_config, format_config
+from titanlab.distributed.init import destroy_distributed, init_distributed, set_train_timeout
+from titanlab.distributed.parallel_dims import ParallelDims
+from titanlab.distributed.parallelize import parallelize_llama, param_dtype
+from titanlab.distributed.utils import clip_grad_norm_, global_sum
+from titanlab.memory import check_memory, local_world_size
+from titanlab.metrics import MetricsLogger, device_peak_flops
+from titanlab.models.llama3 import get_nparams_and_flops
+from titanlab.optim import build_lr_scheduler, build_optimizer
+
+logger = logging.getLogger("titanlab")
+IGNORE_INDEX = -100
+
+
+class TrainingDiverged(RuntimeError):
+    """The loss became NaN or infinite."""
+
+
+def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Sum of token cross-entropies in fp32. logits (bs, seq, vocab), labels (bs, seq) int64;
+    labels equal to -100 are ignored."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum",
+                           ignore_index=IGNORE_INDEX)
+
+
+class Trainer:
+    """Owns the model, optimizer, data and checkpointer of one run; `train()` runs the loop."""
+
+    def __init__(self, config: JobConfig) -> None:
+        self.config = config
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        # Everything that can be checked without a process group is checked first.
+        self.parallel_dims = ParallelDims.from_config(config.parallelism, world_size)
+        self.batch = components.batch_layout(config, self.parallel_dims.dp_degree)
+        self.tokenizer = components.build_tokenizer(config)
+        self.model_args = components.build_model_args(config, self.tokenizer.vocab_size)
+        device_guess = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        check_memory(self.model_args, config, world_size, local_world_size(),
+                     param_dtype(config, device_guess))
+
+        self.device, self.rank, _ = init_distributed(config.comm.init_timeout_seconds)
+        if self.rank != 0:
+            logging.getLogger().setLevel(logging.WARNING)
+        logger.info("config:\n%s", format_config(config))
+        self._set_determinism()
+        self.parallel_dims.build_mesh(self.device.type)
+        dp_rank, dp = self.parallel_dims.dp_rank(), self.parallel_dims.dp_degree
+
+        data_dir = components.dataset_dir(config, self.tokenizer.path)
+        train_set, self.val_set = components.build_datasets(config, self.tokenizer, data_dir)
+        self.loader = components.build_loader(train_set, config, dp_rank, dp)
+        logger.info("data: %s, %d train windows of %d tokens; batch: %s", data_dir, len(train_set),
+                    config.training.seq_len, self.batch)
+
+        self.model = components.build_meta_model(self.model_args)
+        nparams, flops_per_token = get_nparams_and_flops(self.model, self.model_args,
+                                                         config.training.seq_len)
+        logger.info("model: llama3 %s, %s parameters, %.3e training FLOPs/token",
+                    config.model.flavor, f"{nparams:,}", flops_per_token)
+        parallelize_llama(self.model, self.parallel_dims, config, self.device)
+        self.model.to_empty(device=self.device)
+        self.optimizer = build_optimizer(list(self.model.parameters()), config.optimizer, self.device)
+        self.lr_scheduler = build_lr_scheduler(self.optimizer, config.lr_scheduler, config.training.steps)
+        self.checkpointer = Checkpointer(
+            config.checkpoint, config.job.dump_folder, model_parts=[self.model],
+            optimizer=self.optimizer, lr_scheduler=self.lr_scheduler, dataloader=self.loader,
+            dp_rank=dp_rank)
+        components.init_model_weights(self.model, self.model_args, self.device, config.debug.seed,
+                                      world_size, self.rank)
+        resume = config.checkpoint.enable and not config.checkpoint.create_seed_checkpoint
+        self.step = self.checkpointer.load() if resume else 0
+
+        tokens_per_step = self.batch.local_batch_size * self.batch.grad_accum_steps * config.training.seq_len
+        tb = os.path.join(config.job.dump_folder, config.metrics.save_tb_folder) \
+            if config.metrics.enable_tensorboard else None
+        self.metrics = MetricsLogger(
+            device=self.device, rank=self.rank, log_freq=config.metrics.log_freq,
+            flops_per_token=flops_per_token, tokens_per_step=tokens_per_step,
+            peak_flops=device_peak_flops(self.device, config.metrics.peak_flops), tb_dir=tb)
+        self._loss_mesh = self.parallel_dims.mesh("dp_cp")
+
+    def _set_determinism(self) -> None:
+        torch.manual_seed(self.config.debug.seed)
+        if self.config.debug.deterministic:
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+            torch.use_deterministic_algorithms(True)
+            torch.backends.cudnn.deterministic = True
+            torch.backends.cudnn.benchmark = False
+
+    # --- the loop ------------------------------------------------------------------------
+    def train(self) -> None:
+        cfg = self.config
+        if cfg.checkpoint.create_seed_checkpoint:
+            return self._write_seed_checkpoint()
+        gc.disable()
+        data = iter(self.loader)
+        last = cfg.training.steps
+        logger.info("training: steps %d → %d", self.step + 1, last)
+        self.metrics.reset_timer(self.step)
+        while self.step < last:
+            self.step += 1
+            batches = [next(data) for _ in range(self.batch.grad_accum_steps)]
+            loss, grad_norm = self.train_step(batches)
+            if self.step == 1:
+                set_train_timeout(cfg.comm.train_timeout_seconds)
+            if self.metrics.should_log(self.step, last):
+                self.metrics.log(self.step, loss=loss, grad_norm=grad_norm,
+                                 lr=self.lr_scheduler.get_last_lr()[0])
+            if cfg.validation.enable and self.val_set is not None and self.step % cfg.validation.freq == 0:
+                logger.info("validation: step: %d  val_loss: %.6f", self.step, self.validate())
+            self.checkpointer.maybe_save(self.step, last)
+            if cfg.training.gc_freq and self.step % cfg.training.gc_freq == 0:
+                gc.collect(1)
+        logger.info("training: done at step %d", self.step)
+
+    def train_step(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[float, float]:
+        """One optimizer step over `batches` (the grad-accumulation microbatches of this rank).
+
+        The loss is the mean over every valid token of the global batch: each microbatch's
+        token-sum is divided by the global token count (summed over dp and cp ranks) and
+        multiplied by the number of ranks FSDP averages gradients over, so the gradient is that
+        of the global mean whatever the layout. Returns (loss, grad_norm) as floats.
+        """
+        self.optimizer.zero_grad(set_to_none=True)
+        local_tokens = sum(int((labels != IGNORE_INDEX).sum()) for _, labels in batches)
+        global_tokens = global_sum(torch.tensor(float(local_tokens), device=self.device),
+                                   self._loss_mesh)
+        grad_avg_ranks = self._loss_mesh.size() if self._loss_mesh is not None else 1
+        loss_sum = torch.zeros((), device=self.device)
+        for inputs, labels in batches:
+            inputs, labels = inputs.to(self.device), labels.to(self.device)
+            token_loss = cross_entropy_sum(self.model(inputs), labels)
+            (token_loss * (grad_avg_ranks / global_tokens)).backward()
+            loss_sum += token_loss.detach()
+        grad_norm = clip_grad_norm_(list(self.model.parameters()), self.config.training.max_norm,
+                                    pp_mesh=self.parallel_dims.mesh("pp"))
+        loss = (global_sum(loss_sum, self._loss_mesh) / global_tokens).item()
+        if not torch.isfinite(torch.tensor(loss)):
+            last = self.checkpointer.last_complete()
+            raise TrainingDiverged(f"loss is {loss} at step {self.step}; last complete checkpoint: "
+                                   f"{last or 'none'} (lower optimizer.lr or check the data)")
+        self.optimizer.step()
+        self.lr_scheduler.step()
+        return loss, grad_norm.item()
+
+    @torch.no_grad()
+    def validate(self) -> float:
+        """Mean token loss over `validation.steps` batches of the held-out split."""
+        loader = components.build_loader(self.val_set, self.config, self.parallel_dims.dp_rank(),
+                                         self.parallel_dims.dp_degree)
+        total = torch.zeros((), device=self.device)
+        tokens = torch.zeros((), device=self.device)
+        for _, (inputs, labels) in zip(range(self.config.validation.steps), loader):
+            total += cross_entropy_sum(self.model(inputs.to(self.device)), labels.to(self.device))
+            tokens += (labels != IGNORE_INDEX).sum()
+        self.metrics.reset_timer(self.step)
+        return (global_sum(total, self._loss_mesh) / global_sum(tokens, self._loss_mesh)).item()
+
+    def _write_seed_checkpoint(self) -> None:
+        if self.parallel_dims.world_size != 1:
+            raise ConfigError(f"checkpoint.create_seed_checkpoint needs 1 process, not "
+                              f"{self.parallel_dims.world_size} (run with NGPU=1)")
+        path = self.checkpointer.save_model_only(0)
+        logger.info("seed checkpoint written to %s", path)
+
+    def close(self) -> None:
+        self.checkpointer.close()
+        self.metrics.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if "--help" in argv or "-h" in argv:
+        print(format_help())
+        return 0
+    logging.basicConfig(level=logging.INFO, format="[titanlab] %(asctime)s %(levelname)s %(message)s",
+                        stream=sys.stdout, force=True)
+    trainer = None
+    try:
+        config = build_config(argv)
+        trainer = Trainer(config)
+        trainer.train()
+        trainer.close()
+        return 0
+    except (ConfigError, TrainingDiverged) as e:
+        print(f"titanlab: error: {e}", file=sys.stderr, flush=True)
+        return 2 if isinstance(e, ConfigError) else 3
+    finally:
+        destroy_distributed()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,56 @@
+"""Tokenize text / JSONL / Parquet files into token shards for training.
+
+Usage::
+
+    python tools/prepare_data.py INPUTS... --output DIR [--tokenizer PATH] [--workers N]
+        [--shard-size-mb M] [--text-key text] [--overwrite]
+
+INPUTS are files or directories (walked recursively). ``.jsonl``/``.jsonl.gz`` and ``.parquet``
+read the ``--text-key`` field/column; every other file is one UTF-8 text document. Rerunning
+resumes: finished shards are kept. Parquet needs ``pip install 'titanlab[tools]'``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from titanlab.data.prepare import prepare_data  # noqa: E402
+from titanlab.data.tokenizer import default_tokenizer_path  # noqa: E402
+
+
+def run(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("inputs", nargs="+", help="input files or directories")
+    parser.add_argument("--output", required=True, help="output directory for shards + metadata.json")
+    parser.add_argument("--tokenizer", default=default_tokenizer_path(),
+                        help="Llama 3 format tokenizer.model (default: the bundled 4k stdlib BPE)")
+    parser.add_argument("--workers", type=int, default=1, help="parallel tokenizer processes")
+    parser.add_argument("--shard-size-mb", type=float, default=64.0, help="input MB per shard")
+    parser.add_argument("--text-key", default="text", help="JSONL field / Parquet column with the text")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace data prepared with a different tokenizer")
+    args = parser.parse_args(argv)
+
+    start = time.perf_counter()
+    meta = prepare_data(args.inputs, args.output, args.tokenizer, text_key=args.text_key,
+                        workers=args.workers, shard_size_mb=args.shard_size_mb,
+                        overwrite=args.overwrite)
+    print(f"{args.output}: {meta['total_tokens']:,} tokens, {meta['total_documents']:,} documents, "
+          f"{meta['num_shards']} shards ({meta['dtype']}) in {time.perf_counter() - start:.1f}s")
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Run the tool; user errors end the process with one ``error: ...`` line (exit status 1)."""
+    try:
+        run(argv)
+    except (ValueError, OSError, ImportError) as e:
+        raise SystemExit(f"error: {e}") from None
+
+
+if __name__ == "__main__":
+    main()
