@@ -111,7 +111,7 @@ class MetricsLogger:
             self._tb.close()
 
 
-_LINE = re.compile(r"step:\s*(\d+)\s+loss:\s*([-+0-9.eEnaif]+)")
+_LINE = re.compile(r"step:\s*(\d+)\s+loss:\s*([-+]?(?:\d+\.?\d*(?:[eE][-+]?\d+)?|nan|inf))")
 
 
 def parse_log_line(line: str) -> tuple[int, float] | None:

@@ -6,6 +6,7 @@ import functools
 import math
 
 import torch
+from torch.optim.optimizer import _get_fused_kernels_supported_devices
 
 from titanlab.config.job_config import LRScheduler, Optimizer
 
@@ -20,9 +21,10 @@ def build_optimizer(params: list[torch.nn.Parameter], cfg: Optimizer,
     impl = cfg.implementation
     kwargs = dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
                   weight_decay=cfg.weight_decay)
-    if impl == "fused":
+    fused_ok = device.type in _get_fused_kernels_supported_devices()
+    if impl == "fused" and fused_ok:
         kwargs["fused"] = True
-    elif impl == "foreach":
+    elif impl in ("foreach", "fused"):
         kwargs["foreach"] = True
     else:
         kwargs["foreach"] = False
@@ -45,7 +47,8 @@ def lr_factor(step: int, *, warmup_steps: int, total_steps: int, decay_ratio: fl
     decay_start = total_steps - decay_steps
     if step < decay_start or decay_steps == 0:
         return 1.0
-    progress = min((step - decay_start) / decay_steps, 1.0)
+    # The first decay step still uses the peak and the last step (total-1) the minimum.
+    progress = min((step - decay_start) / max(decay_steps - 1, 1), 1.0)
     if decay_type == "linear":
         shape = 1.0 - progress
     elif decay_type == "cosine":

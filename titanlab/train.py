@@ -14,16 +14,15 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from titanlab import components
+from titanlab import components, preflight
 from titanlab.checkpoint import Checkpointer
 from titanlab.config.docs import format_help
 from titanlab.config.job_config import ConfigError, JobConfig
 from titanlab.config.manager import build_config, format_config
 from titanlab.distributed.init import destroy_distributed, init_distributed, set_train_timeout
-from titanlab.distributed.parallel_dims import ParallelDims
-from titanlab.distributed.parallelize import parallelize_llama, param_dtype
+from titanlab.distributed.parallelize import parallelize_llama
 from titanlab.distributed.utils import clip_grad_norm_, global_sum
-from titanlab.memory import check_memory, local_world_size
+from titanlab.memory import local_world_size
 from titanlab.metrics import MetricsLogger, device_peak_flops
 from titanlab.models.llama3 import get_nparams_and_flops
 from titanlab.optim import build_lr_scheduler, build_optimizer
@@ -50,13 +49,9 @@ class Trainer:
         self.config = config
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
         # Everything that can be checked without a process group is checked first.
-        self.parallel_dims = ParallelDims.from_config(config.parallelism, world_size)
-        self.batch = components.batch_layout(config, self.parallel_dims.dp_degree)
-        self.tokenizer = components.build_tokenizer(config)
-        self.model_args = components.build_model_args(config, self.tokenizer.vocab_size)
-        device_guess = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        check_memory(self.model_args, config, world_size, local_world_size(),
-                     param_dtype(config, device_guess))
+        plan = preflight.check(config, world_size, local_world_size())
+        self.parallel_dims, self.batch = plan.parallel_dims, plan.batch
+        self.tokenizer, self.model_args = plan.tokenizer, plan.model_args
 
         self.device, self.rank, _ = init_distributed(config.comm.init_timeout_seconds)
         if self.rank != 0:
@@ -120,12 +115,12 @@ class Trainer:
         while self.step < last:
             self.step += 1
             batches = [next(data) for _ in range(self.batch.grad_accum_steps)]
+            lr = self.lr_scheduler.get_last_lr()[0]  # the lr this step uses
             loss, grad_norm = self.train_step(batches)
             if self.step == 1:
                 set_train_timeout(cfg.comm.train_timeout_seconds)
             if self.metrics.should_log(self.step, last):
-                self.metrics.log(self.step, loss=loss, grad_norm=grad_norm,
-                                 lr=self.lr_scheduler.get_last_lr()[0])
+                self.metrics.log(self.step, loss=loss, grad_norm=grad_norm, lr=lr)
             if cfg.validation.enable and self.val_set is not None and self.step % cfg.validation.freq == 0:
                 logger.info("validation: step: %d  val_loss: %.6f", self.step, self.validate())
             self.checkpointer.maybe_save(self.step, last)

@@ -26,7 +26,8 @@ def list_steps(root: str) -> list[int]:
     """Steps that have a checkpoint folder under `root` (complete or not), ascending."""
     if not os.path.isdir(root):
         return []
-    steps = [int(m.group(1)) for name in os.listdir(root) if (m := _STEP_DIR.match(name))]
+    steps = [int(m.group(1)) for name in os.listdir(root)
+             if (m := _STEP_DIR.match(name)) and os.path.isdir(os.path.join(root, name))]
     return sorted(steps)
 
 

@@ -250,7 +250,7 @@ class ActivationCheckpoint:
 
     def validate(self) -> None:
         opt = self.selective_ac_option
-        _require(opt == "op" or (opt.isdigit() and int(opt) >= 1),
+        _require(opt == "op" or (opt.isdecimal() and int(opt) >= 1),
                  f"activation_checkpoint.selective_ac_option={opt!r} must be 'op' or a positive integer")
 
 
@@ -376,3 +376,5 @@ class JobConfig:
         """Validate every section, then the cross-section rules. Raises ConfigError."""
         for f in fields(self):
             getattr(self, f.name).validate()
+        _require(not (self.validation.enable and self.data.val_fraction == 0),
+                 "validation.enable=true needs data.val_fraction > 0 (no held-out data otherwise)")

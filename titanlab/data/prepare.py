@@ -144,7 +144,8 @@ def prepare_data(
     """Tokenize ``inputs`` into shards under ``output_dir`` and return the metadata dict.
 
     Args:
-        inputs: files or directories (walked recursively, sorted; hidden entries skipped).
+        inputs: files or directories (walked recursively, sorted; hidden entries and files under
+            ``output_dir`` skipped).
             ``.jsonl``/``.jsonl.gz``: one JSON object per line, text under ``text_key``;
             ``.parquet``: text column ``text_key``; anything else: one UTF-8 text document per
             file (undecodable bytes replaced).
@@ -169,7 +170,10 @@ def prepare_data(
     if shard_size_mb <= 0:
         raise ValueError(f"shard_size_mb={shard_size_mb} is invalid; use a positive number")
     tok = Tokenizer(tokenizer_path)
-    files = list_input_files(inputs)
+    out_prefix = os.path.join(os.path.abspath(output_dir), "")
+    files = [f for f in list_input_files(inputs) if not f.startswith(out_prefix)]
+    if not files:
+        raise ValueError(f"inputs {list(inputs)!r} hold no files outside the output dir")
     os.makedirs(output_dir, exist_ok=True)
     meta_path = os.path.join(output_dir, METADATA_FILE)
     old_meta = _read_json(meta_path)

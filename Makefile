@@ -1,0 +1,35 @@
+# titanlab: `make train` trains the debug model, `make test` runs the test suite.
+# Both create .venv (when missing) and install the project into it first.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+TORCH_VERSION ?= 2.13.0
+# Extra pip arguments for the CPU build of torch on machines without a CUDA GPU
+# (e.g. --index-url of PyTorch's CPU wheel index; empty when a CPU wheel is found locally).
+TORCH_CPU_PIP_ARGS ?=
+CONFIG ?= train_configs/debug_model.toml
+PYTEST_ARGS ?=
+
+.PHONY: train test setup clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	@test -x $(PY) || python3 -m venv $(VENV)
+	@if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
+		echo "setup: CUDA GPU found, installing torch==$(TORCH_VERSION)"; \
+		$(PY) -m pip install -q "torch==$(TORCH_VERSION)"; \
+	else \
+		echo "setup: no CUDA GPU, installing the CPU build of torch==$(TORCH_VERSION)"; \
+		$(PY) -m pip install -q "torch==$(TORCH_VERSION)" $(TORCH_CPU_PIP_ARGS); \
+	fi
+	$(PY) -m pip install -q -e ".[dev]"
+	@touch $@
+
+train: setup
+	./run_train.sh $(CONFIG)
+
+test: setup
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q $(PYTEST_ARGS) tests
+
+clean:
+	rm -rf $(VENV) outputs .pytest_cache

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Launch titanlab training on this machine with torchrun.
+#
+#   ./run_train.sh [CONFIG_FILE] [--section.key VALUE ...]
+#
+# NGPU     processes to start (default: the number of CUDA GPUs, or 2 CPU processes without one)
+# LOG_RANK ranks whose output is shown (default 0; e.g. LOG_RANK=0,1)
+# PYTHON   interpreter (default: .venv/bin/python when present, else python3)
+set -euo pipefail
+cd "$(dirname "$0")"
+
+CONFIG_FILE=train_configs/debug_model.toml
+if [[ $# -gt 0 && "$1" != --* ]]; then
+    CONFIG_FILE=$1
+    shift
+fi
+if [[ -z "${PYTHON:-}" ]]; then
+    if [[ -x .venv/bin/python && -z "${VIRTUAL_ENV:-}" ]]; then PYTHON=.venv/bin/python; else PYTHON=python3; fi
+fi
+if [[ -z "${NGPU:-}" ]]; then
+    NGPU=$( (command -v nvidia-smi >/dev/null && nvidia-smi -L 2>/dev/null | grep -c '^GPU') || true)
+    [[ "${NGPU:-0}" -gt 0 ]] || NGPU=2
+fi
+LOG_RANK=${LOG_RANK:-0}
+# One intra-op thread per process unless told otherwise: several threads per process on shared
+# cores are many times slower.
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+
+# Fail in seconds, with one line and nothing written, when the config is invalid or cannot fit.
+"$PYTHON" -m titanlab.preflight --nproc "$NGPU" --job.config_file "$CONFIG_FILE" "$@"
+
+exec "$PYTHON" -m torch.distributed.run \
+    --nproc_per_node="$NGPU" \
+    --rdzv_backend=c10d --rdzv_endpoint="localhost:${MASTER_PORT:-0}" \
+    --local-ranks-filter="$LOG_RANK" --role=rank --tee=3 \
+    -m titanlab.train --job.config_file "$CONFIG_FILE" "$@"

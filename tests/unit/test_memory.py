@@ -1,0 +1,99 @@
+"""Pre-flight memory estimate and the one-line error for configs that cannot fit."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from titanlab import memory
+from titanlab.config.job_config import ConfigError, JobConfig
+from titanlab.memory import GIB, check_memory, estimate_memory
+from titanlab.models.llama3 import llama3_flavors
+
+LLAMA3_8B_PARAMS = 8_030_261_248
+
+
+def model_args(flavor: str, vocab: int, seq: int):
+    return dataclasses.replace(llama3_flavors[flavor], vocab_size=vocab, max_seq_len=seq)
+
+
+def job(flavor="8B", seq=8192, local_batch=1, ac="none", memory_check=True) -> JobConfig:
+    c = JobConfig()
+    c.model.flavor = flavor
+    c.training.seq_len, c.training.local_batch_size = seq, local_batch
+    c.training.memory_check = memory_check
+    c.activation_checkpoint.mode = ac
+    return c
+
+
+def estimate_8b(ac="none", world_size=8, dtype=torch.bfloat16):
+    return estimate_memory(model_args("8B", 128256, 8192), job(ac=ac), world_size, dtype)
+
+
+@pytest.fixture
+def host_with_8_gib(monkeypatch):
+    """Pretend each rank has 8 GiB of host memory, whatever this machine has."""
+    monkeypatch.setattr(memory, "available_bytes_per_rank",
+                        lambda n: (8 * GIB, f"8.0 GiB of host memory shared by {n} CPU process(es)"))
+
+
+def test_8b_fsdp_sharded_states_are_exact():
+    est = estimate_8b()
+    assert est.params == 4 * LLAMA3_8B_PARAMS // 8 == 4_015_130_624
+    assert est.grads == est.params
+    assert est.optimizer == 2 * est.params
+
+
+def test_8b_logits_and_gathered_blocks():
+    est = estimate_8b()
+    assert est.logits == 2 * 8192 * 128256 * 4
+    block_params = 4096 * (4096 + 1024 + 1024 + 4096) + 3 * 4096 * 14336 + 2 * 4096
+    assert est.gathered_params == 2 * block_params * 2  # two bf16 blocks in flight
+    assert estimate_8b(world_size=1).gathered_params == 0  # nothing to gather without sharding
+
+
+def test_activation_checkpointing_order():
+    none, selective, full = (estimate_8b(ac).activations for ac in ("none", "selective", "full"))
+    assert full < selective < none
+    per_layer = 8192 * 4096 * 34  # s·b·h·34 bytes at 2 bytes/element, 1 sample
+    assert none == 32 * per_layer
+    assert selective == 32 * per_layer // 2
+    assert full == 32 * 8192 * 4096 * 2 + per_layer  # block inputs + one block's activations
+
+
+def test_total_is_sum_of_parts():
+    est = estimate_8b()
+    assert est.total == (est.params + est.grads + est.optimizer + est.gathered_params
+                         + est.activations + est.logits + est.overhead)
+    assert est.summary().endswith(" GiB") and "params 3.7" in est.summary()
+
+
+def test_8b_on_two_cpu_ranks_raises_one_line(host_with_8_gib):
+    with pytest.raises(ConfigError) as info:
+        check_memory(model_args("8B", 128256, 8192), job(), 2, 2, torch.float32)
+    message = str(info.value)
+    assert "\n" not in message
+    assert message.startswith("model.flavor=8B needs about ")
+    assert "GiB per rank" in message and "on 2 rank(s)" in message
+    assert "debugmodel" in message and "--training.memory_check false" in message
+
+
+def test_debugmodel_fits(host_with_8_gib):
+    est = check_memory(model_args("debugmodel", 4352, 256), job("debugmodel", 256, 8), 2, 2,
+                       torch.float32)
+    assert est.total < GIB
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="reads host memory only without CUDA")
+def test_debugmodel_fits_on_this_host():
+    have, what = memory.available_bytes_per_rank(2)
+    assert have > GIB
+    assert what.endswith(f"shared by 2 CPU process(es), {have / GIB:.1f} GiB each")
+    est = check_memory(model_args("debugmodel", 4352, 256), job("debugmodel", 256, 8), 2, 2,
+                       torch.float32)
+    assert est.total < have
+
+
+def test_memory_check_off_does_not_raise(host_with_8_gib):
+    est = check_memory(model_args("8B", 128256, 8192), job(memory_check=False), 2, 2, torch.float32)
+    assert est.total > 8 * GIB

@@ -1,0 +1,60 @@
+"""Checks that need no process group: run them before launching, and again in every rank.
+
+`python -m titanlab.preflight --nproc N [--job.config_file F] [--section.key V ...]` exits 0 when
+the config is valid and should fit in memory on N local processes, else prints one line to
+stderr and exits 2. `run_train.sh` calls it before torchrun, so a hopeless config fails in
+seconds with one line instead of a launcher traceback, and writes nothing.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+import torch
+
+from titanlab import components
+from titanlab.config.job_config import ConfigError, JobConfig
+from titanlab.config.manager import build_config
+from titanlab.data.tokenizer import Tokenizer
+from titanlab.distributed.parallel_dims import ParallelDims
+from titanlab.distributed.parallelize import param_dtype
+from titanlab.memory import check_memory
+from titanlab.models.llama3 import TransformerModelArgs
+
+
+@dataclass
+class Plan:
+    """What the checks resolved, for the trainer to use."""
+
+    parallel_dims: ParallelDims
+    batch: components.BatchLayout
+    tokenizer: Tokenizer
+    model_args: TransformerModelArgs
+
+
+def check(config: JobConfig, world_size: int, local_world_size: int) -> Plan:
+    """Validate the layout, batch sizes, tokenizer, model dims and memory. Raises ConfigError."""
+    parallel_dims = ParallelDims.from_config(config.parallelism, world_size)
+    batch = components.batch_layout(config, parallel_dims.dp_degree)
+    tokenizer = components.build_tokenizer(config)
+    model_args = components.build_model_args(config, tokenizer.vocab_size)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    check_memory(model_args, config, world_size, local_world_size, param_dtype(config, device))
+    return Plan(parallel_dims, batch, tokenizer, model_args)
+
+
+def main(argv: list[str]) -> int:
+    nproc = 1
+    if argv[:1] == ["--nproc"]:
+        nproc, argv = int(argv[1]), argv[2:]
+    try:
+        check(build_config(argv), nproc, nproc)
+    except ConfigError as e:
+        print(f"titanlab: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
