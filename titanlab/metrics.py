@@ -1,5 +1,6 @@
 """Per-step metrics: throughput (tps), TFLOP/s, MFU, memory; logged on rank 0.
 
+Rank 0 also appends each logged step, with exact floats, to `<dump_folder>/metrics.jsonl`.
 The log line reads `step: N  loss: X  grad_norm: G  lr: L  tps: T  tflops: F  mfu: M%  memory: ...`
 so tools can parse it (`parse_log_line`).
 
@@ -9,6 +10,7 @@ Appendix B); model FLOPs per token come from `get_nparams_and_flops` (6N + atten
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -66,12 +68,17 @@ class MetricsLogger:
     """
 
     def __init__(self, *, device: torch.device, rank: int, log_freq: int, flops_per_token: int,
-                 tokens_per_step: int, peak_flops: float | None, tb_dir: str | None = None) -> None:
+                 tokens_per_step: int, peak_flops: float | None, tb_dir: str | None = None,
+                 jsonl_path: str | None = None) -> None:
         self.device, self.rank, self.log_freq = device, rank, log_freq
         self.flops_per_token, self.tokens_per_step, self.peak_flops = flops_per_token, tokens_per_step, peak_flops
         self._last_time = time.perf_counter()
         self._steps_since = 0
         self._tb = None
+        self._jsonl = None
+        if jsonl_path and rank == 0:
+            os.makedirs(os.path.dirname(os.path.abspath(jsonl_path)), exist_ok=True)
+            self._jsonl = open(jsonl_path, "a", encoding="utf-8")
         if tb_dir and rank == 0:
             try:
                 from torch.utils.tensorboard import SummaryWriter
@@ -97,6 +104,10 @@ class MetricsLogger:
             logger.info("step: %d  loss: %.6f  grad_norm: %.4f  lr: %.3e  tps: %.0f  tflops: %.3f  "
                         "mfu: %s  memory: %.2fGiB(%s)", step, loss, grad_norm, lr, tps, tflops, mfu,
                         mem, kind)
+            if self._jsonl is not None:  # exact values (repr round-trips), for tools and tests
+                self._jsonl.write(json.dumps({"step": step, "loss": loss, "grad_norm": grad_norm,
+                                              "lr": lr, "tps": tps, "memory_gib": mem}) + "\n")
+                self._jsonl.flush()
             if self._tb is not None:
                 for k, v in (("loss", loss), ("grad_norm", grad_norm), ("lr", lr), ("tps", tps),
                              ("tflops", tflops), ("memory_gib", mem)):
@@ -107,6 +118,8 @@ class MetricsLogger:
         self._last_time, self._steps_since = time.perf_counter(), step
 
     def close(self) -> None:
+        if self._jsonl is not None:
+            self._jsonl.close()
         if self._tb is not None:
             self._tb.close()
 

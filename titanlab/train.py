@@ -91,7 +91,8 @@ class Trainer:
         self.metrics = MetricsLogger(
             device=self.device, rank=self.rank, log_freq=config.metrics.log_freq,
             flops_per_token=flops_per_token, tokens_per_step=tokens_per_step,
-            peak_flops=device_peak_flops(self.device, config.metrics.peak_flops), tb_dir=tb)
+            peak_flops=device_peak_flops(self.device, config.metrics.peak_flops), tb_dir=tb,
+            jsonl_path=os.path.join(config.job.dump_folder, "metrics.jsonl"))
         self._loss_mesh = self.parallel_dims.mesh("dp_cp")
 
     def _set_determinism(self) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import pickle
 import time
 from concurrent.futures import Future
 
@@ -72,7 +73,8 @@ class Checkpointer:
             "model": self._model_sd(),
             "optimizer": self._optim_sd(),
             "lr_scheduler": self.lr_scheduler.state_dict(),
-            "dataloader": {f"dp_rank_{self.dp_rank}": self.dataloader.state_dict()},
+            # Pickled so DCP stores the loader's nested state as one per-rank item.
+            "dataloader": {f"dp_rank_{self.dp_rank}": pickle.dumps(self.dataloader.state_dict())},
             "rng": {f"rank_{self.rank}": torch.get_rng_state()},
             "train_state": {"step": step},
         }
@@ -187,8 +189,7 @@ class Checkpointer:
             state["lr_scheduler"] = self.lr_scheduler.state_dict()
             for group, key in (("dataloader", f"dp_rank_{self.dp_rank}"), ("rng", f"rank_{self.rank}")):
                 if f"{group}.{key}" in keys:
-                    state[group] = {key: self.dataloader.state_dict() if group == "dataloader"
-                                    else torch.get_rng_state()}
+                    state[group] = {key: b"" if group == "dataloader" else torch.get_rng_state()}
         dcp.load(state, checkpoint_id=path)
         for part in self.model_parts:
             set_model_state_dict(part, state["model"])
@@ -197,7 +198,7 @@ class Checkpointer:
                 set_optimizer_state_dict(part, self.optimizer, state["optimizer"])
             self.lr_scheduler.load_state_dict(state["lr_scheduler"])
             if "dataloader" in state:
-                self.dataloader.load_state_dict(state["dataloader"][f"dp_rank_{self.dp_rank}"])
+                self.dataloader.load_state_dict(pickle.loads(state["dataloader"][f"dp_rank_{self.dp_rank}"]))
             elif self.rank == 0:
                 logger.warning("checkpoint: %s has no loader position for dp rank %d (saved under"
                                " another layout); the data order restarts", path, self.dp_rank)

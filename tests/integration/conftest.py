@@ -1,0 +1,88 @@
+"""Fixtures for end-to-end tests: a tiny prepared dataset and a launcher of the real entry point.
+
+Every multi-process run goes through torchrun (`python -m torch.distributed.run`) on gloo with
+one intra-op thread per rank and short timeouts, exactly as a user launches titanlab.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from dataclasses import dataclass, field
+
+import pytest
+
+from titanlab.data.default_corpus import default_corpus_files
+from titanlab.data.prepare import prepare_data
+from titanlab.data.tokenizer import default_tokenizer_path
+from titanlab.metrics import parse_log_line
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+# A tiny run of the debug model: 6 layers, dim 256, 64-token windows.
+TINY = [
+    "--job.config_file", os.path.join(REPO, "train_configs", "debug_model.toml"),
+    "--training.seq_len", "64", "--training.local_batch_size", "2",
+    "--lr_scheduler.warmup_steps", "2", "--metrics.log_freq", "1",
+    "--validation.enable", "false", "--debug.deterministic", "true",
+    "--comm.init_timeout_seconds", "120", "--comm.train_timeout_seconds", "120",
+]
+
+
+@dataclass
+class RunResult:
+    returncode: int
+    stdout: str
+    stderr: str
+    losses: dict[int, float] = field(default_factory=dict)
+
+    def check(self) -> "RunResult":
+        assert self.returncode == 0, f"run failed ({self.returncode}):\n{self.stdout[-3000:]}\n{self.stderr[-3000:]}"
+        return self
+
+
+@pytest.fixture(scope="session")
+def tiny_dataset(tmp_path_factory) -> str:
+    """~0.5M tokens of the stdlib corpus, prepared with the bundled tokenizer."""
+    out = str(tmp_path_factory.mktemp("data") / "stdlib_small")
+    files = [f for f in default_corpus_files() if os.sep + "email" + os.sep in f][:40]
+    prepare_data(files, out, default_tokenizer_path(), workers=1, shard_size_mb=0.25, progress=False)
+    return out
+
+
+def launch(nproc: int, args: list[str], *, timeout: int = 600, entry: list[str] | None = None) -> RunResult:
+    """Run `titanlab.train` under torchrun with `nproc` ranks; parse the `step: N  loss: X` lines."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    cmd = entry or [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                    f"--nproc_per_node={nproc}", "-m", "titanlab.train"]
+    proc = subprocess.run(cmd + args, cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+    result = RunResult(proc.returncode, proc.stdout, proc.stderr)
+    for line in proc.stdout.splitlines():
+        parsed = parse_log_line(line)
+        if parsed:
+            result.losses[parsed[0]] = parsed[1]
+    return result
+
+
+@pytest.fixture
+def train(tiny_dataset, tmp_path):
+    """`train(nproc, *overrides, dump=...)` → RunResult of a tiny run on the tiny dataset."""
+
+    counter = iter(range(1000))
+
+    def run(nproc: int, *overrides: str, dump: str | None = None) -> RunResult:
+        dump = dump or str(tmp_path / f"run{next(counter)}")  # a fresh folder unless shared on purpose
+        args = TINY + ["--data.dataset_path", tiny_dataset, "--job.dump_folder", dump, *overrides]
+        return launch(nproc, args)
+
+    return run
+
+
+def read_metrics(dump: str) -> dict[int, float]:
+    """Exact losses by step from `<dump>/metrics.jsonl` (the last entry wins for a step)."""
+    import json
+
+    with open(os.path.join(dump, "metrics.jsonl"), encoding="utf-8") as f:
+        return {rec["step"]: rec["loss"] for rec in map(json.loads, f)}

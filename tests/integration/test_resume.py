@@ -1,0 +1,53 @@
+"""Resume is exact, and a checkpoint cut off mid-write is never loaded."""
+
+import os
+
+from conftest import read_metrics
+
+# A schedule that does not depend on training.steps (warmup, then constant), so a run of 10
+# steps resumed to 20 follows the same lr as a run of 20.
+CONSTANT_LR = ["--lr_scheduler.warmup_steps", "2", "--lr_scheduler.decay_ratio", "0"]
+CKPT = ["--checkpoint.enable", "true", "--checkpoint.interval", "5", "--checkpoint.keep_latest_k", "0",
+        "--checkpoint.export_at_end", "false"]
+
+
+def test_resume_is_bitwise_exact(train, tmp_path):
+    straight = str(tmp_path / "straight")
+    train(2, "--training.steps", "20", *CONSTANT_LR, *CKPT, dump=straight).check()
+    resumed = str(tmp_path / "resumed")
+    first = train(2, "--training.steps", "10", *CONSTANT_LR, *CKPT, dump=resumed).check()
+    second = train(2, "--training.steps", "20", *CONSTANT_LR, *CKPT, dump=resumed).check()
+    assert "loaded" in second.stdout and "step-10" in second.stdout
+    assert sorted(second.losses) == list(range(11, 21))  # it continued, not restarted
+    want, got = read_metrics(straight), read_metrics(resumed)
+    assert [got[s] for s in range(1, 21)] == [want[s] for s in range(1, 21)]  # bitwise
+    assert first.returncode == 0
+
+
+def _truncate_one_data_file(path: str) -> None:
+    data = sorted(f for f in os.listdir(path) if f.endswith(".distcp"))
+    victim = os.path.join(path, data[0])
+    with open(victim, "r+b") as f:
+        f.truncate(os.path.getsize(victim) // 2)
+
+
+def test_cut_off_checkpoint_is_skipped(train, tmp_path):
+    dump = str(tmp_path / "run")
+    full = train(2, "--training.steps", "10", *CONSTANT_LR, *CKPT, dump=dump).check()
+    ckpt = os.path.join(dump, "checkpoint")
+    _truncate_one_data_file(os.path.join(ckpt, "step-10"))  # a write that died half-way
+    again = train(2, "--training.steps", "10", *CONSTANT_LR, *CKPT, dump=dump).check()
+    assert "skipping incomplete" in again.stdout and "truncated" in again.stdout
+    assert "step-5" in again.stdout
+    # It went back to step 5 and retrained 6..10 to the same losses.
+    assert sorted(again.losses) == list(range(6, 11))
+    assert all(again.losses[s] == full.losses[s] for s in range(6, 11))
+
+
+def test_checkpoint_without_metadata_is_skipped(train, tmp_path):
+    dump = str(tmp_path / "run")
+    train(2, "--training.steps", "10", *CONSTANT_LR, *CKPT, dump=dump).check()
+    os.remove(os.path.join(dump, "checkpoint", "step-10", ".metadata"))
+    again = train(2, "--training.steps", "10", *CONSTANT_LR, *CKPT, dump=dump).check()
+    assert "skipping incomplete" in again.stdout and ".metadata" in again.stdout
+    assert min(again.losses) == 6
