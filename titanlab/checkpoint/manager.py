@@ -178,11 +178,16 @@ class Checkpointer:
         Returns the step it holds (0 when there is none, or for a model-only seed checkpoint).
         Raises ConfigError when `load_step` names a missing or incomplete checkpoint.
         """
-        path = self._choose()
+        path, model_only = self._choose(), False
+        if path is None and self.cfg.initial_load_path:
+            path, model_only = self.cfg.initial_load_path, self.cfg.initial_load_model_only
+            reason = store.incomplete_reason(path) if os.path.isdir(path) else "it does not exist"
+            if reason:
+                raise ConfigError(f"checkpoint.initial_load_path={path!r} cannot be loaded: {reason}")
         if path is None:
             return 0
         keys = store.saved_keys(path)
-        has_optim = any(k.startswith("optimizer.") for k in keys)
+        has_optim = not model_only and any(k.startswith("optimizer.") for k in keys)
         state: dict = {"model": self._model_sd(), "train_state": {"step": 0}}
         if has_optim:
             state["optimizer"] = self._optim_sd()
@@ -204,7 +209,7 @@ class Checkpointer:
                                " another layout); the data order restarts", path, self.dp_rank)
             if "rng" in state:
                 torch.set_rng_state(state["rng"][f"rank_{self.rank}"])
-        step = int(state["train_state"]["step"])
+        step = int(state["train_state"]["step"]) if has_optim else 0
         logger.info("checkpoint: loaded %s (step %d%s)", path, step, "" if has_optim else ", model only")
         return step
 

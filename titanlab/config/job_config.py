@@ -221,6 +221,13 @@ class Checkpoint:
     load_step: int = -1
     """Resume from this step instead of the newest complete checkpoint (-1: newest)."""
 
+    initial_load_path: str = ""
+    """A checkpoint folder (e.g. a seed checkpoint's `step-0`, or one converted from Hugging
+    Face) to start from when `folder` holds no checkpoint yet. Ignored once the run has its own."""
+
+    initial_load_model_only: bool = True
+    """Load only the model weights from `initial_load_path` (fresh optimizer, step 0)."""
+
     create_seed_checkpoint: bool = False
     """Initialize the model on one process, save it as step-0 and exit, so every parallel layout
     can start from identical weights. Run with a single process."""
