@@ -64,6 +64,10 @@ class Trainer:
         data_dir = components.dataset_dir(config, self.tokenizer.path)
         train_set, self.val_set = components.build_datasets(config, self.tokenizer, data_dir)
         self.loader = components.build_loader(train_set, config, dp_rank, dp)
+        if self.val_set is not None and len(self.val_set) < dp:
+            logger.warning("validation: only %d held-out windows for %d data-parallel ranks; "
+                           "raise data.val_fraction to validate", len(self.val_set), dp)
+            self.val_set = None
         logger.info("data: %s, %d train windows of %d tokens; batch: %s", data_dir, len(train_set),
                     config.training.seq_len, self.batch)
 
