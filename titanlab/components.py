@@ -11,7 +11,8 @@ import os
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions, get_model_state_dict, set_model_state_dict)
 
 from titanlab.config.job_config import ConfigError, JobConfig
 from titanlab.data.dataset import MemmapTokenDataset
@@ -108,26 +109,30 @@ def build_meta_model(model_args: TransformerModelArgs) -> Transformer:
 
 
 @torch.no_grad()
-def init_model_weights(model: nn.Module, model_args: TransformerModelArgs, device: torch.device,
-                       seed: int, world_size: int, rank: int) -> None:
-    """Materialized (`to_empty`) model → initialized weights, deterministic for `seed`.
+def init_model_weights(model_parts: list[nn.Module], model_args: TransformerModelArgs,
+                       device: torch.device, seed: int, world_size: int) -> None:
+    """Materialized (`to_empty`) model parts → initialized weights, deterministic for `seed`.
 
     On CUDA, DTensor's offset-based RNG gives each shard its own slice of one random stream, so
-    `init_weights` runs on the sharded model directly. CPU generators have no such offsets (every
-    shard would draw the same numbers), so on CPU rank 0 initializes a full copy and broadcasts
-    it into the shards (`set_model_state_dict(broadcast_from_rank0=True)`); the weights then equal
-    a single-process run's for the same seed, whatever the layout.
+    `init_weights` runs on the sharded parts directly (pipeline stages then differ from a
+    single-stage init: start every layout from a seed checkpoint to compare them). CPU
+    generators have no such offsets (every shard would draw the same numbers), so on CPU each
+    rank initializes a full copy and loads its own parts and shards from it
+    (`set_model_state_dict(full_state_dict=True)`): the weights then equal a single-process
+    run's for the same seed, whatever the layout. CPU runs use small models, so the full copy
+    is cheap.
     """
     torch.manual_seed(seed)
-    model.init_weights(buffer_device=device)
+    for part in model_parts:
+        part.init_weights(buffer_device=device)
     if device.type == "cuda" or world_size == 1:
         return
-    full_sd: dict = {}
-    if rank == 0:
-        full = build_meta_model(model_args)
-        full.to_empty(device="cpu")
-        torch.manual_seed(seed)
-        full.init_weights()
-        full_sd = full.state_dict()
-    set_model_state_dict(model, full_sd,
-                         options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    full = build_meta_model(model_args)
+    full.to_empty(device="cpu")
+    torch.manual_seed(seed)
+    full.init_weights()
+    full_sd = full.state_dict()
+    for part in model_parts:
+        keys = get_model_state_dict(part).keys()
+        set_model_state_dict(part, {k: full_sd[k] for k in keys},
+                             options=StateDictOptions(full_state_dict=True))

@@ -19,6 +19,7 @@ from titanlab.config.manager import build_config
 from titanlab.data.tokenizer import Tokenizer
 from titanlab.distributed.parallel_dims import ParallelDims
 from titanlab.distributed.parallelize import param_dtype
+from titanlab.distributed.validate import validate_layout
 from titanlab.memory import check_memory
 from titanlab.models.llama3 import TransformerModelArgs
 
@@ -40,6 +41,7 @@ def check(config: JobConfig, world_size: int, local_world_size: int) -> Plan:
     tokenizer = components.build_tokenizer(config)
     model_args = components.build_model_args(config, tokenizer.vocab_size)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    validate_layout(config, parallel_dims, model_args, device.type)
     check_memory(model_args, config, world_size, local_world_size, param_dtype(config, device))
     return Plan(parallel_dims, batch, tokenizer, model_args)
 

@@ -6,13 +6,14 @@ get batch → forward/backward (per microbatch) → clip → optimizer step → 
 
 from __future__ import annotations
 
+import functools
 import gc
 import logging
+import math
 import os
 import sys
 
 import torch
-import torch.nn.functional as F
 
 from titanlab import components, preflight
 from titanlab.checkpoint import Checkpointer
@@ -20,7 +21,10 @@ from titanlab.config.docs import format_help
 from titanlab.config.job_config import ConfigError, JobConfig
 from titanlab.config.manager import build_config, format_config
 from titanlab.distributed.init import destroy_distributed, init_distributed, set_train_timeout
+from titanlab.distributed.context_parallel import cp_context
 from titanlab.distributed.parallelize import parallelize_llama
+from titanlab.distributed.pipeline import pipeline_llama
+from titanlab.loss import IGNORE_INDEX, ScaledLoss, cross_entropy_sum, local_value, maybe_loss_parallel
 from titanlab.distributed.utils import clip_grad_norm_, global_sum
 from titanlab.memory import local_world_size
 from titanlab.metrics import MetricsLogger, device_peak_flops
@@ -28,22 +32,14 @@ from titanlab.models.llama3 import get_nparams_and_flops
 from titanlab.optim import build_lr_scheduler, build_optimizer
 
 logger = logging.getLogger("titanlab")
-IGNORE_INDEX = -100
 
 
 class TrainingDiverged(RuntimeError):
     """The loss became NaN or infinite."""
 
 
-def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Sum of token cross-entropies in fp32. logits (bs, seq, vocab), labels (bs, seq) int64;
-    labels equal to -100 are ignored."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum",
-                           ignore_index=IGNORE_INDEX)
-
-
 class Trainer:
-    """Owns the model, optimizer, data and checkpointer of one run; `train()` runs the loop."""
+    """Owns the model parts, optimizer, data and checkpointer of one run; `train()` runs the loop."""
 
     def __init__(self, config: JobConfig) -> None:
         self.config = config
@@ -58,34 +54,47 @@ class Trainer:
             logging.getLogger().setLevel(logging.WARNING)
         logger.info("config:\n%s", format_config(config))
         self._set_determinism()
-        self.parallel_dims.build_mesh(self.device.type)
-        dp_rank, dp = self.parallel_dims.dp_rank(), self.parallel_dims.dp_degree
+        dims = self.parallel_dims
+        dims.build_mesh(self.device.type)
+        dp_rank, dp = dims.dp_rank(), dims.dp_degree
 
         data_dir = components.dataset_dir(config, self.tokenizer.path)
         train_set, self.val_set = components.build_datasets(config, self.tokenizer, data_dir)
         self.loader = components.build_loader(train_set, config, dp_rank, dp)
-        if self.val_set is not None and len(self.val_set) < dp:
-            logger.warning("validation: only %d held-out windows for %d data-parallel ranks; "
-                           "raise data.val_fraction to validate", len(self.val_set), dp)
+        if self.val_set is not None and (len(self.val_set) < dp or dims.pp_enabled):
+            logger.warning("validation: off (%s)", "not run under pipeline parallel"
+                           if dims.pp_enabled else f"only {len(self.val_set)} held-out windows "
+                           f"for {dp} data-parallel ranks; raise data.val_fraction")
             self.val_set = None
         logger.info("data: %s, %d train windows of %d tokens; batch: %s", data_dir, len(train_set),
                     config.training.seq_len, self.batch)
 
-        self.model = components.build_meta_model(self.model_args)
-        nparams, flops_per_token = get_nparams_and_flops(self.model, self.model_args,
+        model = components.build_meta_model(self.model_args)
+        nparams, flops_per_token = get_nparams_and_flops(model, self.model_args,
                                                          config.training.seq_len)
-        logger.info("model: llama3 %s, %s parameters, %.3e training FLOPs/token",
-                    config.model.flavor, f"{nparams:,}", flops_per_token)
-        parallelize_llama(self.model, self.parallel_dims, config, self.device)
-        self.model.to_empty(device=self.device)
-        self.optimizer = build_optimizer(list(self.model.parameters()), config.optimizer, self.device)
+        logger.info("model: llama3 %s, %s parameters, %.3e training FLOPs/token; layout: %s",
+                    config.model.flavor, f"{nparams:,}", flops_per_token, dims)
+        self.loss_parallel = dims.tp_enabled and not config.parallelism.disable_loss_parallel
+        parallelize = functools.partial(parallelize_llama, parallel_dims=dims, config=config,
+                                        device=self.device)
+        self.schedule = None
+        if dims.pp_enabled:
+            self.pp_loss = ScaledLoss()
+            self.schedule, self.model_parts, self.has_first, self.has_last = pipeline_llama(
+                model, dims, config, self.device, parallelize, self.pp_loss)
+        else:
+            parallelize(model)
+            model.to_empty(device=self.device)
+            self.model_parts, self.has_first, self.has_last = [model], True, True
+        params = [p for part in self.model_parts for p in part.parameters()]
+        self.optimizer = build_optimizer(params, config.optimizer, self.device)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, config.lr_scheduler, config.training.steps)
         self.checkpointer = Checkpointer(
-            config.checkpoint, config.job.dump_folder, model_parts=[self.model],
+            config.checkpoint, config.job.dump_folder, model_parts=self.model_parts,
             optimizer=self.optimizer, lr_scheduler=self.lr_scheduler, dataloader=self.loader,
             dp_rank=dp_rank)
-        components.init_model_weights(self.model, self.model_args, self.device, config.debug.seed,
-                                      world_size, self.rank)
+        components.init_model_weights(self.model_parts, self.model_args, self.device,
+                                      config.debug.seed, world_size)
         resume = config.checkpoint.enable and not config.checkpoint.create_seed_checkpoint
         self.step = self.checkpointer.load() if resume else 0
 
@@ -97,7 +106,9 @@ class Trainer:
             flops_per_token=flops_per_token, tokens_per_step=tokens_per_step,
             peak_flops=device_peak_flops(self.device, config.metrics.peak_flops), tb_dir=tb,
             jsonl_path=os.path.join(config.job.dump_folder, "metrics.jsonl"))
-        self._loss_mesh = self.parallel_dims.mesh("dp_cp")
+        self._loss_mesh = dims.mesh("dp_cp")
+        # FSDP and DDP average gradients over these ranks; the loss is scaled up to undo it.
+        self._grad_avg_ranks = self._loss_mesh.size() if self._loss_mesh is not None else 1
 
     def _set_determinism(self) -> None:
         torch.manual_seed(self.config.debug.seed)
@@ -136,32 +147,53 @@ class Trainer:
     def train_step(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[float, float]:
         """One optimizer step over `batches` (the grad-accumulation microbatches of this rank).
 
-        The loss is the mean over every valid token of the global batch: each microbatch's
-        token-sum is divided by the global token count (summed over dp and cp ranks) and
-        multiplied by the number of ranks FSDP averages gradients over, so the gradient is that
-        of the global mean whatever the layout. Returns (loss, grad_norm) as floats.
+        The loss is the mean over every valid token of the global batch: each token-sum is
+        divided by the global token count (over dp and cp ranks) and multiplied by the number
+        of ranks FSDP/DDP average gradients over, so the gradient is that of the global mean
+        whatever the layout. Returns (loss, grad_norm) as floats, equal on every rank.
         """
-        self.optimizer.zero_grad(set_to_none=True)
+        for part in self.model_parts:
+            part.zero_grad(set_to_none=True)
+        # Every cp rank counts the full sequence, hence the division by cp.
         local_tokens = sum(int((labels != IGNORE_INDEX).sum()) for _, labels in batches)
         global_tokens = global_sum(torch.tensor(float(local_tokens), device=self.device),
-                                   self._loss_mesh)
-        grad_avg_ranks = self._loss_mesh.size() if self._loss_mesh is not None else 1
-        loss_sum = torch.zeros((), device=self.device)
-        for inputs, labels in batches:
-            inputs, labels = inputs.to(self.device), labels.to(self.device)
-            token_loss = cross_entropy_sum(self.model(inputs), labels)
-            (token_loss * (grad_avg_ranks / global_tokens)).backward()
-            loss_sum += token_loss.detach()
-        grad_norm = clip_grad_norm_(list(self.model.parameters()), self.config.training.max_norm,
+                                   self._loss_mesh) / self.parallel_dims.cp
+        scale = self._grad_avg_ranks / global_tokens
+        loss_sum = torch.zeros((), device=self.device)  # this rank's token-loss sum
+        with maybe_loss_parallel(self.loss_parallel):
+            for inputs, labels in batches:
+                inputs, labels = inputs.to(self.device), labels.to(self.device)
+                loss_sum += self._forward_backward(inputs, labels, scale)
+        grad_norm = clip_grad_norm_([p for part in self.model_parts for p in part.parameters()],
+                                    self.config.training.max_norm,
                                     pp_mesh=self.parallel_dims.mesh("pp"))
-        loss = (global_sum(loss_sum, self._loss_mesh) / global_tokens).item()
-        if not torch.isfinite(torch.tensor(loss)):
+        total = global_sum(global_sum(loss_sum, self._loss_mesh), self.parallel_dims.mesh("pp"))
+        loss = (total / global_tokens).item()
+        if not math.isfinite(loss):
             last = self.checkpointer.last_complete()
             raise TrainingDiverged(f"loss is {loss} at step {self.step}; last complete checkpoint: "
                                    f"{last or 'none'} (lower optimizer.lr or check the data)")
         self.optimizer.step()
         self.lr_scheduler.step()
         return loss, grad_norm.item()
+
+    def _forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor,
+                          scale: torch.Tensor) -> torch.Tensor:
+        """Forward and backward of one (bs, seq) batch; returns its detached token-loss sum
+        (0 on pipeline ranks without the last stage)."""
+        if self.schedule is not None:
+            self.pp_loss.scale = scale
+            losses: list[torch.Tensor] = []
+            args = (inputs,) if self.has_first else ()
+            self.schedule.step(*args, target=labels if self.has_last else None, losses=losses)
+            if not self.has_last:
+                return torch.zeros((), device=self.device)
+            return sum(local_value(l) for l in losses) / scale
+        model = self.model_parts[0]
+        with cp_context(self.parallel_dims.mesh("cp"), inputs, labels, self.model_parts):
+            token_loss = cross_entropy_sum(model(inputs), labels)
+            (token_loss * scale).backward()
+        return local_value(token_loss)
 
     @torch.no_grad()
     def validate(self) -> float:
@@ -170,9 +202,13 @@ class Trainer:
                                          self.parallel_dims.dp_degree)
         total = torch.zeros((), device=self.device)
         tokens = torch.zeros((), device=self.device)
-        for _, (inputs, labels) in zip(range(self.config.validation.steps), loader):
-            total += cross_entropy_sum(self.model(inputs.to(self.device)), labels.to(self.device))
-            tokens += (labels != IGNORE_INDEX).sum()
+        model = self.model_parts[0]
+        with maybe_loss_parallel(self.loss_parallel):
+            for _, (inputs, labels) in zip(range(self.config.validation.steps), loader):
+                inputs, labels = inputs.to(self.device), labels.to(self.device)
+                tokens += (labels != IGNORE_INDEX).sum() / self.parallel_dims.cp
+                with cp_context(self.parallel_dims.mesh("cp"), inputs, labels, self.model_parts):
+                    total += local_value(cross_entropy_sum(model(inputs), labels))
         self.metrics.reset_timer(self.step)
         return (global_sum(total, self._loss_mesh) / global_sum(tokens, self._loss_mesh)).item()
 

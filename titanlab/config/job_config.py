@@ -44,7 +44,8 @@ class Model:
     """Model family. Only `llama3` (Llama 3 / 3.1 / 3.2 architecture) exists today."""
 
     flavor: str = "debugmodel"
-    """Model size: debugmodel, 1B, 3B, 8B, 70B or 405B (published Llama 3 dims)."""
+    """Model size: debugmodel, debugmodel_deep (8 thin layers, for pipeline tests), 1B, 3B, 8B,
+    70B or 405B (published Llama 3 dims)."""
 
     tokenizer_path: str = ""
     """Llama 3 `tokenizer.model` file (tiktoken format). Empty: the bundled 4k BPE trained on the
@@ -175,10 +176,14 @@ class Parallelism:
     default: reshard every block except the root."""
 
     tensor_parallel_degree: int = 1
-    """tp: tensor/sequence parallel degree (not available yet: must be 1)."""
+    """tp: tensor parallel degree (Megatron-style, always with sequence parallel for the norms)."""
+
+    disable_loss_parallel: bool = False
+    """Under tp, gather the full-vocab logits before the loss instead of computing the
+    cross-entropy on vocab-sharded logits (loss parallel)."""
 
     pipeline_parallel_degree: int = 1
-    """pp: pipeline parallel degree (not available yet: must be 1)."""
+    """pp: pipeline parallel degree (number of pipeline ranks)."""
 
     pipeline_parallel_schedule: Literal[
         "GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble",
@@ -186,8 +191,24 @@ class Parallelism:
     ] = "1F1B"
     """Pipeline schedule, used when pipeline_parallel_degree > 1."""
 
+    pipeline_parallel_microbatch_size: int = 1
+    """Samples per pipeline microbatch; local_batch_size / this = microbatches per step."""
+
+    pipeline_parallel_stages_per_rank: int = 2
+    """Stages each rank holds for the looped schedules (Interleaved1F1B, LoopedBFS,
+    InterleavedZeroBubble). GPipe/1F1B use 1, ZBVZeroBubble/DualPipeV 2."""
+
+    pipeline_parallel_layers_per_stage: int = -1
+    """Blocks per pipeline stage (the first and last stage hold one fewer, for the embedding and
+    the output). -1: split evenly, counting embedding and output as one block each."""
+
+    pipeline_parallel_module_fqns_per_stage: list[str] = field(default_factory=list)
+    """Manual split: one entry per stage, the module names separated by spaces, e.g.
+    "tok_embeddings layers.0 layers.1". Overrides the automatic split."""
+
     context_parallel_degree: int = 1
-    """cp: context parallel degree (not available yet: must be 1)."""
+    """cp: context parallel degree: each sample's sequence is split over cp ranks (ring
+    attention through SDPA; CUDA only)."""
 
     def validate(self) -> None:
         _require(self.data_parallel_replicate_degree >= 1,
@@ -196,9 +217,10 @@ class Parallelism:
         _require(self.data_parallel_shard_degree == -1 or self.data_parallel_shard_degree >= 1,
                  f"parallelism.data_parallel_shard_degree={self.data_parallel_shard_degree}"
                  " must be -1 or >= 1")
-        for key in ("tensor_parallel_degree", "pipeline_parallel_degree", "context_parallel_degree"):
+        for key in ("tensor_parallel_degree", "pipeline_parallel_degree", "context_parallel_degree",
+                    "pipeline_parallel_microbatch_size", "pipeline_parallel_stages_per_rank"):
             value = getattr(self, key)
-            _require(value == 1, f"parallelism.{key}={value} is not supported yet; valid: 1")
+            _require(value >= 1, f"parallelism.{key}={value} must be >= 1")
 
 
 @dataclass

@@ -52,10 +52,6 @@ class ParallelDims:
             raise ConfigError(
                 f"dp_replicate*dp_shard*cp*tp*pp = {self.dp_replicate}*{self.dp_shard}*{self.cp}*"
                 f"{self.tp}*{self.pp} = {product} does not equal the world size {self.world_size}")
-        if self.dp_replicate > 1 and self.dp_shard * self.cp == 1:
-            raise ConfigError(
-                f"dp_replicate={self.dp_replicate} with dp_shard=1 (pure DDP) is not supported yet;"
-                " use data_parallel_shard_degree > 1 (HSDP) or replicate degree 1")
 
     @classmethod
     def from_config(cls, parallelism, world_size: int) -> "ParallelDims":

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.distributed._composable.replicate import replicate
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from titanlab.config.job_config import JobConfig
 from titanlab.distributed.activation_checkpoint import apply_ac
 from titanlab.distributed.parallel_dims import ParallelDims
+from titanlab.distributed.tensor_parallel import apply_tp
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -30,15 +32,18 @@ def param_dtype(config: JobConfig, device: torch.device) -> torch.dtype:
 
 def parallelize_llama(model: nn.Module, parallel_dims: ParallelDims, config: JobConfig,
                       device: torch.device) -> nn.Module:
-    """Apply, in order, AC → compile → FSDP2 (HSDP when dp_replicate > 1) to `model` in place.
-
-    Tensor, pipeline and context parallel slot in before AC (see the parallelism guide).
-    Returns the same model object.
+    """Apply, in order, TP → AC → compile → FSDP2/HSDP/DDP to `model` (the whole model, or one
+    pipeline stage of it) in place. Returns the same model object.
     """
+    if parallel_dims.tp_enabled:
+        apply_tp(model, parallel_dims.mesh("tp"),
+                 loss_parallel=not config.parallelism.disable_loss_parallel)
     apply_ac(model, config.activation_checkpoint.mode, config.activation_checkpoint.selective_ac_option)
     if config.compile.enable and "model" in config.compile.components:
         apply_compile(model, config.compile.backend)
-    if parallel_dims.fsdp_enabled or parallel_dims.dp_replicate_enabled:
+    if parallel_dims.dp_replicate_enabled and not parallel_dims.fsdp_enabled:
+        apply_ddp(model, parallel_dims.mesh("dp_replicate"))
+    elif parallel_dims.fsdp_enabled:
         apply_fsdp(
             model,
             fsdp_mesh(parallel_dims),
@@ -58,12 +63,17 @@ def fsdp_mesh(parallel_dims: ParallelDims) -> DeviceMesh:
     root = parallel_dims.mesh("root")
     if parallel_dims.dp_replicate_enabled:
         shard_dims = [n for n in ("dp_shard", "cp") if parallel_dims.mesh(n) is not None]
-        assert shard_dims, "pure replication is refused by ParallelDims"
         inner = "dp_shard_cp" if len(shard_dims) > 1 else shard_dims[0]
         return root["dp_replicate", inner]
     mesh = parallel_dims.mesh("dp_shard_cp")
     assert mesh is not None
     return mesh
+
+
+def apply_ddp(model: nn.Module, dp_mesh: DeviceMesh) -> None:
+    """Plain data parallel (PyTorch DDP through the composable `replicate`): full parameters on
+    every rank, gradients all-reduced (averaged) in buckets during backward."""
+    replicate(model, device_mesh=dp_mesh)
 
 
 def reshard_policy(option: str, pp_enabled: bool) -> bool:

@@ -130,6 +130,11 @@ llama3_flavors: dict[str, TransformerModelArgs] = {
         dim=256, n_layers=6, n_heads=8, n_kv_heads=4, multiple_of=64,
         rope_theta=500000.0, rope_scaling=LLAMA31_SCALING,
     ),
+    # 8 thin layers: enough stages for 4-rank interleaved pipelines in CPU parity tests.
+    "debugmodel_deep": TransformerModelArgs(
+        dim=64, n_layers=8, n_heads=4, n_kv_heads=2, multiple_of=32,
+        rope_theta=500000.0, rope_scaling=LLAMA31_SCALING,
+    ),
     "1B": _published(
         dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim_multiplier=1.5,
         multiple_of=256, rope_scaling=LLAMA32_SCALING, tie_word_embeddings=True,

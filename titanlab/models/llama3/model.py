@@ -106,16 +106,18 @@ class Attention(nn.Module):
         _trunc_normal_(self.wo.weight, out_std)
 
     def forward(self, x_bsd: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x_bsd: (bs, seq, dim); cos, sin: (seq, head_dim // 2). Returns (bs, seq, dim).
+        """x_bsd: (bs, seq, dim); cos, sin: (>= seq, head_dim // 2), sliced here to seq.
+        Returns (bs, seq, dim).
 
         Head counts come from the projections' sizes (-1), so under tensor parallelism the module
-        runs on the local heads.
+        runs on the local heads. The RoPE tables are sliced here, to the length attention really
+        sees (under sequence parallel the block's input holds only a slice of the sequence).
         """
         bs, seq, _ = x_bsd.shape
         q = self.wq(x_bsd).view(bs, seq, -1, self.head_dim)  # (bs, seq, heads, head_dim)
         k = self.wk(x_bsd).view(bs, seq, -1, self.head_dim)  # (bs, seq, kv_heads, head_dim)
         v = self.wv(x_bsd).view(bs, seq, -1, self.head_dim)
-        q, k = apply_rotary_emb(q, k, cos, sin)
+        q, k = apply_rotary_emb(q, k, cos[:seq], sin[:seq])
         n_rep = q.shape[2] // k.shape[2]
         if n_rep > 1:  # kv head j serves q heads j*n_rep .. (j+1)*n_rep-1 (repeat_interleave)
             k = k[:, :, :, None, :].expand(-1, -1, -1, n_rep, -1).flatten(2, 3)
@@ -259,9 +261,8 @@ class Transformer(nn.Module):
         if seq > self.rope_cos.shape[0]:
             raise ValueError(
                 f"sequence length {seq} exceeds max_seq_len={self.rope_cos.shape[0]}")
-        cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]
         for layer in self.layers.values():
-            h = layer(h, cos, sin)  # (bs, seq, dim)
+            h = layer(h, self.rope_cos, self.rope_sin)  # (bs, seq, dim)
         if self.norm is not None:
             h = self.norm(h)
         return self.output(h) if self.output is not None else h

@@ -1,0 +1,179 @@
+"""The one map between titanlab's Llama 3 state dict and Hugging Face's `LlamaForCausalLM`.
+
+Used by both directions of `tools/convert_checkpoint.py`, by the trainer's
+`checkpoint.last_save_in_hf` and by the tests. Names here are the model's own state-dict names,
+without the `model.` prefix that a titanlab DCP checkpoint puts in front of them.
+
+| titanlab | Hugging Face |
+|---|---|
+| `tok_embeddings.weight` | `model.embed_tokens.weight` |
+| `layers.{i}.attention.wq / wk / wv / wo.weight` | `model.layers.{i}.self_attn.q_proj / k_proj / v_proj / o_proj.weight` |
+| `layers.{i}.feed_forward.w1 / w2 / w3.weight` | `model.layers.{i}.mlp.gate_proj / down_proj / up_proj.weight` |
+| `layers.{i}.attention_norm.weight` | `model.layers.{i}.input_layernorm.weight` |
+| `layers.{i}.ffn_norm.weight` | `model.layers.{i}.post_attention_layernorm.weight` |
+| `norm.weight` | `model.norm.weight` |
+| `output.weight` | `lm_head.weight` (absent from HF files when the embeddings are tied) |
+
+**RoPE layout.** titanlab (like Meta's reference) rotates the interleaved pairs (2i, 2i+1) of each
+head; Hugging Face's `rotate_half` rotates the pairs (i, i + head_dim/2). Both rotate pair i by
+the same angle, so the two models agree when the output rows of wq and wk are reordered within
+each head: HF row s * head_dim/2 + i holds titanlab row 2i + s (s in {0, 1}). Because q and k get
+the same reordering, every q·k score, and so the attention output, is unchanged; wv and wo are
+not touched. This is the permutation of Hugging Face's `convert_llama_weights_to_hf.py`
+(`view(n_heads, dim1 // n_heads // 2, 2, dim2).transpose(1, 2).reshape(dim1, dim2)`);
+`permute_from_hf` is its inverse. wk is reordered over its `n_kv_heads` heads. GQA head order
+needs no change: both models let kv head j serve query heads j*n_rep .. (j+1)*n_rep - 1.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+from titanlab.models.llama3.args import TransformerModelArgs
+
+_GLOBAL_TO_HF = {
+    "tok_embeddings.weight": "model.embed_tokens.weight",
+    "norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_TO_HF = {
+    "attention.wq.weight": "self_attn.q_proj.weight",
+    "attention.wk.weight": "self_attn.k_proj.weight",
+    "attention.wv.weight": "self_attn.v_proj.weight",
+    "attention.wo.weight": "self_attn.o_proj.weight",
+    "feed_forward.w1.weight": "mlp.gate_proj.weight",
+    "feed_forward.w2.weight": "mlp.down_proj.weight",
+    "feed_forward.w3.weight": "mlp.up_proj.weight",
+    "attention_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+}
+_GLOBAL_FROM_HF = {v: k for k, v in _GLOBAL_TO_HF.items()}
+_LAYER_FROM_HF = {v: k for k, v in _LAYER_TO_HF.items()}
+_OURS_LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
+_HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+
+
+def to_hf_name(name: str) -> str:
+    """Hugging Face name of titanlab state-dict key `name` (e.g. `layers.3.attention.wq.weight`
+    → `model.layers.3.self_attn.q_proj.weight`).
+
+    Raises:
+        ValueError: `name` is not a Llama 3 weight.
+    """
+    if name in _GLOBAL_TO_HF:
+        return _GLOBAL_TO_HF[name]
+    m = _OURS_LAYER.match(name)
+    if m and m.group(2) in _LAYER_TO_HF:
+        return f"model.layers.{m.group(1)}.{_LAYER_TO_HF[m.group(2)]}"
+    raise ValueError(f"{name!r} is not a titanlab Llama 3 weight name; valid: "
+                     f"{', '.join(_GLOBAL_TO_HF)}, layers.N.{{{', '.join(_LAYER_TO_HF)}}}")
+
+
+def from_hf_name(hf_name: str) -> str:
+    """titanlab state-dict key of Hugging Face weight `hf_name` (inverse of `to_hf_name`).
+
+    Raises:
+        ValueError: `hf_name` is not a `LlamaForCausalLM` weight (biases, rotary buffers, ...).
+    """
+    if hf_name in _GLOBAL_FROM_HF:
+        return _GLOBAL_FROM_HF[hf_name]
+    m = _HF_LAYER.match(hf_name)
+    if m and m.group(2) in _LAYER_FROM_HF:
+        return f"layers.{m.group(1)}.{_LAYER_FROM_HF[m.group(2)]}"
+    raise ValueError(f"{hf_name!r} is not a Hugging Face Llama weight name; valid: "
+                     f"{', '.join(_GLOBAL_FROM_HF)}, model.layers.N.{{{', '.join(_LAYER_FROM_HF)}}}")
+
+
+def permute_to_hf(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Reorder the rows of a titanlab wq/wk weight into Hugging Face's rotate-half layout.
+
+    Args:
+        w: (n_heads * head_dim, dim) weight, any dtype; head_dim must be even.
+        n_heads: heads in `w` (n_heads for wq, n_kv_heads for wk).
+    Returns:
+        A new contiguous tensor of the same shape and dtype; row s * head_dim/2 + i of each head
+        is input row 2i + s (Hugging Face's `convert_llama_weights_to_hf.py` recipe).
+    """
+    rows, cols = w.shape
+    assert rows % (2 * n_heads) == 0, f"{rows} rows do not split into {n_heads} heads of even size"
+    return w.view(n_heads, rows // n_heads // 2, 2, cols).transpose(1, 2).reshape(rows, cols)
+
+
+def permute_from_hf(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Inverse of `permute_to_hf`: Hugging Face's rotate-half rows back to interleaved pairs.
+
+    Args:
+        w: (n_heads * head_dim, dim) weight of q_proj / k_proj, any dtype.
+        n_heads: heads in `w` (num_attention_heads for q_proj, num_key_value_heads for k_proj).
+    Returns:
+        A new contiguous tensor of the same shape and dtype; row 2i + s of each head is input
+        row s * head_dim/2 + i.
+    """
+    rows, cols = w.shape
+    assert rows % (2 * n_heads) == 0, f"{rows} rows do not split into {n_heads} heads of even size"
+    return w.view(n_heads, 2, rows // n_heads // 2, cols).transpose(1, 2).reshape(rows, cols)
+
+
+class HFStateDictAdapter:
+    """Converts one tensor, or a whole state dict, between titanlab and Hugging Face Llama.
+
+    Args:
+        args: the model's shape; `n_heads` / `kv_heads` drive the RoPE permutation and
+            `tie_word_embeddings` whether `output.weight` / `lm_head.weight` is written.
+    """
+
+    def __init__(self, args: TransformerModelArgs) -> None:
+        self.args = args
+
+    def _heads(self, name: str) -> int | None:
+        if name.endswith("attention.wq.weight"):
+            return self.args.n_heads
+        if name.endswith("attention.wk.weight"):
+            return self.args.kv_heads
+        return None
+
+    def needs_permutation(self, name: str) -> bool:
+        """True for wq/wk (titanlab names), whose rows are reordered between the layouts."""
+        return self._heads(name) is not None
+
+    def skipped_in_hf(self, name: str) -> bool:
+        """True when titanlab weight `name` has no tensor of its own in a Hugging Face folder
+        (`output.weight` of a tied model: HF ties `lm_head` to the embedding at load)."""
+        return self.args.tie_word_embeddings and name == "output.weight"
+
+    def to_hf(self, name: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor]:
+        """(HF name, tensor in HF layout) of titanlab weight `name`; shape and dtype kept.
+
+        Raises:
+            ValueError: `name` is not a Llama 3 weight.
+        """
+        hf_name = to_hf_name(name)
+        heads = self._heads(name)
+        return hf_name, (permute_to_hf(tensor, heads) if heads is not None else tensor)
+
+    def from_hf(self, hf_name: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor]:
+        """(titanlab name, tensor in titanlab layout) of HF weight `hf_name`; shape, dtype kept.
+
+        Raises:
+            ValueError: `hf_name` is not a Llama weight.
+        """
+        name = from_hf_name(hf_name)
+        heads = self._heads(name)
+        return name, (permute_from_hf(tensor, heads) if heads is not None else tensor)
+
+    def to_hf_state_dict(self, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """A whole titanlab model state dict in HF names and layout (tied `output.weight` left
+        out). Holds every tensor at once: the converter streams with `to_hf` instead."""
+        return dict(self.to_hf(k, v) for k, v in state_dict.items() if not self.skipped_in_hf(k))
+
+    def from_hf_state_dict(self, hf_state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """A whole HF Llama state dict in titanlab names and layout. For a tied model
+        `output.weight` is the embedding tensor itself (as in titanlab's own state dict), and an
+        `lm_head.weight` in the input is ignored."""
+        sd = dict(self.from_hf(k, v) for k, v in hf_state_dict.items()
+                  if not (self.args.tie_word_embeddings and k == "lm_head.weight"))
+        if self.args.tie_word_embeddings and "tok_embeddings.weight" in sd:
+            sd["output.weight"] = sd["tok_embeddings.weight"]
+        return sd

@@ -1,0 +1,34 @@
+"""Context parallel: each sample's sequence is split over the cp ranks and attention exchanges
+keys/values between them (ring attention, Liu et al. 2023), through PyTorch's experimental
+`context_parallel` on SDPA. The sequence is split load-balanced (head-tail chunks) so causal
+attention costs the same on every rank. CUDA only in torch 2.13 (validated up front).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+
+def cp_context(cp_mesh: DeviceMesh | None, inputs: torch.Tensor, labels: torch.Tensor,
+               model_parts: list[nn.Module]):
+    """A context inside which `inputs`/`labels` (bs, seq) and every part's RoPE tables
+    (seq, head_dim/2) hold only this rank's share of the sequence; a no-op without cp."""
+    if cp_mesh is None:
+        return contextlib.nullcontext()
+    from torch.distributed.tensor.experimental import context_parallel
+
+    buffers, dims = [inputs, labels], [1, 1]
+    for part in model_parts:
+        buffers += [part.rope_cos, part.rope_sin]
+        dims += [0, 0]
+    stack = contextlib.ExitStack()
+    stack.enter_context(sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+                                     SDPBackend.CUDNN_ATTENTION]))
+    stack.enter_context(context_parallel(cp_mesh, buffers=buffers, buffer_seq_dims=dims,
+                                         no_restore_buffers={inputs, labels}))
+    return stack

@@ -1,0 +1,63 @@
+"""Tensor parallel with sequence parallel (Megatron-LM style) through `parallelize_module`.
+
+Plan (Shoeybi et al. 2019, "Megatron-LM"; Korthikanti et al. 2022 for sequence parallel):
+- tok_embeddings: row-wise (vocab sharded); output sharded on the sequence dim for the norms.
+- attention wq/wk/wv and FFN w1/w3: column-wise (heads / hidden units sharded), so attention
+  runs on local heads; wo and w2: row-wise, their outputs reduce-scattered onto sequence shards.
+- attention_norm, ffn_norm, norm: sequence parallel (each rank normalizes its own tokens), so
+  activations between blocks are sharded on the sequence dim and every parameter is a DTensor
+  (plain-tensor norm weights would break foreach AdamW and clip_grad_norm_).
+- output: column-wise; with loss parallel the logits stay vocab-sharded (`Shard(-1)`) and the
+  cross-entropy runs under `loss_parallel()`, never materializing the full vocab on one rank.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel, parallelize_module)
+
+
+def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, loss_parallel: bool) -> None:
+    """Shard `model` (a Transformer or a pipeline stage of one) over `tp_mesh` in place.
+
+    Input tokens (bs, seq) must be identical on every tp rank; the output is logits (bs, seq,
+    vocab) as a DTensor sharded on vocab when `loss_parallel`, else a plain replicated tensor.
+    A middle pipeline stage takes and returns (bs, seq, dim) hidden states sharded on seq.
+    """
+    top: dict[str, nn.Module | object] = {}
+    if model.tok_embeddings is not None:
+        top["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))
+    if model.norm is not None:
+        top["norm"] = SequenceParallel()
+    if model.output is not None:
+        top["output"] = ColwiseParallel(
+            input_layouts=Shard(1),
+            output_layouts=Shard(-1) if loss_parallel else Replicate(),
+            use_local_output=not loss_parallel,
+        )
+    if top:
+        parallelize_module(model, tp_mesh, top)
+
+    block_plan = {
+        "attention_norm": SequenceParallel(),
+        # (x, cos, sin): only x is a sharded activation; the RoPE tables are plain tensors.
+        "attention": PrepareModuleInput(input_layouts=(Shard(1), None, None),
+                                        desired_input_layouts=(Replicate(), None, None)),
+        "attention.wq": ColwiseParallel(),
+        "attention.wk": ColwiseParallel(),
+        "attention.wv": ColwiseParallel(),
+        "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+        "ffn_norm": SequenceParallel(),
+        "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),),
+                                           desired_input_layouts=(Replicate(),)),
+        "feed_forward.w1": ColwiseParallel(),
+        "feed_forward.w3": ColwiseParallel(),
+        "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+    }
+    # Between blocks (and between pipeline stages) activations are plain local (bs, seq/tp, dim)
+    # tensors; the sequence-parallel norms read them as Shard(1).
+    for block in model.layers.values():
+        parallelize_module(block, tp_mesh, block_plan)
