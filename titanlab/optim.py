@@ -67,3 +67,45 @@ def build_lr_scheduler(optimizer: torch.optim.Optimizer, cfg: LRScheduler,
                            decay_ratio=cfg.decay_ratio, decay_type=cfg.decay_type,
                            min_lr_factor=cfg.min_lr_factor)
     return torch.optim.lr_scheduler.LambdaLR(optimizer, fn)
+
+
+class OptimizersContainer:
+    """One AdamW per model part (pipeline stage), driven as one optimizer.
+
+    Per-part optimizers keep each stage's optimizer state addressable by that stage's parameter
+    names, which is what lets DCP save and reshard it (`get_optimizer_state_dict(part, opt)`).
+    """
+
+    def __init__(self, model_parts: list[torch.nn.Module], cfg: Optimizer, device: torch.device):
+        self.model_parts = model_parts
+        self.optimizers = [build_optimizer(list(p.parameters()), cfg, device) for p in model_parts]
+
+    def step(self) -> None:
+        for opt in self.optimizers:
+            opt.step()
+
+    def zero_grad(self) -> None:
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=True)
+
+
+class LRSchedulersContainer:
+    """One LambdaLR per optimizer of an `OptimizersContainer`, all on the same schedule."""
+
+    def __init__(self, optimizers: OptimizersContainer, cfg: LRScheduler, total_steps: int):
+        self.schedulers = [build_lr_scheduler(o, cfg, total_steps) for o in optimizers.optimizers]
+
+    def step(self) -> None:
+        for s in self.schedulers:
+            s.step()
+
+    def get_last_lr(self) -> list[float]:
+        return self.schedulers[0].get_last_lr()
+
+    def state_dict(self) -> dict:
+        """The schedule position (identical for every part)."""
+        return self.schedulers[0].state_dict()
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        for s in self.schedulers:
+            s.load_state_dict(dict(state_dict))

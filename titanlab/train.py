@@ -29,7 +29,7 @@ from titanlab.distributed.utils import clip_grad_norm_, global_sum
 from titanlab.memory import local_world_size
 from titanlab.metrics import MetricsLogger, device_peak_flops
 from titanlab.models.llama3 import get_nparams_and_flops
-from titanlab.optim import build_lr_scheduler, build_optimizer
+from titanlab.optim import LRSchedulersContainer, OptimizersContainer
 
 logger = logging.getLogger("titanlab")
 
@@ -86,9 +86,9 @@ class Trainer:
             parallelize(model)
             model.to_empty(device=self.device)
             self.model_parts, self.has_first, self.has_last = [model], True, True
-        params = [p for part in self.model_parts for p in part.parameters()]
-        self.optimizer = build_optimizer(params, config.optimizer, self.device)
-        self.lr_scheduler = build_lr_scheduler(self.optimizer, config.lr_scheduler, config.training.steps)
+        self.optimizer = OptimizersContainer(self.model_parts, config.optimizer, self.device)
+        self.lr_scheduler = LRSchedulersContainer(self.optimizer, config.lr_scheduler,
+                                                  config.training.steps)
         self.checkpointer = Checkpointer(
             config.checkpoint, config.job.dump_folder, model_parts=self.model_parts,
             optimizer=self.optimizer, lr_scheduler=self.lr_scheduler, dataloader=self.loader,
@@ -152,8 +152,7 @@ class Trainer:
         of ranks FSDP/DDP average gradients over, so the gradient is that of the global mean
         whatever the layout. Returns (loss, grad_norm) as floats, equal on every rank.
         """
-        for part in self.model_parts:
-            part.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad()
         # Every cp rank counts the full sequence, hence the division by cp.
         local_tokens = sum(int((labels != IGNORE_INDEX).sum()) for _, labels in batches)
         global_tokens = global_sum(torch.tensor(float(local_tokens), device=self.device),

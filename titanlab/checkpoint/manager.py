@@ -19,12 +19,13 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
-    get_model_state_dict, get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict)
+    StateDictOptions, get_model_state_dict, get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict)
 
 from titanlab.checkpoint import store
 from titanlab.config.job_config import Checkpoint, ConfigError
 
 logger = logging.getLogger(__name__)
+_FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -35,7 +36,8 @@ class Checkpointer:
         cfg: the `[checkpoint]` section.
         dump_folder: `job.dump_folder`; a relative `cfg.folder` is taken inside it.
         model_parts: the model (or the pipeline stages this rank holds).
-        optimizer, lr_scheduler, dataloader: objects with state_dict / load_state_dict.
+        optimizer: an `OptimizersContainer` (one optimizer per model part).
+        lr_scheduler, dataloader: objects with state_dict / load_state_dict.
         dp_rank: data-parallel index of this rank (keys the loader position).
     """
 
@@ -63,9 +65,10 @@ class Checkpointer:
         return sd
 
     def _optim_sd(self) -> dict:
+        # Flattened: keys are parameter names, so the state reshards across layouts and stages.
         sd: dict = {}
-        for part in self.model_parts:
-            sd.update(get_optimizer_state_dict(part, self.optimizer))
+        for part, opt in zip(self.model_parts, self.optimizer.optimizers):
+            sd.update(get_optimizer_state_dict(part, opt, options=_FLAT))
         return sd
 
     def _full_state(self, step: int) -> dict:
@@ -115,8 +118,21 @@ class Checkpointer:
         return path
 
     def export(self, step: int) -> str:
-        """The final model-only export in `checkpoint.export_dtype`, at `<root>/export-step-N`."""
-        return self.save_model_only(step, _DTYPES[self.cfg.export_dtype], name=f"export-step-{step}")
+        """The final model-only export in `checkpoint.export_dtype`, at `<root>/export-step-N`;
+        with `checkpoint.last_save_in_hf`, rank 0 then converts it to a Hugging Face folder
+        `<root>/hf-step-N` (streamed, one tensor at a time; the other ranks do not wait)."""
+        dtype = _DTYPES[self.cfg.export_dtype]
+        path = self.save_model_only(step, dtype, name=f"export-step-{step}")
+        if self.cfg.last_save_in_hf and self.rank == 0:
+            from titanlab.checkpoint.convert import dcp_to_hf
+
+            hf_path = os.path.join(self.root, f"hf-step-{step}")
+            begin = time.perf_counter()
+            dcp_to_hf(path, hf_path, model_args=self.model_parts[0].args, dtype=dtype,
+                      overwrite=True, progress=False)
+            logger.info("checkpoint: wrote the Hugging Face folder %s in %.2fs", hf_path,
+                        time.perf_counter() - begin)
+        return path
 
     def _fresh_dir(self, step: int, name: str | None = None) -> str:
         path = os.path.join(self.root, name) if name else store.step_dir(self.root, step)
@@ -192,21 +208,23 @@ class Checkpointer:
         if has_optim:
             state["optimizer"] = self._optim_sd()
             state["lr_scheduler"] = self.lr_scheduler.state_dict()
-            for group, key in (("dataloader", f"dp_rank_{self.dp_rank}"), ("rng", f"rank_{self.rank}")):
-                if f"{group}.{key}" in keys:
-                    state[group] = {key: b"" if group == "dataloader" else torch.get_rng_state()}
+            # A loader position saved under another data-parallel layout is converted by the
+            # sampler; any saved rank's position serves (all ranks consumed the same count).
+            loader_key = f"dp_rank_{self.dp_rank}"
+            if f"dataloader.{loader_key}" not in keys:
+                loader_key = "dp_rank_0"
+            state["dataloader"] = {loader_key: b""}
+            if f"rng.rank_{self.rank}" in keys:
+                state["rng"] = {f"rank_{self.rank}": torch.get_rng_state()}
+        part_keys = [list(get_model_state_dict(part)) for part in self.model_parts]
         dcp.load(state, checkpoint_id=path)
-        for part in self.model_parts:
-            set_model_state_dict(part, state["model"])
+        for part, keys in zip(self.model_parts, part_keys):
+            set_model_state_dict(part, {k: state["model"][k] for k in keys})
         if has_optim:
-            for part in self.model_parts:
-                set_optimizer_state_dict(part, self.optimizer, state["optimizer"])
+            for part, opt in zip(self.model_parts, self.optimizer.optimizers):
+                set_optimizer_state_dict(part, opt, state["optimizer"], options=_FLAT)
             self.lr_scheduler.load_state_dict(state["lr_scheduler"])
-            if "dataloader" in state:
-                self.dataloader.load_state_dict(pickle.loads(state["dataloader"][f"dp_rank_{self.dp_rank}"]))
-            elif self.rank == 0:
-                logger.warning("checkpoint: %s has no loader position for dp rank %d (saved under"
-                               " another layout); the data order restarts", path, self.dp_rank)
+            self.dataloader.load_state_dict(pickle.loads(state["dataloader"][loader_key]))
             if "rng" in state:
                 torch.set_rng_state(state["rng"][f"rank_{self.rank}"])
         step = int(state["train_state"]["step"]) if has_optim else 0

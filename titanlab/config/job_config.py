@@ -260,11 +260,20 @@ class Checkpoint:
     export_at_end: bool = True
     """At the last step, also write the model weights alone (no optimizer) in `export_dtype`."""
 
+    last_save_in_hf: bool = False
+    """With `export_at_end`, also write the final export as a Hugging Face Llama folder
+    (`<folder>/hf-step-N`: safetensors in `export_dtype`, config.json, and the tokenizer files
+    when the model uses the bundled tokenizer), converted on rank 0 by the same code as
+    `tools/convert_checkpoint.py to-hf`. Loads with `transformers` and vLLM."""
+
     def validate(self) -> None:
         _require(self.interval >= 1, f"checkpoint.interval={self.interval} must be >= 1")
         _require(self.keep_latest_k >= 0, f"checkpoint.keep_latest_k={self.keep_latest_k} must be >= 0")
         _require(self.load_step >= -1, f"checkpoint.load_step={self.load_step} must be -1 or >= 0")
         _require(bool(self.folder), "checkpoint.folder must not be empty")
+        _require(not self.last_save_in_hf or self.export_at_end,
+                 "checkpoint.last_save_in_hf=true needs checkpoint.export_at_end=true "
+                 "(the Hugging Face folder is converted from the export)")
 
 
 @dataclass

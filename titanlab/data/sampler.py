@@ -87,8 +87,26 @@ class DistributedShuffleSampler(Sampler[int]):
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Continue from a saved position. Raises ValueError if the dataset length, world size or
-        seed differ from the saved ones (the saved position would then point elsewhere)."""
+        """Continue from a saved position.
+
+        A state saved with another `dp_world_size` W (a checkpoint resharded to a new layout) is
+        converted through the global position: W ranks that each took p indices of an epoch
+        consumed its first p·W positions, so each of the W' ranks now resumes at p·W / W'. With
+        the same global batch size, later global batches are then the same samples as before.
+
+        Raises:
+            ValueError: the dataset length or seed differ from the saved ones, or p·W is not a
+                multiple of the new world size.
+        """
+        saved_world = int(state_dict["dp_world_size"])
+        if saved_world != self.dp_world_size:
+            consumed = int(state_dict["position"]) * saved_world
+            if consumed % self.dp_world_size:
+                raise ValueError(
+                    f"sampler state of {saved_world} ranks at position {state_dict['position']} "
+                    f"({consumed} samples) cannot be split over {self.dp_world_size} ranks")
+            state_dict = dict(state_dict, dp_world_size=self.dp_world_size,
+                              position=consumed // self.dp_world_size)
         for key in ("num_samples", "dp_world_size", "seed"):
             if state_dict[key] != getattr(self, key):
                 raise ValueError(

@@ -46,7 +46,7 @@ def layers_per_stage(n_layers: int, n_stages: int, per_stage: int = -1) -> list[
 
     Auto (-1): the embedding and the output each count as one block of work, and the work is
     spread evenly (any remainder to the middle stages), so the first and last stages hold fewer
-    blocks. `per_stage` = N: N blocks per stage, N-1 on the first and last.
+    blocks; when that would leave a stage empty, the blocks alone are spread evenly. `per_stage` = N: N blocks per stage, N-1 on the first and last.
     Raises ConfigError when the split leaves a middle stage empty or does not add up.
     """
     if per_stage > 0:
@@ -71,9 +71,9 @@ def layers_per_stage(n_layers: int, n_stages: int, per_stage: int = -1) -> list[
     if n_stages > 1:
         counts[0] -= 1
         counts[-1] -= 1
-    if min(counts) < 1:
-        raise ConfigError(f"{n_stages} pipeline stages leave a stage with no layer ({counts}); the "
-                          f"model has {n_layers} layers: use fewer stages")
+    if min(counts) < 1:  # too few layers to lighten the ends: one even split of the blocks
+        base, rem = divmod(n_layers, n_stages)
+        counts = [base + (1 if i in middle_first[:rem] else 0) for i in range(n_stages)]
     return counts
 
 

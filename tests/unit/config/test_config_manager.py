@@ -184,10 +184,10 @@ def test_literal_in_toml(tmp_path):
     (["--training.steps=0"], "training.steps=0 must be >= 1"),
     (["--optimizer.lr=-1"], "optimizer.lr=-1.0 must be > 0"),
     (["--data.val_fraction=1.5"], "data.val_fraction=1.5 must be in [0, 1)"),
-    (["--parallelism.tensor_parallel_degree=2"],
-     "parallelism.tensor_parallel_degree=2 is not supported yet; valid: 1"),
-    (["--parallelism.pipeline_parallel_degree=4"],
-     "parallelism.pipeline_parallel_degree=4 is not supported yet; valid: 1"),
+    (["--parallelism.tensor_parallel_degree=0"],
+     "parallelism.tensor_parallel_degree=0 must be >= 1"),
+    (["--parallelism.pipeline_parallel_degree=0"],
+     "parallelism.pipeline_parallel_degree=0 must be >= 1"),
     (["--parallelism.data_parallel_shard_degree=0"],
      "parallelism.data_parallel_shard_degree=0 must be -1 or >= 1"),
     (["--training.global_batch_size=0"], "training.global_batch_size=0 must be -1 or >= 1"),
@@ -198,7 +198,7 @@ def test_literal_in_toml(tmp_path):
     (["--activation_checkpoint.selective_ac_option=0"],
      "activation_checkpoint.selective_ac_option='0' must be 'op' or a positive integer"),
     (["--compile.components=model,graph"], "compile.components has ['graph']; valid: model, loss"),
-    (["--model.flavor=9B"], "model.flavor='9B' is unknown; valid: debugmodel, 1B, 3B, 8B, 70B, 405B"),
+    (["--model.flavor=9B"], "model.flavor='9B' is unknown; valid: debugmodel, debugmodel_deep, 1B, 3B, 8B, 70B, 405B"),
     (["--job.dump_folder="], "job.dump_folder must not be empty"),
 ])
 def test_out_of_range_values(cli, expected):

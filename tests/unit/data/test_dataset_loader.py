@@ -103,8 +103,8 @@ def test_sampler_state_and_errors():
     fresh = DistributedShuffleSampler(10, dp_rank=0, dp_world_size=2, seed=3)
     fresh.load_state_dict(state)
     assert [i for _, i in zip(range(6), iter(fresh))] == expected
-    with pytest.raises(ValueError, match="dp_world_size=2 but this sampler has 4"):
-        DistributedShuffleSampler(10, dp_rank=0, dp_world_size=4, seed=3).load_state_dict(state)
+    with pytest.raises(ValueError, match="seed=3 but this sampler has 4"):
+        DistributedShuffleSampler(10, dp_rank=0, dp_world_size=2, seed=4).load_state_dict(state)
     with pytest.raises(ValueError, match="dp_rank=2"):
         DistributedShuffleSampler(10, dp_rank=2, dp_world_size=2, seed=0)
     with pytest.raises(ValueError, match="num_samples=1"):
@@ -130,3 +130,28 @@ def test_loader_resume_is_exact(tmp_path, num_workers):
         got = next(it2)
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     del it, it2
+
+
+def _take(sampler, k):
+    it = iter(sampler)
+    return [next(it) for _ in range(k)]
+
+
+def test_sampler_reshards_to_another_world_size():
+    # 2 ranks take 4 samples each (a global batch of 8); resumed on 4 ranks and on 1 rank, the
+    # next global batch of 8 holds the same samples as it would have on the original 2 ranks.
+    n = 64
+    old = [DistributedShuffleSampler(n, dp_rank=r, dp_world_size=2, seed=5) for r in range(2)]
+    for s in old:
+        _take(s, 4)
+    state = old[0].state_dict()
+    want = {i for s in old for i in _take(s, 4)}
+    for world in (4, 1, 8):
+        new = [DistributedShuffleSampler(n, dp_rank=r, dp_world_size=world, seed=5) for r in range(world)]
+        for s in new:
+            s.load_state_dict(dict(state))
+        got = [i for s in new for i in _take(s, 8 // world)]
+        assert len(got) == 8 and set(got) == want
+    odd = dict(state, position=3)  # 6 samples consumed cannot be split over 4 ranks
+    with pytest.raises(ValueError, match="cannot be split over 4 ranks"):
+        DistributedShuffleSampler(n, dp_rank=0, dp_world_size=4, seed=5).load_state_dict(odd)

@@ -66,7 +66,6 @@ def test_dp_shard_zero_or_negative(dp_shard):
 
 
 @pytest.mark.parametrize("dp_shard", [1, -1])
-def test_replicate_without_shard_is_rejected(dp_shard):
-    message = dims_error(2, dp_replicate=2, dp_shard=dp_shard)
-    assert message.startswith("dp_replicate=2 with dp_shard=1 (pure DDP) is not supported yet;")
-    assert "data_parallel_shard_degree > 1" in message
+def test_replicate_without_shard_is_plain_ddp(dp_shard):
+    dims = ParallelDims(dp_replicate=2, dp_shard=dp_shard, cp=1, tp=1, pp=1, world_size=2)
+    assert (dims.dp_shard, dims.dp_degree, dims.fsdp_enabled, dims.dp_replicate_enabled) == (1, 2, False, True)

@@ -1,0 +1,115 @@
+"""Convert checkpoints between titanlab DCP and Hugging Face Llama (safetensors), streamed.
+
+    python -m tools.convert_checkpoint to-hf DCP_DIR OUT_DIR [--flavor F] [--dtype bf16|fp16|fp32]
+        [--max-shard-size 5GB] [--max-seq-len N] [--tokenizer PATH|none] [--overwrite] [--quiet]
+    python -m tools.convert_checkpoint from-hf HF_DIR DCP_DIR [--flavor F] [--dtype auto|bf16|...]
+        [--overwrite] [--quiet]
+
+`to-hf` reads the model weights of a titanlab DCP checkpoint (`step-N` of any parallel layout, or
+`export-step-N`; the optimizer is ignored) and writes a folder that
+`transformers.LlamaForCausalLM.from_pretrained` and vLLM load. DCP folders do not store the model
+args: `--flavor` names them (the vocab size comes from the embedding). `from-hf` writes a
+model-only DCP folder to start training from with `--checkpoint.initial_load_path`. A bad input
+ends with one line `convert_checkpoint: error: ...` and exit status 2. Also runnable as
+`python tools/convert_checkpoint.py`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from titanlab.checkpoint.convert import DTYPES, dcp_to_hf, hf_to_dcp, parse_size  # noqa: E402
+from titanlab.checkpoint.hf_config import DEFAULT_MAX_POSITION_EMBEDDINGS  # noqa: E402
+from titanlab.models.llama3.args import llama3_flavors  # noqa: E402
+
+PROG = "convert_checkpoint"
+
+
+class _OneLineParser(argparse.ArgumentParser):
+    """argparse, but a usage error is the same single `convert_checkpoint: error:` line."""
+
+    def error(self, message: str):
+        print(f"{PROG}: error: {message}", file=sys.stderr)
+        sys.exit(2)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _OneLineParser(prog=PROG, description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_OneLineParser)
+    flavors = ", ".join(llama3_flavors)
+
+    to_hf = sub.add_parser("to-hf", help="titanlab DCP checkpoint -> Hugging Face Llama folder")
+    to_hf.add_argument("dcp_dir", help="DCP checkpoint folder (step-N or export-step-N)")
+    to_hf.add_argument("out_dir", help="Hugging Face folder to create")
+    to_hf.add_argument("--flavor", default="debugmodel",
+                       help=f"model flavor the checkpoint was trained as ({flavors}; default: debugmodel)")
+    to_hf.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16",
+                       help="dtype of the written weights (default: bf16)")
+    to_hf.add_argument("--max-shard-size", default="5GB",
+                       help="largest safetensors shard, e.g. 5GB, 500MB, 2GiB (default: 5GB)")
+    to_hf.add_argument("--max-seq-len", type=int, default=DEFAULT_MAX_POSITION_EMBEDDINGS,
+                       help="max_position_embeddings written to config.json "
+                            f"(default: {DEFAULT_MAX_POSITION_EMBEDDINGS}, Llama 3.1/3.2's context)")
+    to_hf.add_argument("--tokenizer", default=None,
+                       help="tokenizer.model to write tokenizer files from; 'none' for none "
+                            "(default: the bundled tokenizer when the vocab size is its own)")
+
+    from_hf = sub.add_parser("from-hf", help="Hugging Face Llama folder -> titanlab DCP checkpoint")
+    from_hf.add_argument("hf_dir", help="folder with config.json and .safetensors weights")
+    from_hf.add_argument("dcp_dir", help="DCP folder to create")
+    from_hf.add_argument("--flavor", default=None,
+                         help=f"flavor the config must match ({flavors}; default: the one it matches)")
+    from_hf.add_argument("--dtype", choices=["auto", "bf16", "fp16", "fp32"], default="auto",
+                         help="dtype to store (default: auto, as in the Hugging Face files)")
+    for p in (to_hf, from_hf):
+        p.add_argument("--overwrite", action="store_true", help="replace a non-empty output folder")
+        p.add_argument("--quiet", action="store_true", help="no progress bar")
+    return parser
+
+
+def run(argv: list[str] | None = None) -> str:
+    """Parse `argv` and convert. Returns the summary line. Raises ValueError/OSError on bad input."""
+    args = build_parser().parse_args(argv)
+    start = time.perf_counter()
+    if args.command == "to-hf":
+        tokenizer = "" if args.tokenizer == "none" else args.tokenizer
+        model = dcp_to_hf(args.dcp_dir, args.out_dir, flavor=args.flavor, dtype=DTYPES[args.dtype],
+                          max_shard_bytes=parse_size(args.max_shard_size),
+                          max_position_embeddings=args.max_seq_len, tokenizer_path=tokenizer,
+                          overwrite=args.overwrite, progress=not args.quiet)
+        dest = args.out_dir
+    else:
+        dtype = None if args.dtype == "auto" else DTYPES[args.dtype]
+        model = hf_to_dcp(args.hf_dir, args.dcp_dir, flavor=args.flavor, dtype=dtype,
+                          overwrite=args.overwrite, progress=not args.quiet)
+        dest = args.dcp_dir
+    return (f"{PROG}: {args.command}: wrote {dest} (dim {model.dim}, {model.n_layers} layers, "
+            f"vocab {model.vocab_size}) in {time.perf_counter() - start:.1f}s")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the tool; a bad input prints one `convert_checkpoint: error: ...` line, exit status 2."""
+    logging.basicConfig(level=logging.WARNING, format=f"{PROG}: %(message)s")
+    try:
+        print(run(argv))
+        return 0
+    except (ValueError, OSError, ImportError) as e:
+        message = " ".join(str(e).split())
+        print(f"{PROG}: error: {message}", file=sys.stderr)
+        return 2
+    except Exception as e:  # a corrupt file deep inside torch / safetensors
+        if type(e).__name__ != "SafetensorError":
+            raise
+        print(f"{PROG}: error: unreadable safetensors file: {' '.join(str(e).split())}",
+              file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
