@@ -20,6 +20,7 @@ from titanlab.checkpoint import Checkpointer
 from titanlab.config.docs import format_help
 from titanlab.config.job_config import ConfigError, JobConfig
 from titanlab.config.manager import build_config, format_config
+from titanlab.distributed.comm_counter import count_step_comms
 from titanlab.distributed.init import destroy_distributed, init_distributed, set_train_timeout
 from titanlab.distributed.context_parallel import cp_context
 from titanlab.distributed.parallelize import parallelize_llama
@@ -132,7 +133,8 @@ class Trainer:
             self.step += 1
             batches = [next(data) for _ in range(self.batch.grad_accum_steps)]
             lr = self.lr_scheduler.get_last_lr()[0]  # the lr this step uses
-            loss, grad_norm = self.train_step(batches)
+            with count_step_comms(self.step):  # only when TITANLAB_COMM_COUNT is set
+                loss, grad_norm = self.train_step(batches)
             if self.step == 1:
                 set_train_timeout(cfg.comm.train_timeout_seconds)
             if self.metrics.should_log(self.step, last):

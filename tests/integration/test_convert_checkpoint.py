@@ -27,6 +27,7 @@ from titanlab.checkpoint.convert import DcpModelReader
 from titanlab.data.tokenizer import Tokenizer, default_tokenizer_path
 from titanlab.models.llama3 import Transformer, llama3_flavors
 
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # load local folders only, never the hub
 transformers = pytest.importorskip("transformers")
 
 TOKENIZER = Tokenizer(default_tokenizer_path())
@@ -124,7 +125,7 @@ def random_hf_llama(folder: str):
         vocab_size=args.vocab_size, hidden_size=args.dim, intermediate_size=args.ffn_hidden_dim(),
         num_hidden_layers=args.n_layers, num_attention_heads=args.n_heads,
         num_key_value_heads=args.kv_heads, rms_norm_eps=args.norm_eps,
-        max_position_embeddings=131072, tie_word_embeddings=False, initializer_range=0.1,
+        max_position_embeddings=131072, tie_word_embeddings=False, initializer_range=0.05,
         rope_parameters={"rope_type": "llama3", "rope_theta": args.rope_theta, "factor": 8.0,
                          "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                          "original_max_position_embeddings": 8192})

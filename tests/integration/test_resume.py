@@ -51,3 +51,23 @@ def test_checkpoint_without_metadata_is_skipped(train, tmp_path):
     again = train(2, "--training.steps", "10", *CONSTANT_LR, *CKPT, dump=dump).check()
     assert "skipping incomplete" in again.stdout and ".metadata" in again.stdout
     assert min(again.losses) == 6
+
+
+def test_async_checkpoints_resume_exactly_and_keep_latest_k(train, tmp_path):
+    ckpt = ["--checkpoint.enable", "true", "--checkpoint.interval", "2", "--checkpoint.async_mode",
+            "async", "--checkpoint.keep_latest_k", "2", "--checkpoint.export_dtype", "bfloat16"]
+    straight, resumed = str(tmp_path / "straight"), str(tmp_path / "resumed")
+    train(2, "--training.steps", "6", *CONSTANT_LR, *ckpt, dump=straight).check()
+    train(2, "--training.steps", "4", *CONSTANT_LR, *ckpt, dump=resumed).check()
+    again = train(2, "--training.steps", "6", *CONSTANT_LR, *ckpt, dump=resumed).check()
+    assert "background write of step 6 finished" in again.stdout
+    assert [read_metrics(resumed)[s] for s in (5, 6)] == [read_metrics(straight)[s] for s in (5, 6)]
+    # keep_latest_k=2: only the two newest full checkpoints remain; exports are kept apart.
+    folders = sorted(os.listdir(os.path.join(resumed, "checkpoint")))
+    assert folders == ["export-step-4", "export-step-6", "step-4", "step-6"]
+    from torch.distributed.checkpoint import FileSystemReader
+
+    meta = FileSystemReader(os.path.join(resumed, "checkpoint", "export-step-6")).read_metadata()
+    wq = meta.state_dict_metadata["model.layers.0.attention.wq.weight"]
+    assert str(wq.properties.dtype) == "torch.bfloat16"
+    assert not any(k.startswith("optimizer") for k in meta.state_dict_metadata)

@@ -24,6 +24,8 @@ DEBUG = dataclasses.replace(llama3_flavors["debugmodel"], vocab_size=VOCAB, max_
 TIED = dataclasses.replace(DEBUG, dim=64, n_layers=2, n_heads=4, n_kv_heads=2,
                            tie_word_embeddings=True)
 
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # transformers loads local folders only
+
 
 def save_dcp(path, args, seed=0) -> dict:
     """A model-only DCP checkpoint of a freshly initialized model; returns its state dict."""

@@ -1,6 +1,7 @@
 """The titanlab ⇄ Hugging Face Llama adapter: name map, RoPE permutation, tied embeddings."""
 
 import dataclasses
+import os
 
 import pytest
 import torch
@@ -12,6 +13,8 @@ from titanlab.models.llama3.model import apply_rotary_emb, precompute_rope_cos_s
 
 TINY = dataclasses.replace(llama3_flavors["debugmodel"], dim=64, n_layers=2, n_heads=4,
                            n_kv_heads=2, vocab_size=50, max_seq_len=16)
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # transformers loads local folders only
 
 
 @pytest.mark.parametrize("n_heads,head_dim,cols", [(1, 2, 3), (4, 8, 5), (8, 64, 16), (2, 6, 1)])

@@ -1,12 +1,15 @@
 """titanlab model args ⇄ Hugging Face config.json."""
 
 import dataclasses
+import os
 
 import pytest
 import torch
 
 from titanlab.checkpoint.hf_config import from_hf_config, to_hf_config
 from titanlab.models.llama3 import llama3_flavors
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # transformers loads local folders only
 
 
 def published(flavor: str) -> dict:
