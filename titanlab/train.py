@@ -25,6 +25,7 @@ from titanlab.distributed.init import destroy_distributed, init_distributed, set
 from titanlab.distributed.context_parallel import cp_context
 from titanlab.distributed.parallelize import parallelize_llama
 from titanlab.distributed.pipeline import pipeline_llama
+from titanlab.float8 import apply_float8, precompute_scales
 from titanlab.loss import IGNORE_INDEX, ScaledLoss, cross_entropy_sum, local_value, maybe_loss_parallel
 from titanlab.distributed.utils import clip_grad_norm_, global_sum
 from titanlab.memory import local_world_size
@@ -75,6 +76,7 @@ class Trainer:
                                                          config.training.seq_len)
         logger.info("model: llama3 %s, %s parameters, %.3e training FLOPs/token; layout: %s",
                     config.model.flavor, f"{nparams:,}", flops_per_token, dims)
+        apply_float8(model, config.float8, self.device, dims.fsdp_enabled)
         self.loss_parallel = dims.tp_enabled and not config.parallelism.disable_loss_parallel
         parallelize = functools.partial(parallelize_llama, parallel_dims=dims, config=config,
                                         device=self.device)
@@ -175,6 +177,7 @@ class Trainer:
             raise TrainingDiverged(f"loss is {loss} at step {self.step}; last complete checkpoint: "
                                    f"{last or 'none'} (lower optimizer.lr or check the data)")
         self.optimizer.step()
+        precompute_scales(self.model_parts, self.config.float8, self.parallel_dims.fsdp_enabled)
         self.lr_scheduler.step()
         return loss, grad_norm.item()
 

@@ -36,6 +36,7 @@ LAYOUTS = {
     "tp2": (2, 8, TP2),
     "tp2_no_loss_parallel": (2, 8, TP2 + ["--parallelism.disable_loss_parallel", "true"]),
     "fsdp2_tp2": (4, 4, TP2),
+    "fsdp2_cpu_offload": (2, 4, ["--training.enable_cpu_offload", "true"]),
     **{f"pp2_{s}": (2, 8, pp(2, s)) for s in SCHEDULES},
     **{f"pp4_{s}": (4, 8, pp(4, s)) for s in SCHEDULES},
     **{f"pp2_fsdp2_{s}": (4, 4, pp(2, s)) for s in ("1F1B", "Interleaved1F1B", "ZBVZeroBubble")},

@@ -92,10 +92,9 @@ def test_wsd_zero_ratio_never_decays():
     assert [factor(s, ratio=0.0) for s in (10, 60, 109, 110)] == [1.0] * 4
 
 
-@pytest.mark.parametrize("fraction, shape", [(0.25, 0.5), (0.64, 0.2), (1.0, 0.0)])
-def test_sqrt_shape(fraction, shape):
-    step = 10 + round(fraction * 99)
-    shape = 1 - math.sqrt(progress(step))
+@pytest.mark.parametrize("step, shape", [(10, 1.0), (34, 1 - math.sqrt(24 / 99)),
+                                         (109, 0.0)])
+def test_sqrt_shape(step, shape):
     assert factor(step, kind="sqrt", min_lr=0.2) == pytest.approx(0.2 + 0.8 * shape)
 
 

@@ -32,6 +32,7 @@ from tqdm import tqdm
 from titanlab.checkpoint.hf_adapter import HFStateDictAdapter, from_hf_name, to_hf_name
 from titanlab.checkpoint.hf_config import (
     DEFAULT_MAX_POSITION_EMBEDDINGS, from_hf_config, generation_config, to_hf_config)
+from titanlab.checkpoint.hf_tokenizer import resolve_tokenizer, write_hf_tokenizer
 from titanlab.checkpoint.streaming import (
     MODEL_PREFIX, ST_FROM_NAME, ConversionError, DcpModelReader, LazyModelPlanner,
     read_safetensors_tensor, write_safetensors)
@@ -127,8 +128,6 @@ def dcp_to_hf(dcp_dir: str, out_dir: str, *, flavor: str = "debugmodel",
         ConversionError / ValueError: one line — missing or incomplete checkpoint, unknown
             flavor, or a tensor missing, unexpected or of the wrong shape (naming it).
     """
-    from titanlab.checkpoint.hf_tokenizer import write_hf_tokenizer
-
     reader = DcpModelReader(dcp_dir)
     if "tok_embeddings.weight" not in reader.tensors:
         raise ConversionError(f"DCP checkpoint {dcp_dir!r} has no {MODEL_PREFIX}tok_embeddings.weight")
@@ -148,6 +147,7 @@ def dcp_to_hf(dcp_dir: str, out_dir: str, *, flavor: str = "debugmodel",
             raise ConversionError(
                 f"DCP tensor {MODEL_PREFIX}{name} has shape {list(reader.tensors[name].shape)} but "
                 f"{label} expects {list(expected[name])}; pass the flavor it was trained as")
+    tokenizer = resolve_tokenizer(tokenizer_path, args.vocab_size)
     _prepare_out_dir(out_dir, overwrite)
 
     # Plan the shards from the shapes alone, then stream each tensor into its place.
@@ -174,12 +174,13 @@ def dcp_to_hf(dcp_dir: str, out_dir: str, *, flavor: str = "debugmodel",
     with tqdm(total=total, unit="B", unit_scale=True, desc="to-hf", disable=not progress) as bar:
         for k, entries in enumerate(shards, start=1):
             file = f"model-{k:05d}-of-{len(shards):05d}.safetensors"
-            write_safetensors(os.path.join(out_dir, file), entries, blocks_of, bar)
+            write_safetensors(os.path.join(out_dir, file), entries, blocks_of, bar.update)
             weight_map.update({n: file for n, _, _ in entries})
     _write_json(os.path.join(out_dir, "config.json"),
                 to_hf_config(args, dtype=dtype, max_position_embeddings=max_position_embeddings))
     _write_json(os.path.join(out_dir, "generation_config.json"), generation_config(args))
-    write_hf_tokenizer(tokenizer_path, args.vocab_size, out_dir)
+    if tokenizer is not None:
+        write_hf_tokenizer(tokenizer, out_dir)
     _write_json(os.path.join(out_dir, _INDEX),
                 {"metadata": {"total_size": total}, "weight_map": weight_map})
     logger.info("convert: wrote %d tensors (%.1f MB, %d shards) to %s", len(weight_map),

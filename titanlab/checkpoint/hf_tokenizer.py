@@ -79,35 +79,38 @@ def _build_tokenizer_json(tok: Tokenizer) -> str:
     return hf.to_str(pretty=False)
 
 
-def write_hf_tokenizer(tokenizer_path: str | None, vocab_size: int, out_dir: str) -> bool:
-    """Write the tokenizer files for a model of `vocab_size` into `out_dir`.
+def resolve_tokenizer(tokenizer_path: str | None, vocab_size: int) -> Tokenizer | None:
+    """The tokenizer whose files go with a model of `vocab_size`, or None.
 
     Args:
         tokenizer_path: a Llama 3 format tokenizer.model; None: the bundled one if its vocab
-            size is `vocab_size`, else nothing; "": nothing.
+            size is `vocab_size`, else none; "": none.
         vocab_size: the model's vocabulary (embedding rows).
-        out_dir: the Hugging Face folder.
-    Returns:
-        True when tokenizer files were written.
     Raises:
         ValueError: `tokenizer_path` is unreadable or its vocab size is not `vocab_size`.
     """
     if tokenizer_path == "":
-        return False
+        return None
     if tokenizer_path is None:
         tok = Tokenizer(default_tokenizer_path())
-        if tok.vocab_size != vocab_size:
-            logger.warning("convert: vocab size %d is not the bundled tokenizer's; no tokenizer "
-                           "files written (pass --tokenizer PATH/tokenizer.model)", vocab_size)
-            return False
-    else:
-        try:
-            tok = Tokenizer(tokenizer_path)
-        except (FileNotFoundError, ValueError) as e:
-            raise ValueError(f"--tokenizer {tokenizer_path!r}: {e}") from None
-        if tok.vocab_size != vocab_size:
-            raise ValueError(f"--tokenizer {tokenizer_path!r} has {tok.vocab_size} tokens but the "
-                             f"model's embedding has {vocab_size} rows")
+        if tok.vocab_size == vocab_size:
+            return tok
+        logger.warning("convert: vocab size %d is not the bundled tokenizer's; no tokenizer "
+                       "files written (pass --tokenizer PATH/tokenizer.model)", vocab_size)
+        return None
+    try:
+        tok = Tokenizer(tokenizer_path)
+    except (FileNotFoundError, ValueError) as e:
+        raise ValueError(f"--tokenizer {tokenizer_path!r}: {e}") from None
+    if tok.vocab_size != vocab_size:
+        raise ValueError(f"--tokenizer {tokenizer_path!r} has {tok.vocab_size} tokens but the "
+                         f"model's embedding has {vocab_size} rows")
+    return tok
+
+
+def write_hf_tokenizer(tok: Tokenizer, out_dir: str) -> None:
+    """Write `original/tokenizer.model` and, with `tokenizers` installed, `tokenizer.json`,
+    `tokenizer_config.json` and `special_tokens_map.json` of `tok` into `out_dir`."""
     os.makedirs(os.path.join(out_dir, "original"), exist_ok=True)
     shutil.copyfile(tok.path, os.path.join(out_dir, "original", "tokenizer.model"))
     try:
@@ -115,7 +118,7 @@ def write_hf_tokenizer(tokenizer_path: str | None, vocab_size: int, out_dir: str
     except ImportError:
         logger.warning("convert: `tokenizers` is not installed; wrote original/tokenizer.model "
                        "only (pip install tokenizers for tokenizer.json)")
-        return True
+        return
     with open(os.path.join(out_dir, "tokenizer.json"), "w", encoding="utf-8") as f:
         f.write(tokenizer_json)
     special = {"bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>"}
@@ -128,4 +131,3 @@ def write_hf_tokenizer(tokenizer_path: str | None, vocab_size: int, out_dir: str
         with open(os.path.join(out_dir, name), "w", encoding="utf-8") as f:
             json.dump(obj, f, indent=2)
             f.write("\n")
-    return True

@@ -30,7 +30,8 @@ from titanlab.checkpoint import store
 MODEL_PREFIX = "model."
 """Prefix of the model weights in a titanlab DCP checkpoint (`model.layers.0.attention.wq.weight`)."""
 ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16",
-              torch.float64: "F64", torch.int64: "I64", torch.int32: "I32"}
+             torch.float64: "F64", torch.int64: "I64", torch.int32: "I32"}
+"""torch dtype → safetensors dtype name."""
 ST_FROM_NAME = {v: k for k, v in ST_DTYPES.items()}
 BLOCK_BYTES = 64 * 2**20  # dtype conversion works on row blocks of this size
 
@@ -148,7 +149,8 @@ class DcpModelReader:
 
 
 def write_safetensors(path: str, entries: list[tuple[str, tuple[int, ...], torch.dtype]],
-                       blocks_of, progress: tqdm) -> None:
+                      blocks_of: Callable[[str], Iterator[torch.Tensor]],
+                      on_bytes: Callable[[int], None] | None = None) -> None:
     """Write one safetensors file whose tensors arrive as row blocks, never holding a whole
     shard. The file layout is the safetensors format (github.com/huggingface/safetensors,
     "Format"): an 8-byte little-endian header length N, N bytes of JSON header (names → dtype,
@@ -158,7 +160,9 @@ def write_safetensors(path: str, entries: list[tuple[str, tuple[int, ...], torch
 
     Args:
         entries: (name, shape, dtype) in file order.
-        blocks_of: name → iterator of row blocks (any float dtype) covering the tensor in order.
+        blocks_of: name → iterator of row blocks (any float dtype) covering the tensor in order;
+            each is cast to the entry's dtype 64 MiB at a time.
+        on_bytes: called with the byte count of each piece written (a progress bar).
     """
     assert sys.byteorder == "little", "safetensors files are little-endian"
     header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
@@ -175,13 +179,16 @@ def write_safetensors(path: str, entries: list[tuple[str, tuple[int, ...], torch
         f.write(raw)
         for name, shape, dtype in entries:
             written = 0
-            for block in blocks_of(name):  # (rows, ...) with rows >= 1
+            for block in blocks_of(name):  # (rows, ...)
+                if block.shape[0] == 0:  # an empty FSDP shard
+                    continue
                 rows = max(1, BLOCK_BYTES // max(1, block[0].numel() * dtype.itemsize))
                 for r in range(0, block.shape[0], rows):
                     piece = block[r:r + rows].to(dtype).contiguous()
                     f.write(memoryview(piece.view(torch.uint8).numpy()).cast("B"))
                     written += piece.nbytes
-                    progress.update(piece.nbytes)
+                    if on_bytes is not None:
+                        on_bytes(piece.nbytes)
             want = header[name]["data_offsets"][1] - header[name]["data_offsets"][0]
             assert written == want, f"{name}: wrote {written} bytes, expected {want}"
     with safe_open(path, framework="pt") as f:  # the library agrees with the header we wrote

@@ -309,6 +309,33 @@ class Compile:
 
 
 @dataclass
+class Float8:
+    enable: bool = False
+    """Train the Linear layers in float8 through torchao (needs `pip install 'titanlab[float8]'`
+    and an NVIDIA GPU with compute capability >= 8.9, or `emulate`)."""
+
+    recipe_name: Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"] = "tensorwise"
+    """torchao float8 recipe: one dynamic scale per tensor, per row, or per row with the weight
+    gradient kept in high precision."""
+
+    filter_fqns: list[str] = field(default_factory=lambda: ["output"])
+    """Linear layers whose name contains any of these stay in high precision (Linears with dims
+    not divisible by 16 are always skipped)."""
+
+    emulate: bool = False
+    """Run the float8 numerics with ordinary matmuls (for CPU tests; no speed-up)."""
+
+    enable_fsdp_float8_all_gather: bool = True
+    """With FSDP and the tensorwise recipe, all-gather weights in float8 (half the bytes of bf16)."""
+
+    precompute_float8_dynamic_scale_for_fsdp: bool = True
+    """With float8 all-gather: compute all weight scales in one all-reduce after each optimizer step."""
+
+    def validate(self) -> None:
+        _require(all(self.filter_fqns), f"float8.filter_fqns={self.filter_fqns} has an empty name")
+
+
+@dataclass
 class Metrics:
     log_freq: int = 10
     """Log a `step: N  loss: X ...` line on rank 0 every this many steps (and at the first and last)."""
@@ -404,6 +431,7 @@ class JobConfig:
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
     compile: Compile = field(default_factory=Compile)
+    float8: Float8 = field(default_factory=Float8)
     metrics: Metrics = field(default_factory=Metrics)
     data: Data = field(default_factory=Data)
     validation: Validation = field(default_factory=Validation)

@@ -37,6 +37,7 @@ from typing import Any, ContextManager
 import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group
+from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 ENV_VAR = "TITANLAB_COMM_COUNT"
@@ -135,7 +136,7 @@ class CommCounter(TorchDispatchMode):
             return func(*args, **kwargs)
         # Modes run before tensor subclasses. Declining here lets DTensor run first; the plain
         # ops and collectives it issues (its redistributions) then come back to this mode.
-        if any(t is not torch.Tensor for t in types):
+        if any(issubclass(t, DTensor) for t in types):
             return NotImplemented
         ns = func.namespace
         if ns in _NAMESPACES:

@@ -196,6 +196,8 @@ def test_cli_round_trip_and_one_line_errors(tmp_path):
         (("to-hf", "a", "b", "--dtype", "int8"), "argument --dtype: invalid choice: 'int8'"),
         (("to-hf", str(tmp_path / "dcp"), str(tmp_path / "o"), "--max-shard-size", "big"),
          "'big' is not a positive size"),
+        (("to-hf", str(tmp_path / "dcp"), str(tmp_path / "o"), "--tokenizer", str(tmp_path / "t")),
+         "not found"),
     ]:
         proc = cli(*args)
         assert proc.returncode == 2, proc.stderr

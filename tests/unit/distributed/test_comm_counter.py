@@ -41,6 +41,8 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
             # DTensor goes through the functional collectives: an all-gather of (8, 4) fp32.
             d = distribute_tensor(torch.zeros(8, 4), mesh, [Shard(0)])
             d.full_tensor()
+            # exp of a Partial sum: DTensor all-reduces (4,) fp32 inside the op's dispatch.
+            d.sum(0).exp()
         counter.write_json(os.path.join(out_dir, f"rank{rank}.json"), rank=rank)
     finally:
         dist.destroy_process_group()
@@ -56,8 +58,9 @@ def test_counter_bytes_two_ranks(tmp_path):
         assert kinds["all_gather"]["wire_bytes"] == (12 * F32 + 8 * 4 * F32) // 2
         assert kinds["reduce_scatter"] == {"calls": 1, "bytes": 6 * F32, "wire_bytes": 3 * F32,
                                            "sizes": {f"{6 * F32}x2": 1}}
-        assert kinds["all_reduce"] == {"calls": 1, "bytes": 6 * F32, "wire_bytes": 6 * F32,
-                                       "sizes": {f"{6 * F32}x2": 1}}
+        assert kinds["all_reduce"] == {"calls": 2, "bytes": 6 * F32 + 4 * F32,
+                                       "wire_bytes": 6 * F32 + 4 * F32,
+                                       "sizes": {f"{4 * F32}x2": 1, f"{6 * F32}x2": 1}}
         assert kinds["send"]["calls"] == 1 and kinds["send"]["bytes"] == 5 * F32
         assert kinds["recv"]["calls"] == 1 and kinds["recv"]["bytes"] == 5 * F32
         assert kinds["recv"]["wire_bytes"] == 0
