@@ -12,16 +12,17 @@ from titanlab.config.job_config import LRScheduler, Optimizer
 
 
 def build_optimizer(params: list[torch.nn.Parameter], cfg: Optimizer,
-                    device: torch.device) -> torch.optim.Optimizer:
+                    device: torch.device, allow_fused: bool = True) -> torch.optim.Optimizer:
     """AdamW (Loshchilov & Hutter 2019) with the implementation asked for.
 
-    `fused` uses the fused kernel (CUDA and CPU in recent PyTorch); `foreach` the multi-tensor
-    path; `for-loop` the reference loop.
+    `fused` uses the fused kernel (CUDA and CPU in recent PyTorch) unless `allow_fused` is False
+    (torch 2.13's fused AdamW mis-broadcasts GradScaler's overflow flag, so float16 training
+    uses `foreach`); `foreach` the multi-tensor path; `for-loop` the reference loop.
     """
     impl = cfg.implementation
     kwargs = dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
                   weight_decay=cfg.weight_decay)
-    fused_ok = device.type in _get_fused_kernels_supported_devices()
+    fused_ok = allow_fused and device.type in _get_fused_kernels_supported_devices()
     if impl == "fused" and fused_ok:
         kwargs["fused"] = True
     elif impl in ("foreach", "fused"):
@@ -76,9 +77,11 @@ class OptimizersContainer:
     names, which is what lets DCP save and reshard it (`get_optimizer_state_dict(part, opt)`).
     """
 
-    def __init__(self, model_parts: list[torch.nn.Module], cfg: Optimizer, device: torch.device):
+    def __init__(self, model_parts: list[torch.nn.Module], cfg: Optimizer, device: torch.device,
+                 allow_fused: bool = True):
         self.model_parts = model_parts
-        self.optimizers = [build_optimizer(list(p.parameters()), cfg, device) for p in model_parts]
+        self.optimizers = [build_optimizer(list(p.parameters()), cfg, device, allow_fused)
+                           for p in model_parts]
 
     def step(self) -> None:
         for opt in self.optimizers:

@@ -23,9 +23,10 @@ from titanlab.config.manager import build_config, format_config
 from titanlab.distributed.comm_counter import count_step_comms
 from titanlab.distributed.init import destroy_distributed, init_distributed, set_train_timeout
 from titanlab.distributed.context_parallel import cp_context
-from titanlab.distributed.parallelize import parallelize_llama
+from titanlab.distributed.parallelize import param_dtype, parallelize_llama
 from titanlab.distributed.pipeline import pipeline_llama
 from titanlab.float8 import apply_float8, precompute_scales
+from titanlab.precision import autocast_context, build_grad_scaler
 from titanlab.loss import IGNORE_INDEX, ScaledLoss, cross_entropy_sum, local_value, maybe_loss_parallel
 from titanlab.distributed.utils import clip_grad_norm_, global_sum
 from titanlab.memory import local_world_size
@@ -89,7 +90,9 @@ class Trainer:
             parallelize(model)
             model.to_empty(device=self.device)
             self.model_parts, self.has_first, self.has_last = [model], True, True
-        self.optimizer = OptimizersContainer(self.model_parts, config.optimizer, self.device)
+        compute_dtype = param_dtype(config, self.device)
+        self.optimizer = OptimizersContainer(self.model_parts, config.optimizer, self.device,
+                                             allow_fused=compute_dtype != torch.float16)
         self.lr_scheduler = LRSchedulersContainer(self.optimizer, config.lr_scheduler,
                                                   config.training.steps)
         self.checkpointer = Checkpointer(
@@ -109,6 +112,9 @@ class Trainer:
             flops_per_token=flops_per_token, tokens_per_step=tokens_per_step,
             peak_flops=device_peak_flops(self.device, config.metrics.peak_flops), tb_dir=tb,
             jsonl_path=os.path.join(config.job.dump_folder, "metrics.jsonl"))
+        self.autocast = functools.partial(autocast_context, self.device, compute_dtype, dims.fsdp_enabled)
+        self.scaler = build_grad_scaler(self.device, compute_dtype, dims.fsdp_enabled,
+                                        config.training.loss_scale_init)
         self._loss_mesh = dims.mesh("dp_cp")
         # FSDP and DDP average gradients over these ranks; the loss is scaled up to undo it.
         self._grad_avg_ranks = self._loss_mesh.size() if self._loss_mesh is not None else 1
@@ -162,11 +168,16 @@ class Trainer:
         global_tokens = global_sum(torch.tensor(float(local_tokens), device=self.device),
                                    self._loss_mesh) / self.parallel_dims.cp
         scale = self._grad_avg_ranks / global_tokens
+        if self.scaler is not None:  # float16: backward on a dynamically scaled loss
+            scale = self.scaler.scale(scale).reshape(())
         loss_sum = torch.zeros((), device=self.device)  # this rank's token-loss sum
-        with maybe_loss_parallel(self.loss_parallel):
+        with maybe_loss_parallel(self.loss_parallel), self.autocast():
             for inputs, labels in batches:
                 inputs, labels = inputs.to(self.device), labels.to(self.device)
                 loss_sum += self._forward_backward(inputs, labels, scale)
+        if self.scaler is not None:
+            for opt in self.optimizer.optimizers:
+                self.scaler.unscale_(opt)
         grad_norm = clip_grad_norm_([p for part in self.model_parts for p in part.parameters()],
                                     self.config.training.max_norm,
                                     pp_mesh=self.parallel_dims.mesh("pp"))
@@ -176,10 +187,23 @@ class Trainer:
             last = self.checkpointer.last_complete()
             raise TrainingDiverged(f"loss is {loss} at step {self.step}; last complete checkpoint: "
                                    f"{last or 'none'} (lower optimizer.lr or check the data)")
-        self.optimizer.step()
+        if self.scaler is not None:
+            self._scaled_step()
+        else:
+            self.optimizer.step()
         precompute_scales(self.model_parts, self.config.float8, self.parallel_dims.fsdp_enabled)
         self.lr_scheduler.step()
         return loss, grad_norm.item()
+
+    def _scaled_step(self) -> None:
+        """float16: step each optimizer unless a gradient overflowed, then adapt the scale."""
+        before = self.scaler.get_scale()
+        for opt in self.optimizer.optimizers:
+            self.scaler.step(opt)
+        self.scaler.update()
+        if self.scaler.get_scale() < before and self.rank == 0:
+            logger.warning("step %d skipped: float16 gradients overflowed; loss scale %g → %g",
+                           self.step, before, self.scaler.get_scale())
 
     def _forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor,
                           scale: torch.Tensor) -> torch.Tensor:

@@ -89,6 +89,9 @@ class Training:
     mixed_precision_on_cpu: bool = False
     """Also apply `mixed_precision_param` on CPU (slow on most CPUs; for testing)."""
 
+    loss_scale_init: float = 65536.0
+    """Initial dynamic loss scale for float16 compute (halved on overflow, that step skipped)."""
+
     enable_cpu_offload: bool = False
     """Keep sharded parameters, gradients and optimizer state in CPU memory (FSDP2 CPUOffloadPolicy)."""
 
@@ -107,6 +110,7 @@ class Training:
                  f"training.global_batch_size={self.global_batch_size} must be -1 or >= 1")
         _require(self.max_norm >= 0, f"training.max_norm={self.max_norm} must be >= 0")
         _require(self.gc_freq >= 0, f"training.gc_freq={self.gc_freq} must be >= 0")
+        _require(self.loss_scale_init > 0, f"training.loss_scale_init={self.loss_scale_init} must be > 0")
 
 
 @dataclass

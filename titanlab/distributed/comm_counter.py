@@ -16,11 +16,12 @@ full logical tensor the operation is about, on this rank, whatever the algorithm
 - all_gather: the gathered output (group size × this rank's input);
 - reduce_scatter: the unreduced input (group size × this rank's output);
 - all_reduce, broadcast: the tensor; all_to_all: this rank's input;
-- send / recv: the message this rank sends / receives.
+- send / recv: the message this rank sends / receives;
+- gather, scatter, reduce (unused by titanlab): the tensors of the op's first argument.
 `wire_bytes` is what this rank itself sends under a bandwidth-optimal ring with group size n
 (Patarasuk & Yuan 2009; the NCCL performance notes): all_gather and reduce_scatter
 bytes·(n−1)/n, all_reduce 2·bytes·(n−1)/n, all_to_all bytes·(n−1)/n, send bytes, recv 0,
-broadcast bytes·(n−1)/n (pipelined ring).
+broadcast bytes·(n−1)/n (a chain, averaged over its ranks).
 
 Set `TITANLAB_COMM_COUNT=<path>` and the trainer counts step 2 (`count_step_comms`) and writes
 `<path>.rank<r>.json` on every rank.
@@ -32,7 +33,7 @@ import contextlib
 import json
 import os
 from collections import defaultdict
-from typing import Any, ContextManager
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -91,24 +92,20 @@ def _group_size(group: Any) -> int | None:
             return group.size()
         if isinstance(group, str):
             return _resolve_process_group(group).size()
-    except (RuntimeError, TypeError, ValueError):
+    except (RuntimeError, TypeError, ValueError, KeyError):
         pass
     return None
 
 
 def _measure(ns: str, kind: str, args: tuple) -> tuple[int, int]:
     """(bytes, group size) of one call, with `bytes` as defined in the module docstring."""
+    # c10d ops take (outputs, inputs, group, ...) or (tensors, group, ...); functional
+    # collectives (input(s), ..., group_name[, out]). The group is the last resolvable argument.
+    n = next((g for g in map(_group_size, reversed(args)) if g is not None), 1)
     if ns == "c10d":
-        # Collectives take (outputs, inputs, group, ...) or (tensors, group, ...).
-        n = next((g for g in map(_group_size, args) if g is not None), 1)
-        if kind in ("all_gather", "reduce_scatter", "all_to_all"):
-            out, inp = _nbytes(args[0]), _nbytes(args[1])
-            if kind == "all_gather":
-                return out, n
-            return inp, n
-        return _nbytes(args[0]), n
-    # Functional collectives: (input(s), ..., group_name) with the group last.
-    n = _group_size(args[-1]) or 1
+        if kind in ("reduce_scatter", "all_to_all"):
+            return _nbytes(args[1]), n
+        return _nbytes(args[0]), n  # all_gather: the outputs; others: the tensors
     size = _nbytes(args[0])
     return (size * n if kind == "all_gather" else size), n
 
@@ -173,7 +170,7 @@ def _count_to_file(path: str, step: int):
     counter.write_json(f"{path}.rank{rank}.json", rank=rank, world_size=world, step=step)
 
 
-def count_step_comms(step: int) -> ContextManager:
+def count_step_comms(step: int) -> contextlib.AbstractContextManager:
     """The trainer's hook: a `CommCounter` writing `$TITANLAB_COMM_COUNT.rank<r>.json` when that
     variable is set and `step` is `COUNTED_STEP`, else a no-op context."""
     path = os.environ.get(ENV_VAR)
