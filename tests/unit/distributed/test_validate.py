@@ -10,9 +10,11 @@ from titanlab.distributed.validate import validate_layout
 from titanlab.models.llama3 import llama3_flavors
 
 
-def error(world=4, flavor="debugmodel", device="cpu", seq_len=64, local_batch=8, **parallelism):
+def error(world=4, flavor="debugmodel", device="cpu", seq_len=64, local_batch=8,
+          compile_enable=False, **parallelism):
     """The ConfigError message of validating this layout (or None when it passes)."""
     config = JobConfig()
+    config.compile.enable = compile_enable
     config.model.flavor = flavor
     config.training.seq_len, config.training.local_batch_size = seq_len, local_batch
     for key, value in parallelism.items():
@@ -88,6 +90,11 @@ def test_refused_torch_213_traps():
                                             fsdp_reshard_after_forward="always")
     assert error(world=4, tensor_parallel_degree=2, data_parallel_replicate_degree=2,
                  data_parallel_shard_degree=1).startswith("dp_replicate > 1 without dp_shard (DDP)")
+
+
+def test_compile_with_tp_is_refused():
+    assert error(tensor_parallel_degree=2, compile_enable=True).startswith(
+        "compile.enable=true with tensor_parallel_degree > 1 is refused")
 
 
 def test_tied_embeddings_cannot_be_pipelined():
