@@ -13,14 +13,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Literal
 
+from titanlab.config.checkpointing import Checkpoint
+from titanlab.config.errors import ConfigError, _require
+from titanlab.config.parallelism import Parallelism
+from titanlab.config.performance import ActivationCheckpoint, Compile, Float8
 
-class ConfigError(ValueError):
-    """A bad configuration value; the message is one line naming it and the valid choices."""
-
-
-def _require(ok: bool, message: str) -> None:
-    if not ok:
-        raise ConfigError(message)
+__all__ = ["ActivationCheckpoint", "Checkpoint", "Comm", "Compile", "ConfigError", "Data", "Debug",
+           "Float8", "Job", "JobConfig", "LRScheduler", "Metrics", "Model", "Optimizer",
+           "Parallelism", "Training", "Validation"]
 
 
 @dataclass
@@ -165,178 +165,6 @@ class LRScheduler:
                  f"lr_scheduler.decay_ratio={self.decay_ratio} must be -1 or in [0, 1]")
         _require(0.0 <= self.min_lr_factor <= 1.0,
                  f"lr_scheduler.min_lr_factor={self.min_lr_factor} must be in [0, 1]")
-
-
-@dataclass
-class Parallelism:
-    data_parallel_replicate_degree: int = 1
-    """dp_replicate: number of model replicas (HSDP's replicate dimension; DDP-like all-reduce)."""
-
-    data_parallel_shard_degree: int = -1
-    """dp_shard: FSDP2 sharding degree. -1: whatever the other degrees leave of the world size."""
-
-    fsdp_reshard_after_forward: Literal["default", "always", "never"] = "default"
-    """Free gathered parameters after forward (saves memory, costs an all-gather in backward).
-    default: reshard every block except the root."""
-
-    tensor_parallel_degree: int = 1
-    """tp: tensor parallel degree (Megatron-style, always with sequence parallel for the norms)."""
-
-    disable_loss_parallel: bool = False
-    """Under tp, gather the full-vocab logits before the loss instead of computing the
-    cross-entropy on vocab-sharded logits (loss parallel)."""
-
-    pipeline_parallel_degree: int = 1
-    """pp: pipeline parallel degree (number of pipeline ranks)."""
-
-    pipeline_parallel_schedule: Literal[
-        "GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble",
-        "DualPipeV",
-    ] = "1F1B"
-    """Pipeline schedule, used when pipeline_parallel_degree > 1."""
-
-    pipeline_parallel_microbatch_size: int = 1
-    """Samples per pipeline microbatch; local_batch_size / this = microbatches per step."""
-
-    pipeline_parallel_stages_per_rank: int = 2
-    """Stages each rank holds for the looped schedules (Interleaved1F1B, LoopedBFS,
-    InterleavedZeroBubble). GPipe/1F1B use 1, ZBVZeroBubble/DualPipeV 2."""
-
-    pipeline_parallel_layers_per_stage: int = -1
-    """Blocks per pipeline stage (the first and last stage hold one fewer, for the embedding and
-    the output). -1: split evenly, counting embedding and output as one block each."""
-
-    pipeline_parallel_module_fqns_per_stage: list[str] = field(default_factory=list)
-    """Manual split: one entry per stage, the module names separated by spaces, e.g.
-    "tok_embeddings layers.0 layers.1". Overrides the automatic split."""
-
-    context_parallel_degree: int = 1
-    """cp: context parallel degree: each sample's sequence is split over cp ranks (ring
-    attention through SDPA; CUDA only)."""
-
-    def validate(self) -> None:
-        _require(self.data_parallel_replicate_degree >= 1,
-                 f"parallelism.data_parallel_replicate_degree={self.data_parallel_replicate_degree}"
-                 " must be >= 1")
-        _require(self.data_parallel_shard_degree == -1 or self.data_parallel_shard_degree >= 1,
-                 f"parallelism.data_parallel_shard_degree={self.data_parallel_shard_degree}"
-                 " must be -1 or >= 1")
-        for key in ("tensor_parallel_degree", "pipeline_parallel_degree", "context_parallel_degree",
-                    "pipeline_parallel_microbatch_size", "pipeline_parallel_stages_per_rank"):
-            value = getattr(self, key)
-            _require(value >= 1, f"parallelism.{key}={value} must be >= 1")
-
-
-@dataclass
-class Checkpoint:
-    enable: bool = False
-    """Save DCP checkpoints and resume from the newest complete one at start."""
-
-    folder: str = "checkpoint"
-    """Checkpoint folder, relative to job.dump_folder (or absolute). Steps go to `<folder>/step-N`."""
-
-    interval: int = 500
-    """Save every this many steps (and always at the last step)."""
-
-    keep_latest_k: int = 10
-    """Keep only the newest k complete checkpoints (0: keep all). The seed checkpoint (step-0) is kept."""
-
-    async_mode: Literal["disabled", "async"] = "disabled"
-    """`async`: write in a background thread while training continues (dcp.async_save)."""
-
-    load_step: int = -1
-    """Resume from this step instead of the newest complete checkpoint (-1: newest)."""
-
-    initial_load_path: str = ""
-    """A checkpoint folder (e.g. a seed checkpoint's `step-0`, or one converted from Hugging
-    Face) to start from when `folder` holds no checkpoint yet. Ignored once the run has its own."""
-
-    initial_load_model_only: bool = True
-    """Load only the model weights from `initial_load_path` (fresh optimizer, step 0)."""
-
-    create_seed_checkpoint: bool = False
-    """Initialize the model on one process, save it as step-0 and exit, so every parallel layout
-    can start from identical weights. Run with a single process."""
-
-    export_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    """Dtype of the final model-only export written at the end of training (`<folder>/export`)."""
-
-    export_at_end: bool = True
-    """At the last step, also write the model weights alone (no optimizer) in `export_dtype`."""
-
-    last_save_in_hf: bool = False
-    """With `export_at_end`, also write the final export as a Hugging Face Llama folder
-    (`<folder>/hf-step-N`: safetensors in `export_dtype`, config.json, and the tokenizer files
-    when the model uses the bundled tokenizer), converted on rank 0 by the same code as
-    `tools/convert_checkpoint.py to-hf`. Loads with `transformers` and vLLM."""
-
-    def validate(self) -> None:
-        _require(self.interval >= 1, f"checkpoint.interval={self.interval} must be >= 1")
-        _require(self.keep_latest_k >= 0, f"checkpoint.keep_latest_k={self.keep_latest_k} must be >= 0")
-        _require(self.load_step >= -1, f"checkpoint.load_step={self.load_step} must be -1 or >= 0")
-        _require(bool(self.folder), "checkpoint.folder must not be empty")
-        _require(not self.last_save_in_hf or self.export_at_end,
-                 "checkpoint.last_save_in_hf=true needs checkpoint.export_at_end=true "
-                 "(the Hugging Face folder is converted from the export)")
-
-
-@dataclass
-class ActivationCheckpoint:
-    mode: Literal["none", "full", "selective"] = "none"
-    """none: keep all activations; full: recompute each block in backward; selective: see
-    `selective_ac_option`."""
-
-    selective_ac_option: str = "op"
-    """For mode=selective: `op` (save matmul and attention outputs, recompute the cheap ops) or an
-    integer N (checkpoint every N-th block fully)."""
-
-    def validate(self) -> None:
-        opt = self.selective_ac_option
-        _require(opt == "op" or (opt.isdecimal() and int(opt) >= 1),
-                 f"activation_checkpoint.selective_ac_option={opt!r} must be 'op' or a positive integer")
-
-
-@dataclass
-class Compile:
-    enable: bool = False
-    """torch.compile each transformer block (fullgraph) and the loss."""
-
-    components: list[str] = field(default_factory=lambda: ["model", "loss"])
-    """What to compile: any of model, loss."""
-
-    backend: str = "inductor"
-    """torch.compile backend."""
-
-    def validate(self) -> None:
-        bad = [c for c in self.components if c not in ("model", "loss")]
-        _require(not bad, f"compile.components has {bad}; valid: model, loss")
-
-
-@dataclass
-class Float8:
-    enable: bool = False
-    """Train the Linear layers in float8 through torchao (needs `pip install 'titanlab[float8]'`
-    and an NVIDIA GPU with compute capability >= 8.9, or `emulate`)."""
-
-    recipe_name: Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"] = "tensorwise"
-    """torchao float8 recipe: one dynamic scale per tensor, per row, or per row with the weight
-    gradient kept in high precision."""
-
-    filter_fqns: list[str] = field(default_factory=lambda: ["output"])
-    """Linear layers whose name contains any of these stay in high precision (Linears with dims
-    not divisible by 16 are always skipped)."""
-
-    emulate: bool = False
-    """Run the float8 numerics with ordinary matmuls (for CPU tests; no speed-up)."""
-
-    enable_fsdp_float8_all_gather: bool = True
-    """With FSDP and the tensorwise recipe, all-gather weights in float8 (half the bytes of bf16)."""
-
-    precompute_float8_dynamic_scale_for_fsdp: bool = True
-    """With float8 all-gather: compute all weight scales in one all-reduce after each optimizer step."""
-
-    def validate(self) -> None:
-        _require(all(self.filter_fqns), f"float8.filter_fqns={self.filter_fqns} has an empty name")
 
 
 @dataclass
