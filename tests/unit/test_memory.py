@@ -97,3 +97,18 @@ def test_debugmodel_fits_on_this_host():
 def test_memory_check_off_does_not_raise(host_with_8_gib):
     est = check_memory(model_args("8B", 128256, 8192), job(memory_check=False), 2, 2, torch.float32)
     assert est.total > 8 * GIB
+
+
+def test_estimate_memory_tool_prints_table_and_verdict(capsys):
+    import importlib.util
+    import os
+
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "tools", "estimate_memory.py")
+    spec = importlib.util.spec_from_file_location("estimate_memory_tool", path)
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    assert tool.main(["--nproc", "2", "--model.flavor", "debugmodel", "--training.seq_len", "256"]) == 0
+    out = capsys.readouterr().out
+    assert "activations" in out and "total" in out and "→ fits" in out
+    assert tool.main(["--nproc", "1", "--model.flavor", "405B", "--training.seq_len", "8192"]) == 1
+    assert "does NOT fit" in capsys.readouterr().out

@@ -1,0 +1,372 @@
+"""Speed and memory of the real trainer against a plain PyTorch loop of the same model and batch.
+
+    python tools/benchmark.py [--matrix full|quick|none] [--steps 20] [--warmup 5] [--threads 1]
+                              [--out docs/performance.md] [--gpu-8b [--gpu-layers 4]]
+
+Trainer rows: `torch.distributed.run -m titanlab.train`, debug model, seq 256, global batch 16
+split over the ranks, no checkpoint or validation, log_freq 1; eager/compile × AC
+none/selective/full × 1/2 ranks (FSDP) × fp32/bf16 (quick: eager, none, fp32). Baseline rows:
+one process running titanlab's `Transformer` in a plain loop (fused AdamW, `F.cross_entropy`,
+`clip_grad_norm_`, batches by numpy memmap from the same shards) per precision and compile.
+
+Columns: step time = median seconds per step after the warm-up; tps = median tokens/s of one
+rank; memory = peak of the run (CUDA max reserved, else peak RSS of rank 0's process);
+vs baseline = tps per intra-op thread ÷ the baseline's (on CUDA: tps ÷ tps). One rank and the
+baseline use `--threads` threads, each of 2 ranks one. Step times are exact: with log_freq 1
+the trainer's tps of step k is tokens_per_step ÷ (time from logging step k-1 to logging step
+k), so step time = local batch × seq_len ÷ tps.
+
+`--gpu-8b` (CUDA): the plain loop at the 8B flavor's dims with `--gpu-layers` blocks (vocab
+128256, seq 8192, batch 1, random tokens) in bf16 (eager, compiled) and float8 (torchao
+tensorwise, compiled), with MFU = tps × FLOPs/token (`get_nparams_and_flops`) ÷ the dense bf16
+peak (`device_peak_flops`). Tables replace the `<!-- benchmark:TAG:begin/end -->` blocks of
+`--out` (TAG cpu or cuda, and cuda-8b), keeping the rest of the file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import platform
+import resource
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIG = os.path.join(REPO, "train_configs", "debug_model.toml")
+SEQ, GLOBAL_BS = 256, 16
+HEADER = "# Performance\n\nMeasured by `tools/benchmark.py`; see its docstring for the method.\n"
+# This process imports no torch: a child's peak RSS can include its parent's (fork + exec), so
+# the probe and the baseline loop run in children (`--child`).
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """One row: the trainer under torchrun (`ranks` >= 1) or the plain baseline loop (`ranks` 0)."""
+
+    compile: bool = False
+    ac: str = "none"
+    ranks: int = 1
+    precision: str = "fp32"  # fp32 | bf16 | float8 (float8: baseline-style GPU rows only)
+
+    @property
+    def name(self) -> str:
+        mode = "compile" if self.compile else "eager"
+        if self.ranks == 0:
+            return f"baseline (plain loop) · {mode} · {self.precision}"
+        ranks = "1 rank" if self.ranks == 1 else f"{self.ranks} ranks FSDP"
+        return f"titanlab · {mode} · AC {self.ac} · {ranks} · {self.precision}"
+
+
+@dataclasses.dataclass
+class Result:
+    """Summary of one run. `step_s`: median seconds/step; `tps`: median tokens/s of one rank;
+    `peak_gib`: peak memory in GiB; `threads`: intra-op threads per rank; `error`: why it failed."""
+
+    run: Run
+    step_s: float = float("nan")
+    tps: float = float("nan")
+    peak_gib: float = float("nan")
+    threads: int = 1
+    ratio: float | None = None
+    mfu: float | None = None
+    error: str = ""
+
+
+def matrix(kind: str) -> list[Run]:
+    """The runs of `kind` (full, quick or none), trainer rows first; else a ValueError."""
+    if kind in ("quick", "none"):
+        return [Run(ranks=1), Run(ranks=2), Run(ranks=0)] if kind == "quick" else []
+    if kind != "full":
+        raise ValueError(f"matrix={kind!r} is invalid; use 'full', 'quick' or 'none'")
+    runs = [Run(c, ac, r, p) for p in ("fp32", "bf16") for c in (False, True)
+            for ac in ("none", "selective", "full") for r in (1, 2)]
+    return runs + [Run(c, "none", 0, p) for p in ("fp32", "bf16") for c in (False, True)]
+
+
+def step_times(records: list[dict], tokens_per_step: int, warmup: int) -> list[float]:
+    """Seconds per step of each step after `warmup`, from metrics.jsonl records logged every step.
+
+    Raises ValueError when a step is missing (tps would then average over several steps)."""
+    by_step = {r["step"]: r for r in records}  # a resumed run may log a step twice: the last wins
+    steps = sorted(by_step)
+    if steps != list(range(1, len(steps) + 1)):
+        raise ValueError(f"metrics.jsonl must log every step from 1 (metrics.log_freq 1); got {steps}")
+    return [tokens_per_step / by_step[s]["tps"] for s in steps[warmup:]]
+
+
+def summarize(run: Run, times_s: list[float], tokens_per_step: int, peak_gib: float,
+              threads: int) -> Result:
+    """A Result from per-step seconds: median step time and median per-rank tokens/s."""
+    if not times_s:
+        return Result(run, error="no steps after the warm-up")
+    return Result(run, statistics.median(times_s),
+                  statistics.median(tokens_per_step / t for t in times_s), peak_gib, threads)
+
+
+def add_ratios(results: list[Result], per_thread: bool = True) -> None:
+    """Set each row's `ratio`: its tps (per thread when `per_thread`, i.e. on CPU) ÷ that of the
+    baseline of the same precision and compile setting (else the eager one of that precision)."""
+    base = {(r.run.precision, r.run.compile): r for r in results if r.run.ranks == 0 and not r.error}
+    for r in results:
+        b = base.get((r.run.precision, r.run.compile)) or base.get((r.run.precision, False))
+        if b is not None and not r.error:
+            r.ratio = r.tps / b.tps * (b.threads / r.threads if per_thread else 1.0)
+
+
+def render_table(results: list[Result], mfu: bool = False) -> str:
+    """A Markdown table of `results`; failed rows show their error. `mfu` adds an MFU column."""
+    head = ["run", "step time (ms, median)", "tps/rank (median)", "peak memory (GiB)", "vs baseline"]
+    lines = ["| " + " | ".join(head + ["MFU"] * mfu) + " |", "|---" * (len(head) + mfu) + "|"]
+    for r in results:
+        if r.error:
+            cells = [r.run.name, f"failed: {r.error}", "", "", ""] + [""] * mfu
+        else:
+            cells = [r.run.name, f"{r.step_s * 1e3:.1f}", f"{r.tps:,.0f}", f"{r.peak_gib:.2f}",
+                     "" if r.ratio is None else f"{r.ratio:.2f}×"]
+            cells += [f"{100 * r.mfu:.1f}%" if r.mfu is not None else "n/a"] * mfu
+        lines.append("| " + " | ".join(c.replace("|", "/") for c in cells) + " |")
+    return "\n".join(lines)
+
+
+def replace_block(text: str, tag: str, body: str) -> str:
+    """`text` with the block between the `tag` markers set to `body` (appended when absent)."""
+    begin, end = f"<!-- benchmark:{tag}:begin -->", f"<!-- benchmark:{tag}:end -->"
+    if begin in text and end in text.split(begin, 1)[1]:
+        head, rest = text.split(begin, 1)
+        return f"{head}{begin}\n{body}\n{end}{rest.split(end, 1)[1]}"
+    return f"{text.rstrip()}\n\n{begin}\n{body}\n{end}\n"
+
+
+def write_block(path: str, tag: str, body: str) -> None:
+    """Replace (or add) the `tag` block of the Markdown file at `path`, creating the file."""
+    text = HEADER
+    if os.path.exists(path):
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(replace_block(text, tag, body))
+
+
+def machine(info: dict, threads: int, command: str) -> str:
+    """One paragraph: CPU, cores, RAM, GPU, torch version, threads, date and the command."""
+    cpu = platform.processor() or "unknown CPU"
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    gpu = f", GPU {info['gpu']}" if info.get("gpu") else ""
+    return (f"Machine: {cpu}, {os.cpu_count()} cores, {ram:.0f} GiB RAM{gpu}; Python "
+            f"{platform.python_version()}, torch {info['torch']}; {threads} intra-op thread(s) for "
+            f"1 rank and the baseline, 1 per rank for 2 ranks; {datetime.date.today()}.\n"
+            f"Command: `{command}`")
+
+
+def child(spec: dict, threads: int) -> dict:
+    """Run this file as a child process with `spec` (a probe or a baseline loop); its JSON reply."""
+    path = os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONPATH=path)
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", json.dumps(spec)],
+                          cwd=REPO, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        return {"error": f"exit {proc.returncode}: {failure(proc.stderr)}"}
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def failure(log: str) -> str:
+    """The line of a failed run's output that says why: the first error line, else the last."""
+    lines = [ln.strip() for ln in log.splitlines() if ln.strip()]
+    hits = [ln for ln in lines if ("Error:" in ln or "error:" in ln) and "ChildFailed" not in ln]
+    return (hits or lines or ["no output"])[0 if hits else -1][:200]
+
+
+def run_trainer(run: Run, steps: int, warmup: int, threads: int, data_dir: str) -> Result:
+    """Train `warmup + steps` steps under torchrun; summarize rank 0's metrics.jsonl."""
+    local = GLOBAL_BS // run.ranks
+    threads = threads if run.ranks == 1 else 1
+    with tempfile.TemporaryDirectory(prefix="titanlab_bench_") as dump:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc_per_node={run.ranks}", "-m", "titanlab.train", "--job.config_file", CONFIG,
+               "--job.dump_folder", dump, "--data.dataset_path", data_dir,
+               "--training.steps", str(warmup + steps), "--training.seq_len", str(SEQ),
+               "--training.global_batch_size", str(GLOBAL_BS), "--training.local_batch_size", str(local),
+               "--metrics.log_freq", "1", "--checkpoint.enable", "false", "--validation.enable", "false",
+               "--compile.enable", str(run.compile).lower(), "--activation_checkpoint.mode", run.ac,
+               "--training.mixed_precision_param", "bfloat16" if run.precision == "bf16" else "float32",
+               "--training.mixed_precision_on_cpu", str(run.precision == "bf16").lower()]
+        env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1")
+        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
+        path = os.path.join(dump, "metrics.jsonl")
+        if proc.returncode != 0 or not os.path.exists(path):
+            return Result(run, error=f"exit {proc.returncode}: {failure(proc.stderr + proc.stdout)}")
+        with open(path, encoding="utf-8") as f:
+            records = [json.loads(line) for line in f]
+    times = step_times(records, local * SEQ, warmup)
+    return summarize(run, times, local * SEQ, max(r["memory_gib"] for r in records), threads)
+
+
+def plain_loop(spec: dict) -> dict:
+    """The baseline (child process): titanlab's `Transformer`, then plain PyTorch only.
+
+    spec: flavor, layers (None: the flavor's), vocab, seq, batch, precision, compile, steps,
+    warmup, threads, data_dir (None: random tokens), device. Returns per-step seconds, peak GiB
+    (CUDA max reserved, else peak RSS), training FLOPs/token and the device's peak FLOP/s."""
+    import numpy as np
+    import torch
+    import torch.nn.functional as F
+
+    from titanlab.metrics import device_peak_flops
+    from titanlab.models.llama3 import Transformer, get_nparams_and_flops, llama3_flavors
+
+    torch.set_num_threads(spec["threads"])
+    device = torch.device(spec["device"])
+    base = llama3_flavors[spec["flavor"]]
+    args = dataclasses.replace(base, vocab_size=spec["vocab"], max_seq_len=spec["seq"],
+                               n_layers=spec["layers"] or base.n_layers)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = Transformer(args)
+    model.init_weights()
+    _, flops = get_nparams_and_flops(model, args, spec["seq"])
+    if spec["precision"] == "float8":
+        from torchao.float8 import convert_to_float8_training
+        convert_to_float8_training(model, module_filter_fn=lambda m, fqn: fqn != "output")
+    loss_fn = lambda logits, y: F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())  # noqa: E731
+    if spec["compile"]:
+        for block in model.layers.values():
+            block.compile(fullgraph=True)
+        loss_fn = torch.compile(loss_fn)
+    opt = torch.optim.AdamW(model.parameters(), lr=4e-3, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
+    bs, seq = spec["batch"], spec["seq"]
+    if spec["data_dir"]:
+        with open(os.path.join(spec["data_dir"], "metadata.json"), encoding="utf-8") as f:
+            meta = json.load(f)
+        shard = max(meta["shards"], key=lambda s: s["tokens"])["file"]
+        tokens = np.memmap(os.path.join(spec["data_dir"], shard), dtype=meta["dtype"], mode="r")
+        windows = (len(tokens) - 1) // seq
+
+    def batch(k: int) -> torch.Tensor:  # (bs, seq + 1) int64
+        if not spec["data_dir"]:
+            return torch.randint(args.vocab_size, (bs, seq + 1), device=device)
+        rows = [tokens[w * seq: w * seq + seq + 1] for w in (k * bs + np.arange(bs)) % windows]
+        return torch.from_numpy(np.stack(rows).astype(np.int64)).to(device)
+
+    amp = spec["precision"] != "fp32"
+    times = []
+    for k in range(spec["warmup"] + spec["steps"]):
+        begin = time.perf_counter()
+        xy = batch(k)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp):
+            logits = model(xy[:, :-1])  # (bs, seq, vocab)
+        loss = loss_fn(logits, xy[:, 1:])
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        loss.item()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - begin)
+    peak = (torch.cuda.max_memory_reserved() if device.type == "cuda" else
+            resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024) / 2**30
+    return {"times": times[spec["warmup"]:], "peak_gib": peak, "flops_per_token": flops,
+            "peak_flops": device_peak_flops(device)}
+
+
+def probe() -> dict:
+    """(child) torch version, GPU count and name, the prepared default corpus and its vocab."""
+    import torch
+
+    from titanlab.data.default_corpus import default_cache_dir, ensure_default_corpus
+    from titanlab.data.tokenizer import Tokenizer, default_tokenizer_path
+
+    n = torch.cuda.device_count()
+    path = default_tokenizer_path()
+    return {"torch": torch.__version__, "gpus": n, "gpu": torch.cuda.get_device_name() if n else "",
+            "data_dir": ensure_default_corpus(default_cache_dir(), path),
+            "vocab": Tokenizer(path).vocab_size}
+
+
+def run_plain(run: Run, spec: dict, threads: int) -> Result:
+    """The plain loop of `spec` in a child process, as a Result (tps per process)."""
+    out = child(dict(spec, kind="loop", compile=run.compile, precision=run.precision,
+                     threads=threads), threads)
+    if "error" in out:
+        return Result(run, error=out["error"])
+    tokens = spec["batch"] * spec["seq"]
+    res = summarize(run, out["times"], tokens, out["peak_gib"], threads)
+    if out["peak_flops"]:
+        res.mfu = res.tps * out["flops_per_token"] / out["peak_flops"]
+    return res
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--steps", type=int, default=20, help="measured steps per run (after warm-up)")
+    p.add_argument("--warmup", type=int, default=5, help="steps run first and not measured")
+    p.add_argument("--matrix", default="full", choices=["full", "quick", "none"],
+                   help="quick: eager, AC none, fp32, 1 and 2 ranks; none: only --gpu-8b")
+    p.add_argument("--threads", type=int, default=1, help="intra-op threads: 1 rank and baseline")
+    p.add_argument("--out", default=os.path.join(REPO, "docs", "performance.md"),
+                   help="Markdown file whose benchmark block(s) are replaced")
+    p.add_argument("--gpu-8b", action="store_true", help="CUDA: 8B-dims rows with MFU")
+    p.add_argument("--gpu-layers", type=int, default=4, help="blocks of the 8B-shaped model")
+    p.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    if a.child:
+        spec = json.loads(a.child)
+        print(json.dumps(probe() if spec["kind"] == "probe" else plain_loop(spec)))
+        return 0
+    if a.steps < 1 or a.warmup < 0 or a.threads < 1:
+        raise SystemExit(f"error: --steps {a.steps} / --warmup {a.warmup} / --threads {a.threads} "
+                         "need steps >= 1, warmup >= 0, threads >= 1")
+    info = child({"kind": "probe"}, 1)
+    if "error" in info:
+        raise SystemExit(f"error: probe failed: {info['error']}")
+    command = shlex.join(["python", "tools/benchmark.py", *(sys.argv[1:] if argv is None else argv)])
+    about = machine(info, a.threads, command)
+    loop = {"flavor": "debugmodel", "layers": None, "vocab": info["vocab"], "seq": SEQ,
+            "batch": GLOBAL_BS, "steps": a.steps, "warmup": a.warmup, "data_dir": info["data_dir"],
+            "device": "cuda" if info["gpus"] else "cpu"}
+    results = []
+    for run in matrix(a.matrix):
+        if info["gpus"] and run.ranks > info["gpus"]:
+            print(f"skip {run.name}: needs {run.ranks} GPUs", flush=True)
+            continue
+        print(f"running {run.name} ...", flush=True)
+        results.append(run_plain(run, loop, a.threads) if run.ranks == 0 else
+                       run_trainer(run, a.steps, a.warmup, a.threads, info["data_dir"]))
+    if results:
+        add_ratios(results, per_thread=not info["gpus"])
+        publish(a.out, "cuda" if info["gpus"] else "cpu", f"{about}\n\n{render_table(results)}")
+    if a.gpu_8b and not info["gpus"]:
+        print("--gpu-8b: skipped, no CUDA device")
+    elif a.gpu_8b:
+        spec = dict(loop, flavor="8B", layers=a.gpu_layers, vocab=128256, seq=8192, batch=1,
+                    data_dir=None)
+        rows = [run_plain(r, spec, 1) for r in (Run(False, ranks=0, precision="bf16"),
+                Run(True, ranks=0, precision="bf16"), Run(True, ranks=0, precision="float8"))]
+        publish(a.out, "cuda-8b", f"{about}\n\nThe plain loop with titanlab's model at 8B dims "
+                f"but {a.gpu_layers} layers (vocab 128256, seq 8192, batch 1, random tokens); MFU "
+                f"against the device's dense bf16 peak.\n\n{render_table(rows, mfu=True)}")
+    return 0
+
+
+def publish(path: str, tag: str, table: str) -> None:
+    print(table, flush=True)
+    write_block(path, tag, table)
+    print(f"written to the {tag} block of {path}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
