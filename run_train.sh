@@ -3,10 +3,15 @@
 #
 #   ./run_train.sh [CONFIG_FILE] [--section.key VALUE ...]
 #
-# NGPU     processes to start (default: the number of CUDA GPUs, or 2 CPU processes without one)
-# LOG_RANK ranks whose output is shown (default 0; e.g. LOG_RANK=0,1)
-# PYTHON   interpreter (default: .venv/bin/python when present, else python3)
-set -euo pipefail
+# NGPU          processes to start (default: the number of CUDA GPUs, or 2 CPU processes without one)
+# LOG_RANK      ranks whose output is shown (default 0; e.g. LOG_RANK=0,1)
+# MAX_RESTARTS  times torchrun restarts the whole group after a rank fails (default 0); a restarted
+#               group resumes from the newest complete checkpoint
+# PYTHON        interpreter (default: .venv/bin/python when present, else python3)
+#
+# Preemption: SIGTERM or SIGUSR1 to this script makes every rank finish its step, save a
+# checkpoint and stop; the script then exits with 75 (requeue) instead of torchrun's status.
+set -uo pipefail
 cd "$(dirname "$0")"
 
 CONFIG_FILE=train_configs/debug_model.toml
@@ -27,10 +32,28 @@ LOG_RANK=${LOG_RANK:-0}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 
 # Fail in seconds, with one line and nothing written, when the config is invalid or cannot fit.
-"$PYTHON" -m titanlab.preflight --nproc "$NGPU" --job.config_file "$CONFIG_FILE" "$@"
+"$PYTHON" -m titanlab.preflight --nproc "$NGPU" --job.config_file "$CONFIG_FILE" "$@" || exit $?
 
-exec "$PYTHON" -m torch.distributed.run \
-    --nproc_per_node="$NGPU" \
+# Rank 0 writes this file when it stopped for preemption after saving.
+export TITANLAB_PREEMPT_MARKER
+TITANLAB_PREEMPT_MARKER=$(mktemp -u "${TMPDIR:-/tmp}/titanlab-preempt.XXXXXX")
+
+"$PYTHON" -m torch.distributed.run \
+    --nproc_per_node="$NGPU" --max-restarts="${MAX_RESTARTS:-0}" \
     --rdzv_backend=c10d --rdzv_endpoint="localhost:${MASTER_PORT:-0}" \
     --local-ranks-filter="$LOG_RANK" --role=rank --tee=3 \
-    -m titanlab.train --job.config_file "$CONFIG_FILE" "$@"
+    -m titanlab.train --job.config_file "$CONFIG_FILE" "$@" &
+TORCHRUN=$!
+# torchrun forwards SIGTERM to the ranks (it would die on SIGUSR1), so both become SIGTERM.
+trap 'kill -TERM "$TORCHRUN" 2>/dev/null' TERM USR1
+while true; do
+    wait "$TORCHRUN"
+    STATUS=$?
+    kill -0 "$TORCHRUN" 2>/dev/null || break  # wait returned for a trapped signal: keep waiting
+done
+if [[ -f "$TITANLAB_PREEMPT_MARKER" ]]; then
+    echo "run_train.sh: preempted after step $(cat "$TITANLAB_PREEMPT_MARKER"); exit 75 to requeue" >&2
+    rm -f "$TITANLAB_PREEMPT_MARKER"
+    exit 75
+fi
+exit "$STATUS"

@@ -16,7 +16,7 @@ import sys
 import torch
 
 from titanlab import components, preflight
-from titanlab.checkpoint import Checkpointer
+from titanlab.checkpoint import Checkpointer, store
 from titanlab.config.docs import format_help
 from titanlab.config.job_config import ConfigError, JobConfig
 from titanlab.config.manager import build_config, format_config
@@ -26,6 +26,7 @@ from titanlab.distributed.context_parallel import cp_context
 from titanlab.distributed.parallelize import param_dtype, parallelize_llama
 from titanlab.distributed.pipeline import pipeline_llama
 from titanlab.float8 import apply_float8, precompute_scales
+from titanlab.preemption import REQUEUE_EXIT_CODE, Preempted, PreemptionHandler
 from titanlab.precision import autocast_context, build_grad_scaler
 from titanlab.loss import IGNORE_INDEX, ScaledLoss, cross_entropy_sum, local_value, maybe_loss_parallel
 from titanlab.distributed.utils import clip_grad_norm_, global_sum
@@ -133,6 +134,7 @@ class Trainer:
         if cfg.checkpoint.create_seed_checkpoint:
             return self._write_seed_checkpoint()
         gc.disable()
+        preemption = PreemptionHandler(self.device)
         data = iter(self.loader)
         last = cfg.training.steps
         logger.info("training: steps %d → %d", self.step + 1, last)
@@ -152,7 +154,25 @@ class Trainer:
             self.checkpointer.maybe_save(self.step, last)
             if cfg.training.gc_freq and self.step % cfg.training.gc_freq == 0:
                 gc.collect(1)
+            if self.step < last and preemption.should_stop():
+                self._stop_for_preemption(preemption)
+        preemption.restore()
         logger.info("training: done at step %d", self.step)
+
+    def _stop_for_preemption(self, preemption: PreemptionHandler) -> None:
+        """Save the state of the step just finished (unless already saved) and leave the loop."""
+        saved = "checkpointing is disabled, nothing saved"
+        if self.config.checkpoint.enable:
+            path = store.step_dir(self.checkpointer.root, self.step)
+            if store.incomplete_reason(path) is not None:
+                self.checkpointer.save(self.step)
+            self.checkpointer.wait()
+            saved = f"checkpoint {path}"
+        if self.rank == 0:
+            preemption.mark_for_requeue(self.step)
+        logger.warning("preempted by %s after step %d: %s; exiting with %d to be requeued",
+                       preemption.signal_name(), self.step, saved, REQUEUE_EXIT_CODE)
+        raise Preempted()
 
     def train_step(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[float, float]:
         """One optimizer step over `batches` (the grad-accumulation microbatches of this rank).
@@ -252,6 +272,13 @@ class Trainer:
         self.metrics.close()
 
 
+def is_collective_timeout(e: BaseException) -> bool:
+    """Whether `e` is a process-group timeout (gloo: "Timed out waiting"; NCCL watchdog: "timeout")."""
+    text = str(e).lower()
+    return isinstance(e, (RuntimeError, torch.distributed.DistError)) and (
+        "timed out" in text or "timeout" in text)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if "--help" in argv or "-h" in argv:
@@ -266,9 +293,22 @@ def main(argv: list[str] | None = None) -> int:
         trainer.train()
         trainer.close()
         return 0
+    except Preempted:
+        trainer.close()
+        return REQUEUE_EXIT_CODE
     except (ConfigError, TrainingDiverged) as e:
         print(f"titanlab: error: {e}", file=sys.stderr, flush=True)
         return 2 if isinstance(e, ConfigError) else 3
+    except Exception as e:
+        if trainer is None or not is_collective_timeout(e):
+            raise
+        first = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
+        last = trainer.checkpointer.last_complete()
+        print(f"titanlab: error: rank {trainer.rank}: a collective timed out at step {trainer.step} "
+              f"(comm.train_timeout_seconds={trainer.config.comm.train_timeout_seconds}); a peer rank "
+              f"stopped responding. Last complete checkpoint: {last or 'none'}. ({first})",
+              file=sys.stderr, flush=True)
+        return 4
     finally:
         destroy_distributed()
 

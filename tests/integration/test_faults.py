@@ -1,0 +1,127 @@
+"""Faults during training: preemption, a killed rank, a hung rank. Nothing is lost.
+
+Each test drives the user's entry point (run_train.sh, which runs torchrun) and injects the fault
+from outside with real signals, as a scheduler or a dying node would.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import time
+
+from conftest import REPO, read_metrics
+from titanlab.checkpoint import store
+
+CONSTANT_LR = ["--lr_scheduler.warmup_steps", "2", "--lr_scheduler.decay_ratio", "0"]
+
+
+def start(tiny_dataset, dump, *extra, env_extra=None):
+    env = dict(os.environ, NGPU="2", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env_extra or {}))
+    cmd = [os.path.join(REPO, "run_train.sh"), "train_configs/debug_model.toml",
+           "--training.seq_len", "64", "--training.local_batch_size", "2", "--metrics.log_freq", "1",
+           "--validation.enable", "false", "--debug.deterministic", "true",
+           "--checkpoint.enable", "true", "--checkpoint.keep_latest_k", "0",
+           "--checkpoint.export_at_end", "false", "--data.dataset_path", tiny_dataset,
+           "--job.dump_folder", dump, *CONSTANT_LR, *extra]
+    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+
+
+def logged_steps(dump):
+    path = os.path.join(dump, "metrics.jsonl")
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line)["step"] for line in f if line.strip()]
+
+
+def wait_for(predicate, timeout=300):
+    end = time.time() + timeout
+    while time.time() < end:
+        if predicate():
+            return True
+        time.sleep(0.2)
+    raise AssertionError("timed out waiting")
+
+
+def worker_pid(rank: int, dump: str) -> int:
+    """PID of the trainer process with RANK=rank whose command line names `dump`."""
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read().decode(errors="replace")
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                env = f.read().decode(errors="replace").split("\0")
+        except OSError:
+            continue
+        if "titanlab.train" in cmd and dump in cmd and f"RANK={rank}" in env \
+                and "torch.distributed.run" not in cmd:
+            return int(pid)
+    raise AssertionError(f"no rank {rank} process for {dump}")
+
+
+def test_sigterm_saves_current_step_exits_75_and_resumes_exactly(tiny_dataset, tmp_path):
+    straight, preempted = str(tmp_path / "straight"), str(tmp_path / "preempted")
+    ref = start(tiny_dataset, straight, "--training.steps", "30", "--checkpoint.interval", "100")
+    assert ref.wait(timeout=600) == 0, ref.stderr.read()[-2000:]
+    run = start(tiny_dataset, preempted, "--training.steps", "30", "--checkpoint.interval", "100")
+    wait_for(lambda: len(logged_steps(preempted)) >= 5)
+    run.send_signal(signal.SIGTERM)
+    assert run.wait(timeout=120) == 75
+    stopped = max(logged_steps(preempted))
+    assert 5 <= stopped < 30
+    assert store.incomplete_reason(os.path.join(preempted, "checkpoint", f"step-{stopped}")) is None
+    again = start(tiny_dataset, preempted, "--training.steps", "30", "--checkpoint.interval", "100")
+    assert again.wait(timeout=600) == 0
+    want, got = read_metrics(straight), read_metrics(preempted)
+    assert [got[s] for s in range(1, 31)] == [want[s] for s in range(1, 31)]  # bitwise
+
+
+def test_killed_rank_restarts_group_and_finishes_with_same_losses(tiny_dataset, tmp_path):
+    straight, killed = str(tmp_path / "straight"), str(tmp_path / "killed")
+    ckpt = ["--training.steps", "20", "--checkpoint.interval", "10"]
+    ref = start(tiny_dataset, straight, *ckpt)
+    assert ref.wait(timeout=600) == 0
+    run = start(tiny_dataset, killed, *ckpt, env_extra={"MAX_RESTARTS": "1"})
+    step10 = os.path.join(killed, "checkpoint", "step-10")
+    wait_for(lambda: os.path.isdir(step10) and store.incomplete_reason(step10) is None)
+    os.kill(worker_pid(1, killed), signal.SIGKILL)
+    assert run.wait(timeout=600) == 0, run.stderr.read()[-3000:]
+    want, got = read_metrics(straight), read_metrics(killed)
+    assert max(logged_steps(killed)) == 20
+    assert [got[s] for s in range(11, 21)] == [want[s] for s in range(11, 21)]
+
+
+def test_hung_rank_fails_within_timeout_naming_rank_and_step(tiny_dataset, tmp_path):
+    dump = str(tmp_path / "hung")
+    timeout_s = 10
+    run = start(tiny_dataset, dump, "--training.steps", "400", "--checkpoint.interval", "5",
+                "--comm.train_timeout_seconds", str(timeout_s))
+    step5 = os.path.join(dump, "checkpoint", "step-5")
+    wait_for(lambda: os.path.isdir(step5) and store.incomplete_reason(step5) is None)
+    hung = worker_pid(1, dump)
+    os.kill(hung, signal.SIGSTOP)  # rank 1 stops taking part, as if stuck inside a step
+    stopped_at = time.time()
+    try:
+        out, err = run.communicate(timeout=timeout_s + 90)
+    finally:
+        try:
+            os.kill(hung, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    assert run.returncode != 0
+    line = [ln for ln in err.splitlines() if "a collective timed out" in ln]
+    assert line, err[-3000:]
+    assert "titanlab: error: rank 0: a collective timed out at step " in line[0]  # run_train.sh tees
+    assert f"comm.train_timeout_seconds={timeout_s}" in line[0]
+    # The error came within the timeout plus a margin (one step, and the logging) ...
+    log = os.path.join(dump, "metrics.jsonl")
+    assert time.time() - stopped_at < timeout_s + 90
+    # ... and the last complete checkpoint is intact.
+    steps = [s for s in store.list_steps(os.path.join(dump, "checkpoint"))
+             if store.incomplete_reason(os.path.join(dump, "checkpoint", f"step-{s}")) is None]
+    assert steps and f"step-{steps[-1]}" in line[0]
+    assert os.path.exists(log)
