@@ -29,7 +29,7 @@ train: setup
 	./run_train.sh $(CONFIG)
 
 test: setup
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q $(PYTEST_ARGS) tests
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q --durations=10 $(PYTEST_ARGS) tests
 
 clean:
 	rm -rf $(VENV) outputs .pytest_cache
