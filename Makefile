@@ -8,6 +8,7 @@ TORCH_VERSION ?= 2.13.0
 TORCH_CPU_PIP_ARGS ?=
 CONFIG ?= train_configs/debug_model.toml
 PYTEST_ARGS ?=
+TESTS ?= tests
 
 .PHONY: train test setup clean
 
@@ -29,7 +30,7 @@ train: setup
 	./run_train.sh $(CONFIG)
 
 test: setup
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q --durations=10 $(PYTEST_ARGS) tests
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q --durations=10 $(PYTEST_ARGS) $(TESTS)
 
 clean:
 	rm -rf $(VENV) outputs .pytest_cache
