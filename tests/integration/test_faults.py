@@ -65,19 +65,19 @@ def worker_pid(rank: int, dump: str) -> int:
 
 def test_sigterm_saves_current_step_exits_75_and_resumes_exactly(tiny_dataset, tmp_path):
     straight, preempted = str(tmp_path / "straight"), str(tmp_path / "preempted")
-    ref = start(tiny_dataset, straight, "--training.steps", "30", "--checkpoint.interval", "100")
+    ref = start(tiny_dataset, straight, "--training.steps", "16", "--checkpoint.interval", "100")
     assert ref.wait(timeout=600) == 0, ref.stderr.read()[-2000:]
-    run = start(tiny_dataset, preempted, "--training.steps", "30", "--checkpoint.interval", "100")
-    wait_for(lambda: len(logged_steps(preempted)) >= 5)
+    run = start(tiny_dataset, preempted, "--training.steps", "16", "--checkpoint.interval", "100")
+    wait_for(lambda: len(logged_steps(preempted)) >= 4)
     run.send_signal(signal.SIGTERM)
     assert run.wait(timeout=120) == 75
     stopped = max(logged_steps(preempted))
-    assert 5 <= stopped < 30
+    assert 4 <= stopped < 16
     assert store.incomplete_reason(os.path.join(preempted, "checkpoint", f"step-{stopped}")) is None
-    again = start(tiny_dataset, preempted, "--training.steps", "30", "--checkpoint.interval", "100")
+    again = start(tiny_dataset, preempted, "--training.steps", "16", "--checkpoint.interval", "100")
     assert again.wait(timeout=600) == 0
     want, got = read_metrics(straight), read_metrics(preempted)
-    assert [got[s] for s in range(1, 31)] == [want[s] for s in range(1, 31)]  # bitwise
+    assert [got[s] for s in range(1, 17)] == [want[s] for s in range(1, 17)]  # bitwise
 
 
 def test_killed_rank_restarts_group_and_finishes_with_same_losses(tiny_dataset, tmp_path):
