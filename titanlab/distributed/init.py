@@ -45,8 +45,26 @@ def init_distributed(init_timeout_s: int) -> tuple[torch.device, int, int]:
     else:
         device = torch.device("cpu")
         backend = "gloo"
-    dist.init_process_group(backend=backend, timeout=timedelta(seconds=init_timeout_s))
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    timeout = timedelta(seconds=init_timeout_s)
+    dist.init_process_group(backend=backend, store=_attempt_store(rank, world_size, timeout),
+                            rank=rank, world_size=world_size, timeout=timeout)
     return device, dist.get_rank(), dist.get_world_size()
+
+
+def _attempt_store(rank: int, world_size: int, timeout: timedelta) -> dist.Store:
+    """The rendezvous store, namespaced by torchrun's restart count.
+
+    torchrun's c10d rendezvous keeps one store across restarts of the group; without a fresh
+    namespace a restarted rank can read the previous attempt's (dead) gloo addresses and fail
+    to connect ("Connection refused").
+    """
+    agent_hosts_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
+                          is_master=not agent_hosts_store and rank == 0, timeout=timeout,
+                          multi_tenant=True)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"titanlab/attempt_{attempt}", store)
 
 
 def set_train_timeout(train_timeout_s: int) -> None:
