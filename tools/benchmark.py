@@ -40,6 +40,9 @@ import tempfile
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+from titanlab.hostinfo import cpu_model, ram_gib  # noqa: E402  (imports no torch)
+
 CONFIG = os.path.join(REPO, "train_configs", "debug_model.toml")
 SEQ, GLOBAL_BS = 256, 16
 HEADER = "# Performance\n\nMeasured by `tools/benchmark.py`; see its docstring for the method.\n"
@@ -158,13 +161,7 @@ def write_block(path: str, tag: str, body: str) -> None:
 
 def machine(info: dict, threads: int, command: str) -> str:
     """One paragraph: CPU, cores, RAM, GPU, torch version, threads, date and the command."""
-    cpu = platform.processor() or "unknown CPU"
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    cpu, ram = cpu_model(), ram_gib()
     gpu = f", GPU {info['gpu']}" if info.get("gpu") else ""
     return (f"Machine: {cpu}, {os.cpu_count()} cores, {ram:.0f} GiB RAM{gpu}; Python "
             f"{platform.python_version()}, torch {info['torch']}; {threads} intra-op thread(s) for "

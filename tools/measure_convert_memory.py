@@ -25,6 +25,7 @@ import time
 import warnings
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from titanlab.hostinfo import cpu_model, ram_gib  # noqa: E402  (imports no torch)
 
 # This process only launches and measures: it imports no torch, so that its own memory (which a
 # forked child's peak RSS includes until exec) stays small. The checkpoint is made in a child.
@@ -84,13 +85,7 @@ def versions() -> str:
 
 
 def machine() -> str:
-    cpu = platform.processor() or "unknown CPU"
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    cpu, mem = cpu_model(), ram_gib()
     return (f"{cpu}, {os.cpu_count()} cores, {mem:.0f} GiB RAM, {platform.system()} "
             f"{platform.release()}; {versions()}")
 
