@@ -1,9 +1,10 @@
 """Checks that need no process group: run them before launching, and again in every rank.
 
-`python -m titanlab.preflight --nproc N [--job.config_file F] [--section.key V ...]` exits 0 when
-the config is valid and should fit in memory on N local processes, else prints one line to
-stderr and exits 2. `run_train.sh` calls it before torchrun, so a hopeless config fails in
-seconds with one line instead of a launcher traceback, and writes nothing.
+`python -m titanlab.preflight --nproc N [--nnodes M] [--job.config_file F] [--section.key V ...]`
+exits 0 when the config is valid for a world of M·N ranks and should fit in memory with N
+processes per node (M defaults to 1), else prints one line to stderr and exits 2.
+`run_train.sh` and `multinode_trainer.slurm` call it before torchrun, so a hopeless config fails
+in seconds with one line instead of a launcher traceback, and writes nothing.
 """
 
 from __future__ import annotations
@@ -47,11 +48,12 @@ def check(config: JobConfig, world_size: int, local_world_size: int) -> Plan:
 
 
 def main(argv: list[str]) -> int:
-    nproc = 1
-    if argv[:1] == ["--nproc"]:
-        nproc, argv = int(argv[1]), argv[2:]
+    counts = {"--nproc": 1, "--nnodes": 1}
+    while argv[:1] and argv[0] in counts:
+        counts[argv[0]], argv = int(argv[1]), argv[2:]
+    nproc, nnodes = counts["--nproc"], counts["--nnodes"]
     try:
-        check(build_config(argv), nproc, nproc)
+        check(build_config(argv), nproc * nnodes, nproc)
     except ConfigError as e:
         print(f"titanlab: error: {e}", file=sys.stderr)
         return 2

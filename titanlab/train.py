@@ -11,6 +11,7 @@ import gc
 import logging
 import math
 import os
+import socket
 import sys
 
 import torch
@@ -57,6 +58,10 @@ class Trainer:
         if self.rank != 0:
             logging.getLogger().setLevel(logging.WARNING)
         logger.info("config:\n%s", format_config(config))
+        logger.info("distributed: world size %d = %d node(s) × %d rank(s), backend %s, rank 0 on %s, "
+                    "restart %s", world_size, world_size // local_world_size(), local_world_size(),
+                    torch.distributed.get_backend() if torch.distributed.is_initialized() else "none",
+                    socket.gethostname(), os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
         self._set_determinism()
         dims = self.parallel_dims
         dims.build_mesh(self.device.type)

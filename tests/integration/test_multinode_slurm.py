@@ -1,0 +1,84 @@
+"""`multinode_trainer.slurm`, submitted with sbatch to a real Slurm cluster of 2 nodes.
+
+The cluster (tests/integration/slurm_cluster.py) needs root: it installs slurm-wlm and munge
+when missing, creates network namespaces and edits /etc/hosts, so these tests run only when
+TITANLAB_SLURM_TESTS=1 (`.ci/run` sets it).
+"""
+
+import os
+import sys
+
+import pytest
+
+from conftest import REPO, TINY, read_metrics
+from slurm_cluster import SlurmTestCluster
+from titanlab.checkpoint import store
+
+ENABLE = "TITANLAB_SLURM_TESTS"
+pytestmark = pytest.mark.skipif(
+    os.environ.get(ENABLE) != "1",
+    reason=f"needs a Slurm test cluster: run as root with {ENABLE}=1 (installs slurm-wlm and "
+           "munge, creates network namespaces, edits /etc/hosts; all undone afterwards)")
+SCRIPT = os.path.join(REPO, "multinode_trainer.slurm")
+CONSTANT_LR = ["--lr_scheduler.warmup_steps", "2", "--lr_scheduler.decay_ratio", "0"]
+
+
+@pytest.fixture(scope="module")
+def slurm(tmp_path_factory):
+    cluster = SlurmTestCluster(str(tmp_path_factory.mktemp("slurm")), nodes=2, cpus_per_node=2)
+    cluster.start()
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+def overrides(tiny_dataset, dump, steps):
+    args = TINY[2:]  # the script passes --job.config_file itself
+    return [*args, *CONSTANT_LR, "--data.dataset_path", tiny_dataset, "--job.dump_folder", dump,
+            "--training.steps", str(steps), "--checkpoint.enable", "true",
+            "--checkpoint.interval", "100", "--checkpoint.keep_latest_k", "0",
+            "--checkpoint.export_at_end", "false"]
+
+
+def submit(slurm, dump, args, nodes=2, ntasks_per_node=1):
+    """sbatch the project's script; returns the job id and the path of its log."""
+    log = os.path.join(dump, "slurm-%j.out")
+    os.makedirs(dump, exist_ok=True)
+    env = {"CONFIG_FILE": "train_configs/debug_model.toml", "PYTHON": sys.executable,
+           "MAX_RESTARTS": "0", "PYTHONUNBUFFERED": "1"}
+    job = slurm.submit(SCRIPT, *args, cwd=REPO, env=env, sbatch_args=[
+        f"--nodes={nodes}", f"--ntasks-per-node={ntasks_per_node}", "--cpus-per-task=1",
+        f"--output={log}", "--time=10"])
+    return job, log.replace("%j", str(job))
+
+
+def read(path):
+    with open(path, encoding="utf-8", errors="replace") as f:
+        return f.read()
+
+
+def test_sbatch_two_nodes_trains_checkpoints_and_second_submission_resumes(slurm, tiny_dataset,
+                                                                           train, tmp_path):
+    dump = str(tmp_path / "slurm_run")
+    job, log = submit(slurm, dump, overrides(tiny_dataset, dump, 4))
+    info = slurm.wait(job, timeout=300)
+    text = read(log)
+    assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), text[-4000:]
+    assert info["NodeList"] == "n[1-2]"
+    assert "world size 2 = 2 node(s) × 1 rank(s), backend gloo" in text, text[-4000:]
+    ckpt = os.path.join(dump, "checkpoint", "step-4")
+    assert store.incomplete_reason(ckpt) is None
+
+    job2, log2 = submit(slurm, dump, overrides(tiny_dataset, dump, 8))
+    info2 = slurm.wait(job2, timeout=300)
+    text2 = read(log2)
+    assert (info2["JobState"], info2["ExitCode"]) == ("COMPLETED", "0:0"), text2[-4000:]
+    assert f"checkpoint: loaded {ckpt} (step 4)" in text2, text2[-4000:]
+    assert "training: steps 5 → 8" in text2
+
+    # The two submissions together equal one uninterrupted 8-step run of 2 ranks on one host.
+    straight = str(tmp_path / "straight")
+    train(2, *overrides(tiny_dataset, straight, 8)[len(TINY) - 2:]).check()
+    want, got = read_metrics(straight), read_metrics(dump)
+    assert [got[s] for s in range(1, 9)] == [want[s] for s in range(1, 9)]  # bitwise
