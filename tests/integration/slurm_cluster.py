@@ -87,6 +87,7 @@ class SlurmTestCluster:
         for sub in ("state", "log", "run", *(f"spool/{n}" for n in self.names)):
             os.makedirs(os.path.join(self.workdir, sub), exist_ok=True)
         try:
+            self._remove_leftovers()
             self._start_munge()
             self._make_network()
             self._add_hosts()
@@ -97,6 +98,18 @@ class SlurmTestCluster:
             self.stop()
             raise
         return self
+
+    def _remove_leftovers(self) -> None:
+        """Remove what an earlier cluster of this module left when its process was killed."""
+        for line in _run("ip", "netns", "list").stdout.splitlines():
+            ns = line.split()[0] if line.strip() else ""
+            if ns.startswith("tlslurm_"):
+                self._kill(_run("ip", "netns", "pids", ns, check=False).stdout.split())
+                _run("ip", "netns", "del", ns, check=False)
+        if _run("ip", "link", "show", BRIDGE, check=False).returncode == 0:
+            _run("ip", "link", "del", BRIDGE)
+        self._hosts_added = True  # drop any of our lines still in /etc/hosts
+        self._restore_hosts()
 
     def _start_munge(self) -> None:
         if _run("pgrep", "-x", "munged", check=False).returncode == 0:
@@ -223,7 +236,12 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
         raise TimeoutError(f"job {job_id} still {self.job(job_id).get('JobState')} after {timeout:.0f} s")
 
     def signal(self, job_id: int, sig: str, *, batch: bool = False) -> None:
+        """Send `sig` to the job's steps, or with batch=True to its batch script only."""
         _run("scancel", f"--signal={sig}", *(["--batch"] if batch else []), str(job_id), env=self.env)
+
+    def control(self, *args: str) -> str:
+        """`scontrol ARGS` against this cluster; returns its output."""
+        return _run("scontrol", *args, env=self.env).stdout
 
     # ---- tear-down ------------------------------------------------------------------------
     def stop(self) -> None:
@@ -253,11 +271,16 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
         if self._bridge:
             _run("ip", "link", "del", BRIDGE, check=False)
             self._bridge = False
+        self._restore_hosts()
+
+    def _restore_hosts(self) -> None:
         if self._hosts_added:
             with open("/etc/hosts") as f:
-                kept = [line for line in f if HOSTS_MARK not in line]
-            with open("/etc/hosts", "w") as f:
-                f.writelines(kept)
+                lines = f.readlines()
+            kept = [line for line in lines if HOSTS_MARK not in line]
+            if kept != lines:
+                with open("/etc/hosts", "w") as f:
+                    f.writelines(kept)
             self._hosts_added = False
 
     @staticmethod

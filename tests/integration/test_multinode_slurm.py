@@ -7,10 +7,11 @@ TITANLAB_SLURM_TESTS=1 (`.ci/run` sets it).
 
 import os
 import sys
+import time
 
 import pytest
 
-from conftest import REPO, TINY, read_metrics
+from conftest import REPO, TINY, launch, read_metrics
 from slurm_cluster import SlurmTestCluster
 from titanlab.checkpoint import store
 
@@ -31,6 +32,14 @@ def slurm(tmp_path_factory):
         yield cluster
     finally:
         cluster.stop()
+
+
+@pytest.fixture(scope="module")
+def straight(tiny_dataset, tmp_path_factory):
+    """Exact losses of an uninterrupted 12-step run of 2 ranks on one host (the reference)."""
+    dump = str(tmp_path_factory.mktemp("straight"))
+    launch(2, ["--job.config_file", TINY[1], *overrides(tiny_dataset, dump, 12)]).check()
+    return read_metrics(dump)
 
 
 def overrides(tiny_dataset, dump, steps):
@@ -59,7 +68,7 @@ def read(path):
 
 
 def test_sbatch_two_nodes_trains_checkpoints_and_second_submission_resumes(slurm, tiny_dataset,
-                                                                           train, tmp_path):
+                                                                           straight, tmp_path):
     dump = str(tmp_path / "slurm_run")
     job, log = submit(slurm, dump, overrides(tiny_dataset, dump, 4))
     info = slurm.wait(job, timeout=300)
@@ -77,8 +86,35 @@ def test_sbatch_two_nodes_trains_checkpoints_and_second_submission_resumes(slurm
     assert f"checkpoint: loaded {ckpt} (step 4)" in text2, text2[-4000:]
     assert "training: steps 5 → 8" in text2
 
-    # The two submissions together equal one uninterrupted 8-step run of 2 ranks on one host.
-    straight = str(tmp_path / "straight")
-    train(2, *overrides(tiny_dataset, straight, 8)[len(TINY) - 2:]).check()
-    want, got = read_metrics(straight), read_metrics(dump)
-    assert [got[s] for s in range(1, 9)] == [want[s] for s in range(1, 9)]  # bitwise
+    # The two submissions together equal one uninterrupted run of 2 ranks on one host.
+    got = read_metrics(dump)
+    assert [got[s] for s in range(1, 9)] == [straight[s] for s in range(1, 9)]  # bitwise
+
+
+def test_preempted_job_checkpoints_requeues_itself_and_resumes_exactly(slurm, tiny_dataset,
+                                                                       straight, tmp_path):
+    dump = str(tmp_path / "preempted")
+    job, log = submit(slurm, dump, overrides(tiny_dataset, dump, 12))
+    metrics = os.path.join(dump, "metrics.jsonl")
+    wait_until(lambda: os.path.exists(metrics) and len(read(metrics).splitlines()) >= 3)
+    slurm.signal(job, "USR1", batch=True)  # what --signal=B:USR1@180 sends before the time limit
+    wait_until(lambda: slurm.job(job).get("Restarts") == "1")
+    # Slurm holds a requeued job for a while before it is eligible again; skip that wait.
+    slurm.control("update", f"JobId={job}", "StartTime=now")
+    info = slurm.wait(job, timeout=300)
+    text = read(log)
+    assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("COMPLETED", "0:0", "1"), \
+        text[-4000:]
+    stopped = int(text.split("preempted after step ")[1].split(";")[0])
+    assert 3 <= stopped < 12, text[-4000:]
+    assert f"requeueing job {job}" in text
+    assert f"checkpoint: loaded {dump}/checkpoint/step-{stopped} (step {stopped})" in text
+    got = read_metrics(dump)
+    assert [got[s] for s in range(1, 13)] == [straight[s] for s in range(1, 13)]  # bitwise
+
+
+def wait_until(predicate, timeout=300):
+    end = time.time() + timeout
+    while not predicate():
+        assert time.time() < end, "timed out waiting"
+        time.sleep(0.2)
