@@ -30,7 +30,7 @@ train: setup
 	./run_train.sh $(CONFIG)
 
 test: setup
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q --durations=10 $(PYTEST_ARGS) $(TESTS)
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -rs --durations=10 $(PYTEST_ARGS) $(TESTS)
 
 clean:
 	rm -rf $(VENV) outputs .pytest_cache

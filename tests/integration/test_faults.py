@@ -8,7 +8,10 @@ import json
 import os
 import signal
 import subprocess
+import textwrap
 import time
+
+import pytest
 
 from conftest import REPO, read_metrics
 from titanlab.checkpoint import store
@@ -26,6 +29,16 @@ def start(tiny_dataset, dump, *extra, env_extra=None):
            "--job.dump_folder", dump, *CONSTANT_LR, *extra]
     return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
+
+
+@pytest.fixture(scope="module")
+def straight(tiny_dataset, tmp_path_factory):
+    """Exact losses of an uninterrupted 20-step run (the constant LR makes them independent of
+    training.steps and of where checkpoints are taken)."""
+    dump = str(tmp_path_factory.mktemp("straight"))
+    ref = start(tiny_dataset, dump, "--training.steps", "20", "--checkpoint.interval", "10")
+    assert ref.wait(timeout=600) == 0, ref.stderr.read()[-2000:]
+    return read_metrics(dump)
 
 
 def logged_steps(dump):
@@ -63,10 +76,8 @@ def worker_pid(rank: int, dump: str) -> int:
     raise AssertionError(f"no rank {rank} process for {dump}")
 
 
-def test_sigterm_saves_current_step_exits_75_and_resumes_exactly(tiny_dataset, tmp_path):
-    straight, preempted = str(tmp_path / "straight"), str(tmp_path / "preempted")
-    ref = start(tiny_dataset, straight, "--training.steps", "16", "--checkpoint.interval", "100")
-    assert ref.wait(timeout=600) == 0, ref.stderr.read()[-2000:]
+def test_sigterm_saves_current_step_exits_75_and_resumes_exactly(tiny_dataset, straight, tmp_path):
+    preempted = str(tmp_path / "preempted")
     run = start(tiny_dataset, preempted, "--training.steps", "16", "--checkpoint.interval", "100")
     wait_for(lambda: len(logged_steps(preempted)) >= 4)
     run.send_signal(signal.SIGTERM)
@@ -76,15 +87,13 @@ def test_sigterm_saves_current_step_exits_75_and_resumes_exactly(tiny_dataset, t
     assert store.incomplete_reason(os.path.join(preempted, "checkpoint", f"step-{stopped}")) is None
     again = start(tiny_dataset, preempted, "--training.steps", "16", "--checkpoint.interval", "100")
     assert again.wait(timeout=600) == 0
-    want, got = read_metrics(straight), read_metrics(preempted)
-    assert [got[s] for s in range(1, 17)] == [want[s] for s in range(1, 17)]  # bitwise
+    got = read_metrics(preempted)
+    assert [got[s] for s in range(1, 17)] == [straight[s] for s in range(1, 17)]  # bitwise
 
 
-def test_killed_rank_restarts_group_and_finishes_with_same_losses(tiny_dataset, tmp_path):
-    straight, killed = str(tmp_path / "straight"), str(tmp_path / "killed")
+def test_killed_rank_restarts_group_and_finishes_with_same_losses(tiny_dataset, straight, tmp_path):
+    killed = str(tmp_path / "killed")
     ckpt = ["--training.steps", "20", "--checkpoint.interval", "10"]
-    ref = start(tiny_dataset, straight, *ckpt)
-    assert ref.wait(timeout=600) == 0
     run = start(tiny_dataset, killed, *ckpt, env_extra={"MAX_RESTARTS": "1", "LOG_RANK": "0,1"})
     step10 = os.path.join(killed, "checkpoint", "step-10")
     wait_for(lambda: os.path.isdir(step10) and store.incomplete_reason(step10) is None)
@@ -93,9 +102,9 @@ def test_killed_rank_restarts_group_and_finishes_with_same_losses(tiny_dataset, 
     with open(os.path.join(killed, "run_train.log"), "w") as f:  # kept for diagnosis
         f.write(out + "\n---- stderr ----\n" + err)
     assert run.returncode == 0, err[-6000:]
-    want, got = read_metrics(straight), read_metrics(killed)
+    got = read_metrics(killed)
     assert max(logged_steps(killed)) == 20
-    assert [got[s] for s in range(11, 21)] == [want[s] for s in range(11, 21)]
+    assert [got[s] for s in range(11, 21)] == [straight[s] for s in range(11, 21)]
 
 
 def test_hung_rank_fails_within_timeout_naming_rank_and_step(tiny_dataset, tmp_path):
@@ -128,3 +137,64 @@ def test_hung_rank_fails_within_timeout_naming_rank_and_step(tiny_dataset, tmp_p
              if store.incomplete_reason(os.path.join(dump, "checkpoint", f"step-{s}")) is None]
     assert steps and f"step-{steps[-1]}" in line[0]
     assert os.path.exists(log)
+
+
+# Imported by every Python process of the run through PYTHONPATH: when the checkpoint of the step
+# named by $STALL_CHECKPOINT has all its data files written, the coordinator announces it and
+# stalls before writing .metadata, so the test can kill the run mid-write deterministically.
+STALL = textwrap.dedent("""
+    import os
+    if os.environ.get("STALL_CHECKPOINT"):
+        import time
+        from torch.distributed.checkpoint import filesystem
+        finish = filesystem._FileSystemWriter.finish
+
+        def stalled_finish(self, metadata, results):
+            path = str(self.path)
+            if os.path.basename(path) == os.environ["STALL_CHECKPOINT"]:
+                open(path + ".stalled", "w").close()
+                time.sleep(600)
+            return finish(self, metadata, results)
+
+        filesystem._FileSystemWriter.finish = stalled_finish
+""")
+
+
+def run_pids(dump: str) -> list[int]:
+    """Every process of the run (run_train.sh, torchrun, the ranks): their command lines name `dump`."""
+    pids = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if dump.encode() in f.read():
+                    pids.append(int(pid))
+        except OSError:
+            pass
+    return pids
+
+
+def test_sigkill_while_checkpoint_is_written_resumes_from_previous_complete(tiny_dataset, straight,
+                                                                            tmp_path):
+    dump, hook = str(tmp_path / "torn"), tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(STALL)
+    ckpt = ["--training.steps", "20", "--checkpoint.interval", "5"]
+    run = start(tiny_dataset, dump, *ckpt, env_extra={
+        "STALL_CHECKPOINT": "step-10", "PYTHONPATH": str(hook)})
+    step10 = os.path.join(dump, "checkpoint", "step-10")
+    wait_for(lambda: os.path.exists(step10 + ".stalled"))
+    for pid in run_pids(dump):  # the whole job dies at once, as when its node loses power
+        os.kill(pid, signal.SIGKILL)
+    run.wait(timeout=60)
+    assert any(f.endswith(".distcp") for f in os.listdir(step10))  # data written, .metadata not
+    assert store.incomplete_reason(step10) == "no .metadata (the write did not finish)"
+
+    again = start(tiny_dataset, dump, *ckpt)
+    out, err = again.communicate(timeout=600)
+    assert again.returncode == 0, err[-4000:]
+    log = out + err
+    assert f"skipping incomplete {step10}: no .metadata" in log, log[-4000:]
+    assert f"checkpoint: loaded {os.path.join(dump, 'checkpoint', 'step-5')} (step 5)" in log
+    assert store.incomplete_reason(step10) is None  # written again, completely
+    got = read_metrics(dump)
+    assert [got[s] for s in range(6, 21)] == [straight[s] for s in range(6, 21)]  # bitwise
