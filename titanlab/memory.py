@@ -1,20 +1,22 @@
 """Pre-flight memory estimate: will this config fit on the devices it is about to run on?
 
-Per-rank bytes, estimated from the model dims and the layout (no tensors are allocated):
+Per-rank bytes, predicted from the config and world size without allocating anything:
 - parameters (fp32 master weights), gradients (fp32) and AdamW state (two fp32 moments), each
   divided by the number of ranks that shard them (dp_shard × cp × tp × pp);
 - under FSDP, the gathered parameters of the two blocks in flight (current + prefetched) in
   the compute dtype;
-- activations of one microbatch: per layer ≈ s·b·h·34 bytes at 2 bytes/element without AC
-  (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models",
-  Table 2, with flash attention so the 5·a·s/h term vanishes), scaled by the element size; full
-  AC keeps only each block's input (2·s·b·h) plus one block's activations; op-level selective AC
-  keeps about half;
-- logits and their gradient in fp32 (2 × b·s·vocab × 4 bytes);
+- activations kept for backward by the blocks, for the chosen activation-checkpointing mode,
+  measured by tracing the real model code on fake tensors (`titanlab.activation_memory`); under
+  full or per-layer AC, one block's activations are recomputed at a time in backward;
+- the "head": embedding output, final norm, the output projection's input, the loss's fp32
+  log-softmax, and in backward the two fp32 gradients of the logits;
 - a fixed runtime overhead (CUDA context and allocator slack on GPU, the interpreter on CPU).
 
-It is a first-order estimate meant to catch hopeless configurations (8B on a laptop) with a
-clear message, not to predict the peak to the megabyte.
+The peak comes at the start of backward, when all activations and the logits' gradients are
+alive but gradients are not (they are created during backward, as activations are freed), or at
+the optimizer step (parameters, gradients and optimizer state). With gradient accumulation the
+gradients also live through the later forwards. `tests/unit/test_memory_measured.py` checks the
+prediction against the peak measured by PyTorch's memory profiler.
 """
 
 from __future__ import annotations
@@ -40,11 +42,20 @@ class MemoryEstimate:
     activations: int
     logits: int
     overhead: int
+    recompute: int = 0  # one block's activations, recomputed in backward under full/per-layer AC
+    grads_during_forward: bool = False  # gradient accumulation keeps them through forwards
+
+    @property
+    def peak_tensors(self) -> int:
+        """Peak bytes of tensors: at the start of backward, or at the optimizer step."""
+        # The logits' gradients are freed before the last block is recomputed: never both at once.
+        backward = self.activations + max(self.logits, self.recompute) \
+            + (self.grads if self.grads_during_forward else 0)
+        return self.params + self.optimizer + self.gathered_params + max(backward, self.grads)
 
     @property
     def total(self) -> int:
-        return (self.params + self.grads + self.optimizer + self.gathered_params
-                + self.activations + self.logits + self.overhead)
+        return self.peak_tensors + self.overhead
 
     def summary(self) -> str:
         parts = [(name, getattr(self, name)) for name in
@@ -59,7 +70,10 @@ def estimate_memory(model_args, config: JobConfig, world_size: int,
     Args:
         model_args: a `TransformerModelArgs` with vocab_size set.
         compute_dtype: dtype of activations (the FSDP param dtype, float32 on CPU by default).
+    Returns:
+        bytes per rank by category; `total` is the predicted peak including overhead.
     """
+    from titanlab.activation_memory import trace_activation_bytes
     from titanlab.models.llama3 import Transformer, count_params
 
     with torch.device("meta"):
@@ -74,21 +88,25 @@ def estimate_memory(model_args, config: JobConfig, world_size: int,
     shard = dp_shard * cp * tp * pp
     elem = torch.finfo(compute_dtype).bits // 8
 
-    b, s, h = config.training.local_batch_size, config.training.seq_len, model_args.dim
+    b, s = config.training.local_batch_size, config.training.seq_len
     s_local = s // cp
     layers = model_args.n_layers // pp
-    per_layer = s_local * b * h * 34 * elem // 2 // tp
-    mode = config.activation_checkpoint.mode
+    traced = trace_activation_bytes(model_args, b, s_local, compute_dtype)
+    block = {mode: n // tp for mode, n in traced.per_block.items()}
+    mode, option = config.activation_checkpoint.mode, config.activation_checkpoint.selective_ac_option
     if mode == "full":
-        acts = layers * s_local * b * h * elem + per_layer
-    elif mode == "selective" and config.activation_checkpoint.selective_ac_option == "op":
-        acts = layers * per_layer // 2
+        acts = layers * block["full"]
+    elif mode == "selective" and option == "op":
+        acts = layers * block["op"]
     elif mode == "selective":
-        every = int(config.activation_checkpoint.selective_ac_option)
-        kept = layers - layers // every
-        acts = kept * per_layer + (layers // every) * s_local * b * h * elem + per_layer
+        every = int(option)
+        checkpointed = layers // every
+        acts = checkpointed * block["full"] + (layers - checkpointed) * block["none"]
     else:
-        acts = layers * per_layer
+        acts = layers * block["none"]
+    logits_grads = 2 * b * s_local * model_args.vocab_size * 4
+    dp = world_size // (tp * pp * cp)
+    accumulating = config.training.global_batch_size > max(dp, 1) * b  # -1: no accumulation
     on_gpu = torch.cuda.is_available()
     return MemoryEstimate(
         params=4 * n_params // shard,
@@ -96,8 +114,10 @@ def estimate_memory(model_args, config: JobConfig, world_size: int,
         optimizer=8 * n_params // shard,
         gathered_params=2 * block_params * elem // tp if dp_shard * cp > 1 else 0,
         activations=acts,
-        logits=2 * b * s_local * model_args.vocab_size * 4 // tp,
+        logits=(traced.head + logits_grads) // tp,
         overhead=(2 if on_gpu else 1) * GIB // 2,
+        recompute=block["none"] if mode == "full" or (mode == "selective" and option != "op") else 0,
+        grads_during_forward=accumulating,
     )
 
 

@@ -3,8 +3,9 @@
     python tools/estimate_memory.py --nproc 8 --job.config_file train_configs/llama_8b.toml [--section.key V ...]
 
 Prints the per-rank bytes by category (parameters, gradients, optimizer state, gathered
-parameters, activations for the chosen AC mode, logits, runtime overhead) and the verdict
-against this machine's memory (GPU memory, or host memory shared by the local processes).
+parameters, activations for the chosen AC mode traced on fake tensors, logits and loss, the
+block recomputed under AC, runtime overhead), the predicted peak, and the verdict against this
+machine's memory (GPU memory, or host memory shared by the local processes).
 The same estimate is the trainer's pre-flight check (`titanlab.memory`).
 """
 
@@ -41,9 +42,14 @@ def main(argv: list[str]) -> int:
     print(f"llama3 {config.model.flavor}, seq_len {config.training.seq_len}, local batch "
           f"{config.training.local_batch_size}, AC {config.activation_checkpoint.mode}, {nproc} rank(s)")
     print(f"{'category':<18}{'GiB per rank':>14}")
-    for name in ("params", "grads", "optimizer", "gathered_params", "activations", "logits", "overhead"):
+    for name in ("params", "grads", "optimizer", "gathered_params", "activations", "logits",
+                 "recompute", "overhead"):
         print(f"{name:<18}{getattr(est, name) / GIB:>14.2f}")
-    print(f"{'total':<18}{est.total / GIB:>14.2f}")
+    print(f"{'total (peak)':<18}{est.total / GIB:>14.2f}")
+    when = "the optimizer step" if est.grads >= est.activations + max(est.logits, est.recompute) \
+        else "the start of backward"
+    print(f"peak at {when}" + (" (gradient accumulation keeps gradients alive through forward)"
+                               if est.grads_during_forward else ""))
     verdict = "fits" if est.total <= have else "does NOT fit"
     print(f"available: {what} → {verdict}")
     return 0 if est.total <= have else 1

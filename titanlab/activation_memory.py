@@ -1,0 +1,99 @@
+"""Activation memory: the bytes a forward pass leaves alive for backward, found by tracing.
+
+Formulas such as "34·s·b·h bytes per layer" (Korthikanti et al. 2022) assume a GPT block with a
+4h MLP, full multi-head attention and dropout; a Llama block (SwiGLU, GQA, RoPE, no dropout) and
+each activation-checkpointing mode keep different tensors. So the estimate runs the real model
+code once on fake tensors (`FakeTensorMode`: shapes and dtypes only, no memory, no compute) and
+counts the storages still alive after forward, which are exactly what autograd, or the
+selective-AC cache, holds for backward.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+
+class LiveTensorBytes(TorchDispatchMode):
+    """Records the storage of every tensor an op creates under this mode (views of an input,
+    such as a transposed weight, create none); `live()` sums the bytes of those still alive.
+    Works on real and on fake tensors."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._storages: dict[int, tuple[StorageWeakRef, int]] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {StorageWeakRef(t.untyped_storage()).cdata
+                  for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                ref = StorageWeakRef(t.untyped_storage())
+                if ref.cdata not in inputs:
+                    self._storages[ref.cdata] = (ref, t.untyped_storage().nbytes())
+        return out
+
+    def live(self) -> int:
+        """Bytes of the recorded storages still referenced by anything."""
+        gc.collect()
+        return sum(n for ref, n in self._storages.values() if not ref.expired())
+
+
+@dataclasses.dataclass(frozen=True)
+class ActivationBytes:
+    """Bytes kept for backward, per rank: `per_block[mode]` for one transformer block under AC
+    mode "none", "full" or "op", and `head` for everything outside the blocks (embedding, final
+    norm, output projection and the loss, which keeps the fp32 log-softmax of the logits)."""
+
+    per_block: dict[str, int]
+    head: int
+
+
+_CACHE: dict[tuple, ActivationBytes] = {}
+
+
+def trace_activation_bytes(model_args, batch: int, seq: int, dtype: torch.dtype) -> ActivationBytes:
+    """Trace forward + loss of 1- and 2-block versions of the model on fake tensors.
+
+    Args:
+        model_args: a `TransformerModelArgs` (vocab_size set).
+        batch, seq: local batch size and sequence length (tokens per sample) of one rank.
+        dtype: compute dtype of activations (fp32, or bf16/fp16 under mixed precision).
+    Returns:
+        bytes per block for each AC mode and for the head; cached per arguments (a trace takes
+        about a second for the 8B shapes, whatever seq is).
+    """
+    from titanlab.distributed.activation_checkpoint import apply_ac
+    from titanlab.loss import cross_entropy_sum
+    from titanlab.models.llama3 import Transformer
+
+    def live_after_forward(n_layers: int, mode: str) -> int:
+        args = dataclasses.replace(model_args, n_layers=n_layers, max_seq_len=max(seq, 1))
+        with torch.device("meta"):
+            model = Transformer(args).to(dtype)
+        apply_ac(model, "selective" if mode == "op" else mode, "op")
+        # Fake CPU tensors rather than meta ones: SDPA then picks the fused (flash) kernel, which
+        # keeps O(seq) per head as on GPUs, where meta would pick the O(seq²) math kernel.
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            model.to_empty(device="cpu")
+            tokens = torch.zeros(batch, seq, dtype=torch.long)
+            counter = LiveTensorBytes()
+            with counter:
+                loss = cross_entropy_sum(model(tokens), tokens)
+            held = counter.live() - loss.untyped_storage().nbytes()
+            del loss
+        return held
+
+    key = (repr(model_args), batch, seq, dtype)
+    if key not in _CACHE:
+        one = {mode: live_after_forward(1, mode) for mode in ("none", "full", "op")}
+        per_block = {mode: live_after_forward(2, mode) - one[mode] for mode in one}
+        _CACHE[key] = ActivationBytes(per_block=per_block, head=one["none"] - per_block["none"])
+    return _CACHE[key]
