@@ -1,7 +1,5 @@
-"""torch.compile (per block, fullgraph) trains to the eager losses under FSDP 2 and PP 2 × FSDP 2.
-
-Compile with tensor parallel is refused up front (see tests/unit/distributed/test_validate.py).
-"""
+"""torch.compile (per block, fullgraph) trains to the eager losses under FSDP 2, FSDP 2 × TP 2
+and PP 2 × FSDP 2."""
 
 import pytest
 
@@ -12,8 +10,9 @@ COMMON = ["--training.steps", "5", "--checkpoint.enable", "false"]
 
 @pytest.mark.parametrize("nproc, local_batch, extra", [
     (2, 2, []),
+    (4, 4, ["--parallelism.tensor_parallel_degree", "2"]),
     (4, 4, ["--parallelism.pipeline_parallel_degree", "2"]),
-], ids=["fsdp2", "pp2_fsdp2"])
+], ids=["fsdp2", "fsdp2_tp2", "pp2_fsdp2"])
 def test_compiled_matches_eager(nproc, local_batch, extra, train, tmp_path):
     eager, compiled = str(tmp_path / "eager"), str(tmp_path / "compiled")
     args = [*COMMON, "--training.local_batch_size", str(local_batch), *extra]

@@ -7,6 +7,11 @@ Plan (Shoeybi et al. 2019, "Megatron-LM"; Korthikanti et al. 2022 for sequence p
 - attention_norm, ffn_norm, norm: sequence parallel (each rank normalizes its own tokens), so
   activations between blocks are sharded on the sequence dim and every parameter is a DTensor
   (plain-tensor norm weights would break foreach AdamW and clip_grad_norm_).
+- Blocks take and return DTensors (`use_local_output=False`), so the residual stream stays a
+  DTensor from the embedding to the final norm. torch.compile needs this: a compiled block that
+  returned a plain tensor hands a plain gradient to the eager redistribute before it, which
+  fails in torch 2.13. Pipeline stages exchange plain tensors; the first and last block of a
+  stage convert.
 - output: column-wise; with loss parallel the logits stay vocab-sharded (`Shard(-1)`) and the
   cross-entropy runs under `loss_parallel()`, never materializing the full vocab on one rank.
 """
@@ -17,7 +22,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
-    ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel, parallelize_module)
+    ColwiseParallel, PrepareModuleInput, PrepareModuleOutput, RowwiseParallel, SequenceParallel,
+    parallelize_module)
 
 
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, loss_parallel: bool) -> None:
@@ -29,7 +35,8 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, loss_parallel: bool) -> N
     """
     top: dict[str, nn.Module | object] = {}
     if model.tok_embeddings is not None:
-        top["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))
+        top["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1),
+                                                    use_local_output=False)
     if model.norm is not None:
         top["norm"] = SequenceParallel()
     if model.output is not None:
@@ -49,15 +56,24 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, loss_parallel: bool) -> N
         "attention.wq": ColwiseParallel(),
         "attention.wk": ColwiseParallel(),
         "attention.wv": ColwiseParallel(),
-        "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+        "attention.wo": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
         "ffn_norm": SequenceParallel(),
         "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),),
                                            desired_input_layouts=(Replicate(),)),
         "feed_forward.w1": ColwiseParallel(),
         "feed_forward.w3": ColwiseParallel(),
-        "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+        "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
     }
     # Between blocks (and between pipeline stages) activations are plain local (bs, seq/tp, dim)
     # tensors; the sequence-parallel norms read them as Shard(1).
-    for block in model.layers.values():
+    blocks = list(model.layers.values())
+    for block in blocks:
         parallelize_module(block, tp_mesh, block_plan)
+    # Pipeline stages exchange plain tensors (this rank's sequence shard): convert at the edges.
+    if blocks and model.tok_embeddings is None:
+        parallelize_module(blocks[0], tp_mesh, PrepareModuleInput(
+            input_layouts=(Shard(1), None, None), desired_input_layouts=(Shard(1), None, None),
+            use_local_output=False))
+    if blocks and model.norm is None:
+        parallelize_module(blocks[-1], tp_mesh, PrepareModuleOutput(
+            output_layouts=Shard(1), desired_output_layouts=Shard(1), use_local_output=True))

@@ -19,10 +19,6 @@ def validate_layout(config: JobConfig, dims: ParallelDims, model_args, device_ty
         if heads % dims.tp or kv_heads % dims.tp:
             raise ConfigError(f"parallelism.tensor_parallel_degree={dims.tp} must divide the number of"
                               f" heads ({heads}) and of KV heads ({kv_heads}) of {config.model.flavor}")
-        if config.compile.enable and "model" in config.compile.components:
-            raise ConfigError("compile.enable=true with tensor_parallel_degree > 1 is refused: in "
-                              "torch 2.13 compiled TP blocks fail (TP alone) or give different "
-                              "gradients (with FSDP); disable one of them")
         if dims.dp_replicate > 1 and dims.dp_shard * dims.cp == 1:
             raise ConfigError("dp_replicate > 1 without dp_shard (DDP) cannot combine with tensor "
                               "parallel; use HSDP (data_parallel_shard_degree > 1)")
