@@ -35,6 +35,8 @@ HOSTS_MARK = "# titanlab-slurm-test-cluster"
 SUBNET = "198.18.0"
 BRIDGE = "tlslurm_br"
 CTLD_PORT = 16817  # not Slurm's default, so a real slurmctld on this machine is left alone
+MARK_ENV = "TITANLAB_SLURM_TEST_CLUSTER"  # in the environment of every daemon this module starts
+MUNGED_RECORD = "/run/titanlab-slurm-test-munged.pid"  # the munged this module started
 PACKAGES = ["slurm-wlm", "munge"]
 BINARIES = ["slurmctld", "slurmd", "sbatch", "squeue", "scontrol", "munged"]
 
@@ -68,7 +70,7 @@ class SlurmTestCluster:
         self.names = [f"n{i}" for i in range(1, nodes + 1)]
         self.cpus_per_node = cpus_per_node
         self.conf = os.path.join(self.workdir, "slurm.conf")
-        self.env = dict(os.environ, SLURM_CONF=self.conf)
+        self.env = dict(os.environ, SLURM_CONF=self.conf, **{MARK_ENV: "1"})
         self._procs: list[subprocess.Popen] = []
         self._munged_pid: int | None = None
         self._netns: list[str] = []
@@ -101,6 +103,14 @@ class SlurmTestCluster:
 
     def _remove_leftovers(self) -> None:
         """Remove what an earlier cluster of this module left when its process was killed."""
+        self._kill([pid for pid in _pids() if f"{MARK_ENV}=1" in _environ(pid)])
+        if os.path.exists(MUNGED_RECORD):  # adopt it: stopped with this cluster
+            with open(MUNGED_RECORD) as f:
+                pid = int(f.read().strip() or 0)
+            if pid and os.path.exists(f"/proc/{pid}"):
+                self._munged_pid = pid
+            else:
+                os.remove(MUNGED_RECORD)
         for line in _run("ip", "netns", "list").stdout.splitlines():
             ns = line.split()[0] if line.strip() else ""
             if ns.startswith("tlslurm_"):
@@ -112,13 +122,15 @@ class SlurmTestCluster:
         self._restore_hosts()
 
     def _start_munge(self) -> None:
-        if _run("pgrep", "-x", "munged", check=False).returncode == 0:
-            return  # the machine's own munged serves us too; not ours to stop
+        if self._munged_pid is not None or _run("pgrep", "-x", "munged", check=False).returncode == 0:
+            return  # ours from a killed run, or the machine's own (which serves us too; not ours to stop)
         os.makedirs("/run/munge", exist_ok=True)
         shutil.chown("/run/munge", "munge", "munge")
         _run("su", "-s", "/bin/sh", "munge", "-c", "/usr/sbin/munged")
         with open("/run/munge/munged.pid") as f:
             self._munged_pid = int(f.read().strip())
+        with open(MUNGED_RECORD, "w") as f:
+            f.write(f"{self._munged_pid}\n")
 
     def _make_network(self) -> None:
         _run("ip", "link", "add", BRIDGE, "type", "bridge")
@@ -265,6 +277,8 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
         if self._munged_pid is not None:
             self._kill([str(self._munged_pid)])
             self._munged_pid = None
+            if os.path.exists(MUNGED_RECORD):
+                os.remove(MUNGED_RECORD)
         for ns in self._netns:
             _run("ip", "netns", "del", ns, check=False)  # deletes both ends of its veth pair
         self._netns = []
@@ -303,6 +317,18 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
                 pass
 
 
+def _pids() -> list[str]:
+    return [p for p in os.listdir("/proc") if p.isdigit() and int(p) != os.getpid()]
+
+
+def _environ(pid: str) -> str:
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            return f.read().decode(errors="replace")
+    except OSError:
+        return ""
+
+
 def _is_zombie(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -313,6 +339,7 @@ def _is_zombie(pid: int) -> bool:
 
 if __name__ == "__main__":
     wd = sys.argv[1] if len(sys.argv) > 1 else "/tmp/titanlab-slurm"
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM tears down too
     cluster = SlurmTestCluster(wd).start()
     print(f"cluster up: export SLURM_CONF={cluster.conf}   (Ctrl-C tears it down)", flush=True)
     try:

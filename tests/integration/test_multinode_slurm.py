@@ -98,8 +98,8 @@ def test_preempted_job_checkpoints_requeues_itself_and_resumes_exactly(slurm, ti
     metrics = os.path.join(dump, "metrics.jsonl")
     wait_until(lambda: os.path.exists(metrics) and len(read(metrics).splitlines()) >= 3)
     slurm.signal(job, "USR1", batch=True)  # what --signal=B:USR1@180 sends before the time limit
-    wait_until(lambda: slurm.job(job).get("Restarts") == "1")
-    # Slurm holds a requeued job for a while before it is eligible again; skip that wait.
+    wait_until(lambda: requeued(slurm.job(job)))
+    # Slurm holds a requeued job for about 2 minutes before it is eligible again; skip that wait.
     slurm.control("update", f"JobId={job}", "StartTime=now")
     info = slurm.wait(job, timeout=300)
     text = read(log)
@@ -111,6 +111,10 @@ def test_preempted_job_checkpoints_requeues_itself_and_resumes_exactly(slurm, ti
     assert f"checkpoint: loaded {dump}/checkpoint/step-{stopped} (step {stopped})" in text
     got = read_metrics(dump)
     assert [got[s] for s in range(1, 13)] == [straight[s] for s in range(1, 13)]  # bitwise
+
+
+def requeued(info):
+    return info.get("Restarts") == "1" and info.get("JobState") == "PENDING"
 
 
 def wait_until(predicate, timeout=300):

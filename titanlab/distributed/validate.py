@@ -13,7 +13,7 @@ from titanlab.distributed.parallel_dims import ParallelDims
 
 def validate_layout(config: JobConfig, dims: ParallelDims, model_args, device_type: str) -> None:
     """Raise ConfigError for the first rule `config` breaks on this layout and device."""
-    p, t = config.parallelism, config.training
+    t = config.training
     heads, kv_heads = model_args.n_heads, model_args.kv_heads
     if dims.tp > 1:
         if heads % dims.tp or kv_heads % dims.tp:

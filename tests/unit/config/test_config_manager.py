@@ -298,3 +298,11 @@ def test_train_config_parses(path):
     for section, table in load_toml(path).items():  # every value in the file reached the config
         for key, value in table.items():
             assert getattr(getattr(config, section), key) == value, f"{section}.{key}"
+
+
+@pytest.mark.parametrize("name", ["llama_8b", "llama_70b", "llama_405b"])
+def test_large_presets_compile_and_checkpoint_activations(name):
+    config = build_config(["--job.config_file", os.path.join(REPO, "train_configs", f"{name}.toml")])
+    assert config.compile.enable and config.compile.components == ["model", "loss"]
+    assert config.activation_checkpoint.mode in ("selective", "full")
+    assert config.training.mixed_precision_param == "bfloat16"
