@@ -1,11 +1,13 @@
 """Speed and memory of the real trainer against a plain PyTorch loop of the same model and batch.
 
-    python tools/benchmark.py [--matrix full|quick|none] [--steps 20] [--warmup 5] [--threads 1]
-                              [--out docs/performance.md] [--gpu-8b [--gpu-layers 4]]
+    python tools/benchmark.py [--matrix full|quick|overhead|none] [--steps 20] [--warmup 5]
+                              [--repeats 1] [--threads 1] [--out docs/performance.md]
+                              [--gpu-8b [--gpu-layers 4]]
 
 Trainer rows: `torch.distributed.run -m titanlab.train`, debug model, seq 256, global batch 16
 split over the ranks, no checkpoint or validation, log_freq 1; eager/compile × AC
-none/selective/full × 1/2 ranks (FSDP) × fp32/bf16 (quick: eager, none, fp32). Baseline rows:
+none/selective/full × 1/2 ranks (FSDP) × fp32/bf16 (quick: eager, none, fp32; overhead: only
+the 1-rank eager fp32 row and its baseline). Baseline rows:
 one process running titanlab's `Transformer` in a plain loop (fused AdamW, `F.cross_entropy`,
 `clip_grad_norm_`, batches by numpy memmap from the same shards) per precision and compile.
 
@@ -15,6 +17,10 @@ vs baseline = tps per intra-op thread ÷ the baseline's (on CUDA: tps ÷ tps). O
 baseline use `--threads` threads, each of 2 ranks one. Step times are exact: with log_freq 1
 the trainer's tps of step k is tokens_per_step ÷ (time from logging step k-1 to logging step
 k), so step time = local batch × seq_len ÷ tps.
+
+`--repeats N` runs the whole matrix N times, interleaved (A B A B ...), so slow drifts of a
+shared machine hit every row alike; a row then reports the median over repeats and, in
+brackets, the range of the per-repeat medians.
 
 `--gpu-8b` (CUDA): the plain loop at the 8B flavor's dims with `--gpu-layers` blocks (vocab
 128256, seq 8192, batch 1, random tokens) in bf16 (eager, compiled) and float8 (torchao
@@ -81,14 +87,28 @@ class Result:
     ratio: float | None = None
     mfu: float | None = None
     error: str = ""
+    spread: tuple[float, float] | None = None  # min and max per-repeat median step time (s)
+
+
+def combine(repeats: list[Result]) -> Result:
+    """One row from the same run repeated: medians over repeats, with the step-time range."""
+    ok = [r for r in repeats if not r.error]
+    if not ok:
+        return repeats[0]
+    steps = [r.step_s for r in ok]
+    return dataclasses.replace(ok[0], step_s=statistics.median(steps),
+                               tps=statistics.median(r.tps for r in ok),
+                               peak_gib=max(r.peak_gib for r in ok),
+                               spread=(min(steps), max(steps)) if len(ok) > 1 else None)
 
 
 def matrix(kind: str) -> list[Run]:
     """The runs of `kind` (full, quick or none), trainer rows first; else a ValueError."""
-    if kind in ("quick", "none"):
-        return [Run(ranks=1), Run(ranks=2), Run(ranks=0)] if kind == "quick" else []
+    if kind in ("quick", "overhead", "none"):
+        return {"quick": [Run(ranks=1), Run(ranks=2), Run(ranks=0)],
+                "overhead": [Run(ranks=1), Run(ranks=0)], "none": []}[kind]
     if kind != "full":
-        raise ValueError(f"matrix={kind!r} is invalid; use 'full', 'quick' or 'none'")
+        raise ValueError(f"matrix={kind!r} is invalid; use 'full', 'quick', 'overhead' or 'none'")
     runs = [Run(c, ac, r, p) for p in ("fp32", "bf16") for c in (False, True)
             for ac in ("none", "selective", "full") for r in (1, 2)]
     return runs + [Run(c, "none", 0, p) for p in ("fp32", "bf16") for c in (False, True)]
@@ -132,7 +152,8 @@ def render_table(results: list[Result], mfu: bool = False) -> str:
         if r.error:
             cells = [r.run.name, f"failed: {r.error}", "", "", ""] + [""] * mfu
         else:
-            cells = [r.run.name, f"{r.step_s * 1e3:.1f}", f"{r.tps:,.0f}", f"{r.peak_gib:.2f}",
+            spread = f" ({r.spread[0] * 1e3:.0f}–{r.spread[1] * 1e3:.0f})" if r.spread else ""
+            cells = [r.run.name, f"{r.step_s * 1e3:.1f}{spread}", f"{r.tps:,.0f}", f"{r.peak_gib:.2f}",
                      "" if r.ratio is None else f"{r.ratio:.2f}×"]
             cells += [f"{100 * r.mfu:.1f}%" if r.mfu is not None else "n/a"] * mfu
         lines.append("| " + " | ".join(c.replace("|", "/") for c in cells) + " |")
@@ -311,8 +332,10 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=20, help="measured steps per run (after warm-up)")
     p.add_argument("--warmup", type=int, default=5, help="steps run first and not measured")
-    p.add_argument("--matrix", default="full", choices=["full", "quick", "none"],
-                   help="quick: eager, AC none, fp32, 1 and 2 ranks; none: only --gpu-8b")
+    p.add_argument("--matrix", default="full", choices=["full", "quick", "overhead", "none"],
+                   help="quick: eager, AC none, fp32, 1 and 2 ranks; overhead: 1 rank vs the "
+                        "baseline; none: only --gpu-8b")
+    p.add_argument("--repeats", type=int, default=1, help="run the matrix this many times, interleaved")
     p.add_argument("--threads", type=int, default=1, help="intra-op threads: 1 rank and baseline")
     p.add_argument("--out", default=os.path.join(REPO, "docs", "performance.md"),
                    help="Markdown file whose benchmark block(s) are replaced")
@@ -324,9 +347,10 @@ def main(argv: list[str] | None = None) -> int:
         spec = json.loads(a.child)
         print(json.dumps(probe() if spec["kind"] == "probe" else plain_loop(spec)))
         return 0
-    if a.steps < 1 or a.warmup < 0 or a.threads < 1:
+    if a.steps < 1 or a.warmup < 0 or a.threads < 1 or a.repeats < 1:
         raise SystemExit(f"error: --steps {a.steps} / --warmup {a.warmup} / --threads {a.threads} "
-                         "need steps >= 1, warmup >= 0, threads >= 1")
+                         f"/ --repeats {a.repeats} need steps >= 1, warmup >= 0, threads >= 1, "
+                         "repeats >= 1")
     info = child({"kind": "probe"}, 1)
     if "error" in info:
         raise SystemExit(f"error: probe failed: {info['error']}")
@@ -335,14 +359,14 @@ def main(argv: list[str] | None = None) -> int:
     loop = {"flavor": "debugmodel", "layers": None, "vocab": info["vocab"], "seq": SEQ,
             "batch": GLOBAL_BS, "steps": a.steps, "warmup": a.warmup, "data_dir": info["data_dir"],
             "device": "cuda" if info["gpus"] else "cpu"}
-    results = []
-    for run in matrix(a.matrix):
-        if info["gpus"] and run.ranks > info["gpus"]:
-            print(f"skip {run.name}: needs {run.ranks} GPUs", flush=True)
-            continue
-        print(f"running {run.name} ...", flush=True)
-        results.append(run_plain(run, loop, a.threads) if run.ranks == 0 else
-                       run_trainer(run, a.steps, a.warmup, a.threads, info["data_dir"]))
+    runs = [r for r in matrix(a.matrix) if not (info["gpus"] and r.ranks > info["gpus"])]
+    repeated: dict[Run, list[Result]] = {run: [] for run in runs}
+    for k in range(a.repeats):
+        for run in runs:
+            print(f"running {run.name} ({k + 1}/{a.repeats}) ...", flush=True)
+            repeated[run].append(run_plain(run, loop, a.threads) if run.ranks == 0 else
+                                 run_trainer(run, a.steps, a.warmup, a.threads, info["data_dir"]))
+    results = [combine(rs) for rs in repeated.values()]
     if results:
         add_ratios(results, per_thread=not info["gpus"])
         publish(a.out, "cuda" if info["gpus"] else "cpu", f"{about}\n\n{render_table(results)}")

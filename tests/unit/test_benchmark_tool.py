@@ -103,8 +103,21 @@ def test_matrix():
     full = benchmark.matrix("full")
     trainer = [r for r in full if r.ranks]
     assert len(trainer) == len(set(trainer)) == 2 * 3 * 2 * 2 and len(full) - len(trainer) == 4
+    assert [r.ranks for r in benchmark.matrix("overhead")] == [1, 0]
     with pytest.raises(ValueError, match="quick"):
         benchmark.matrix("huge")
+
+
+def test_combine_repeats_takes_medians_and_range():
+    run = benchmark.Run()
+    rows = [benchmark.Result(run, step_s=t, tps=4096 / t, peak_gib=g)
+            for t, g in ((3.0, 1.0), (2.0, 1.2), (2.5, 1.1))]
+    row = benchmark.combine(rows)
+    assert (row.step_s, row.tps, row.peak_gib, row.spread) == (2.5, 4096 / 2.5, 1.2, (2.0, 3.0))
+    assert "2500.0 (2000–3000)" in benchmark.render_table([row])
+    failed = benchmark.Result(run, error="boom")
+    assert benchmark.combine([failed]).error == "boom"
+    assert benchmark.combine([failed, rows[0]]).step_s == 3.0
 
 
 def test_failure_line():
