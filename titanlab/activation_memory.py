@@ -41,8 +41,9 @@ class LiveTensorBytes(TorchDispatchMode):
         return out
 
     def live(self) -> int:
-        """Bytes of the recorded storages still referenced by anything."""
-        gc.collect()
+        """Bytes of the recorded storages still referenced by anything (young reference cycles
+        are collected first; a full collection would cost ~0.2 s per call)."""
+        gc.collect(0)
         return sum(n for ref, n in self._storages.values() if not ref.expired())
 
 

@@ -1,6 +1,5 @@
 """2-process FSDP2 trains to the same losses as 1 process on the same global batch."""
 
-import pytest
 
 STEPS = 5
 

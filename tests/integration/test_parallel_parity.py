@@ -6,7 +6,6 @@ fp32 and deterministic mode; the losses of steps 1-5 must equal the 1-process re
 layer per stage.
 """
 
-import os
 
 import pytest
 

@@ -29,3 +29,14 @@ def test_disabled_is_a_no_op():
     model = Transformer(args)
     apply_float8(model, Float8(enable=False), torch.device("cpu"), fsdp_enabled=False)
     assert all(type(m) is not None and type(m).__name__ != "Float8Linear" for m in model.modules())
+
+
+def test_float8_tp_styles_come_from_torchao():
+    from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel
+    from torchao.float8.float8_tensor_parallel import (
+        Float8ColwiseParallel, Float8RowwiseParallel, PrepareFloat8ModuleInput)
+
+    from titanlab.distributed.tensor_parallel import block_styles
+
+    assert block_styles(True) == (Float8ColwiseParallel, Float8RowwiseParallel, PrepareFloat8ModuleInput)
+    assert block_styles(False) == (ColwiseParallel, RowwiseParallel, PrepareModuleInput)

@@ -36,8 +36,10 @@ def parallelize_llama(model: nn.Module, parallel_dims: ParallelDims, config: Job
     pipeline stage of it) in place. Returns the same model object.
     """
     if parallel_dims.tp_enabled:
+        f8 = config.float8
         apply_tp(model, parallel_dims.mesh("tp"),
-                 loss_parallel=not config.parallelism.disable_loss_parallel)
+                 loss_parallel=not config.parallelism.disable_loss_parallel,
+                 float8_comm=f8.enable and f8.recipe_name == "tensorwise" and device.type == "cuda")
     apply_ac(model, config.activation_checkpoint.mode, config.activation_checkpoint.selective_ac_option)
     if config.compile.enable and "model" in config.compile.components:
         apply_compile(model, config.compile.backend)

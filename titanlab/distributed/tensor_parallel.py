@@ -14,6 +14,11 @@ Plan (Shoeybi et al. 2019, "Megatron-LM"; Korthikanti et al. 2022 for sequence p
   stage convert.
 - output: column-wise; with loss parallel the logits stay vocab-sharded (`Shard(-1)`) and the
   cross-entropy runs under `loss_parallel()`, never materializing the full vocab on one rank.
+- float8 (tensorwise recipe, on GPUs): the block's Linear layers use torchao's float8 styles
+  (`Float8ColwiseParallel`, `Float8RowwiseParallel`, `PrepareFloat8ModuleInput`), which cast to
+  float8 before the all-gather, so TP moves half the bytes of bf16 (torchao's float8 README,
+  "float8 tensor parallel"). gloo cannot carry float8 tensors, so on CPU the float8 layers are
+  sharded with the ordinary styles and communicate in high precision.
 """
 
 from __future__ import annotations
@@ -26,12 +31,24 @@ from torch.distributed.tensor.parallel import (
     parallelize_module)
 
 
-def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, loss_parallel: bool) -> None:
+def block_styles(float8_comm: bool) -> tuple[type, type, type]:
+    """(colwise, rowwise, prepare-input) parallel styles for the transformer blocks: torchao's
+    float8 ones when `float8_comm` (the Linear layers must already be torchao Float8Linear)."""
+    if float8_comm:
+        from torchao.float8.float8_tensor_parallel import (
+            Float8ColwiseParallel, Float8RowwiseParallel, PrepareFloat8ModuleInput)
+        return Float8ColwiseParallel, Float8RowwiseParallel, PrepareFloat8ModuleInput
+    return ColwiseParallel, RowwiseParallel, PrepareModuleInput
+
+
+def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, loss_parallel: bool,
+             float8_comm: bool = False) -> None:
     """Shard `model` (a Transformer or a pipeline stage of one) over `tp_mesh` in place.
 
     Input tokens (bs, seq) must be identical on every tp rank; the output is logits (bs, seq,
     vocab) as a DTensor sharded on vocab when `loss_parallel`, else a plain replicated tensor.
     A middle pipeline stage takes and returns (bs, seq, dim) hidden states sharded on seq.
+    `float8_comm`: all-gather the blocks' activations in float8 (torchao tensorwise recipe).
     """
     top: dict[str, nn.Module | object] = {}
     if model.tok_embeddings is not None:

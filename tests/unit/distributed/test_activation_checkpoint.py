@@ -5,8 +5,6 @@ Memory is the bytes of tensors created during forward that are still alive when 
 what autograd saved, plus what op-level selective AC keeps in its own cache (which
 saved-tensor hooks do not see)."""
 
-import copy
-
 import pytest
 import torch
 

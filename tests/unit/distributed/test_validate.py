@@ -2,7 +2,6 @@
 
 import dataclasses
 
-import pytest
 
 from titanlab.config.job_config import ConfigError, JobConfig
 from titanlab.distributed.parallel_dims import ParallelDims
