@@ -26,7 +26,8 @@ brackets, the range of the per-repeat medians.
 128256, seq 8192, batch 1, random tokens) in bf16 (eager, compiled) and float8 (torchao
 tensorwise, compiled), with MFU = tps × FLOPs/token (`get_nparams_and_flops`) ÷ the dense bf16
 peak (`device_peak_flops`). Tables replace the `<!-- benchmark:TAG:begin/end -->` blocks of
-`--out` (TAG cpu or cuda, and cuda-8b), keeping the rest of the file.
+`--out` (TAG cpu or cuda, with `-overhead` for that matrix, and cuda-8b), keeping the rest of
+the file.
 """
 
 from __future__ import annotations
@@ -369,7 +370,8 @@ def main(argv: list[str] | None = None) -> int:
     results = [combine(rs) for rs in repeated.values()]
     if results:
         add_ratios(results, per_thread=not info["gpus"])
-        publish(a.out, "cuda" if info["gpus"] else "cpu", f"{about}\n\n{render_table(results)}")
+        tag = ("cuda" if info["gpus"] else "cpu") + ("-overhead" if a.matrix == "overhead" else "")
+        publish(a.out, tag, f"{about}\n\n{render_table(results)}")
     if a.gpu_8b and not info["gpus"]:
         print("--gpu-8b: skipped, no CUDA device")
     elif a.gpu_8b:
