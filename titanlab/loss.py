@@ -35,11 +35,21 @@ class ScaledLoss:
     """`loss_fn` for the pipeline schedule: token-sum × `scale`, where the trainer sets `scale`
     each step to (ranks FSDP/DDP average over) / (global token count)."""
 
-    def __init__(self) -> None:
+    def __init__(self, loss_fn=None) -> None:
         self.scale = 1.0
+        self.loss_fn = loss_fn or cross_entropy_sum
 
     def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return cross_entropy_sum(logits, labels) * self.scale
+        return self.loss_fn(logits, labels) * self.scale
+
+
+def build_loss_fn(compile_loss: bool, loss_parallel: bool):
+    """`cross_entropy_sum`, compiled (`torch.compile`) when `compile_loss`. Under loss parallel
+    it stays eager: the cross-entropy of vocab-sharded DTensor logits is dispatched by the
+    `loss_parallel()` context, which a compiled graph would not see."""
+    if compile_loss and not loss_parallel:
+        return torch.compile(cross_entropy_sum)
+    return cross_entropy_sum
 
 
 def maybe_loss_parallel(enabled: bool):

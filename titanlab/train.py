@@ -29,7 +29,7 @@ from titanlab.distributed.pipeline import pipeline_llama
 from titanlab.float8 import apply_float8, precompute_scales
 from titanlab.preemption import REQUEUE_EXIT_CODE, Preempted, PreemptionHandler
 from titanlab.precision import autocast_context, build_grad_scaler
-from titanlab.loss import IGNORE_INDEX, ScaledLoss, cross_entropy_sum, local_value, maybe_loss_parallel
+from titanlab.loss import IGNORE_INDEX, ScaledLoss, build_loss_fn, local_value, maybe_loss_parallel
 from titanlab.distributed.utils import clip_grad_norm_, global_sum
 from titanlab.memory import local_world_size
 from titanlab.metrics import MetricsLogger, device_peak_flops
@@ -85,11 +85,13 @@ class Trainer:
                     config.model.flavor, f"{nparams:,}", flops_per_token, dims)
         apply_float8(model, config.float8, self.device, dims.fsdp_enabled)
         self.loss_parallel = dims.tp_enabled and not config.parallelism.disable_loss_parallel
+        self.loss_fn = build_loss_fn(config.compile.enable and "loss" in config.compile.components,
+                                     self.loss_parallel)
         parallelize = functools.partial(parallelize_llama, parallel_dims=dims, config=config,
                                         device=self.device)
         self.schedule = None
         if dims.pp_enabled:
-            self.pp_loss = ScaledLoss()
+            self.pp_loss = ScaledLoss(self.loss_fn)
             self.schedule, self.model_parts, self.has_first, self.has_last = pipeline_llama(
                 model, dims, config, self.device, parallelize, self.pp_loss)
         else:
@@ -244,7 +246,7 @@ class Trainer:
             return sum(local_value(l) for l in losses) / scale
         model = self.model_parts[0]
         with cp_context(self.parallel_dims.mesh("cp"), inputs, labels, self.model_parts):
-            token_loss = cross_entropy_sum(model(inputs), labels)
+            token_loss = self.loss_fn(model(inputs), labels)
             (token_loss * scale).backward()
         return local_value(token_loss)
 
@@ -261,7 +263,7 @@ class Trainer:
                 inputs, labels = inputs.to(self.device), labels.to(self.device)
                 tokens += (labels != IGNORE_INDEX).sum() / self.parallel_dims.cp
                 with cp_context(self.parallel_dims.mesh("cp"), inputs, labels, self.model_parts):
-                    total += local_value(cross_entropy_sum(model(inputs), labels))
+                    total += local_value(self.loss_fn(model(inputs), labels))
         self.metrics.reset_timer(self.step)
         return (global_sum(total, self._loss_mesh) / global_sum(tokens, self._loss_mesh)).item()
 

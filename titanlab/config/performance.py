@@ -31,7 +31,8 @@ class Compile:
     """torch.compile each transformer block (fullgraph) and the loss."""
 
     components: list[str] = field(default_factory=lambda: ["model", "loss"])
-    """What to compile: any of model, loss."""
+    """What to compile: any of model (each transformer block) and loss (the cross-entropy; it
+    stays eager under tensor parallel's loss parallel)."""
 
     backend: str = "inductor"
     """torch.compile backend."""
