@@ -1,4 +1,7 @@
-"""run_train.sh (the user's entry point) trains the debug model under each parallel layout."""
+"""run_train.sh (the user's entry point) trains the debug model under composed layouts.
+
+Loss parity of every layout is in test_parallel_parity.py (through torchrun directly); these
+check that the shell entry point passes the layout through, on the two most composed ones."""
 
 import os
 import subprocess
@@ -9,11 +12,12 @@ from conftest import REPO
 from titanlab.metrics import parse_log_line
 
 LAYOUTS = {
-    "fsdp": [],
     "hsdp": ["--parallelism.data_parallel_replicate_degree", "2"],
-    "fsdp_tp": ["--parallelism.tensor_parallel_degree", "2"],
-    "pp_fsdp": ["--parallelism.pipeline_parallel_degree", "2"],
     "pp_tp": ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.tensor_parallel_degree", "2"],
+}
+EXPECTED = {
+    "hsdp": "ParallelDims(dp_replicate=2, dp_shard=2, cp=1, tp=1, pp=1, world_size=4)",
+    "pp_tp": "ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=2, pp=2, world_size=4)",
 }
 
 
@@ -30,4 +34,5 @@ def test_run_train_sh_layout(layout, tiny_dataset, tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     losses = dict(filter(None, map(parse_log_line, proc.stdout.splitlines())))
     assert sorted(losses) == [1, 2, 3]
+    assert f"layout: {EXPECTED[layout]}" in proc.stdout
     assert all(0 < v < 20 for v in losses.values())
