@@ -99,8 +99,10 @@ def test_preempted_job_checkpoints_requeues_itself_and_resumes_exactly(slurm, ti
     wait_until(lambda: os.path.exists(metrics) and len(read(metrics).splitlines()) >= 3)
     slurm.signal(job, "USR1", batch=True)  # what --signal=B:USR1@180 sends before the time limit
     wait_until(lambda: requeued(slurm.job(job)))
-    # Slurm holds a requeued job for about 2 minutes before it is eligible again; skip that wait.
-    slurm.control("update", f"JobId={job}", "StartTime=now")
+    # Slurm holds a requeued job for about 2 minutes before it is eligible again; shorten that
+    # wait, but not to zero: a job restarted in the second its old credential was revoked is
+    # killed ("Job credential revoked").
+    slurm.control("update", f"JobId={job}", "StartTime=now+5")
     info = slurm.wait(job, timeout=300)
     text = read(log)
     assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("COMPLETED", "0:0", "1"), \
