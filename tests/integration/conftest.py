@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from dataclasses import dataclass, field
 
 import pytest
@@ -86,3 +87,11 @@ def read_metrics(dump: str) -> dict[int, float]:
 
     with open(os.path.join(dump, "metrics.jsonl"), encoding="utf-8") as f:
         return {rec["step"]: rec["loss"] for rec in map(json.loads, f)}
+
+
+def wait_for(predicate, timeout: float = 300) -> None:
+    """Poll `predicate` every 0.2 s until it is true; AssertionError after `timeout` seconds."""
+    end = time.time() + timeout
+    while not predicate():
+        assert time.time() < end, "timed out waiting"
+        time.sleep(0.2)

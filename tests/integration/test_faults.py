@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from conftest import REPO, read_metrics
+from conftest import REPO, read_metrics, wait_for
 from titanlab.checkpoint import store
 
 CONSTANT_LR = ["--lr_scheduler.warmup_steps", "2", "--lr_scheduler.decay_ratio", "0"]
@@ -46,15 +46,6 @@ def logged_steps(dump):
         return []
     with open(path) as f:
         return [json.loads(line)["step"] for line in f if line.strip()]
-
-
-def wait_for(predicate, timeout=300):
-    end = time.time() + timeout
-    while time.time() < end:
-        if predicate():
-            return True
-        time.sleep(0.2)
-    raise AssertionError("timed out waiting")
 
 
 def worker_pid(rank: int, dump: str) -> int:

@@ -7,11 +7,10 @@ TITANLAB_SLURM_TESTS=1 (`.ci/run` sets it).
 
 import os
 import sys
-import time
 
 import pytest
 
-from conftest import REPO, TINY, launch, read_metrics
+from conftest import REPO, TINY, launch, read_metrics, wait_for
 from slurm_cluster import SlurmTestCluster
 from titanlab.checkpoint import store
 
@@ -96,9 +95,9 @@ def test_preempted_job_checkpoints_requeues_itself_and_resumes_exactly(slurm, ti
     dump = str(tmp_path / "preempted")
     job, log = submit(slurm, dump, overrides(tiny_dataset, dump, 12))
     metrics = os.path.join(dump, "metrics.jsonl")
-    wait_until(lambda: os.path.exists(metrics) and len(read(metrics).splitlines()) >= 3)
+    wait_for(lambda: os.path.exists(metrics) and len(read(metrics).splitlines()) >= 3)
     slurm.signal(job, "USR1", batch=True)  # what --signal=B:USR1@180 sends before the time limit
-    wait_until(lambda: requeued(slurm.job(job)))
+    wait_for(lambda: requeued(slurm.job(job)))
     # Slurm holds a requeued job for about 2 minutes before it is eligible again; shorten that
     # wait, but not to zero: a job restarted in the second its old credential was revoked is
     # killed ("Job credential revoked").
@@ -117,10 +116,3 @@ def test_preempted_job_checkpoints_requeues_itself_and_resumes_exactly(slurm, ti
 
 def requeued(info):
     return info.get("Restarts") == "1" and info.get("JobState") == "PENDING"
-
-
-def wait_until(predicate, timeout=300):
-    end = time.time() + timeout
-    while not predicate():
-        assert time.time() < end, "timed out waiting"
-        time.sleep(0.2)
