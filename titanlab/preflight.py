@@ -20,7 +20,7 @@ from titanlab.config.manager import build_config
 from titanlab.data.tokenizer import Tokenizer
 from titanlab.distributed.parallel_dims import ParallelDims
 from titanlab.distributed.parallelize import param_dtype
-from titanlab.distributed.validate import validate_layout
+from titanlab.distributed.layouts import check_parallel_layout
 from titanlab.memory import check_memory
 from titanlab.models.llama3 import TransformerModelArgs
 
@@ -37,12 +37,12 @@ class Plan:
 
 def check(config: JobConfig, world_size: int, local_world_size: int) -> Plan:
     """Validate the layout, batch sizes, tokenizer, model dims and memory. Raises ConfigError."""
-    parallel_dims = ParallelDims.from_config(config.parallelism, world_size)
-    batch = components.batch_layout(config, parallel_dims.dp_degree)
+    ParallelDims.from_config(config.parallelism, world_size)  # degrees first: the cheapest check
     tokenizer = components.build_tokenizer(config)
     model_args = components.build_model_args(config, tokenizer.vocab_size)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    validate_layout(config, parallel_dims, model_args, device.type)
+    parallel_dims = check_parallel_layout(config, world_size, model_args, device.type)
+    batch = components.batch_layout(config, parallel_dims.dp_degree)
     check_memory(model_args, config, world_size, local_world_size, param_dtype(config, device))
     return Plan(parallel_dims, batch, tokenizer, model_args)
 

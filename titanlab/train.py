@@ -120,8 +120,9 @@ class Trainer:
             flops_per_token=flops_per_token, tokens_per_step=tokens_per_step,
             peak_flops=device_peak_flops(self.device, config.metrics.peak_flops), tb_dir=tb,
             jsonl_path=os.path.join(config.job.dump_folder, "metrics.jsonl"))
-        self.autocast = functools.partial(autocast_context, self.device, compute_dtype, dims.fsdp_enabled)
-        self.scaler = build_grad_scaler(self.device, compute_dtype, dims.fsdp_enabled,
+        self.autocast = functools.partial(autocast_context, self.device, compute_dtype,
+                                          dims.fsdp2_managed)
+        self.scaler = build_grad_scaler(self.device, compute_dtype, dims.fsdp2_managed,
                                         config.training.loss_scale_init)
         self._loss_mesh = dims.mesh("dp_cp")
         # FSDP and DDP average gradients over these ranks; the loss is scaled up to undo it.

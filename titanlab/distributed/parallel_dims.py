@@ -84,6 +84,12 @@ class ParallelDims:
         return self.dp_shard * self.cp > 1
 
     @property
+    def fsdp2_managed(self) -> bool:
+        """FSDP2 owns the parameters (`fully_shard` for FSDP/HSDP, its `replicate` for DDP): it
+        casts them for mixed precision and their gradients are DTensors."""
+        return self.fsdp_enabled or self.dp_replicate_enabled
+
+    @property
     def tp_enabled(self) -> bool:
         return self.tp > 1
 

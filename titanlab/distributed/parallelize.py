@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.distributed._composable.replicate import replicate
+from torch.distributed._composable.replicate_with_fsdp import replicate
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
@@ -44,7 +44,8 @@ def parallelize_llama(model: nn.Module, parallel_dims: ParallelDims, config: Job
     if config.compile.enable and "model" in config.compile.components:
         apply_compile(model, config.compile.backend)
     if parallel_dims.dp_replicate_enabled and not parallel_dims.fsdp_enabled:
-        apply_ddp(model, parallel_dims.mesh("dp_replicate"))
+        apply_ddp(model, parallel_dims.mesh("dp_replicate"), param_dtype=param_dtype(config, device),
+                  reduce_dtype=_DTYPES[config.training.mixed_precision_reduce])
     elif parallel_dims.fsdp_enabled:
         apply_fsdp(
             model,
@@ -72,10 +73,22 @@ def fsdp_mesh(parallel_dims: ParallelDims) -> DeviceMesh:
     return mesh
 
 
-def apply_ddp(model: nn.Module, dp_mesh: DeviceMesh) -> None:
-    """Plain data parallel (PyTorch DDP through the composable `replicate`): full parameters on
-    every rank, gradients all-reduced (averaged) in buckets during backward."""
-    replicate(model, device_mesh=dp_mesh)
+def apply_ddp(model: nn.Module, dp_mesh: DeviceMesh, *, param_dtype: torch.dtype,
+              reduce_dtype: torch.dtype) -> None:
+    """Plain data parallel: full parameters on every rank, gradients all-reduced (averaged) per
+    block during backward.
+
+    Uses FSDP2's `replicate` (`torch.distributed._composable.replicate_with_fsdp`), applied per
+    block and then to the root like `fully_shard`, not the older reducer-based composable DDP:
+    `torch.distributed.pipelining` stages recognize FSDP2 modules and all-reduce once after the
+    last microbatch, but they do not recognize the older composable DDP, whose reducer then
+    all-reduced per microbatch with stale bucket state and trained PP × DDP wrong (|Δloss| 4e-3
+    at step 5 against 1 process, measured in torch 2.13).
+    """
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    for block in model.layers.values():
+        replicate(block, mesh=dp_mesh, mp_policy=mp)
+    replicate(model, mesh=dp_mesh, mp_policy=mp)
 
 
 def reshard_policy(option: str, pp_enabled: bool) -> bool:

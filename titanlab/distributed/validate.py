@@ -19,9 +19,6 @@ def validate_layout(config: JobConfig, dims: ParallelDims, model_args, device_ty
         if heads % dims.tp or kv_heads % dims.tp:
             raise ConfigError(f"parallelism.tensor_parallel_degree={dims.tp} must divide the number of"
                               f" heads ({heads}) and of KV heads ({kv_heads}) of {config.model.flavor}")
-        if dims.dp_replicate > 1 and dims.dp_shard * dims.cp == 1:
-            raise ConfigError("dp_replicate > 1 without dp_shard (DDP) cannot combine with tensor "
-                              "parallel; use HSDP (data_parallel_shard_degree > 1)")
     seq_div = dims.tp * (2 * dims.cp if dims.cp > 1 else 1)
     if t.seq_len % seq_div:
         raise ConfigError(f"training.seq_len={t.seq_len} must be divisible by tp × 2·cp = {seq_div}"
