@@ -38,7 +38,9 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 export TITANLAB_PREEMPT_MARKER
 TITANLAB_PREEMPT_MARKER=$(mktemp -u "${TMPDIR:-/tmp}/titanlab-preempt.XXXXXX")
 
-"$PYTHON" -m torch.distributed.run \
+# titanlab.launcher runs torchrun, keeps its traceback in <dump_folder>/logs/launcher-*.log and
+# ends with the failing rank's one `titanlab: error:` line and exit code.
+"$PYTHON" -m titanlab.launcher \
     --nproc_per_node="$NGPU" --max-restarts="${MAX_RESTARTS:-0}" \
     --rdzv_backend=c10d --rdzv_endpoint="localhost:${MASTER_PORT:-0}" \
     --local-ranks-filter="$LOG_RANK" --role=rank --tee=3 \

@@ -83,16 +83,24 @@ def dataset_dir(config: JobConfig, tokenizer_path: str) -> str:
 
 def build_datasets(config: JobConfig, tokenizer: Tokenizer, data_dir: str):
     """(train, val-or-None) MemmapTokenDatasets; the data must be tokenized with `tokenizer`."""
-    train = MemmapTokenDataset(data_dir, config.training.seq_len, split="train",
-                               val_fraction=config.data.val_fraction)
+    try:
+        train = MemmapTokenDataset(data_dir, config.training.seq_len, split="train",
+                                   val_fraction=config.data.val_fraction)
+        val = None
+        if config.data.val_fraction > 0:
+            val = MemmapTokenDataset(data_dir, config.training.seq_len, split="val",
+                                     val_fraction=config.data.val_fraction)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"data.dataset_path={data_dir!r}: {e}") from None
     fingerprint = train.metadata.get("tokenizer_fingerprint")
     if fingerprint and fingerprint != tokenizer.fingerprint:
         raise ConfigError(f"data.dataset_path={data_dir!r} was tokenized with tokenizer {fingerprint}"
                           f" but model.tokenizer_path is {tokenizer.fingerprint}; prepare it again")
-    val = None
-    if config.data.val_fraction > 0:
-        val = MemmapTokenDataset(data_dir, config.training.seq_len, split="val",
-                                 val_fraction=config.data.val_fraction)
+    vocab = train.metadata.get("vocab_size")
+    if vocab is not None and vocab > tokenizer.vocab_size:
+        raise ConfigError(f"data.dataset_path={data_dir!r} has token ids up to vocab_size={vocab},"
+                          f" more than the tokenizer's {tokenizer.vocab_size}; prepare it again "
+                          "with model.tokenizer_path")
     return train, val
 
 

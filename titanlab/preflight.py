@@ -9,12 +9,14 @@ in seconds with one line instead of a launcher traceback, and writes nothing.
 
 from __future__ import annotations
 
+import os
 import sys
 from dataclasses import dataclass
 
 import torch
 
 from titanlab import components
+from titanlab.checkpoint import store
 from titanlab.config.job_config import ConfigError, JobConfig
 from titanlab.config.manager import build_config
 from titanlab.data.tokenizer import Tokenizer
@@ -44,15 +46,40 @@ def check(config: JobConfig, world_size: int, local_world_size: int) -> Plan:
     parallel_dims = check_parallel_layout(config, world_size, model_args, device.type)
     batch = components.batch_layout(config, parallel_dims.dp_degree)
     check_memory(model_args, config, world_size, local_world_size, param_dtype(config, device))
+    check_files(config, tokenizer)
     return Plan(parallel_dims, batch, tokenizer, model_args)
+
+
+def check_files(config: JobConfig, tokenizer: Tokenizer) -> None:
+    """What the run will read and write, checked without writing anything: the dataset folder
+    (metadata parses, every shard has the length it lists, its vocabulary fits the tokenizer),
+    that `job.dump_folder` can be created or written, and that `checkpoint.load_step` names a
+    complete checkpoint. Raises ConfigError."""
+    if config.data.dataset_path:
+        components.build_datasets(config, tokenizer, components.dataset_dir(config, tokenizer.path))
+    dump = os.path.abspath(config.job.dump_folder)
+    existing = dump
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing) or not os.access(existing, os.W_OK | os.X_OK):
+        what = "is not a directory" if not os.path.isdir(existing) else "is not writable"
+        raise ConfigError(f"job.dump_folder={config.job.dump_folder!r} cannot be written: "
+                          f"{existing} {what}; choose a folder you can write")
+    ckpt = config.checkpoint
+    if ckpt.enable and ckpt.load_step >= 0 and not ckpt.create_seed_checkpoint:
+        store.load_step_path(store.checkpoint_root(ckpt.folder, config.job.dump_folder),
+                             ckpt.load_step)
 
 
 def main(argv: list[str]) -> int:
     counts = {"--nproc": 1, "--nnodes": 1}
-    while argv[:1] and argv[0] in counts:
-        counts[argv[0]], argv = int(argv[1]), argv[2:]
-    nproc, nnodes = counts["--nproc"], counts["--nnodes"]
     try:
+        while argv[:1] and argv[0] in counts:
+            value = argv[1] if len(argv) > 1 else ""
+            if not value.isdigit() or int(value) < 1:
+                raise ConfigError(f"{argv[0]}={value!r} must be a whole number >= 1")
+            counts[argv[0]], argv = int(value), argv[2:]
+        nproc, nnodes = counts["--nproc"], counts["--nnodes"]
         check(build_config(argv), nproc * nnodes, nproc)
     except ConfigError as e:
         print(f"titanlab: error: {e}", file=sys.stderr)

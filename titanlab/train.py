@@ -26,6 +26,7 @@ from titanlab.distributed.init import destroy_distributed, init_distributed, set
 from titanlab.distributed.context_parallel import cp_context
 from titanlab.distributed.parallelize import param_dtype, parallelize_llama
 from titanlab.distributed.pipeline import pipeline_llama
+from titanlab.launcher import write_error_file
 from titanlab.float8 import apply_float8, precompute_scales
 from titanlab.preemption import REQUEUE_EXIT_CODE, Preempted, PreemptionHandler
 from titanlab.precision import autocast_context, build_grad_scaler
@@ -287,6 +288,13 @@ def is_collective_timeout(e: BaseException) -> bool:
         "timed out" in text or "timeout" in text)
 
 
+def _fail(line: str, exit_code: int) -> int:
+    """Print this rank's one error line, record it for `titanlab.launcher`, return the code."""
+    print(line, file=sys.stderr, flush=True)
+    write_error_file(line, exit_code)
+    return exit_code
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if "--help" in argv or "-h" in argv:
@@ -305,18 +313,16 @@ def main(argv: list[str] | None = None) -> int:
         trainer.close()
         return REQUEUE_EXIT_CODE
     except (ConfigError, TrainingDiverged) as e:
-        print(f"titanlab: error: {e}", file=sys.stderr, flush=True)
-        return 2 if isinstance(e, ConfigError) else 3
+        return _fail(f"titanlab: error: {e}", 2 if isinstance(e, ConfigError) else 3)
     except Exception as e:
         if trainer is None or not is_collective_timeout(e):
             raise
         first = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
         last = trainer.checkpointer.last_complete()
-        print(f"titanlab: error: rank {trainer.rank}: a collective timed out at step {trainer.step} "
-              f"(comm.train_timeout_seconds={trainer.config.comm.train_timeout_seconds}); a peer rank "
-              f"stopped responding. Last complete checkpoint: {last or 'none'}. ({first})",
-              file=sys.stderr, flush=True)
-        return 4
+        return _fail(f"titanlab: error: rank {trainer.rank}: a collective timed out at step "
+                     f"{trainer.step} (comm.train_timeout_seconds="
+                     f"{trainer.config.comm.train_timeout_seconds}); a peer rank stopped "
+                     f"responding. Last complete checkpoint: {last or 'none'}. ({first})", 4)
     finally:
         destroy_distributed()
 

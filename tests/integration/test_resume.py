@@ -71,3 +71,41 @@ def test_async_checkpoints_resume_exactly_and_keep_latest_k(train, tmp_path):
     wq = meta.state_dict_metadata["model.layers.0.attention.wq.weight"]
     assert str(wq.properties.dtype) == "torch.bfloat16"
     assert not any(k.startswith("optimizer") for k in meta.state_dict_metadata)
+
+
+class _Payload:
+    """Unpickling this runs `open(marker, "w")`: what a malicious checkpoint would do."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_pickled_loader_state_is_refused_without_running_it(train, tmp_path):
+    """A checkpoint whose loader state is a pickle (old format, or a malicious one) is refused
+    with one line, and the pickle is never loaded."""
+    import pickle
+
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save, torch_save_to_dcp
+
+    import torch
+
+    dump = str(tmp_path / "run")
+    train(1, "--training.steps", "5", *CONSTANT_LR, *CKPT, dump=dump).check()
+    step5 = os.path.join(dump, "checkpoint", "step-5")
+    flat = str(tmp_path / "flat.pt")
+    dcp_to_torch_save(step5, flat)
+    state = torch.load(flat, weights_only=False)
+    marker = str(tmp_path / "code-ran")
+    state["dataloader"]["dp_rank_0"] = pickle.dumps(_Payload(marker))
+    os.remove(flat)
+    torch.save(state, flat)
+    forged = str(tmp_path / "forged" / "checkpoint" / "step-5")
+    torch_save_to_dcp(flat, forged)
+    run = train(1, "--training.steps", "8", *CONSTANT_LR, *CKPT, dump=str(tmp_path / "forged"))
+    assert run.returncode == 2, run.stderr[-2000:]
+    errors = [line for line in run.stderr.splitlines() if line.startswith("titanlab: error:")]
+    assert len(errors) == 1 and "not plain data" in errors[0] and "refusing" in errors[0]
+    assert not os.path.exists(marker)  # the pickle never ran

@@ -10,18 +10,18 @@ from __future__ import annotations
 
 import logging
 import os
-import pickle
 import time
 from concurrent.futures import Future
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions, get_model_state_dict, get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict)
 
-from titanlab.checkpoint import store
+from titanlab.checkpoint import plain_state, store
 from titanlab.config.job_config import Checkpoint, ConfigError
 
 logger = logging.getLogger(__name__)
@@ -44,7 +44,7 @@ class Checkpointer:
     def __init__(self, cfg: Checkpoint, dump_folder: str, *, model_parts: list[nn.Module],
                  optimizer, lr_scheduler, dataloader, dp_rank: int) -> None:
         self.cfg = cfg
-        self.root = cfg.folder if os.path.isabs(cfg.folder) else os.path.join(dump_folder, cfg.folder)
+        self.root = store.checkpoint_root(cfg.folder, dump_folder)
         self.model_parts = model_parts
         self.optimizer = optimizer
         self.lr_scheduler = lr_scheduler
@@ -76,8 +76,9 @@ class Checkpointer:
             "model": self._model_sd(),
             "optimizer": self._optim_sd(),
             "lr_scheduler": self.lr_scheduler.state_dict(),
-            # Pickled so DCP stores the loader's nested state as one per-rank item.
-            "dataloader": {f"dp_rank_{self.dp_rank}": pickle.dumps(self.dataloader.state_dict())},
+            # JSON in a uint8 tensor: one per-rank item that loading never unpickles.
+            "dataloader": {f"dp_rank_{self.dp_rank}":
+                           plain_state.encode(self.dataloader.state_dict())},
             "rng": {f"rank_{self.rank}": torch.get_rng_state()},
             "train_state": {"step": step},
         }
@@ -169,12 +170,7 @@ class Checkpointer:
 
     def _choose(self) -> str | None:
         if self.cfg.load_step >= 0:
-            path = store.step_dir(self.root, self.cfg.load_step)
-            reason = store.incomplete_reason(path) if os.path.isdir(path) else "it does not exist"
-            if reason:
-                raise ConfigError(f"checkpoint.load_step={self.cfg.load_step}: {path} cannot be "
-                                  f"loaded: {reason}; complete steps: {self._complete_steps()}")
-            return path
+            return store.load_step_path(self.root, self.cfg.load_step)
         for s in reversed(store.list_steps(self.root)):
             path = store.step_dir(self.root, s)
             reason = store.incomplete_reason(path)
@@ -183,10 +179,6 @@ class Checkpointer:
             if self.rank == 0:
                 logger.warning("checkpoint: skipping incomplete %s: %s", path, reason)
         return None
-
-    def _complete_steps(self) -> list[int]:
-        return [s for s in store.list_steps(self.root)
-                if store.incomplete_reason(store.step_dir(self.root, s)) is None]
 
     def load(self) -> int:
         """Restore the newest complete checkpoint (or `checkpoint.load_step`).
@@ -213,7 +205,7 @@ class Checkpointer:
             loader_key = f"dp_rank_{self.dp_rank}"
             if f"dataloader.{loader_key}" not in keys:
                 loader_key = "dp_rank_0"
-            state["dataloader"] = {loader_key: b""}
+            state["dataloader"] = {loader_key: _loader_buffer(path, f"dataloader.{loader_key}")}
             if f"rng.rank_{self.rank}" in keys:
                 state["rng"] = {f"rank_{self.rank}": torch.get_rng_state()}
         part_keys = [list(get_model_state_dict(part)) for part in self.model_parts]
@@ -224,7 +216,12 @@ class Checkpointer:
             for part, opt in zip(self.model_parts, self.optimizer.optimizers):
                 set_optimizer_state_dict(part, opt, state["optimizer"], options=_FLAT)
             self.lr_scheduler.load_state_dict(state["lr_scheduler"])
-            self.dataloader.load_state_dict(pickle.loads(state["dataloader"][loader_key]))
+            try:
+                loader_state = plain_state.decode(state["dataloader"][loader_key])
+            except ValueError as e:
+                raise ConfigError(f"{path}: the data-loader state dataloader.{loader_key} is not "
+                                  f"plain data ({e}); refusing to load it") from None
+            self.dataloader.load_state_dict(loader_state)
             if "rng" in state:
                 torch.set_rng_state(state["rng"][f"rank_{self.rank}"])
         step = int(state["train_state"]["step"]) if has_optim else 0
@@ -236,3 +233,20 @@ class Checkpointer:
         if self._async_pg is not None:
             dist.destroy_process_group(self._async_pg)
             self._async_pg = None
+
+
+def _loader_buffer(path: str, key: str) -> torch.Tensor:
+    """An empty uint8 tensor the size of the stored data-loader state `key`, for DCP to load
+    into. Raises ConfigError for a checkpoint whose loader state is not such a tensor (older
+    titanlab pickled it, and DCP would unpickle it on load, which can run code)."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    meta = FileSystemReader(path).read_metadata().state_dict_metadata.get(key)
+    if not isinstance(meta, TensorStorageMetadata) or meta.properties.dtype != torch.uint8 \
+            or len(meta.size) != 1:
+        raise ConfigError(
+            f"{path}: the data-loader state {key} is not plain data (a pickle, as written before "
+            "titanlab stored it as JSON); refusing to load it because unpickling can run code. "
+            "To start from its weights only: --checkpoint.initial_load_path " + path +
+            " --checkpoint.initial_load_model_only true in an empty dump folder")
+    return torch.empty(meta.size, dtype=torch.uint8)

@@ -17,6 +17,29 @@ from torch.distributed.checkpoint import FileSystemReader
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 
 
+def checkpoint_root(folder: str, dump_folder: str) -> str:
+    """Where checkpoints live: `checkpoint.folder`, inside `job.dump_folder` when relative."""
+    return folder if os.path.isabs(folder) else os.path.join(dump_folder, folder)
+
+
+def complete_steps(root: str) -> list[int]:
+    """Steps under `root` whose checkpoint is complete, ascending."""
+    return [s for s in list_steps(root) if incomplete_reason(step_dir(root, s)) is None]
+
+
+def load_step_path(root: str, step: int) -> str:
+    """Folder of the complete checkpoint of `step` (`checkpoint.load_step`) under `root`.
+    Raises ConfigError (one line, listing the complete steps) when it is missing or incomplete."""
+    from titanlab.config.errors import ConfigError
+
+    path = step_dir(root, step)
+    reason = incomplete_reason(path) if os.path.isdir(path) else "it does not exist"
+    if reason:
+        raise ConfigError(f"checkpoint.load_step={step}: {path} cannot be loaded: {reason}; "
+                          f"complete steps: {complete_steps(root)}")
+    return path
+
+
 def step_dir(root: str, step: int) -> str:
     """Folder of the checkpoint of `step` under `root`."""
     return os.path.join(root, f"step-{step}")

@@ -34,6 +34,8 @@ class MemmapTokenDataset(Dataset):
 
     Raises:
         FileNotFoundError: no ``metadata.json`` or a shard file is missing.
+        ValueError: ``metadata.json`` is not the JSON ``tools/prepare_data.py`` writes, or a
+            shard's length differs from what it says.
         ValueError: bad ``seq_len``/``split``/``val_fraction``, a shard of the wrong size, too few
             tokens for one train window, or ``split="val"`` with ``val_fraction=0``.
     """
@@ -50,8 +52,7 @@ class MemmapTokenDataset(Dataset):
             raise FileNotFoundError(
                 f"{meta_path!r} not found; prepare the data first with tools/prepare_data.py"
             )
-        with open(meta_path, encoding="utf-8") as f:
-            self.metadata = json.load(f)
+        self.metadata = read_metadata(meta_path)
         self.data_dir = data_dir
         self.seq_len = seq_len
         self.split = split
@@ -122,3 +123,34 @@ class MemmapTokenDataset(Dataset):
         start = (self._first_window + index) * self.seq_len
         tokens = torch.from_numpy(self._read(start, start + self.seq_len + 1).astype(np.int64))
         return tokens[:-1], tokens[1:]
+
+
+_TOKEN_DTYPES = ("uint16", "uint32")
+
+
+def read_metadata(meta_path: str) -> dict:
+    """The parsed ``metadata.json`` of a prepared dataset, checked for the fields the loader
+    reads: ``dtype`` (uint16 | uint32) and ``shards`` (a list of ``{"file": str, "tokens": int >=
+    0}``). Raises ValueError naming the first problem (one line)."""
+    try:
+        with open(meta_path, encoding="utf-8") as f:
+            meta = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{meta_path!r} is not valid JSON ({e}); prepare the data again with "
+                         "tools/prepare_data.py") from None
+    if not isinstance(meta, dict):
+        raise ValueError(f"{meta_path!r} holds a JSON {type(meta).__name__}, not an object")
+    if meta.get("dtype") not in _TOKEN_DTYPES:
+        raise ValueError(f"{meta_path!r}: dtype={meta.get('dtype')!r}; valid: "
+                         f"{', '.join(_TOKEN_DTYPES)}")
+    shards = meta.get("shards")
+    if not isinstance(shards, list) or not all(
+            isinstance(sh, dict) and isinstance(sh.get("file"), str)
+            and os.sep not in sh["file"] and sh["file"] not in ("", ".", "..")
+            and type(sh.get("tokens")) is int and sh["tokens"] >= 0 for sh in shards):
+        raise ValueError(f"{meta_path!r}: 'shards' must be a list of {{\"file\": name, \"tokens\": "
+                         "count >= 0}} entries")
+    vocab = meta.get("vocab_size")
+    if vocab is not None and (type(vocab) is not int or vocab < 1):
+        raise ValueError(f"{meta_path!r}: vocab_size={vocab!r} must be a positive integer")
+    return meta
