@@ -53,8 +53,8 @@ def check(config: JobConfig, world_size: int, local_world_size: int) -> Plan:
 def check_files(config: JobConfig, tokenizer: Tokenizer) -> None:
     """What the run will read and write, checked without writing anything: the dataset folder
     (metadata parses, every shard has the length it lists, its vocabulary fits the tokenizer),
-    that `job.dump_folder` can be created or written, and that `checkpoint.load_step` names a
-    complete checkpoint. Raises ConfigError."""
+    that `job.dump_folder` can be created or written, and that `checkpoint.initial_load_path`
+    and `checkpoint.load_step` name complete checkpoints. Raises ConfigError."""
     if config.data.dataset_path:
         components.build_datasets(config, tokenizer, components.dataset_dir(config, tokenizer.path))
     dump = os.path.abspath(config.job.dump_folder)
@@ -66,6 +66,12 @@ def check_files(config: JobConfig, tokenizer: Tokenizer) -> None:
         raise ConfigError(f"job.dump_folder={config.job.dump_folder!r} cannot be written: "
                           f"{existing} {what}; choose a folder you can write")
     ckpt = config.checkpoint
+    if ckpt.initial_load_path and not ckpt.create_seed_checkpoint:
+        reason = store.incomplete_reason(ckpt.initial_load_path) \
+            if os.path.isdir(ckpt.initial_load_path) else "it does not exist"
+        if reason:
+            raise ConfigError(f"checkpoint.initial_load_path={ckpt.initial_load_path!r} cannot be "
+                              f"loaded: {reason}")
     if ckpt.enable and ckpt.load_step >= 0 and not ckpt.create_seed_checkpoint:
         store.load_step_path(store.checkpoint_root(ckpt.folder, config.job.dump_folder),
                              ckpt.load_step)
