@@ -302,15 +302,17 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     logging.basicConfig(level=logging.INFO, format="[titanlab] %(asctime)s %(levelname)s %(message)s",
                         stream=sys.stdout, force=True)
-    trainer = None
+    trainer, clean = None, False
     try:
         config = build_config(argv)
         trainer = Trainer(config)
         trainer.train()
         trainer.close()
+        clean = True
         return 0
-    except Preempted:
+    except Preempted:  # every rank stops after the same step
         trainer.close()
+        clean = True
         return REQUEUE_EXIT_CODE
     except (ConfigError, TrainingDiverged) as e:
         return _fail(f"titanlab: error: {e}", 2 if isinstance(e, ConfigError) else 3)
@@ -324,7 +326,7 @@ def main(argv: list[str] | None = None) -> int:
                      f"{trainer.config.comm.train_timeout_seconds}); a peer rank stopped "
                      f"responding. Last complete checkpoint: {last or 'none'}. ({first})", 4)
     finally:
-        destroy_distributed()
+        destroy_distributed(barrier=clean)
 
 
 if __name__ == "__main__":

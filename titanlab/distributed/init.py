@@ -79,6 +79,16 @@ def set_train_timeout(train_timeout_s: int) -> None:
         distributed_c10d._set_pg_timeout(timeout, group)
 
 
-def destroy_distributed() -> None:
-    if dist.is_initialized():
-        dist.destroy_process_group()
+def destroy_distributed(barrier: bool = True) -> None:
+    """End the default process group (a no-op when there is none).
+
+    With `barrier` (the normal end), every rank first waits for the others, so no rank tears
+    down its gloo connections while a peer still uses them: a rank that exits while a peer's
+    send or receive is in flight can abort with "terminate called without an active exception".
+    Pass `barrier=False` after an error, when the peers may never arrive.
+    """
+    if not dist.is_initialized():
+        return
+    if barrier:
+        dist.barrier()
+    dist.destroy_process_group()

@@ -14,6 +14,7 @@ import torch.multiprocessing as mp
 
 from titanlab.distributed import comm_counter
 from titanlab.distributed.comm_counter import CommCounter, count_step_comms
+from titanlab.distributed.init import destroy_distributed
 
 F32 = 4  # bytes per float32 element
 
@@ -22,6 +23,7 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
                             world_size=world, timeout=timedelta(seconds=60))
+    ok = False
     try:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.tensor import Shard, distribute_tensor
@@ -44,8 +46,9 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
             # exp of a Partial sum: DTensor all-reduces (4,) fp32 inside the op's dispatch.
             d.sum(0).exp()
         counter.write_json(os.path.join(out_dir, f"rank{rank}.json"), rank=rank)
+        ok = True
     finally:
-        dist.destroy_process_group()
+        destroy_distributed(barrier=ok)  # a barrier first: no rank leaves while a peer sends
 
 
 def test_counter_bytes_two_ranks(tmp_path):
