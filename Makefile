@@ -10,7 +10,7 @@ CONFIG ?= train_configs/debug_model.toml
 PYTEST_ARGS ?=
 TESTS ?= tests
 
-.PHONY: train test setup clean
+.PHONY: train test setup clean check format benchmark test-parity-full
 
 setup: $(VENV)/.installed
 
@@ -30,7 +30,26 @@ train: setup
 	./run_train.sh $(CONFIG)
 
 test: setup
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -rs --durations=10 $(PYTEST_ARGS) $(TESTS)
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -rs --durations=10 --cov=titanlab --cov-report=term:skip-covered $(PYTEST_ARGS) $(TESTS)
+
+# Quality gates: lint, format check, types, then the unit tests (CI runs this before `make test`).
+check: setup
+	$(PY) -m ruff check titanlab tools tests
+	$(PY) -m ruff format --check titanlab tools tests
+	$(PY) -m mypy
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -x tests/unit
+
+format: setup
+	$(PY) -m ruff check --fix titanlab tools tests
+	$(PY) -m ruff format titanlab tools tests
+
+# The CPU quick benchmark matrix (tools/benchmark.py), written to docs/performance.md.
+benchmark: setup
+	OMP_NUM_THREADS=1 $(PY) tools/benchmark.py --matrix quick
+
+# Every valid layout of 1, 2, 4, 8 ranks against 1 process; the table goes to docs/parallelism.md.
+test-parity-full: setup
+	OMP_NUM_THREADS=1 $(PY) tools/parity_matrix.py
 
 clean:
 	rm -rf $(VENV) outputs .pytest_cache

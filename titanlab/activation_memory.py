@@ -31,8 +31,11 @@ class LiveTensorBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        inputs = {StorageWeakRef(t.untyped_storage()).cdata
-                  for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        inputs = {
+            StorageWeakRef(t.untyped_storage()).cdata
+            for t in tree_leaves((args, kwargs))
+            if isinstance(t, torch.Tensor)
+        }
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):
                 ref = StorageWeakRef(t.untyped_storage())

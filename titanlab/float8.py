@@ -47,23 +47,37 @@ def apply_float8(model: nn.Module, cfg: Float8, device: torch.device, fsdp_enabl
     try:
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
     except ImportError:
-        raise ConfigError("float8.enable=true needs torchao; pip install 'titanlab[float8]'") from None
+        raise ConfigError(
+            "float8.enable=true needs torchao; pip install 'titanlab[float8]'"
+        ) from None
     if not cfg.emulate and not float8_supported(device):
-        raise ConfigError(f"float8.enable=true needs a GPU with float8 (compute capability >= 8.9), "
-                          f"not {device.type}; set float8.emulate=true to test the numerics")
+        raise ConfigError(
+            f"float8.enable=true needs a GPU with float8 (compute capability >= 8.9), "
+            f"not {device.type}; set float8.emulate=true to test the numerics"
+        )
     config = Float8LinearConfig.from_recipe_name(cfg.recipe_name)
     config = dataclasses.replace(
-        config, emulate=cfg.emulate,
-        enable_fsdp_float8_all_gather=(cfg.enable_fsdp_float8_all_gather and fsdp_enabled
-                                       and cfg.recipe_name == "tensorwise"))
-    convert_to_float8_training(model, config=config, module_filter_fn=_linear_filter(cfg.filter_fqns))
+        config,
+        emulate=cfg.emulate,
+        enable_fsdp_float8_all_gather=(
+            cfg.enable_fsdp_float8_all_gather and fsdp_enabled and cfg.recipe_name == "tensorwise"
+        ),
+    )
+    convert_to_float8_training(
+        model, config=config, module_filter_fn=_linear_filter(cfg.filter_fqns)
+    )
 
 
 def precompute_scales(model_parts: list[nn.Module], cfg: Float8, fsdp_enabled: bool) -> None:
     """After the optimizer step: compute all float8 weight scales in one all-reduce (tensorwise
     recipe with float8 FSDP all-gather), instead of one per layer during the next forward."""
-    if cfg.enable and cfg.recipe_name == "tensorwise" and cfg.enable_fsdp_float8_all_gather \
-            and cfg.precompute_float8_dynamic_scale_for_fsdp and fsdp_enabled:
+    if (
+        cfg.enable
+        and cfg.recipe_name == "tensorwise"
+        and cfg.enable_fsdp_float8_all_gather
+        and cfg.precompute_float8_dynamic_scale_for_fsdp
+        and fsdp_enabled
+    ):
         from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
 
         for part in model_parts:

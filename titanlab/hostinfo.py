@@ -11,7 +11,9 @@ def cpu_model() -> str:
     """The CPU's model name from /proc/cpuinfo, else `platform.processor()`."""
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
-            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+            return next(
+                line.split(":", 1)[1].strip() for line in f if line.startswith("model name")
+            )
     except (OSError, StopIteration):
         return platform.processor() or "unknown CPU"
 

@@ -59,8 +59,8 @@ def read_error_files(folder: str) -> tuple[int, str] | None:
             continue
         try:
             with open(os.path.join(folder, name), encoding="utf-8") as f:
-                code, line = f.read().split("\n", 1)
-            found.append((int(name[4:]), int(code), line.strip()))
+                code_text, line = f.read().split("\n", 1)
+            found.append((int(name[4:]), int(code_text), line.strip()))
         except (OSError, ValueError):
             continue
     if not found:
@@ -76,7 +76,7 @@ def dump_folder(trainer_args: list[str]) -> str:
         from titanlab.config.manager import build_config
 
         return build_config(trainer_args).job.dump_folder
-    except Exception:  # noqa: BLE001 - the rank prints the config error
+    except Exception:
         return "outputs"
 
 
@@ -99,26 +99,54 @@ def is_launcher_noise(line: str) -> bool:
     if re.fullmatch(r"\[\d+\]:", line.strip()):  # the failure table's "[0]:" entries
         return True
     return not line.startswith("[") and (
-        bool(_TORCHRUN_LOG.match(line)) or line.startswith(("Traceback (most recent call last)",
-                                                            "  File ", "    ", "torch.distributed"))
-        or line.startswith(("=====", "-----", "Failures:", "Root Cause", "[0]:", "  time ",
-                            "  host ", "  rank ", "  exitcode ", "  error_file", "  traceback "))
-        or "ChildFailedError" in line or line.rstrip().endswith("FAILED")
-        or line.strip() in ("<NO_OTHER_FAILURES>", "^" * len(line.strip())))
+        bool(_TORCHRUN_LOG.match(line))
+        or line.startswith(
+            ("Traceback (most recent call last)", "  File ", "    ", "torch.distributed")
+        )
+        or line.startswith(
+            (
+                "=====",
+                "-----",
+                "Failures:",
+                "Root Cause",
+                "[0]:",
+                "  time ",
+                "  host ",
+                "  rank ",
+                "  exitcode ",
+                "  error_file",
+                "  traceback ",
+            )
+        )
+        or "ChildFailedError" in line
+        or line.rstrip().endswith("FAILED")
+        or line.strip() in ("<NO_OTHER_FAILURES>", "^" * len(line.strip()))
+    )
 
 
 def main(argv: list[str]) -> int:
     if "-m" not in argv:
-        print(f"{ERROR_PREFIX} usage: python -m titanlab.launcher [torchrun options] -m "
-              "titanlab.train [trainer options]", file=sys.stderr)
+        print(
+            f"{ERROR_PREFIX} usage: python -m titanlab.launcher [torchrun options] -m "
+            "titanlab.train [trainer options]",
+            file=sys.stderr,
+        )
         return 2
-    trainer_args = argv[argv.index("-m") + 2:]
+    trainer_args = argv[argv.index("-m") + 2 :]
     log_path = _log_path(dump_folder(trainer_args))
-    with tempfile.TemporaryDirectory(prefix="titanlab-errors-") as errors, \
-            open(log_path, "a", encoding="utf-8") as log:
+    with (
+        tempfile.TemporaryDirectory(prefix="titanlab-errors-") as errors,
+        open(log_path, "a", encoding="utf-8") as log,
+    ):
         env = dict(os.environ, **{ERROR_DIR_ENV: errors})
-        proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *argv], env=env,
-                                stderr=subprocess.PIPE, text=True, errors="replace", bufsize=1)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", *argv],
+            env=env,
+            stderr=subprocess.PIPE,
+            text=True,
+            errors="replace",
+            bufsize=1,
+        )
         held: list[str] = []  # the ranks' error lines, printed once, last
         stopped: list[int] = []
 
@@ -153,8 +181,13 @@ def main(argv: list[str]) -> int:
         elif held:
             rank_code, line = code, held[0]
         else:
-            rank_code, line = code, (f"{ERROR_PREFIX} training failed (torchrun exit code {code});"
-                                     " the failing rank's output is above")
+            rank_code, line = (
+                code,
+                (
+                    f"{ERROR_PREFIX} training failed (torchrun exit code {code});"
+                    " the failing rank's output is above"
+                ),
+            )
         print(f"titanlab: launcher report (torchrun's traceback): {log_path}", file=sys.stderr)
         print(line, file=sys.stderr, flush=True)
         return rank_code if rank_code > 0 else code

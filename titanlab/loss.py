@@ -21,8 +21,9 @@ def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tenso
     Returns:
         a 0-dim fp32 tensor (a replicated DTensor under loss parallel).
     """
-    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum",
-                           ignore_index=IGNORE_INDEX)
+    return F.cross_entropy(
+        logits.flatten(0, 1).float(), labels.flatten(), reduction="sum", ignore_index=IGNORE_INDEX
+    )
 
 
 def local_value(t: torch.Tensor) -> torch.Tensor:
@@ -36,7 +37,7 @@ class ScaledLoss:
     each step to (ranks FSDP/DDP average over) / (global token count)."""
 
     def __init__(self, loss_fn=None) -> None:
-        self.scale = 1.0
+        self.scale: float | torch.Tensor = 1.0
         self.loss_fn = loss_fn or cross_entropy_sum
 
     def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -49,8 +49,11 @@ class MemoryEstimate:
     def peak_tensors(self) -> int:
         """Peak bytes of tensors: at the start of backward, or at the optimizer step."""
         # The logits' gradients are freed before the last block is recomputed: never both at once.
-        backward = self.activations + max(self.logits, self.recompute) \
+        backward = (
+            self.activations
+            + max(self.logits, self.recompute)
             + (self.grads if self.grads_during_forward else 0)
+        )
         return self.params + self.optimizer + self.gathered_params + max(backward, self.grads)
 
     @property
@@ -58,13 +61,24 @@ class MemoryEstimate:
         return self.peak_tensors + self.overhead
 
     def summary(self) -> str:
-        parts = [(name, getattr(self, name)) for name in
-                 ("params", "grads", "optimizer", "gathered_params", "activations", "logits", "overhead")]
+        parts = [
+            (name, getattr(self, name))
+            for name in (
+                "params",
+                "grads",
+                "optimizer",
+                "gathered_params",
+                "activations",
+                "logits",
+                "overhead",
+            )
+        ]
         return ", ".join(f"{n} {b / GIB:.1f}" for n, b in parts if b) + " GiB"
 
 
-def estimate_memory(model_args, config: JobConfig, world_size: int,
-                    compute_dtype: torch.dtype) -> MemoryEstimate:
+def estimate_memory(
+    model_args, config: JobConfig, world_size: int, compute_dtype: torch.dtype
+) -> MemoryEstimate:
     """Estimate per-rank memory for training `model_args` with `config` on `world_size` ranks.
 
     Args:
@@ -93,7 +107,10 @@ def estimate_memory(model_args, config: JobConfig, world_size: int,
     layers = model_args.n_layers // pp
     traced = trace_activation_bytes(model_args, b, s_local, compute_dtype)
     block = {mode: n // tp for mode, n in traced.per_block.items()}
-    mode, option = config.activation_checkpoint.mode, config.activation_checkpoint.selective_ac_option
+    mode, option = (
+        config.activation_checkpoint.mode,
+        config.activation_checkpoint.selective_ac_option,
+    )
     if mode == "full":
         acts = layers * block["full"]
     elif mode == "selective" and option == "op":
@@ -116,7 +133,9 @@ def estimate_memory(model_args, config: JobConfig, world_size: int,
         activations=acts,
         logits=(traced.head + logits_grads) // tp,
         overhead=(2 if on_gpu else 1) * GIB // 2,
-        recompute=block["none"] if mode == "full" or (mode == "selective" and option != "op") else 0,
+        recompute=block["none"]
+        if mode == "full" or (mode == "selective" and option != "op")
+        else 0,
         grads_during_forward=accumulating,
     )
 
@@ -133,12 +152,19 @@ def available_bytes_per_rank(local_world_size: int) -> tuple[int, str]:
             if line.startswith("MemAvailable:"):
                 avail = int(line.split()[1]) * 1024
     per_rank = avail // max(local_world_size, 1)
-    return per_rank, (f"{avail / GIB:.1f} GiB of available host memory shared by "
-                      f"{local_world_size} CPU process(es), {per_rank / GIB:.1f} GiB each")
+    return per_rank, (
+        f"{avail / GIB:.1f} GiB of available host memory shared by "
+        f"{local_world_size} CPU process(es), {per_rank / GIB:.1f} GiB each"
+    )
 
 
-def check_memory(model_args, config: JobConfig, world_size: int, local_world_size: int,
-                 compute_dtype: torch.dtype) -> MemoryEstimate:
+def check_memory(
+    model_args,
+    config: JobConfig,
+    world_size: int,
+    local_world_size: int,
+    compute_dtype: torch.dtype,
+) -> MemoryEstimate:
     """Raise ConfigError (one line) when the estimate exceeds what a rank has.
 
     Skipped (returns the estimate only) when `training.memory_check` is false.
@@ -152,7 +178,8 @@ def check_memory(model_args, config: JobConfig, world_size: int, local_world_siz
             f"model.flavor={config.model.flavor} needs about {est.total / GIB:.1f} GiB per rank "
             f"({est.summary()}) on {world_size} rank(s), but there is {what}; use more devices, "
             "a smaller model.flavor (e.g. debugmodel) or a smaller batch "
-            "(--training.memory_check false skips this check)")
+            "(--training.memory_check false skips this check)"
+        )
     return est
 
 

@@ -67,11 +67,24 @@ class MetricsLogger:
         tokens_per_step: tokens this rank processes per optimizer step (local batch × seq × accumulation).
     """
 
-    def __init__(self, *, device: torch.device, rank: int, log_freq: int, flops_per_token: int,
-                 tokens_per_step: int, peak_flops: float | None, tb_dir: str | None = None,
-                 jsonl_path: str | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        device: torch.device,
+        rank: int,
+        log_freq: int,
+        flops_per_token: int,
+        tokens_per_step: int,
+        peak_flops: float | None,
+        tb_dir: str | None = None,
+        jsonl_path: str | None = None,
+    ) -> None:
         self.device, self.rank, self.log_freq = device, rank, log_freq
-        self.flops_per_token, self.tokens_per_step, self.peak_flops = flops_per_token, tokens_per_step, peak_flops
+        self.flops_per_token, self.tokens_per_step, self.peak_flops = (
+            flops_per_token,
+            tokens_per_step,
+            peak_flops,
+        )
         self._last_time = time.perf_counter()
         self._steps_since = 0
         self._tb = None
@@ -83,8 +96,10 @@ class MetricsLogger:
             try:
                 from torch.utils.tensorboard import SummaryWriter
             except ImportError:
-                raise ValueError("metrics.enable_tensorboard=true needs the tensorboard package; "
-                                 "pip install 'titanlab[tensorboard]'") from None
+                raise ValueError(
+                    "metrics.enable_tensorboard=true needs the tensorboard package; "
+                    "pip install 'titanlab[tensorboard]'"
+                ) from None
             self._tb = SummaryWriter(tb_dir)
 
     def should_log(self, step: int, last_step: int) -> bool:
@@ -101,16 +116,43 @@ class MetricsLogger:
         mfu = f"{100 * tflops * 1e12 / self.peak_flops:.2f}%" if self.peak_flops else "n/a"
         mem, kind = memory_gib(self.device)
         if self.rank == 0:
-            logger.info("step: %d  loss: %.6f  grad_norm: %.4f  lr: %.3e  tps: %.0f  tflops: %.3f  "
-                        "mfu: %s  memory: %.2fGiB(%s)", step, loss, grad_norm, lr, tps, tflops, mfu,
-                        mem, kind)
+            logger.info(
+                "step: %d  loss: %.6f  grad_norm: %.4f  lr: %.3e  tps: %.0f  tflops: %.3f  "
+                "mfu: %s  memory: %.2fGiB(%s)",
+                step,
+                loss,
+                grad_norm,
+                lr,
+                tps,
+                tflops,
+                mfu,
+                mem,
+                kind,
+            )
             if self._jsonl is not None:  # exact values (repr round-trips), for tools and tests
-                self._jsonl.write(json.dumps({"step": step, "loss": loss, "grad_norm": grad_norm,
-                                              "lr": lr, "tps": tps, "memory_gib": mem}) + "\n")
+                self._jsonl.write(
+                    json.dumps(
+                        {
+                            "step": step,
+                            "loss": loss,
+                            "grad_norm": grad_norm,
+                            "lr": lr,
+                            "tps": tps,
+                            "memory_gib": mem,
+                        }
+                    )
+                    + "\n"
+                )
                 self._jsonl.flush()
             if self._tb is not None:
-                for k, v in (("loss", loss), ("grad_norm", grad_norm), ("lr", lr), ("tps", tps),
-                             ("tflops", tflops), ("memory_gib", mem)):
+                for k, v in (
+                    ("loss", loss),
+                    ("grad_norm", grad_norm),
+                    ("lr", lr),
+                    ("tps", tps),
+                    ("tflops", tflops),
+                    ("memory_gib", mem),
+                ):
                     self._tb.add_scalar(k, v, step)
 
     def reset_timer(self, step: int) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import cast
 
 import torch
 from torch.optim.optimizer import _get_fused_kernels_supported_devices
@@ -11,8 +12,9 @@ from torch.optim.optimizer import _get_fused_kernels_supported_devices
 from titanlab.config.job_config import LRScheduler, Optimizer
 
 
-def build_optimizer(params: list[torch.nn.Parameter], cfg: Optimizer,
-                    device: torch.device, allow_fused: bool = True) -> torch.optim.Optimizer:
+def build_optimizer(
+    params: list[torch.nn.Parameter], cfg: Optimizer, device: torch.device, allow_fused: bool = True
+) -> torch.optim.Optimizer:
     """AdamW (Loshchilov & Hutter 2019) with the implementation asked for.
 
     `fused` uses the fused kernel (CUDA and CPU in recent PyTorch) unless `allow_fused` is False
@@ -20,20 +22,35 @@ def build_optimizer(params: list[torch.nn.Parameter], cfg: Optimizer,
     uses `foreach`); `foreach` the multi-tensor path; `for-loop` the reference loop.
     """
     impl = cfg.implementation
-    kwargs = dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
-                  weight_decay=cfg.weight_decay)
+    fused: bool | None = None  # None: AdamW's own default
+    foreach: bool | None = None
     fused_ok = allow_fused and device.type in _get_fused_kernels_supported_devices()
     if impl == "fused" and fused_ok:
-        kwargs["fused"] = True
+        fused = True
     elif impl in ("foreach", "fused"):
-        kwargs["foreach"] = True
+        foreach = True
     else:
-        kwargs["foreach"] = False
-    return torch.optim.AdamW(params, **kwargs)
+        foreach = False
+    return torch.optim.AdamW(
+        params,
+        lr=cfg.lr,
+        betas=(cfg.beta1, cfg.beta2),
+        eps=cfg.eps,
+        weight_decay=cfg.weight_decay,
+        foreach=foreach,
+        fused=fused,
+    )
 
 
-def lr_factor(step: int, *, warmup_steps: int, total_steps: int, decay_ratio: float,
-              decay_type: str, min_lr_factor: float) -> float:
+def lr_factor(
+    step: int,
+    *,
+    warmup_steps: int,
+    total_steps: int,
+    decay_ratio: float,
+    decay_type: str,
+    min_lr_factor: float,
+) -> float:
     """Multiplier of the peak lr at optimizer step `step` (0-based count of steps taken).
 
     Linear warmup over `warmup_steps` (starting at 1/(warmup+1) so the first step moves), then a
@@ -61,12 +78,18 @@ def lr_factor(step: int, *, warmup_steps: int, total_steps: int, decay_ratio: fl
     return min_lr_factor + (1.0 - min_lr_factor) * shape
 
 
-def build_lr_scheduler(optimizer: torch.optim.Optimizer, cfg: LRScheduler,
-                       total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+def build_lr_scheduler(
+    optimizer: torch.optim.Optimizer, cfg: LRScheduler, total_steps: int
+) -> torch.optim.lr_scheduler.LambdaLR:
     """A LambdaLR over `lr_factor`; its state_dict (the step count) goes into checkpoints."""
-    fn = functools.partial(lr_factor, warmup_steps=cfg.warmup_steps, total_steps=total_steps,
-                           decay_ratio=cfg.decay_ratio, decay_type=cfg.decay_type,
-                           min_lr_factor=cfg.min_lr_factor)
+    fn = functools.partial(
+        lr_factor,
+        warmup_steps=cfg.warmup_steps,
+        total_steps=total_steps,
+        decay_ratio=cfg.decay_ratio,
+        decay_type=cfg.decay_type,
+        min_lr_factor=cfg.min_lr_factor,
+    )
     return torch.optim.lr_scheduler.LambdaLR(optimizer, fn)
 
 
@@ -77,11 +100,17 @@ class OptimizersContainer:
     names, which is what lets DCP save and reshard it (`get_optimizer_state_dict(part, opt)`).
     """
 
-    def __init__(self, model_parts: list[torch.nn.Module], cfg: Optimizer, device: torch.device,
-                 allow_fused: bool = True):
+    def __init__(
+        self,
+        model_parts: list[torch.nn.Module],
+        cfg: Optimizer,
+        device: torch.device,
+        allow_fused: bool = True,
+    ):
         self.model_parts = model_parts
-        self.optimizers = [build_optimizer(list(p.parameters()), cfg, device, allow_fused)
-                           for p in model_parts]
+        self.optimizers = [
+            build_optimizer(list(p.parameters()), cfg, device, allow_fused) for p in model_parts
+        ]
 
     def step(self) -> None:
         for opt in self.optimizers:
@@ -103,7 +132,8 @@ class LRSchedulersContainer:
             s.step()
 
     def get_last_lr(self) -> list[float]:
-        return self.schedulers[0].get_last_lr()
+        # Plain floats: the peak lr is a float in the config (LambdaLR types it float | Tensor).
+        return cast("list[float]", self.schedulers[0].get_last_lr())
 
     def state_dict(self) -> dict:
         """The schedule position (identical for every part)."""

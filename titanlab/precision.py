@@ -23,8 +23,9 @@ def autocast_context(device: torch.device, compute_dtype: torch.dtype, fsdp2_man
     return torch.autocast(device.type, dtype=compute_dtype)
 
 
-def build_grad_scaler(device: torch.device, compute_dtype: torch.dtype, fsdp2_managed: bool,
-                      init_scale: float):
+def build_grad_scaler(
+    device: torch.device, compute_dtype: torch.dtype, fsdp2_managed: bool, init_scale: float
+):
     """A gradient scaler for float16 compute (DTensor-aware under FSDP2), else None."""
     if compute_dtype != torch.float16:
         return None

@@ -44,7 +44,9 @@ class PreemptionHandler:
         return bool(flag.item())
 
     def signal_name(self) -> str:
-        return signal.Signals(self.received).name if self.received is not None else "a peer's signal"
+        return (
+            signal.Signals(self.received).name if self.received is not None else "a peer's signal"
+        )
 
     @staticmethod
     def mark_for_requeue(step: int) -> None:

@@ -63,18 +63,32 @@ def check_files(config: JobConfig, tokenizer: Tokenizer) -> None:
         existing = os.path.dirname(existing)
     if not os.path.isdir(existing) or not os.access(existing, os.W_OK | os.X_OK):
         what = "is not a directory" if not os.path.isdir(existing) else "is not writable"
-        raise ConfigError(f"job.dump_folder={config.job.dump_folder!r} cannot be written: "
-                          f"{existing} {what}; choose a folder you can write")
+        raise ConfigError(
+            f"job.dump_folder={config.job.dump_folder!r} cannot be written: "
+            f"{existing} {what}; choose a folder you can write"
+        )
     ckpt = config.checkpoint
-    if ckpt.initial_load_path and not ckpt.create_seed_checkpoint:
-        reason = store.incomplete_reason(ckpt.initial_load_path) \
-            if os.path.isdir(ckpt.initial_load_path) else "it does not exist"
+    root = store.checkpoint_root(ckpt.folder, config.job.dump_folder)
+    # initial_load_path is read only by a run with checkpointing on and none of its own yet.
+    if (
+        ckpt.enable
+        and ckpt.initial_load_path
+        and not ckpt.create_seed_checkpoint
+        and ckpt.load_step < 0
+        and not store.complete_steps(root)
+    ):
+        reason = (
+            store.incomplete_reason(ckpt.initial_load_path)
+            if os.path.isdir(ckpt.initial_load_path)
+            else "it does not exist"
+        )
         if reason:
-            raise ConfigError(f"checkpoint.initial_load_path={ckpt.initial_load_path!r} cannot be "
-                              f"loaded: {reason}")
+            raise ConfigError(
+                f"checkpoint.initial_load_path={ckpt.initial_load_path!r} cannot be "
+                f"loaded: {reason}"
+            )
     if ckpt.enable and ckpt.load_step >= 0 and not ckpt.create_seed_checkpoint:
-        store.load_step_path(store.checkpoint_root(ckpt.folder, config.job.dump_folder),
-                             ckpt.load_step)
+        store.load_step_path(root, ckpt.load_step)
 
 
 def main(argv: list[str]) -> int:

@@ -59,10 +59,16 @@ class Trainer:
         if self.rank != 0:
             logging.getLogger().setLevel(logging.WARNING)
         logger.info("config:\n%s", format_config(config))
-        logger.info("distributed: world size %d = %d node(s) × %d rank(s), backend %s, rank 0 on %s, "
-                    "restart %s", world_size, world_size // local_world_size(), local_world_size(),
-                    torch.distributed.get_backend() if torch.distributed.is_initialized() else "none",
-                    socket.gethostname(), os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        logger.info(
+            "distributed: world size %d = %d node(s) × %d rank(s), backend %s, rank 0 on %s, "
+            "restart %s",
+            world_size,
+            world_size // local_world_size(),
+            local_world_size(),
+            torch.distributed.get_backend() if torch.distributed.is_initialized() else "none",
+            socket.gethostname(),
+            os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"),
+        )
         self._set_determinism()
         dims = self.parallel_dims
         dims.build_mesh(self.device.type)
@@ -72,59 +78,100 @@ class Trainer:
         train_set, self.val_set = components.build_datasets(config, self.tokenizer, data_dir)
         self.loader = components.build_loader(train_set, config, dp_rank, dp)
         if self.val_set is not None and (len(self.val_set) < dp or dims.pp_enabled):
-            logger.warning("validation: off (%s)", "not run under pipeline parallel"
-                           if dims.pp_enabled else f"only {len(self.val_set)} held-out windows "
-                           f"for {dp} data-parallel ranks; raise data.val_fraction")
+            logger.warning(
+                "validation: off (%s)",
+                "not run under pipeline parallel"
+                if dims.pp_enabled
+                else f"only {len(self.val_set)} held-out windows "
+                f"for {dp} data-parallel ranks; raise data.val_fraction",
+            )
             self.val_set = None
-        logger.info("data: %s, %d train windows of %d tokens; batch: %s", data_dir, len(train_set),
-                    config.training.seq_len, self.batch)
+        logger.info(
+            "data: %s, %d train windows of %d tokens; batch: %s",
+            data_dir,
+            len(train_set),
+            config.training.seq_len,
+            self.batch,
+        )
 
         model = components.build_meta_model(self.model_args)
-        nparams, flops_per_token = get_nparams_and_flops(model, self.model_args,
-                                                         config.training.seq_len)
-        logger.info("model: llama3 %s, %s parameters, %.3e training FLOPs/token; layout: %s",
-                    config.model.flavor, f"{nparams:,}", flops_per_token, dims)
+        nparams, flops_per_token = get_nparams_and_flops(
+            model, self.model_args, config.training.seq_len
+        )
+        logger.info(
+            "model: llama3 %s, %s parameters, %.3e training FLOPs/token; layout: %s",
+            config.model.flavor,
+            f"{nparams:,}",
+            flops_per_token,
+            dims,
+        )
         apply_float8(model, config.float8, self.device, dims.fsdp_enabled)
         self.loss_parallel = dims.tp_enabled and not config.parallelism.disable_loss_parallel
-        self.loss_fn = build_loss_fn(config.compile.enable and "loss" in config.compile.components,
-                                     self.loss_parallel)
-        parallelize = functools.partial(parallelize_llama, parallel_dims=dims, config=config,
-                                        device=self.device)
+        self.loss_fn = build_loss_fn(
+            config.compile.enable and "loss" in config.compile.components, self.loss_parallel
+        )
+        parallelize = functools.partial(
+            parallelize_llama, parallel_dims=dims, config=config, device=self.device
+        )
         self.schedule = None
         if dims.pp_enabled:
             self.pp_loss = ScaledLoss(self.loss_fn)
             self.schedule, self.model_parts, self.has_first, self.has_last = pipeline_llama(
-                model, dims, config, self.device, parallelize, self.pp_loss)
+                model, dims, config, self.device, parallelize, self.pp_loss
+            )
         else:
             parallelize(model)
             model.to_empty(device=self.device)
             self.model_parts, self.has_first, self.has_last = [model], True, True
         compute_dtype = param_dtype(config, self.device)
-        self.optimizer = OptimizersContainer(self.model_parts, config.optimizer, self.device,
-                                             allow_fused=compute_dtype != torch.float16)
-        self.lr_scheduler = LRSchedulersContainer(self.optimizer, config.lr_scheduler,
-                                                  config.training.steps)
+        self.optimizer = OptimizersContainer(
+            self.model_parts,
+            config.optimizer,
+            self.device,
+            allow_fused=compute_dtype != torch.float16,
+        )
+        self.lr_scheduler = LRSchedulersContainer(
+            self.optimizer, config.lr_scheduler, config.training.steps
+        )
         self.checkpointer = Checkpointer(
-            config.checkpoint, config.job.dump_folder, model_parts=self.model_parts,
-            optimizer=self.optimizer, lr_scheduler=self.lr_scheduler, dataloader=self.loader,
-            dp_rank=dp_rank)
-        components.init_model_weights(self.model_parts, self.model_args, self.device,
-                                      config.debug.seed, world_size)
+            config.checkpoint,
+            config.job.dump_folder,
+            model_parts=self.model_parts,
+            optimizer=self.optimizer,
+            lr_scheduler=self.lr_scheduler,
+            dataloader=self.loader,
+            dp_rank=dp_rank,
+        )
+        components.init_model_weights(
+            self.model_parts, self.model_args, self.device, config.debug.seed, world_size
+        )
         resume = config.checkpoint.enable and not config.checkpoint.create_seed_checkpoint
         self.step = self.checkpointer.load() if resume else 0
 
-        tokens_per_step = self.batch.local_batch_size * self.batch.grad_accum_steps * config.training.seq_len
-        tb = os.path.join(config.job.dump_folder, config.metrics.save_tb_folder) \
-            if config.metrics.enable_tensorboard else None
+        tokens_per_step = (
+            self.batch.local_batch_size * self.batch.grad_accum_steps * config.training.seq_len
+        )
+        tb = (
+            os.path.join(config.job.dump_folder, config.metrics.save_tb_folder)
+            if config.metrics.enable_tensorboard
+            else None
+        )
         self.metrics = MetricsLogger(
-            device=self.device, rank=self.rank, log_freq=config.metrics.log_freq,
-            flops_per_token=flops_per_token, tokens_per_step=tokens_per_step,
-            peak_flops=device_peak_flops(self.device, config.metrics.peak_flops), tb_dir=tb,
-            jsonl_path=os.path.join(config.job.dump_folder, "metrics.jsonl"))
-        self.autocast = functools.partial(autocast_context, self.device, compute_dtype,
-                                          dims.fsdp2_managed)
-        self.scaler = build_grad_scaler(self.device, compute_dtype, dims.fsdp2_managed,
-                                        config.training.loss_scale_init)
+            device=self.device,
+            rank=self.rank,
+            log_freq=config.metrics.log_freq,
+            flops_per_token=flops_per_token,
+            tokens_per_step=tokens_per_step,
+            peak_flops=device_peak_flops(self.device, config.metrics.peak_flops),
+            tb_dir=tb,
+            jsonl_path=os.path.join(config.job.dump_folder, "metrics.jsonl"),
+        )
+        self.autocast = functools.partial(
+            autocast_context, self.device, compute_dtype, dims.fsdp2_managed
+        )
+        self.scaler = build_grad_scaler(
+            self.device, compute_dtype, dims.fsdp2_managed, config.training.loss_scale_init
+        )
         self._loss_mesh = dims.mesh("dp_cp")
         # FSDP and DDP average gradients over these ranks; the loss is scaled up to undo it.
         self._grad_avg_ranks = self._loss_mesh.size() if self._loss_mesh is not None else 1
@@ -158,7 +205,11 @@ class Trainer:
                 set_train_timeout(cfg.comm.train_timeout_seconds)
             if self.metrics.should_log(self.step, last):
                 self.metrics.log(self.step, loss=loss, grad_norm=grad_norm, lr=lr)
-            if cfg.validation.enable and self.val_set is not None and self.step % cfg.validation.freq == 0:
+            if (
+                cfg.validation.enable
+                and self.val_set is not None
+                and self.step % cfg.validation.freq == 0
+            ):
                 logger.info("validation: step: %d  val_loss: %.6f", self.step, self.validate())
             self.checkpointer.maybe_save(self.step, last)
             if cfg.training.gc_freq and self.step % cfg.training.gc_freq == 0:
@@ -179,8 +230,13 @@ class Trainer:
             saved = f"checkpoint {path}"
         if self.rank == 0:
             preemption.mark_for_requeue(self.step)
-        logger.warning("preempted by %s after step %d: %s; exiting with %d to be requeued",
-                       preemption.signal_name(), self.step, saved, REQUEUE_EXIT_CODE)
+        logger.warning(
+            "preempted by %s after step %d: %s; exiting with %d to be requeued",
+            preemption.signal_name(),
+            self.step,
+            saved,
+            REQUEUE_EXIT_CODE,
+        )
         raise Preempted()
 
     def train_step(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[float, float]:
@@ -194,8 +250,10 @@ class Trainer:
         self.optimizer.zero_grad()
         # Every cp rank counts the full sequence, hence the division by cp.
         local_tokens = sum(int((labels != IGNORE_INDEX).sum()) for _, labels in batches)
-        global_tokens = global_sum(torch.tensor(float(local_tokens), device=self.device),
-                                   self._loss_mesh) / self.parallel_dims.cp
+        global_tokens = (
+            global_sum(torch.tensor(float(local_tokens), device=self.device), self._loss_mesh)
+            / self.parallel_dims.cp
+        )
         scale = self._grad_avg_ranks / global_tokens
         if self.scaler is not None:  # float16: backward on a dynamically scaled loss
             scale = self.scaler.scale(scale).reshape(())
@@ -207,15 +265,19 @@ class Trainer:
         if self.scaler is not None:
             for opt in self.optimizer.optimizers:
                 self.scaler.unscale_(opt)
-        grad_norm = clip_grad_norm_([p for part in self.model_parts for p in part.parameters()],
-                                    self.config.training.max_norm,
-                                    pp_mesh=self.parallel_dims.mesh("pp"))
+        grad_norm = clip_grad_norm_(
+            [p for part in self.model_parts for p in part.parameters()],
+            self.config.training.max_norm,
+            pp_mesh=self.parallel_dims.mesh("pp"),
+        )
         total = global_sum(global_sum(loss_sum, self._loss_mesh), self.parallel_dims.mesh("pp"))
         loss = (total / global_tokens).item()
         if not math.isfinite(loss):
             last = self.checkpointer.last_complete()
-            raise TrainingDiverged(f"loss is {loss} at step {self.step}; last complete checkpoint: "
-                                   f"{last or 'none'} (lower optimizer.lr or check the data)")
+            raise TrainingDiverged(
+                f"loss is {loss} at step {self.step}; last complete checkpoint: "
+                f"{last or 'none'} (lower optimizer.lr or check the data)"
+            )
         if self.scaler is not None:
             self._scaled_step()
         else:
@@ -231,11 +293,16 @@ class Trainer:
             self.scaler.step(opt)
         self.scaler.update()
         if self.scaler.get_scale() < before and self.rank == 0:
-            logger.warning("step %d skipped: float16 gradients overflowed; loss scale %g → %g",
-                           self.step, before, self.scaler.get_scale())
+            logger.warning(
+                "step %d skipped: float16 gradients overflowed; loss scale %g → %g",
+                self.step,
+                before,
+                self.scaler.get_scale(),
+            )
 
-    def _forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor,
-                          scale: torch.Tensor) -> torch.Tensor:
+    def _forward_backward(
+        self, inputs: torch.Tensor, labels: torch.Tensor, scale: torch.Tensor
+    ) -> torch.Tensor:
         """Forward and backward of one (bs, seq) batch; returns its detached token-loss sum
         (0 on pipeline ranks without the last stage)."""
         if self.schedule is not None:
@@ -255,8 +322,9 @@ class Trainer:
     @torch.no_grad()
     def validate(self) -> float:
         """Mean token loss over `validation.steps` batches of the held-out split."""
-        loader = components.build_loader(self.val_set, self.config, self.parallel_dims.dp_rank(),
-                                         self.parallel_dims.dp_degree)
+        loader = components.build_loader(
+            self.val_set, self.config, self.parallel_dims.dp_rank(), self.parallel_dims.dp_degree
+        )
         total = torch.zeros((), device=self.device)
         tokens = torch.zeros((), device=self.device)
         model = self.model_parts[0]
@@ -271,8 +339,10 @@ class Trainer:
 
     def _write_seed_checkpoint(self) -> None:
         if self.parallel_dims.world_size != 1:
-            raise ConfigError(f"checkpoint.create_seed_checkpoint needs 1 process, not "
-                              f"{self.parallel_dims.world_size} (run with NGPU=1)")
+            raise ConfigError(
+                f"checkpoint.create_seed_checkpoint needs 1 process, not "
+                f"{self.parallel_dims.world_size} (run with NGPU=1)"
+            )
         path = self.checkpointer.save_model_only(0)
         logger.info("seed checkpoint written to %s", path)
 
@@ -285,7 +355,8 @@ def is_collective_timeout(e: BaseException) -> bool:
     """Whether `e` is a process-group timeout (gloo: "Timed out waiting"; NCCL watchdog: "timeout")."""
     text = str(e).lower()
     return isinstance(e, (RuntimeError, torch.distributed.DistError)) and (
-        "timed out" in text or "timeout" in text)
+        "timed out" in text or "timeout" in text
+    )
 
 
 def _fail(line: str, exit_code: int) -> int:
@@ -300,8 +371,12 @@ def main(argv: list[str] | None = None) -> int:
     if "--help" in argv or "-h" in argv:
         print(format_help())
         return 0
-    logging.basicConfig(level=logging.INFO, format="[titanlab] %(asctime)s %(levelname)s %(message)s",
-                        stream=sys.stdout, force=True)
+    logging.basicConfig(
+        level=logging.INFO,
+        format="[titanlab] %(asctime)s %(levelname)s %(message)s",
+        stream=sys.stdout,
+        force=True,
+    )
     trainer, clean = None, False
     try:
         config = build_config(argv)
@@ -311,6 +386,7 @@ def main(argv: list[str] | None = None) -> int:
         clean = True
         return 0
     except Preempted:  # every rank stops after the same step
+        assert trainer is not None  # only Trainer.train raises Preempted
         trainer.close()
         clean = True
         return REQUEUE_EXIT_CODE
@@ -321,10 +397,13 @@ def main(argv: list[str] | None = None) -> int:
             raise
         first = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
         last = trainer.checkpointer.last_complete()
-        return _fail(f"titanlab: error: rank {trainer.rank}: a collective timed out at step "
-                     f"{trainer.step} (comm.train_timeout_seconds="
-                     f"{trainer.config.comm.train_timeout_seconds}); a peer rank stopped "
-                     f"responding. Last complete checkpoint: {last or 'none'}. ({first})", 4)
+        return _fail(
+            f"titanlab: error: rank {trainer.rank}: a collective timed out at step "
+            f"{trainer.step} (comm.train_timeout_seconds="
+            f"{trainer.config.comm.train_timeout_seconds}); a peer rank stopped "
+            f"responding. Last complete checkpoint: {last or 'none'}. ({first})",
+            4,
+        )
     finally:
         destroy_distributed(barrier=clean)
 

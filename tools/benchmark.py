@@ -48,7 +48,7 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
-from titanlab.hostinfo import cpu_model, ram_gib  # noqa: E402  (imports no torch)
+from titanlab.hostinfo import cpu_model, ram_gib
 
 CONFIG = os.path.join(REPO, "train_configs", "debug_model.toml")
 SEQ, GLOBAL_BS = 256, 16
@@ -97,21 +97,32 @@ def combine(repeats: list[Result]) -> Result:
     if not ok:
         return repeats[0]
     steps = [r.step_s for r in ok]
-    return dataclasses.replace(ok[0], step_s=statistics.median(steps),
-                               tps=statistics.median(r.tps for r in ok),
-                               peak_gib=max(r.peak_gib for r in ok),
-                               spread=(min(steps), max(steps)) if len(ok) > 1 else None)
+    return dataclasses.replace(
+        ok[0],
+        step_s=statistics.median(steps),
+        tps=statistics.median(r.tps for r in ok),
+        peak_gib=max(r.peak_gib for r in ok),
+        spread=(min(steps), max(steps)) if len(ok) > 1 else None,
+    )
 
 
 def matrix(kind: str) -> list[Run]:
     """The runs of `kind` (full, quick or none), trainer rows first; else a ValueError."""
     if kind in ("quick", "overhead", "none"):
-        return {"quick": [Run(ranks=1), Run(ranks=2), Run(ranks=0)],
-                "overhead": [Run(ranks=1), Run(ranks=0)], "none": []}[kind]
+        return {
+            "quick": [Run(ranks=1), Run(ranks=2), Run(ranks=0)],
+            "overhead": [Run(ranks=1), Run(ranks=0)],
+            "none": [],
+        }[kind]
     if kind != "full":
         raise ValueError(f"matrix={kind!r} is invalid; use 'full', 'quick', 'overhead' or 'none'")
-    runs = [Run(c, ac, r, p) for p in ("fp32", "bf16") for c in (False, True)
-            for ac in ("none", "selective", "full") for r in (1, 2)]
+    runs = [
+        Run(c, ac, r, p)
+        for p in ("fp32", "bf16")
+        for c in (False, True)
+        for ac in ("none", "selective", "full")
+        for r in (1, 2)
+    ]
     return runs + [Run(c, "none", 0, p) for p in ("fp32", "bf16") for c in (False, True)]
 
 
@@ -122,23 +133,33 @@ def step_times(records: list[dict], tokens_per_step: int, warmup: int) -> list[f
     by_step = {r["step"]: r for r in records}  # a resumed run may log a step twice: the last wins
     steps = sorted(by_step)
     if steps != list(range(1, len(steps) + 1)):
-        raise ValueError(f"metrics.jsonl must log every step from 1 (metrics.log_freq 1); got {steps}")
+        raise ValueError(
+            f"metrics.jsonl must log every step from 1 (metrics.log_freq 1); got {steps}"
+        )
     return [tokens_per_step / by_step[s]["tps"] for s in steps[warmup:]]
 
 
-def summarize(run: Run, times_s: list[float], tokens_per_step: int, peak_gib: float,
-              threads: int) -> Result:
+def summarize(
+    run: Run, times_s: list[float], tokens_per_step: int, peak_gib: float, threads: int
+) -> Result:
     """A Result from per-step seconds: median step time and median per-rank tokens/s."""
     if not times_s:
         return Result(run, error="no steps after the warm-up")
-    return Result(run, statistics.median(times_s),
-                  statistics.median(tokens_per_step / t for t in times_s), peak_gib, threads)
+    return Result(
+        run,
+        statistics.median(times_s),
+        statistics.median(tokens_per_step / t for t in times_s),
+        peak_gib,
+        threads,
+    )
 
 
 def add_ratios(results: list[Result], per_thread: bool = True) -> None:
     """Set each row's `ratio`: its tps (per thread when `per_thread`, i.e. on CPU) ÷ that of the
     baseline of the same precision and compile setting (else the eager one of that precision)."""
-    base = {(r.run.precision, r.run.compile): r for r in results if r.run.ranks == 0 and not r.error}
+    base = {
+        (r.run.precision, r.run.compile): r for r in results if r.run.ranks == 0 and not r.error
+    }
     for r in results:
         b = base.get((r.run.precision, r.run.compile)) or base.get((r.run.precision, False))
         if b is not None and not r.error:
@@ -147,15 +168,26 @@ def add_ratios(results: list[Result], per_thread: bool = True) -> None:
 
 def render_table(results: list[Result], mfu: bool = False) -> str:
     """A Markdown table of `results`; failed rows show their error. `mfu` adds an MFU column."""
-    head = ["run", "step time (ms, median)", "tps/rank (median)", "peak memory (GiB)", "vs baseline"]
+    head = [
+        "run",
+        "step time (ms, median)",
+        "tps/rank (median)",
+        "peak memory (GiB)",
+        "vs baseline",
+    ]
     lines = ["| " + " | ".join(head + ["MFU"] * mfu) + " |", "|---" * (len(head) + mfu) + "|"]
     for r in results:
         if r.error:
             cells = [r.run.name, f"failed: {r.error}", "", "", ""] + [""] * mfu
         else:
             spread = f" ({r.spread[0] * 1e3:.0f}–{r.spread[1] * 1e3:.0f})" if r.spread else ""
-            cells = [r.run.name, f"{r.step_s * 1e3:.1f}{spread}", f"{r.tps:,.0f}", f"{r.peak_gib:.2f}",
-                     "" if r.ratio is None else f"{r.ratio:.2f}×"]
+            cells = [
+                r.run.name,
+                f"{r.step_s * 1e3:.1f}{spread}",
+                f"{r.tps:,.0f}",
+                f"{r.peak_gib:.2f}",
+                "" if r.ratio is None else f"{r.ratio:.2f}×",
+            ]
             cells += [f"{100 * r.mfu:.1f}%" if r.mfu is not None else "n/a"] * mfu
         lines.append("| " + " | ".join(c.replace("|", "/") for c in cells) + " |")
     return "\n".join(lines)
@@ -185,18 +217,25 @@ def machine(info: dict, threads: int, command: str) -> str:
     """One paragraph: CPU, cores, RAM, GPU, torch version, threads, date and the command."""
     cpu, ram = cpu_model(), ram_gib()
     gpu = f", GPU {info['gpu']}" if info.get("gpu") else ""
-    return (f"Machine: {cpu}, {os.cpu_count()} cores, {ram:.0f} GiB RAM{gpu}; Python "
-            f"{platform.python_version()}, torch {info['torch']}; {threads} intra-op thread(s) for "
-            f"1 rank and the baseline, 1 per rank for 2 ranks; {datetime.date.today()}.\n"
-            f"Command: `{command}`")
+    return (
+        f"Machine: {cpu}, {os.cpu_count()} cores, {ram:.0f} GiB RAM{gpu}; Python "
+        f"{platform.python_version()}, torch {info['torch']}; {threads} intra-op thread(s) for "
+        f"1 rank and the baseline, 1 per rank for 2 ranks; {datetime.date.today()}.\n"
+        f"Command: `{command}`"
+    )
 
 
 def child(spec: dict, threads: int) -> dict:
     """Run this file as a child process with `spec` (a probe or a baseline loop); its JSON reply."""
     path = os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONPATH=path)
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", json.dumps(spec)],
-                          cwd=REPO, env=env, capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, os.path.abspath(__file__), "--child", json.dumps(spec)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     if proc.returncode != 0:
         return {"error": f"exit {proc.returncode}: {failure(proc.stderr)}"}
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -214,20 +253,50 @@ def run_trainer(run: Run, steps: int, warmup: int, threads: int, data_dir: str) 
     local = GLOBAL_BS // run.ranks
     threads = threads if run.ranks == 1 else 1
     with tempfile.TemporaryDirectory(prefix="titanlab_bench_") as dump:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc_per_node={run.ranks}", "-m", "titanlab.train", "--job.config_file", CONFIG,
-               "--job.dump_folder", dump, "--data.dataset_path", data_dir,
-               "--training.steps", str(warmup + steps), "--training.seq_len", str(SEQ),
-               "--training.global_batch_size", str(GLOBAL_BS), "--training.local_batch_size", str(local),
-               "--metrics.log_freq", "1", "--checkpoint.enable", "false", "--validation.enable", "false",
-               "--compile.enable", str(run.compile).lower(), "--activation_checkpoint.mode", run.ac,
-               "--training.mixed_precision_param", "bfloat16" if run.precision == "bf16" else "float32",
-               "--training.mixed_precision_on_cpu", str(run.precision == "bf16").lower()]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={run.ranks}",
+            "-m",
+            "titanlab.train",
+            "--job.config_file",
+            CONFIG,
+            "--job.dump_folder",
+            dump,
+            "--data.dataset_path",
+            data_dir,
+            "--training.steps",
+            str(warmup + steps),
+            "--training.seq_len",
+            str(SEQ),
+            "--training.global_batch_size",
+            str(GLOBAL_BS),
+            "--training.local_batch_size",
+            str(local),
+            "--metrics.log_freq",
+            "1",
+            "--checkpoint.enable",
+            "false",
+            "--validation.enable",
+            "false",
+            "--compile.enable",
+            str(run.compile).lower(),
+            "--activation_checkpoint.mode",
+            run.ac,
+            "--training.mixed_precision_param",
+            "bfloat16" if run.precision == "bf16" else "float32",
+            "--training.mixed_precision_on_cpu",
+            str(run.precision == "bf16").lower(),
+        ]
         env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1")
         proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
         path = os.path.join(dump, "metrics.jsonl")
         if proc.returncode != 0 or not os.path.exists(path):
-            return Result(run, error=f"exit {proc.returncode}: {failure(proc.stderr + proc.stdout)}")
+            return Result(
+                run, error=f"exit {proc.returncode}: {failure(proc.stderr + proc.stdout)}"
+            )
         with open(path, encoding="utf-8") as f:
             records = [json.loads(line) for line in f]
     times = step_times(records, local * SEQ, warmup)
@@ -250,8 +319,12 @@ def plain_loop(spec: dict) -> dict:
     torch.set_num_threads(spec["threads"])
     device = torch.device(spec["device"])
     base = llama3_flavors[spec["flavor"]]
-    args = dataclasses.replace(base, vocab_size=spec["vocab"], max_seq_len=spec["seq"],
-                               n_layers=spec["layers"] or base.n_layers)
+    args = dataclasses.replace(
+        base,
+        vocab_size=spec["vocab"],
+        max_seq_len=spec["seq"],
+        n_layers=spec["layers"] or base.n_layers,
+    )
     torch.manual_seed(0)
     with torch.device(device):
         model = Transformer(args)
@@ -259,13 +332,16 @@ def plain_loop(spec: dict) -> dict:
     _, flops = get_nparams_and_flops(model, args, spec["seq"])
     if spec["precision"] == "float8":
         from torchao.float8 import convert_to_float8_training
+
         convert_to_float8_training(model, module_filter_fn=lambda m, fqn: fqn != "output")
-    loss_fn = lambda logits, y: F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())  # noqa: E731
+    loss_fn = lambda logits, y: F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
     if spec["compile"]:
         for block in model.layers.values():
             block.compile(fullgraph=True)
         loss_fn = torch.compile(loss_fn)
-    opt = torch.optim.AdamW(model.parameters(), lr=4e-3, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
+    opt = torch.optim.AdamW(
+        model.parameters(), lr=4e-3, betas=(0.9, 0.95), weight_decay=0.1, fused=True
+    )
     bs, seq = spec["batch"], spec["seq"]
     if spec["data_dir"]:
         with open(os.path.join(spec["data_dir"], "metadata.json"), encoding="utf-8") as f:
@@ -277,7 +353,7 @@ def plain_loop(spec: dict) -> dict:
     def batch(k: int) -> torch.Tensor:  # (bs, seq + 1) int64
         if not spec["data_dir"]:
             return torch.randint(args.vocab_size, (bs, seq + 1), device=device)
-        rows = [tokens[w * seq: w * seq + seq + 1] for w in (k * bs + np.arange(bs)) % windows]
+        rows = [tokens[w * seq : w * seq + seq + 1] for w in (k * bs + np.arange(bs)) % windows]
         return torch.from_numpy(np.stack(rows).astype(np.int64)).to(device)
 
     amp = spec["precision"] != "fp32"
@@ -296,10 +372,17 @@ def plain_loop(spec: dict) -> dict:
         if device.type == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - begin)
-    peak = (torch.cuda.max_memory_reserved() if device.type == "cuda" else
-            resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024) / 2**30
-    return {"times": times[spec["warmup"]:], "peak_gib": peak, "flops_per_token": flops,
-            "peak_flops": device_peak_flops(device)}
+    peak = (
+        torch.cuda.max_memory_reserved()
+        if device.type == "cuda"
+        else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    ) / 2**30
+    return {
+        "times": times[spec["warmup"] :],
+        "peak_gib": peak,
+        "flops_per_token": flops,
+        "peak_flops": device_peak_flops(device),
+    }
 
 
 def probe() -> dict:
@@ -311,15 +394,21 @@ def probe() -> dict:
 
     n = torch.cuda.device_count()
     path = default_tokenizer_path()
-    return {"torch": torch.__version__, "gpus": n, "gpu": torch.cuda.get_device_name() if n else "",
-            "data_dir": ensure_default_corpus(default_cache_dir(), path),
-            "vocab": Tokenizer(path).vocab_size}
+    return {
+        "torch": torch.__version__,
+        "gpus": n,
+        "gpu": torch.cuda.get_device_name() if n else "",
+        "data_dir": ensure_default_corpus(default_cache_dir(), path),
+        "vocab": Tokenizer(path).vocab_size,
+    }
 
 
 def run_plain(run: Run, spec: dict, threads: int) -> Result:
     """The plain loop of `spec` in a child process, as a Result (tps per process)."""
-    out = child(dict(spec, kind="loop", compile=run.compile, precision=run.precision,
-                     threads=threads), threads)
+    out = child(
+        dict(spec, kind="loop", compile=run.compile, precision=run.precision, threads=threads),
+        threads,
+    )
     if "error" in out:
         return Result(run, error=out["error"])
     tokens = spec["batch"] * spec["seq"]
@@ -333,13 +422,22 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=20, help="measured steps per run (after warm-up)")
     p.add_argument("--warmup", type=int, default=5, help="steps run first and not measured")
-    p.add_argument("--matrix", default="full", choices=["full", "quick", "overhead", "none"],
-                   help="quick: eager, AC none, fp32, 1 and 2 ranks; overhead: 1 rank vs the "
-                        "baseline; none: only --gpu-8b")
-    p.add_argument("--repeats", type=int, default=1, help="run the matrix this many times, interleaved")
+    p.add_argument(
+        "--matrix",
+        default="full",
+        choices=["full", "quick", "overhead", "none"],
+        help="quick: eager, AC none, fp32, 1 and 2 ranks; overhead: 1 rank vs the "
+        "baseline; none: only --gpu-8b",
+    )
+    p.add_argument(
+        "--repeats", type=int, default=1, help="run the matrix this many times, interleaved"
+    )
     p.add_argument("--threads", type=int, default=1, help="intra-op threads: 1 rank and baseline")
-    p.add_argument("--out", default=os.path.join(REPO, "docs", "performance.md"),
-                   help="Markdown file whose benchmark block(s) are replaced")
+    p.add_argument(
+        "--out",
+        default=os.path.join(REPO, "docs", "performance.md"),
+        help="Markdown file whose benchmark block(s) are replaced",
+    )
     p.add_argument("--gpu-8b", action="store_true", help="CUDA: 8B-dims rows with MFU")
     p.add_argument("--gpu-layers", type=int, default=4, help="blocks of the 8B-shaped model")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
@@ -349,24 +447,39 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(probe() if spec["kind"] == "probe" else plain_loop(spec)))
         return 0
     if a.steps < 1 or a.warmup < 0 or a.threads < 1 or a.repeats < 1:
-        raise SystemExit(f"error: --steps {a.steps} / --warmup {a.warmup} / --threads {a.threads} "
-                         f"/ --repeats {a.repeats} need steps >= 1, warmup >= 0, threads >= 1, "
-                         "repeats >= 1")
+        raise SystemExit(
+            f"error: --steps {a.steps} / --warmup {a.warmup} / --threads {a.threads} "
+            f"/ --repeats {a.repeats} need steps >= 1, warmup >= 0, threads >= 1, "
+            "repeats >= 1"
+        )
     info = child({"kind": "probe"}, 1)
     if "error" in info:
         raise SystemExit(f"error: probe failed: {info['error']}")
-    command = shlex.join(["python", "tools/benchmark.py", *(sys.argv[1:] if argv is None else argv)])
+    command = shlex.join(
+        ["python", "tools/benchmark.py", *(sys.argv[1:] if argv is None else argv)]
+    )
     about = machine(info, a.threads, command)
-    loop = {"flavor": "debugmodel", "layers": None, "vocab": info["vocab"], "seq": SEQ,
-            "batch": GLOBAL_BS, "steps": a.steps, "warmup": a.warmup, "data_dir": info["data_dir"],
-            "device": "cuda" if info["gpus"] else "cpu"}
+    loop = {
+        "flavor": "debugmodel",
+        "layers": None,
+        "vocab": info["vocab"],
+        "seq": SEQ,
+        "batch": GLOBAL_BS,
+        "steps": a.steps,
+        "warmup": a.warmup,
+        "data_dir": info["data_dir"],
+        "device": "cuda" if info["gpus"] else "cpu",
+    }
     runs = [r for r in matrix(a.matrix) if not (info["gpus"] and r.ranks > info["gpus"])]
     repeated: dict[Run, list[Result]] = {run: [] for run in runs}
     for k in range(a.repeats):
         for run in runs:
             print(f"running {run.name} ({k + 1}/{a.repeats}) ...", flush=True)
-            repeated[run].append(run_plain(run, loop, a.threads) if run.ranks == 0 else
-                                 run_trainer(run, a.steps, a.warmup, a.threads, info["data_dir"]))
+            repeated[run].append(
+                run_plain(run, loop, a.threads)
+                if run.ranks == 0
+                else run_trainer(run, a.steps, a.warmup, a.threads, info["data_dir"])
+            )
     results = [combine(rs) for rs in repeated.values()]
     if results:
         add_ratios(results, per_thread=not info["gpus"])
@@ -375,13 +488,24 @@ def main(argv: list[str] | None = None) -> int:
     if a.gpu_8b and not info["gpus"]:
         print("--gpu-8b: skipped, no CUDA device")
     elif a.gpu_8b:
-        spec = dict(loop, flavor="8B", layers=a.gpu_layers, vocab=128256, seq=8192, batch=1,
-                    data_dir=None)
-        rows = [run_plain(r, spec, 1) for r in (Run(False, ranks=0, precision="bf16"),
-                Run(True, ranks=0, precision="bf16"), Run(True, ranks=0, precision="float8"))]
-        publish(a.out, "cuda-8b", f"{about}\n\nThe plain loop with titanlab's model at 8B dims "
-                f"but {a.gpu_layers} layers (vocab 128256, seq 8192, batch 1, random tokens); MFU "
-                f"against the device's dense bf16 peak.\n\n{render_table(rows, mfu=True)}")
+        spec = dict(
+            loop, flavor="8B", layers=a.gpu_layers, vocab=128256, seq=8192, batch=1, data_dir=None
+        )
+        rows = [
+            run_plain(r, spec, 1)
+            for r in (
+                Run(False, ranks=0, precision="bf16"),
+                Run(True, ranks=0, precision="bf16"),
+                Run(True, ranks=0, precision="float8"),
+            )
+        ]
+        publish(
+            a.out,
+            "cuda-8b",
+            f"{about}\n\nThe plain loop with titanlab's model at 8B dims "
+            f"but {a.gpu_layers} layers (vocab 128256, seq 8192, batch 1, random tokens); MFU "
+            f"against the device's dense bf16 peak.\n\n{render_table(rows, mfu=True)}",
+        )
     return 0
 
 

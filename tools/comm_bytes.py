@@ -46,20 +46,33 @@ class Layout:
 
     def overrides(self) -> list[str]:
         p = "--parallelism."
-        return [p + "data_parallel_replicate_degree", str(self.dp_replicate),
-                p + "data_parallel_shard_degree", str(self.dp_shard),
-                p + "tensor_parallel_degree", str(self.tp), p + "pipeline_parallel_degree",
-                str(self.pp), p + "pipeline_parallel_schedule", "1F1B",
-                p + "pipeline_parallel_microbatch_size", str(MICROBATCH),
-                p + "disable_loss_parallel", str(not self.loss_parallel).lower()]
+        return [
+            p + "data_parallel_replicate_degree",
+            str(self.dp_replicate),
+            p + "data_parallel_shard_degree",
+            str(self.dp_shard),
+            p + "tensor_parallel_degree",
+            str(self.tp),
+            p + "pipeline_parallel_degree",
+            str(self.pp),
+            p + "pipeline_parallel_schedule",
+            "1F1B",
+            p + "pipeline_parallel_microbatch_size",
+            str(MICROBATCH),
+            p + "disable_loss_parallel",
+            str(not self.loss_parallel).lower(),
+        ]
 
 
 LAYOUTS = [
-    Layout("FSDP 2", 2, dp_shard=2), Layout("FSDP 4", 4, dp_shard=4),
+    Layout("FSDP 2", 2, dp_shard=2),
+    Layout("FSDP 4", 4, dp_shard=4),
     Layout("FSDP 3", 3, dp_shard=3),  # 64 rows over 3 ranks: exercises FSDP2's dim-0 padding
-    Layout("HSDP 2×2", 4, dp_replicate=2, dp_shard=2), Layout("TP 2", 2, tp=2),
+    Layout("HSDP 2×2", 4, dp_replicate=2, dp_shard=2),
+    Layout("TP 2", 2, tp=2),
     Layout("TP 2, no loss parallel", 2, tp=2, loss_parallel=False),
-    Layout("FSDP 2 × TP 2", 4, dp_shard=2, tp=2), Layout("PP 2 (1F1B)", 2, pp=2),
+    Layout("FSDP 2 × TP 2", 4, dp_shard=2, tp=2),
+    Layout("PP 2 (1F1B)", 2, pp=2),
     Layout("PP 2 × FSDP 2", 4, dp_shard=2, pp=2),
 ]
 
@@ -116,8 +129,11 @@ def predict(lay: Layout, args, rank: int) -> list[Term]:
     model = build_meta_model(args)
     b, s, d, V, tp = LOCAL_BS, SEQ, args.dim, args.vocab_size, lay.tp
     pp_rank = rank // (lay.nproc // lay.pp)
-    fqns = stage_fqns(args.n_layers, lay.pp)[pp_rank] if lay.pp > 1 else \
-        ["tok_embeddings", *(f"layers.{i}" for i in range(args.n_layers)), "norm", "output"]
+    fqns = (
+        stage_fqns(args.n_layers, lay.pp)[pp_rank]
+        if lay.pp > 1
+        else ["tok_embeddings", *(f"layers.{i}" for i in range(args.n_layers)), "norm", "output"]
+    )
     n_blocks = sum(f.startswith("layers.") for f in fqns)
     first, last = "tok_embeddings" in fqns, "output" in fqns
     # FSDP units (parallelize.apply_fsdp): each block, the embedding, norm + output together.
@@ -127,8 +143,11 @@ def predict(lay: Layout, args, rank: int) -> list[Term]:
     shapes = {u: [] for u, _ in units}
     params = 0
     for unit, mods in units:
-        unit_shapes = [_tp_local(f"{m}.{n}", tuple(p.shape), tp) for m in mods
-                       for n, p in model.get_submodule(m).named_parameters()]
+        unit_shapes = [
+            _tp_local(f"{m}.{n}", tuple(p.shape), tp)
+            for m in mods
+            for n, p in model.get_submodule(m).named_parameters()
+        ]
         shapes[unit] = unit_shapes  # blocks are identical: the last one stands for all
         params += len(unit_shapes)
     terms: list[Term] = []
@@ -142,34 +161,62 @@ def predict(lay: Layout, args, rank: int) -> list[Term]:
             size = _fsdp_bytes(shapes[unit], n_shard)
             terms.append(Term("all_gather", f"FSDP {unit} params, forward", count, size, n_shard))
             if reshard and unit != "norm+output":
-                terms.append(Term("all_gather", f"FSDP {unit} params, backward", count, size, n_shard))
+                terms.append(
+                    Term("all_gather", f"FSDP {unit} params, backward", count, size, n_shard)
+                )
             terms.append(Term("reduce_scatter", f"FSDP {unit} grads", count, size, n_shard))
             if lay.dp_replicate > 1:
-                terms.append(Term("all_reduce", f"HSDP {unit} grad shards", count,
-                                  size // n_shard, lay.dp_replicate))
+                terms.append(
+                    Term(
+                        "all_reduce",
+                        f"HSDP {unit} grad shards",
+                        count,
+                        size // n_shard,
+                        lay.dp_replicate,
+                    )
+                )
     if tp > 1:
         act = fb * s * d * F32  # one (mb, seq, dim) activation, gathered size
         k = 4 * n_blocks * n_fwd  # 2 per block in forward, 2 mirrored in backward
-        terms += [Term("all_gather", "TP/SP block inputs of attention and FFN (fwd + bwd)", k, act, tp),
-                  Term("reduce_scatter", "TP/SP block outputs of wo and w2 (fwd + bwd)", k, act, tp)]
+        terms += [
+            Term("all_gather", "TP/SP block inputs of attention and FFN (fwd + bwd)", k, act, tp),
+            Term("reduce_scatter", "TP/SP block outputs of wo and w2 (fwd + bwd)", k, act, tp),
+        ]
         if first:
-            terms += [Term("reduce_scatter", "TP embedding output, forward", n_fwd, act, tp),
-                      Term("all_gather", "TP embedding output grad, backward", n_fwd, act, tp)]
+            terms += [
+                Term("reduce_scatter", "TP embedding output, forward", n_fwd, act, tp),
+                Term("all_gather", "TP embedding output grad, backward", n_fwd, act, tp),
+            ]
         if last:
-            terms += [Term("all_gather", "TP output-projection input, forward", n_fwd, act, tp),
-                      Term("reduce_scatter", "TP output-projection input grad, backward", n_fwd, act, tp)]
+            terms += [
+                Term("all_gather", "TP output-projection input, forward", n_fwd, act, tp),
+                Term("reduce_scatter", "TP output-projection input grad, backward", n_fwd, act, tp),
+            ]
             if lay.loss_parallel:
-                terms.append(Term("all_reduce", "loss parallel: max, sum-exp, target logit",
-                                  3 * n_fwd, fb * s * F32, tp))
+                terms.append(
+                    Term(
+                        "all_reduce",
+                        "loss parallel: max, sum-exp, target logit",
+                        3 * n_fwd,
+                        fb * s * F32,
+                        tp,
+                    )
+                )
             else:
-                terms.append(Term("all_gather", "TP full-vocab logits", n_fwd, fb * s * V * F32, tp))
+                terms.append(
+                    Term("all_gather", "TP full-vocab logits", n_fwd, fb * s * V * F32, tp)
+                )
         norms = 2 * n_blocks + int(last)
         again = 1 if fsdp else 2  # Partial norm grads: FSDP reduces once; else clip and AdamW each
-        terms.append(Term("all_reduce", "SP RMSNorm weight grads (Partial)", norms * again, d * F32, tp))
+        terms.append(
+            Term("all_reduce", "SP RMSNorm weight grads (Partial)", norms * again, d * F32, tp)
+        )
     # Grad norm: the vector of per-parameter norms is all-reduced over each sharding mesh dim.
     for dim_size in (n_shard if fsdp else 1, tp):
         if dim_size > 1:
-            terms.append(Term("all_reduce", "grad-norm: per-parameter norms", 1, params * F32, dim_size))
+            terms.append(
+                Term("all_reduce", "grad-norm: per-parameter norms", 1, params * F32, dim_size)
+            )
     dp = lay.dp_replicate * lay.dp_shard
     if dp > 1:
         terms.append(Term("all_reduce", "token count and loss sum over dp", 2, F32, dp))
@@ -178,11 +225,15 @@ def predict(lay: Layout, args, rank: int) -> list[Term]:
         msg = MICROBATCH * (s // tp) * d * F32
         m = b // MICROBATCH
         if not last:
-            terms += [Term("send", "PP activations to the next stage", m, msg, lay.pp),
-                      Term("recv", "PP gradients from the next stage", m, msg, lay.pp)]
+            terms += [
+                Term("send", "PP activations to the next stage", m, msg, lay.pp),
+                Term("recv", "PP gradients from the next stage", m, msg, lay.pp),
+            ]
         if not first:
-            terms += [Term("recv", "PP activations from the previous stage", m, msg, lay.pp),
-                      Term("send", "PP gradients to the previous stage", m, msg, lay.pp)]
+            terms += [
+                Term("recv", "PP activations from the previous stage", m, msg, lay.pp),
+                Term("send", "PP gradients to the previous stage", m, msg, lay.pp),
+            ]
     return terms
 
 
@@ -202,8 +253,9 @@ def make_dataset(out: str) -> str:
 
     if not os.path.exists(os.path.join(out, "metadata.json")):
         files = [f for f in default_corpus_files() if os.sep + "email" + os.sep in f][:10]
-        prepare_data(files, out, default_tokenizer_path(), workers=1, shard_size_mb=0.25,
-                     progress=False)
+        prepare_data(
+            files, out, default_tokenizer_path(), workers=1, shard_size_mb=0.25, progress=False
+        )
     return out
 
 
@@ -215,19 +267,44 @@ def measure(lay: Layout, dataset: str, workdir: str, timeout: int = 600) -> list
     for old in glob.glob(prefix + ".rank*.json"):
         os.remove(old)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", TITANLAB_COMM_COUNT=prefix)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc_per_node={lay.nproc}", "-m", "titanlab.train",
-           "--job.config_file", os.path.join(REPO, "train_configs", "debug_model.toml"),
-           "--model.flavor", FLAVOR, "--training.seq_len", str(SEQ),
-           "--training.local_batch_size", str(LOCAL_BS), "--training.steps", str(STEPS),
-           "--checkpoint.enable", "false", "--validation.enable", "false",
-           "--data.dataset_path", dataset, "--job.dump_folder", prefix + "_dump",
-           "--comm.init_timeout_seconds", "120", "--comm.train_timeout_seconds", "120",
-           *lay.overrides()]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={lay.nproc}",
+        "-m",
+        "titanlab.train",
+        "--job.config_file",
+        os.path.join(REPO, "train_configs", "debug_model.toml"),
+        "--model.flavor",
+        FLAVOR,
+        "--training.seq_len",
+        str(SEQ),
+        "--training.local_batch_size",
+        str(LOCAL_BS),
+        "--training.steps",
+        str(STEPS),
+        "--checkpoint.enable",
+        "false",
+        "--validation.enable",
+        "false",
+        "--data.dataset_path",
+        dataset,
+        "--job.dump_folder",
+        prefix + "_dump",
+        "--comm.init_timeout_seconds",
+        "120",
+        "--comm.train_timeout_seconds",
+        "120",
+        *lay.overrides(),
+    ]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
-        raise RuntimeError(f"{lay.name}: trainer exited {proc.returncode}:\n{proc.stdout[-2000:]}"
-                           f"\n{proc.stderr[-2000:]}")
+        raise RuntimeError(
+            f"{lay.name}: trainer exited {proc.returncode}:\n{proc.stdout[-2000:]}"
+            f"\n{proc.stderr[-2000:]}"
+        )
     ranks = []
     for r in range(lay.nproc):
         with open(f"{prefix}.rank{r}.json", encoding="utf-8") as f:
@@ -253,18 +330,33 @@ def table_rows(lay: Layout, measured: list[dict], args) -> list[tuple]:
             pc = sum(t.calls for t in terms if t.kind == kind)
             pb = sum(t.calls * t.nbytes for t in terms if t.kind == kind)
             ratio = m["bytes"] / pb if pb else float("nan")
-            rows.append((lay.name, label, kind, f"{m['calls']}/{pc}", m["bytes"], pb, ratio,
-                         m.get("wire_bytes", 0), m["sizes"] == pred_hist.get(kind, {})))
+            rows.append(
+                (
+                    lay.name,
+                    label,
+                    kind,
+                    f"{m['calls']}/{pc}",
+                    m["bytes"],
+                    pb,
+                    ratio,
+                    m.get("wire_bytes", 0),
+                    m["sizes"] == pred_hist.get(kind, {}),
+                )
+            )
     return rows
 
 
 def format_table(rows: list[tuple]) -> str:
-    lines = ["| layout | ranks | kind | calls measured/predicted | bytes measured | bytes predicted"
-             " | ratio | every call's size as predicted | ring bytes sent (measured) |",
-             "|---|---|---|---|---:|---:|---:|---|---:|"]
+    lines = [
+        "| layout | ranks | kind | calls measured/predicted | bytes measured | bytes predicted"
+        " | ratio | every call's size as predicted | ring bytes sent (measured) |",
+        "|---|---|---|---|---:|---:|---:|---|---:|",
+    ]
     for name, ranks, kind, calls, mb, pb, ratio, wire, same in rows:
-        lines.append(f"| {name} | {ranks} | {kind} | {calls} | {mb:,} | {pb:,} | {ratio:.3f} | "
-                     f"{'yes' if same else 'NO'} | {wire:,} |")
+        lines.append(
+            f"| {name} | {ranks} | {kind} | {calls} | {mb:,} | {pb:,} | {ratio:.3f} | "
+            f"{'yes' if same else 'NO'} | {wire:,} |"
+        )
     return "\n".join(lines)
 
 
@@ -280,7 +372,9 @@ def write_doc(table: str) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--layouts", default="", help="comma-separated layout names (default: all)")
-    ap.add_argument("--dataset", default="", help="prepared dataset (default: a small one made here)")
+    ap.add_argument(
+        "--dataset", default="", help="prepared dataset (default: a small one made here)"
+    )
     ap.add_argument("--workdir", default="", help="where runs write (default: a temporary folder)")
     ap.add_argument("--no-write", action="store_true", help=f"do not update {DOC}")
     opts = ap.parse_args()

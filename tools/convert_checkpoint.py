@@ -24,49 +24,66 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from titanlab.checkpoint.convert import DTYPES, dcp_to_hf, hf_to_dcp, parse_size  # noqa: E402
-from titanlab.checkpoint.hf_config import DEFAULT_MAX_POSITION_EMBEDDINGS  # noqa: E402
-from titanlab.models.llama3.args import llama3_flavors  # noqa: E402
+from titanlab.cli import OneLineParser
+from titanlab.checkpoint.convert import DTYPES, dcp_to_hf, hf_to_dcp, parse_size
+from titanlab.checkpoint.hf_config import DEFAULT_MAX_POSITION_EMBEDDINGS
+from titanlab.models.llama3.args import llama3_flavors
 
 PROG = "convert_checkpoint"
 
 
-class _OneLineParser(argparse.ArgumentParser):
-    """argparse, but a usage error is the same single `convert_checkpoint: error:` line."""
-
-    def error(self, message: str):
-        print(f"{PROG}: error: {message}", file=sys.stderr)
-        sys.exit(2)
-
-
 def build_parser() -> argparse.ArgumentParser:
-    parser = _OneLineParser(prog=PROG, description=__doc__.split("\n\n")[0])
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=_OneLineParser)
+    parser = OneLineParser(prog=PROG, description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
     flavors = ", ".join(llama3_flavors)
 
     to_hf = sub.add_parser("to-hf", help="titanlab DCP checkpoint -> Hugging Face Llama folder")
     to_hf.add_argument("dcp_dir", help="DCP checkpoint folder (step-N or export-step-N)")
     to_hf.add_argument("out_dir", help="Hugging Face folder to create")
-    to_hf.add_argument("--flavor", default="debugmodel",
-                       help=f"model flavor the checkpoint was trained as ({flavors}; default: debugmodel)")
-    to_hf.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16",
-                       help="dtype of the written weights (default: bf16)")
-    to_hf.add_argument("--max-shard-size", default="5GB",
-                       help="largest safetensors shard, e.g. 5GB, 500MB, 2GiB (default: 5GB)")
-    to_hf.add_argument("--max-seq-len", type=int, default=DEFAULT_MAX_POSITION_EMBEDDINGS,
-                       help="max_position_embeddings written to config.json "
-                            f"(default: {DEFAULT_MAX_POSITION_EMBEDDINGS}, Llama 3.1/3.2's context)")
-    to_hf.add_argument("--tokenizer", default=None,
-                       help="tokenizer.model to write tokenizer files from; 'none' for none "
-                            "(default: the bundled tokenizer when the vocab size is its own)")
+    to_hf.add_argument(
+        "--flavor",
+        default="debugmodel",
+        help=f"model flavor the checkpoint was trained as ({flavors}; default: debugmodel)",
+    )
+    to_hf.add_argument(
+        "--dtype",
+        choices=["bf16", "fp16", "fp32"],
+        default="bf16",
+        help="dtype of the written weights (default: bf16)",
+    )
+    to_hf.add_argument(
+        "--max-shard-size",
+        default="5GB",
+        help="largest safetensors shard, e.g. 5GB, 500MB, 2GiB (default: 5GB)",
+    )
+    to_hf.add_argument(
+        "--max-seq-len",
+        type=int,
+        default=DEFAULT_MAX_POSITION_EMBEDDINGS,
+        help="max_position_embeddings written to config.json "
+        f"(default: {DEFAULT_MAX_POSITION_EMBEDDINGS}, Llama 3.1/3.2's context)",
+    )
+    to_hf.add_argument(
+        "--tokenizer",
+        default=None,
+        help="tokenizer.model to write tokenizer files from; 'none' for none "
+        "(default: the bundled tokenizer when the vocab size is its own)",
+    )
 
     from_hf = sub.add_parser("from-hf", help="Hugging Face Llama folder -> titanlab DCP checkpoint")
     from_hf.add_argument("hf_dir", help="folder with config.json and .safetensors weights")
     from_hf.add_argument("dcp_dir", help="DCP folder to create")
-    from_hf.add_argument("--flavor", default=None,
-                         help=f"flavor the config must match ({flavors}; default: the one it matches)")
-    from_hf.add_argument("--dtype", choices=["auto", "bf16", "fp16", "fp32"], default="auto",
-                         help="dtype to store (default: auto, as in the Hugging Face files)")
+    from_hf.add_argument(
+        "--flavor",
+        default=None,
+        help=f"flavor the config must match ({flavors}; default: the one it matches)",
+    )
+    from_hf.add_argument(
+        "--dtype",
+        choices=["auto", "bf16", "fp16", "fp32"],
+        default="auto",
+        help="dtype to store (default: auto, as in the Hugging Face files)",
+    )
     for p in (to_hf, from_hf):
         p.add_argument("--overwrite", action="store_true", help="replace a non-empty output folder")
         p.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -79,18 +96,33 @@ def run(argv: list[str] | None = None) -> str:
     start = time.perf_counter()
     if args.command == "to-hf":
         tokenizer = "" if args.tokenizer == "none" else args.tokenizer
-        model = dcp_to_hf(args.dcp_dir, args.out_dir, flavor=args.flavor, dtype=DTYPES[args.dtype],
-                          max_shard_bytes=parse_size(args.max_shard_size),
-                          max_position_embeddings=args.max_seq_len, tokenizer_path=tokenizer,
-                          overwrite=args.overwrite, progress=not args.quiet)
+        model = dcp_to_hf(
+            args.dcp_dir,
+            args.out_dir,
+            flavor=args.flavor,
+            dtype=DTYPES[args.dtype],
+            max_shard_bytes=parse_size(args.max_shard_size),
+            max_position_embeddings=args.max_seq_len,
+            tokenizer_path=tokenizer,
+            overwrite=args.overwrite,
+            progress=not args.quiet,
+        )
         dest = args.out_dir
     else:
         dtype = None if args.dtype == "auto" else DTYPES[args.dtype]
-        model = hf_to_dcp(args.hf_dir, args.dcp_dir, flavor=args.flavor, dtype=dtype,
-                          overwrite=args.overwrite, progress=not args.quiet)
+        model = hf_to_dcp(
+            args.hf_dir,
+            args.dcp_dir,
+            flavor=args.flavor,
+            dtype=dtype,
+            overwrite=args.overwrite,
+            progress=not args.quiet,
+        )
         dest = args.dcp_dir
-    return (f"{PROG}: {args.command}: wrote {dest} (dim {model.dim}, {model.n_layers} layers, "
-            f"vocab {model.vocab_size}) in {time.perf_counter() - start:.1f}s")
+    return (
+        f"{PROG}: {args.command}: wrote {dest} (dim {model.dim}, {model.n_layers} layers, "
+        f"vocab {model.vocab_size}) in {time.perf_counter() - start:.1f}s"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -106,8 +138,10 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:  # a corrupt file deep inside torch / safetensors
         if type(e).__name__ != "SafetensorError":
             raise
-        print(f"{PROG}: error: unreadable safetensors file: {' '.join(str(e).split())}",
-              file=sys.stderr)
+        print(
+            f"{PROG}: error: unreadable safetensors file: {' '.join(str(e).split())}",
+            file=sys.stderr,
+        )
         return 2
 
 

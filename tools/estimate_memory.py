@@ -16,13 +16,13 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from titanlab import components  # noqa: E402
-from titanlab.config.job_config import ConfigError  # noqa: E402
-from titanlab.config.manager import build_config  # noqa: E402
-from titanlab.distributed.parallelize import param_dtype  # noqa: E402
-from titanlab.memory import GIB, available_bytes_per_rank, estimate_memory  # noqa: E402
+from titanlab import components
+from titanlab.config.job_config import ConfigError
+from titanlab.config.manager import build_config
+from titanlab.distributed.parallelize import param_dtype
+from titanlab.memory import GIB, available_bytes_per_rank, estimate_memory
 
-import torch  # noqa: E402
+import torch
 
 
 def main(argv: list[str]) -> int:
@@ -39,17 +39,36 @@ def main(argv: list[str]) -> int:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     est = estimate_memory(args, config, nproc, param_dtype(config, device))
     have, what = available_bytes_per_rank(nproc)
-    print(f"llama3 {config.model.flavor}, seq_len {config.training.seq_len}, local batch "
-          f"{config.training.local_batch_size}, AC {config.activation_checkpoint.mode}, {nproc} rank(s)")
+    print(
+        f"llama3 {config.model.flavor}, seq_len {config.training.seq_len}, local batch "
+        f"{config.training.local_batch_size}, AC {config.activation_checkpoint.mode}, {nproc} rank(s)"
+    )
     print(f"{'category':<18}{'GiB per rank':>14}")
-    for name in ("params", "grads", "optimizer", "gathered_params", "activations", "logits",
-                 "recompute", "overhead"):
+    for name in (
+        "params",
+        "grads",
+        "optimizer",
+        "gathered_params",
+        "activations",
+        "logits",
+        "recompute",
+        "overhead",
+    ):
         print(f"{name:<18}{getattr(est, name) / GIB:>14.2f}")
     print(f"{'total (peak)':<18}{est.total / GIB:>14.2f}")
-    when = "the optimizer step" if est.grads >= est.activations + max(est.logits, est.recompute) \
+    when = (
+        "the optimizer step"
+        if est.grads >= est.activations + max(est.logits, est.recompute)
         else "the start of backward"
-    print(f"peak at {when}" + (" (gradient accumulation keeps gradients alive through forward)"
-                               if est.grads_during_forward else ""))
+    )
+    print(
+        f"peak at {when}"
+        + (
+            " (gradient accumulation keeps gradients alive through forward)"
+            if est.grads_during_forward
+            else ""
+        )
+    )
     verdict = "fits" if est.total <= have else "does NOT fit"
     print(f"available: {what} → {verdict}")
     return 0 if est.total <= have else 1

@@ -61,17 +61,21 @@ def render(node: ast.expr) -> str:
 
 
 def _is_config_error(func: ast.expr) -> bool:
-    return (isinstance(func, ast.Name) and func.id == "ConfigError") or \
-        (isinstance(func, ast.Attribute) and func.attr == "ConfigError")
+    return (isinstance(func, ast.Name) and func.id == "ConfigError") or (
+        isinstance(func, ast.Attribute) and func.attr == "ConfigError"
+    )
 
 
 def _uses_require(tree: ast.Module, dotted: str) -> bool:
     """Whether `_require` in this module is the one of titanlab.config.errors."""
     if dotted == ERRORS_MODULE:
         return True
-    return any(isinstance(node, ast.ImportFrom) and node.module == ERRORS_MODULE
-               and any(alias.name == "_require" for alias in node.names)
-               for node in ast.walk(tree))
+    return any(
+        isinstance(node, ast.ImportFrom)
+        and node.module == ERRORS_MODULE
+        and any(alias.name == "_require" for alias in node.names)
+        for node in ast.walk(tree)
+    )
 
 
 class _Finder(ast.NodeVisitor):
@@ -115,8 +119,11 @@ def module_files(repo: str = REPO) -> list[str]:
     out = []
     for root, dirs, names in os.walk(os.path.join(repo, PACKAGE)):
         dirs[:] = [d for d in dirs if d != "__pycache__"]
-        out += [os.path.relpath(os.path.join(root, n), repo).replace(os.sep, "/")
-                for n in names if n.endswith(".py")]
+        out += [
+            os.path.relpath(os.path.join(root, n), repo).replace(os.sep, "/")
+            for n in names
+            if n.endswith(".py")
+        ]
     return sorted(out)
 
 
@@ -126,7 +133,7 @@ def find_templates(repo: str = REPO) -> list[Template]:
     for rel in module_files(repo):
         with open(os.path.join(repo, rel), encoding="utf-8") as f:
             tree = ast.parse(f.read(), filename=rel)
-        dotted = rel[:-len(".py")].replace("/", ".").removesuffix(".__init__")
+        dotted = rel[: -len(".py")].replace("/", ".").removesuffix(".__init__")
         finder = _Finder(rel, _uses_require(tree, dotted))
         finder.visit(tree)
         found += finder.found
@@ -300,10 +307,16 @@ def render_page(templates: list[Template]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--check", action="store_true",
-                        help="write nothing; exit 1 when the file differs from what it would write")
-    parser.add_argument("--output", default=os.path.join(REPO, DEFAULT_OUTPUT),
-                        help=f"file to write (default: {DEFAULT_OUTPUT})")
+    parser.add_argument(
+        "--check",
+        action="store_true",
+        help="write nothing; exit 1 when the file differs from what it would write",
+    )
+    parser.add_argument(
+        "--output",
+        default=os.path.join(REPO, DEFAULT_OUTPUT),
+        help=f"file to write (default: {DEFAULT_OUTPUT})",
+    )
     args = parser.parse_args(argv)
     wanted = render_page(find_templates())
     if args.check:

@@ -25,7 +25,7 @@ import time
 import warnings
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from titanlab.hostinfo import cpu_model, ram_gib  # noqa: E402  (imports no torch)
+from titanlab.hostinfo import cpu_model, ram_gib
 
 # This process only launches and measures: it imports no torch, so that its own memory (which a
 # forked child's peak RSS includes until exec) stays small. The checkpoint is made in a child.
@@ -58,9 +58,12 @@ def write_random_dcp(path: str, flavor: str) -> tuple[int, int]:
     placeholders = {k: torch.zeros(()).expand(s) for k, s in shapes.items()}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
-        dcp.save({"model": placeholders, "train_state": {"step": 0}},
-                 storage_writer=FileSystemWriter(path, single_file_per_rank=False),
-                 planner=LazyModelPlanner(make), no_dist=True)
+        dcp.save(
+            {"model": placeholders, "train_state": {"step": 0}},
+            storage_writer=FileSystemWriter(path, single_file_per_rank=False),
+            planner=LazyModelPlanner(make),
+            no_dist=True,
+        )
     sizes = [p.numel() * 4 for p in placeholders.values()]
     return sum(sizes), max(sizes)
 
@@ -77,17 +80,27 @@ def peak_rss(cmd: list[str]) -> tuple[float, float]:
 
 
 def versions() -> str:
-    out = subprocess.run([sys.executable, "-c", "import platform, torch, safetensors; print("
-                          "f'Python {platform.python_version()}, torch {torch.__version__}, '"
-                          "f'safetensors {safetensors.__version__}')"],
-                         capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import platform, torch, safetensors; print("
+            "f'Python {platform.python_version()}, torch {torch.__version__}, '"
+            "f'safetensors {safetensors.__version__}')",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     return out.stdout.strip()
 
 
 def machine() -> str:
     cpu, mem = cpu_model(), ram_gib()
-    return (f"{cpu}, {os.cpu_count()} cores, {mem:.0f} GiB RAM, {platform.system()} "
-            f"{platform.release()}; {versions()}")
+    return (
+        f"{cpu}, {os.cpu_count()} cores, {mem:.0f} GiB RAM, {platform.system()} "
+        f"{platform.release()}; {versions()}"
+    )
 
 
 def main() -> int:
@@ -104,17 +117,30 @@ def main() -> int:
     tool = [sys.executable, "-m", "tools.convert_checkpoint"]
     try:
         src = os.path.join(work, "dcp")
-        made = subprocess.run([sys.executable, os.path.abspath(__file__), "--flavor", args.flavor,
-                               "--make-dcp", src], cwd=REPO, capture_output=True, text=True,
-                              check=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+        made = subprocess.run(
+            [sys.executable, os.path.abspath(__file__), "--flavor", args.flavor, "--make-dcp", src],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            check=True,
+            env=dict(os.environ, OMP_NUM_THREADS="1"),
+        )
         total, largest = map(int, made.stdout.split())
-        base, _ = peak_rss([sys.executable, "-c", "import torch, safetensors, tqdm, "
-                            "torch.distributed.checkpoint, titanlab.checkpoint.convert"])
+        base, _ = peak_rss(
+            [
+                sys.executable,
+                "-c",
+                "import torch, safetensors, tqdm, "
+                "torch.distributed.checkpoint, titanlab.checkpoint.convert",
+            ]
+        )
         rows = [("python + torch imported (baseline)", base, 0.0)]
         runs = [
             ("to-hf, fp32 DCP -> bf16", ["to-hf", src, "hf_bf16", "--flavor", args.flavor]),
-            ("to-hf, fp32 DCP -> fp32", ["to-hf", src, "hf_fp32", "--flavor", args.flavor,
-                                         "--dtype", "fp32"]),
+            (
+                "to-hf, fp32 DCP -> fp32",
+                ["to-hf", src, "hf_fp32", "--flavor", args.flavor, "--dtype", "fp32"],
+            ),
             ("from-hf, bf16 HF -> DCP (as stored)", ["from-hf", "hf_bf16", "dcp_bf16"]),
             ("from-hf, bf16 HF -> fp32 DCP", ["from-hf", "hf_bf16", "dcp_fp32", "--dtype", "fp32"]),
         ]
@@ -128,14 +154,23 @@ def main() -> int:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     table = "\n".join(
-        [f"Flavor `{args.flavor}` (vocab {VOCAB}), random weights: {total / 1e9:.2f} GB of fp32 "
-         f"tensors in the DCP checkpoint, the largest (the embedding) {largest / 1e9:.2f} GB.",
-         f"Machine: {machine()}. The measuring process itself peaked at "
-         f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6:.2f} GB (a forked child's "
-         "figure can include it).", "",
-         "| run | peak RSS | wall time |", "|---|---|---|"]
-        + [f"| {label} | {rss:.2f} GB | {secs:.0f} s |" if secs else f"| {label} | {rss:.2f} GB | |"
-           for label, rss, secs in rows])
+        [
+            f"Flavor `{args.flavor}` (vocab {VOCAB}), random weights: {total / 1e9:.2f} GB of fp32 "
+            f"tensors in the DCP checkpoint, the largest (the embedding) {largest / 1e9:.2f} GB.",
+            f"Machine: {machine()}. The measuring process itself peaked at "
+            f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6:.2f} GB (a forked child's "
+            "figure can include it).",
+            "",
+            "| run | peak RSS | wall time |",
+            "|---|---|---|",
+        ]
+        + [
+            f"| {label} | {rss:.2f} GB | {secs:.0f} s |"
+            if secs
+            else f"| {label} | {rss:.2f} GB | |"
+            for label, rss, secs in rows
+        ]
+    )
     print(table)
     if not args.no_write:
         with open(DOC, encoding="utf-8") as f:

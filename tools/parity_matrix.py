@@ -26,7 +26,7 @@ from dataclasses import dataclass
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from titanlab.distributed.layouts import Layout, check_layout, enumerate_layouts, pairwise_subset  # noqa: E402
+from titanlab.distributed.layouts import Layout, check_layout, enumerate_layouts, pairwise_subset
 
 STEPS = 5
 GLOBAL_BATCH = 8
@@ -35,14 +35,34 @@ WORLD_SIZES = (1, 2, 4, 8)
 # PP × TP × FSDP on 8 ranks must be in the CI subset even though pairs alone do not force it.
 MUST = (frozenset({"pp:1F1B", "tp", "fsdp", "8ranks"}),)
 BASE_ARGS = [
-    "--job.config_file", os.path.join(REPO, "train_configs", "debug_model.toml"),
-    "--model.flavor", "debugmodel_deep", "--training.seq_len", "64",
-    "--training.steps", str(STEPS), "--training.global_batch_size", str(GLOBAL_BATCH),
-    "--training.local_batch_size", str(GLOBAL_BATCH),
-    "--lr_scheduler.warmup_steps", "2", "--metrics.log_freq", "1", "--validation.enable", "false",
-    "--debug.deterministic", "true", "--checkpoint.export_at_end", "false",
-    "--checkpoint.interval", "1000", "--comm.init_timeout_seconds", "120",
-    "--comm.train_timeout_seconds", "120",
+    "--job.config_file",
+    os.path.join(REPO, "train_configs", "debug_model.toml"),
+    "--model.flavor",
+    "debugmodel_deep",
+    "--training.seq_len",
+    "64",
+    "--training.steps",
+    str(STEPS),
+    "--training.global_batch_size",
+    str(GLOBAL_BATCH),
+    "--training.local_batch_size",
+    str(GLOBAL_BATCH),
+    "--lr_scheduler.warmup_steps",
+    "2",
+    "--metrics.log_freq",
+    "1",
+    "--validation.enable",
+    "false",
+    "--debug.deterministic",
+    "true",
+    "--checkpoint.export_at_end",
+    "false",
+    "--checkpoint.interval",
+    "1000",
+    "--comm.init_timeout_seconds",
+    "120",
+    "--comm.train_timeout_seconds",
+    "120",
 ]
 DOC_BEGIN = "<!-- parity-matrix:begin -->"
 DOC_END = "<!-- parity-matrix:end -->"
@@ -61,8 +81,12 @@ class Outcome:
 
     @property
     def passed(self) -> bool:
-        return self.refused is None and self.error is None and self.max_abs_diff is not None \
+        return (
+            self.refused is None
+            and self.error is None
+            and self.max_abs_diff is not None
             and self.max_abs_diff <= TOLERANCE
+        )
 
 
 def _base_config():
@@ -77,22 +101,33 @@ def _base_config():
 def matrix(world_sizes=WORLD_SIZES, device_type: str = "cpu") -> list[tuple[Layout, str | None]]:
     """Every candidate layout of `world_sizes` with the validator's verdict (None: valid)."""
     config, model_args = _base_config()
-    return [(lay, check_layout(config, lay, GLOBAL_BATCH, model_args, device_type))
-            for ws in world_sizes
-            for lay in enumerate_layouts(ws, with_cp=device_type == "cuda")]
+    return [
+        (lay, check_layout(config, lay, GLOBAL_BATCH, model_args, device_type))
+        for ws in world_sizes
+        for lay in enumerate_layouts(ws, with_cp=device_type == "cuda")
+    ]
 
 
 def ci_layouts(device_type: str = "cpu") -> list[Layout]:
     """The representative subset CI runs: pairwise coverage of the valid layouts."""
-    return pairwise_subset([lay for lay, why in matrix(device_type=device_type) if why is None],
-                           must=MUST)
+    return pairwise_subset(
+        [lay for lay, why in matrix(device_type=device_type) if why is None], must=MUST
+    )
 
 
 def launch(nproc: int, args: list[str], timeout: int = 900) -> subprocess.CompletedProcess:
     """`titanlab.train` under torchrun (gloo on CPU), one intra-op thread per rank."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc_per_node={nproc}", "-m", "titanlab.train", *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        "-m",
+        "titanlab.train",
+        *args,
+    ]
     return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
 
 
@@ -112,17 +147,45 @@ def prepare_reference(root: str, dataset: str | None = None) -> tuple[str, str, 
             from titanlab.data.tokenizer import default_tokenizer_path
 
             files = [f for f in default_corpus_files() if os.sep + "email" + os.sep in f][:40]
-            prepare_data(files, dataset, default_tokenizer_path(), workers=1, shard_size_mb=0.25,
-                         progress=False)
+            prepare_data(
+                files,
+                dataset,
+                default_tokenizer_path(),
+                workers=1,
+                shard_size_mb=0.25,
+                progress=False,
+            )
     base = BASE_ARGS + ["--data.dataset_path", dataset]
     seed = os.path.join(root, "seed", "checkpoint", "step-0")
     if not os.path.exists(os.path.join(seed, ".metadata")):
-        _check(launch(1, base + ["--job.dump_folder", os.path.join(root, "seed"),
-                                 "--checkpoint.create_seed_checkpoint", "true"]))
+        _check(
+            launch(
+                1,
+                base
+                + [
+                    "--job.dump_folder",
+                    os.path.join(root, "seed"),
+                    "--checkpoint.create_seed_checkpoint",
+                    "true",
+                ],
+            )
+        )
     ref = os.path.join(root, "reference")
     if not os.path.exists(os.path.join(ref, "metrics.jsonl")):
-        _check(launch(1, base + ["--job.dump_folder", ref, "--training.local_batch_size",
-                                 str(GLOBAL_BATCH), "--checkpoint.initial_load_path", seed]))
+        _check(
+            launch(
+                1,
+                base
+                + [
+                    "--job.dump_folder",
+                    ref,
+                    "--training.local_batch_size",
+                    str(GLOBAL_BATCH),
+                    "--checkpoint.initial_load_path",
+                    seed,
+                ],
+            )
+        )
     return dataset, seed, read_losses(ref)
 
 
@@ -131,24 +194,51 @@ def _check(proc: subprocess.CompletedProcess) -> None:
         raise RuntimeError(f"reference run failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
 
 
-def run_layout(layout: Layout, dataset: str, seed: str, reference: dict[int, float],
-               root: str, extra: list[str] | tuple[str, ...] = ()) -> Outcome:
+def run_layout(
+    layout: Layout,
+    dataset: str,
+    seed: str,
+    reference: dict[int, float],
+    root: str,
+    extra: list[str] | tuple[str, ...] = (),
+) -> Outcome:
     """Train `layout` (plus `extra` options) from `seed` and compare its losses with
     `reference`."""
     dump = os.path.join(root, "runs", layout.name)
     start = time.time()
-    proc = launch(layout.world_size, BASE_ARGS + layout.overrides(GLOBAL_BATCH) + [
-        "--data.dataset_path", dataset, "--job.dump_folder", dump,
-        "--checkpoint.initial_load_path", seed, *extra])
+    proc = launch(
+        layout.world_size,
+        BASE_ARGS
+        + layout.overrides(GLOBAL_BATCH)
+        + [
+            "--data.dataset_path",
+            dataset,
+            "--job.dump_folder",
+            dump,
+            "--checkpoint.initial_load_path",
+            seed,
+            *extra,
+        ],
+    )
     seconds = time.time() - start
     if proc.returncode != 0:
         tail = (proc.stderr.strip().splitlines() or ["(no stderr)"])[-1][:300]
-        return Outcome(layout.name, layout.world_size, None, error=f"exit {proc.returncode}: {tail}",
-                       seconds=seconds)
+        return Outcome(
+            layout.name,
+            layout.world_size,
+            None,
+            error=f"exit {proc.returncode}: {tail}",
+            seconds=seconds,
+        )
     losses = read_losses(dump)
     if sorted(losses) != list(range(1, STEPS + 1)):
-        return Outcome(layout.name, layout.world_size, None, seconds=seconds,
-                       error=f"logged steps {sorted(losses)}, expected 1..{STEPS}")
+        return Outcome(
+            layout.name,
+            layout.world_size,
+            None,
+            seconds=seconds,
+            error=f"logged steps {sorted(losses)}, expected 1..{STEPS}",
+        )
     worst = max(abs(losses[s] - reference[s]) for s in range(1, STEPS + 1))
     return Outcome(layout.name, layout.world_size, worst, seconds=seconds)
 
@@ -171,12 +261,17 @@ def write_doc(path: str, outcomes: list[Outcome], command: str, host: str) -> No
     """Replace the table between the markers in `path` (appended when the markers are absent)."""
     ran = [o for o in outcomes if not o.refused]
     passed = sum(o.passed for o in ran)
-    block = "\n".join([
-        DOC_BEGIN,
-        f"Command: `{command}` on {host}. {len(outcomes)} candidate layouts, {len(ran)} valid, "
-        f"{passed} within {TOLERANCE:g} of the 1-process losses over {STEPS} steps, "
-        f"{len(outcomes) - len(ran)} refused by the validator.",
-        "", format_table(outcomes), DOC_END])
+    block = "\n".join(
+        [
+            DOC_BEGIN,
+            f"Command: `{command}` on {host}. {len(outcomes)} candidate layouts, {len(ran)} valid, "
+            f"{passed} within {TOLERANCE:g} of the 1-process losses over {STEPS} steps, "
+            f"{len(outcomes) - len(ran)} refused by the validator.",
+            "",
+            format_table(outcomes),
+            DOC_END,
+        ]
+    )
     text = open(path, encoding="utf-8").read() if os.path.exists(path) else ""
     if DOC_BEGIN in text and DOC_END in text:
         head, rest = text.split(DOC_BEGIN, 1)
@@ -193,8 +288,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--subset", choices=["full", "ci"], default="full")
     ap.add_argument("--only", default="", help="run only layouts whose name contains this")
     ap.add_argument("--work-dir", default=os.path.join(REPO, "outputs", "parity_matrix"))
-    ap.add_argument("--output", default=os.path.join(REPO, "docs", "parallelism.md"),
-                    help="Markdown file to write the table into ('' to skip)")
+    ap.add_argument(
+        "--output",
+        default=os.path.join(REPO, "docs", "parallelism.md"),
+        help="Markdown file to write the table into ('' to skip)",
+    )
     args = ap.parse_args(argv)
 
     verdicts = matrix(args.world_sizes)
@@ -218,20 +316,26 @@ def main(argv: list[str] | None = None) -> int:
             with open(done_path, "a", encoding="utf-8") as f:
                 f.write(json.dumps(outcome.__dict__) + "\n")
         outcomes.append(outcome)
-        status = ("refused" if outcome.refused else outcome.error or
-                  f"{outcome.max_abs_diff:.2e} {'ok' if outcome.passed else 'FAIL'}")
+        status = (
+            "refused"
+            if outcome.refused
+            else outcome.error or f"{outcome.max_abs_diff:.2e} {'ok' if outcome.passed else 'FAIL'}"
+        )
         print(f"[{i}/{len(verdicts)}] {lay.name}: {status} ({outcome.seconds:.0f} s)", flush=True)
     print(format_table(outcomes))
     if args.output:
         from titanlab.hostinfo import cpu_model, ram_gib
 
-        command = "python tools/parity_matrix.py " + " ".join(argv if argv is not None
-                                                              else sys.argv[1:])
+        command = "python tools/parity_matrix.py " + " ".join(
+            argv if argv is not None else sys.argv[1:]
+        )
         host = f"{cpu_model()}, {os.cpu_count()} cores, {ram_gib():.0f} GiB, no GPU (gloo)"
         write_doc(args.output, outcomes, command.strip(), host)
     failed = [o for o in outcomes if not o.refused and not o.passed]
-    print(f"parity matrix: {len(outcomes) - len(failed)} of {len(outcomes)} ok"
-          f"{'; failed: ' + ', '.join(o.layout for o in failed) if failed else ''}")
+    print(
+        f"parity matrix: {len(outcomes) - len(failed)} of {len(outcomes)} ok"
+        f"{'; failed: ' + ', '.join(o.layout for o in failed) if failed else ''}"
+    )
     return 1 if failed else 0
 
 

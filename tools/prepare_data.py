@@ -12,45 +12,66 @@ resumes: finished shards are kept. Parquet needs ``pip install 'titanlab[tools]'
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from titanlab.data.prepare import prepare_data  # noqa: E402
-from titanlab.data.tokenizer import default_tokenizer_path  # noqa: E402
+from titanlab.cli import OneLineParser
+from titanlab.data.prepare import prepare_data
+from titanlab.data.tokenizer import default_tokenizer_path
+
+
+PROG = "prepare_data"
 
 
 def run(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = OneLineParser(prog=PROG, description=__doc__.split("\n\n")[0])
     parser.add_argument("inputs", nargs="+", help="input files or directories")
-    parser.add_argument("--output", required=True, help="output directory for shards + metadata.json")
-    parser.add_argument("--tokenizer", default=default_tokenizer_path(),
-                        help="Llama 3 format tokenizer.model (default: the bundled 4k stdlib BPE)")
+    parser.add_argument(
+        "--output", required=True, help="output directory for shards + metadata.json"
+    )
+    parser.add_argument(
+        "--tokenizer",
+        default=default_tokenizer_path(),
+        help="Llama 3 format tokenizer.model (default: the bundled 4k stdlib BPE)",
+    )
     parser.add_argument("--workers", type=int, default=1, help="parallel tokenizer processes")
     parser.add_argument("--shard-size-mb", type=float, default=64.0, help="input MB per shard")
-    parser.add_argument("--text-key", default="text", help="JSONL field / Parquet column with the text")
-    parser.add_argument("--overwrite", action="store_true",
-                        help="replace data prepared with a different tokenizer")
+    parser.add_argument(
+        "--text-key", default="text", help="JSONL field / Parquet column with the text"
+    )
+    parser.add_argument(
+        "--overwrite", action="store_true", help="replace data prepared with a different tokenizer"
+    )
     args = parser.parse_args(argv)
 
     start = time.perf_counter()
-    meta = prepare_data(args.inputs, args.output, args.tokenizer, text_key=args.text_key,
-                        workers=args.workers, shard_size_mb=args.shard_size_mb,
-                        overwrite=args.overwrite)
-    print(f"{args.output}: {meta['total_tokens']:,} tokens, {meta['total_documents']:,} documents, "
-          f"{meta['num_shards']} shards ({meta['dtype']}) in {time.perf_counter() - start:.1f}s")
+    meta = prepare_data(
+        args.inputs,
+        args.output,
+        args.tokenizer,
+        text_key=args.text_key,
+        workers=args.workers,
+        shard_size_mb=args.shard_size_mb,
+        overwrite=args.overwrite,
+    )
+    print(
+        f"{args.output}: {meta['total_tokens']:,} tokens, {meta['total_documents']:,} documents, "
+        f"{meta['num_shards']} shards ({meta['dtype']}) in {time.perf_counter() - start:.1f}s"
+    )
 
 
-def main(argv: list[str] | None = None) -> None:
-    """Run the tool; user errors end the process with one ``error: ...`` line (exit status 1)."""
+def main(argv: list[str] | None = None) -> int:
+    """Run the tool; a bad input prints one ``prepare_data: error: ...`` line, exit status 2."""
     try:
         run(argv)
-    except (ValueError, OSError, ImportError) as e:
-        raise SystemExit(f"error: {e}") from None
+    except (ValueError, OSError, ImportError, UnicodeError) as e:
+        print(f"{PROG}: error: {' '.join(str(e).split())}", file=sys.stderr)
+        return 2
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -23,11 +23,24 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 # A tiny run of the debug model: 6 layers, dim 256, 64-token windows.
 TINY = [
-    "--job.config_file", os.path.join(REPO, "train_configs", "debug_model.toml"),
-    "--training.seq_len", "64", "--training.local_batch_size", "2",
-    "--lr_scheduler.warmup_steps", "2", "--metrics.log_freq", "1",
-    "--validation.enable", "false", "--debug.deterministic", "true",
-    "--comm.init_timeout_seconds", "120", "--comm.train_timeout_seconds", "120",
+    "--job.config_file",
+    os.path.join(REPO, "train_configs", "debug_model.toml"),
+    "--training.seq_len",
+    "64",
+    "--training.local_batch_size",
+    "2",
+    "--lr_scheduler.warmup_steps",
+    "2",
+    "--metrics.log_freq",
+    "1",
+    "--validation.enable",
+    "false",
+    "--debug.deterministic",
+    "true",
+    "--comm.init_timeout_seconds",
+    "120",
+    "--comm.train_timeout_seconds",
+    "120",
 ]
 
 
@@ -38,8 +51,10 @@ class RunResult:
     stderr: str
     losses: dict[int, float] = field(default_factory=dict)
 
-    def check(self) -> "RunResult":
-        assert self.returncode == 0, f"run failed ({self.returncode}):\n{self.stdout[-3000:]}\n{self.stderr[-3000:]}"
+    def check(self) -> RunResult:
+        assert self.returncode == 0, (
+            f"run failed ({self.returncode}):\n{self.stdout[-3000:]}\n{self.stderr[-3000:]}"
+        )
         return self
 
 
@@ -48,17 +63,29 @@ def tiny_dataset(tmp_path_factory) -> str:
     """~0.5M tokens of the stdlib corpus, prepared with the bundled tokenizer."""
     out = str(tmp_path_factory.mktemp("data") / "stdlib_small")
     files = [f for f in default_corpus_files() if os.sep + "email" + os.sep in f][:40]
-    prepare_data(files, out, default_tokenizer_path(), workers=1, shard_size_mb=0.25, progress=False)
+    prepare_data(
+        files, out, default_tokenizer_path(), workers=1, shard_size_mb=0.25, progress=False
+    )
     return out
 
 
-def launch(nproc: int, args: list[str], *, timeout: int = 600, entry: list[str] | None = None) -> RunResult:
+def launch(
+    nproc: int, args: list[str], *, timeout: int = 600, entry: list[str] | None = None
+) -> RunResult:
     """Run `titanlab.train` under torchrun with `nproc` ranks; parse the `step: N  loss: X` lines."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    cmd = entry or [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                    f"--nproc_per_node={nproc}", "-m", "titanlab.train"]
-    proc = subprocess.run(cmd + args, cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=timeout)
+    cmd = entry or [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        "-m",
+        "titanlab.train",
+    ]
+    proc = subprocess.run(
+        cmd + args, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout
+    )
     result = RunResult(proc.returncode, proc.stdout, proc.stderr)
     for line in proc.stdout.splitlines():
         parsed = parse_log_line(line)
@@ -74,7 +101,9 @@ def train(tiny_dataset, tmp_path):
     counter = iter(range(1000))
 
     def run(nproc: int, *overrides: str, dump: str | None = None) -> RunResult:
-        dump = dump or str(tmp_path / f"run{next(counter)}")  # a fresh folder unless shared on purpose
+        dump = dump or str(
+            tmp_path / f"run{next(counter)}"
+        )  # a fresh folder unless shared on purpose
         args = TINY + ["--data.dataset_path", tiny_dataset, "--job.dump_folder", dump, *overrides]
         return launch(nproc, args)
 

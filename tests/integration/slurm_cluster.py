@@ -41,8 +41,12 @@ PACKAGES = ["slurm-wlm", "munge"]
 BINARIES = ["slurmctld", "slurmd", "sbatch", "squeue", "scontrol", "munged"]
 
 
-def _run(*cmd: str, check: bool = True, env: dict | None = None, timeout: float = 60,
-         ) -> subprocess.CompletedProcess:
+def _run(
+    *cmd: str,
+    check: bool = True,
+    env: dict | None = None,
+    timeout: float = 60,
+) -> subprocess.CompletedProcess:
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
     if check and proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}): {proc.stderr.strip()}")
@@ -78,10 +82,12 @@ class SlurmTestCluster:
         self._hosts_added = False
 
     # ---- set-up ---------------------------------------------------------------------------
-    def start(self) -> "SlurmTestCluster":
+    def start(self) -> SlurmTestCluster:
         if os.geteuid() != 0:
-            raise RuntimeError("the Slurm test cluster needs root (it installs packages, creates "
-                               "network namespaces and edits /etc/hosts)")
+            raise RuntimeError(
+                "the Slurm test cluster needs root (it installs packages, creates "
+                "network namespaces and edits /etc/hosts)"
+            )
         if missing_binaries():
             install_packages()
             if missing := missing_binaries():
@@ -122,7 +128,10 @@ class SlurmTestCluster:
         self._restore_hosts()
 
     def _start_munge(self) -> None:
-        if self._munged_pid is not None or _run("pgrep", "-x", "munged", check=False).returncode == 0:
+        if (
+            self._munged_pid is not None
+            or _run("pgrep", "-x", "munged", check=False).returncode == 0
+        ):
             return  # ours from a killed run, or the machine's own (which serves us too; not ours to stop)
         os.makedirs("/run/munge", exist_ok=True)
         shutil.chown("/run/munge", "munge", "munge")
@@ -159,7 +168,9 @@ class SlurmTestCluster:
         wd, host = self.workdir, socket.gethostname().split(".")[0]
         nodes = "\n".join(
             f"NodeName={n} NodeHostname={n} NodeAddr={SUBNET}.{10 + i} CPUs={self.cpus_per_node} "
-            f"RealMemory=4000 State=UNKNOWN" for i, n in enumerate(self.names, 1))
+            f"RealMemory=4000 State=UNKNOWN"
+            for i, n in enumerate(self.names, 1)
+        )
         with open(self.conf, "w") as f:
             f.write(f"""ClusterName=titanlabtest
 SlurmctldHost={host}({SUBNET}.1)
@@ -193,15 +204,31 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
     def _start_daemons(self) -> None:
         def spawn(cmd: list[str], log: str) -> None:
             with open(os.path.join(self.workdir, "log", log), "w") as out:
-                self._procs.append(subprocess.Popen(cmd, env=self.env, stdout=out,
-                                                    stderr=subprocess.STDOUT,
-                                                    stdin=subprocess.DEVNULL,
-                                                    start_new_session=True))
+                self._procs.append(
+                    subprocess.Popen(
+                        cmd,
+                        env=self.env,
+                        stdout=out,
+                        stderr=subprocess.STDOUT,
+                        stdin=subprocess.DEVNULL,
+                        start_new_session=True,
+                    )
+                )
 
         spawn(["/usr/sbin/slurmctld", "-D", "-c", "-i"], "slurmctld.out")
         for name, ns in zip(self.names, self._netns):
-            spawn(["nsenter", f"--net=/run/netns/{ns}", "unshare", "--uts", "sh", "-c",
-                   f"hostname {name} && exec /usr/sbin/slurmd -D -N {name}"], f"slurmd-{name}.out")
+            spawn(
+                [
+                    "nsenter",
+                    f"--net=/run/netns/{ns}",
+                    "unshare",
+                    "--uts",
+                    "sh",
+                    "-c",
+                    f"hostname {name} && exec /usr/sbin/slurmd -D -N {name}",
+                ],
+                f"slurmd-{name}.out",
+            )
 
     def _wait_idle(self, timeout: float = 60) -> None:
         end = time.time() + timeout
@@ -209,21 +236,36 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
         while time.time() < end:
             for p in self._procs:
                 if p.poll() is not None:
-                    raise RuntimeError(f"{p.args[0]} exited with {p.returncode}; see {self.workdir}/log")
+                    raise RuntimeError(
+                        f"{p.args[0]} exited with {p.returncode}; see {self.workdir}/log"
+                    )
             proc = _run("sinfo", "-h", "-N", "-o", "%N %T", check=False, env=self.env)
             states = proc.stdout.strip()
             if proc.returncode == 0 and states.count("idle") == len(self.names):
                 return
             time.sleep(0.3)
-        raise RuntimeError(f"nodes not idle after {timeout:.0f} s: {states!r}; see {self.workdir}/log")
+        raise RuntimeError(
+            f"nodes not idle after {timeout:.0f} s: {states!r}; see {self.workdir}/log"
+        )
 
     # ---- jobs -----------------------------------------------------------------------------
-    def submit(self, script: str, *args: str, sbatch_args: list[str] = (), cwd: str,
-               env: dict | None = None) -> int:
+    def submit(
+        self,
+        script: str,
+        *args: str,
+        sbatch_args: list[str] = (),
+        cwd: str,
+        env: dict | None = None,
+    ) -> int:
         """`sbatch` the script with `args`; returns the job id."""
-        proc = subprocess.run(["sbatch", "--parsable", *sbatch_args, script, *args], cwd=cwd,
-                              env={**self.env, **(env or {})}, capture_output=True, text=True,
-                              timeout=60)
+        proc = subprocess.run(
+            ["sbatch", "--parsable", *sbatch_args, script, *args],
+            cwd=cwd,
+            env={**self.env, **(env or {})},
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         if proc.returncode != 0:
             raise RuntimeError(f"sbatch failed ({proc.returncode}): {proc.stderr.strip()}")
         return int(proc.stdout.strip().split(";")[0])
@@ -241,15 +283,28 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
             state = info.get("JobState", "")
             if until == "running" and state == "RUNNING":
                 return info
-            if state in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY",
-                         "BOOT_FAIL", "DEADLINE", "PREEMPTED"):
+            if state in (
+                "COMPLETED",
+                "FAILED",
+                "CANCELLED",
+                "TIMEOUT",
+                "NODE_FAIL",
+                "OUT_OF_MEMORY",
+                "BOOT_FAIL",
+                "DEADLINE",
+                "PREEMPTED",
+            ):
                 return info
             time.sleep(0.5)
-        raise TimeoutError(f"job {job_id} still {self.job(job_id).get('JobState')} after {timeout:.0f} s")
+        raise TimeoutError(
+            f"job {job_id} still {self.job(job_id).get('JobState')} after {timeout:.0f} s"
+        )
 
     def signal(self, job_id: int, sig: str, *, batch: bool = False) -> None:
         """Send `sig` to the job's steps, or with batch=True to its batch script only."""
-        _run("scancel", f"--signal={sig}", *(["--batch"] if batch else []), str(job_id), env=self.env)
+        _run(
+            "scancel", f"--signal={sig}", *(["--batch"] if batch else []), str(job_id), env=self.env
+        )
 
     def control(self, *args: str) -> str:
         """`scontrol ARGS` against this cluster; returns its output."""

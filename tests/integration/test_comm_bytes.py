@@ -16,7 +16,7 @@ import pytest
 from conftest import REPO
 
 sys.path.insert(0, REPO)
-from tools import comm_bytes  # noqa: E402
+from tools import comm_bytes
 
 LAYOUTS = {lay.name: lay for lay in comm_bytes.LAYOUTS}
 

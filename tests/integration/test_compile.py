@@ -8,11 +8,15 @@ from conftest import read_metrics
 COMMON = ["--training.steps", "5", "--checkpoint.enable", "false"]
 
 
-@pytest.mark.parametrize("nproc, local_batch, extra", [
-    (2, 2, []),
-    (4, 4, ["--parallelism.tensor_parallel_degree", "2"]),
-    (4, 4, ["--parallelism.pipeline_parallel_degree", "2"]),
-], ids=["fsdp2", "fsdp2_tp2", "pp2_fsdp2"])
+@pytest.mark.parametrize(
+    "nproc, local_batch, extra",
+    [
+        (2, 2, []),
+        (4, 4, ["--parallelism.tensor_parallel_degree", "2"]),
+        (4, 4, ["--parallelism.pipeline_parallel_degree", "2"]),
+    ],
+    ids=["fsdp2", "fsdp2_tp2", "pp2_fsdp2"],
+)
 def test_compiled_matches_eager(nproc, local_batch, extra, train, tmp_path):
     eager, compiled = str(tmp_path / "eager"), str(tmp_path / "compiled")
     args = [*COMMON, "--training.local_batch_size", str(local_batch), *extra]

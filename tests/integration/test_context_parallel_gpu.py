@@ -9,14 +9,25 @@ import torch
 
 from conftest import read_metrics
 
-needs_two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2,
-                                    reason="context parallel needs 2 CUDA GPUs")
+needs_two_gpus = pytest.mark.skipif(
+    torch.cuda.device_count() < 2, reason="context parallel needs 2 CUDA GPUs"
+)
 
 
 @needs_two_gpus
 def test_cp2_matches_one_gpu(train, tmp_path):
-    common = ["--training.steps", "5", "--training.seq_len", "256", "--training.local_batch_size", "4",
-              "--training.mixed_precision_param", "float32", "--checkpoint.enable", "false"]
+    common = [
+        "--training.steps",
+        "5",
+        "--training.seq_len",
+        "256",
+        "--training.local_batch_size",
+        "4",
+        "--training.mixed_precision_param",
+        "float32",
+        "--checkpoint.enable",
+        "false",
+    ]
     one, two = str(tmp_path / "one"), str(tmp_path / "two")
     train(1, *common, dump=one).check()
     train(2, *common, "--parallelism.context_parallel_degree", "2", dump=two).check()

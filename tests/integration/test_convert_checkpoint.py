@@ -37,8 +37,9 @@ TOL = 1e-4
 
 
 def debug_args(max_seq_len: int = SEQ):
-    return dataclasses.replace(llama3_flavors["debugmodel"], vocab_size=TOKENIZER.vocab_size,
-                               max_seq_len=max_seq_len)
+    return dataclasses.replace(
+        llama3_flavors["debugmodel"], vocab_size=TOKENIZER.vocab_size, max_seq_len=max_seq_len
+    )
 
 
 def text_tokens(batch: int = 2, seq: int = SEQ) -> torch.Tensor:
@@ -50,9 +51,14 @@ def text_tokens(batch: int = 2, seq: int = SEQ) -> torch.Tensor:
 
 
 def convert(*args: str) -> None:
-    proc = subprocess.run([sys.executable, "-m", "tools.convert_checkpoint", *args, "--quiet"],
-                          cwd=REPO, capture_output=True, text=True, timeout=600,
-                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    proc = subprocess.run(
+        [sys.executable, "-m", "tools.convert_checkpoint", *args, "--quiet"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )
     assert proc.returncode == 0, proc.stderr
 
 
@@ -87,8 +93,18 @@ def hf_tensors(folder: str) -> dict[str, torch.Tensor]:
 
 def test_fsdp_checkpoint_to_hf_matches_transformers(train, tmp_path):
     dump = str(tmp_path / "run")
-    train(2, "--training.steps", "3", "--checkpoint.enable", "true", "--checkpoint.interval", "3",
-          "--checkpoint.last_save_in_hf", "true", dump=dump).check()
+    train(
+        2,
+        "--training.steps",
+        "3",
+        "--checkpoint.enable",
+        "true",
+        "--checkpoint.interval",
+        "3",
+        "--checkpoint.last_save_in_hf",
+        "true",
+        dump=dump,
+    ).check()
     step = os.path.join(dump, "checkpoint", "step-3")
     reader = DcpModelReader(step)
     assert max(len(t.chunks) for t in reader.tensors.values()) == 2  # sharded over the 2 ranks
@@ -122,13 +138,25 @@ def random_hf_llama(folder: str):
     """A random transformers Llama of the debug flavor's shape, saved in 2 MB shards."""
     args = debug_args()
     config = transformers.LlamaConfig(
-        vocab_size=args.vocab_size, hidden_size=args.dim, intermediate_size=args.ffn_hidden_dim(),
-        num_hidden_layers=args.n_layers, num_attention_heads=args.n_heads,
-        num_key_value_heads=args.kv_heads, rms_norm_eps=args.norm_eps,
-        max_position_embeddings=131072, tie_word_embeddings=False, initializer_range=0.05,
-        rope_parameters={"rope_type": "llama3", "rope_theta": args.rope_theta, "factor": 8.0,
-                         "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                         "original_max_position_embeddings": 8192})
+        vocab_size=args.vocab_size,
+        hidden_size=args.dim,
+        intermediate_size=args.ffn_hidden_dim(),
+        num_hidden_layers=args.n_layers,
+        num_attention_heads=args.n_heads,
+        num_key_value_heads=args.kv_heads,
+        rms_norm_eps=args.norm_eps,
+        max_position_embeddings=131072,
+        tie_word_embeddings=False,
+        initializer_range=0.05,
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": args.rope_theta,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+    )
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(config).eval()
     with torch.no_grad():  # norms away from 1, so a swapped norm would show
@@ -163,15 +191,26 @@ def test_hf_to_dcp_matches_round_trips_and_starts_a_run(train, tiny_dataset, tmp
     # checkpoint.initial_load_path starts training from it: the step-1 loss is the HF model's
     # loss on the first batch.
     dump = str(tmp_path / "run")
-    run = train(1, "--training.steps", "1", "--checkpoint.enable", "true",
-                "--checkpoint.initial_load_path", dcp_dir, "--checkpoint.export_at_end", "false",
-                dump=dump).check()
+    run = train(
+        1,
+        "--training.steps",
+        "1",
+        "--checkpoint.enable",
+        "true",
+        "--checkpoint.initial_load_path",
+        dcp_dir,
+        "--checkpoint.export_at_end",
+        "false",
+        dump=dump,
+    ).check()
     assert f"loaded {dcp_dir} (step 0, model only)" in run.stdout
     from titanlab import components
     from titanlab.config.manager import build_config
 
     config = build_config(TINY + ["--data.dataset_path", tiny_dataset, "--job.dump_folder", dump])
-    train_set, _ = components.build_datasets(config, components.build_tokenizer(config), tiny_dataset)
+    train_set, _ = components.build_datasets(
+        config, components.build_tokenizer(config), tiny_dataset
+    )
     inputs, labels = next(iter(components.build_loader(train_set, config, 0, 1)))
     with torch.no_grad():
         logits = hf(inputs).logits

@@ -16,16 +16,38 @@ import pytest
 from conftest import REPO
 
 CONSTANT_LR = ["--lr_scheduler.warmup_steps", "2", "--lr_scheduler.decay_ratio", "0"]
-CKPT = ["--checkpoint.enable", "true", "--checkpoint.interval", "1",
-        "--checkpoint.export_at_end", "false"]
-TINY = ["--training.seq_len", "64", "--training.local_batch_size", "2", "--metrics.log_freq", "1",
-        "--validation.enable", "false", "--comm.init_timeout_seconds", "120"]
+CKPT = [
+    "--checkpoint.enable",
+    "true",
+    "--checkpoint.interval",
+    "1",
+    "--checkpoint.export_at_end",
+    "false",
+]
+TINY = [
+    "--training.seq_len",
+    "64",
+    "--training.local_batch_size",
+    "2",
+    "--metrics.log_freq",
+    "1",
+    "--validation.enable",
+    "false",
+    "--comm.init_timeout_seconds",
+    "120",
+]
 
 
 def run_script(nproc: int, *args: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, NGPU=str(nproc), OMP_NUM_THREADS="1")
-    return subprocess.run([os.path.join(REPO, "run_train.sh"), *TINY, *args], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=600)
+    return subprocess.run(
+        [os.path.join(REPO, "run_train.sh"), *TINY, *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 def assert_last_line(proc: subprocess.CompletedProcess, code: int, text: str) -> list[str]:
@@ -40,6 +62,7 @@ def assert_last_line(proc: subprocess.CompletedProcess, code: int, text: str) ->
 @pytest.fixture
 def broken_data(tiny_dataset, tmp_path):
     """make(kind) → a copy of the tiny dataset with a truncated shard or a corrupt metadata.json."""
+
     def make(kind: str) -> str:
         out = str(tmp_path / kind)
         shutil.copytree(tiny_dataset, out)
@@ -51,6 +74,7 @@ def broken_data(tiny_dataset, tmp_path):
             with open(os.path.join(out, "metadata.json"), "w") as f:
                 f.write('{"dtype": "uint16", "shards": [')
         return out
+
     return make
 
 
@@ -64,17 +88,32 @@ def test_preflight_errors_are_one_line(case, broken_data, tmp_path):
         "load_step": ["--checkpoint.enable", "true", "--checkpoint.load_step", "7"],
     }[case]
     proc = run_script(2, *args, "--job.dump_folder", str(dump))
-    text = {"missing_dataset": "is not a directory", "truncated": "has 1001 bytes",
-            "corrupt_metadata": "is not valid JSON", "load_step": "checkpoint.load_step=7"}[case]
+    text = {
+        "missing_dataset": "is not a directory",
+        "truncated": "has 1001 bytes",
+        "corrupt_metadata": "is not valid JSON",
+        "load_step": "checkpoint.load_step=7",
+    }[case]
     lines = assert_last_line(proc, 2, text)
     assert len(lines) == 1 and not dump.exists()  # refused before launch, nothing written
 
 
 def test_diverged_loss_in_a_rank_is_the_last_line_with_exit_3(tiny_dataset, tmp_path):
     dump = tmp_path / "run"
-    proc = run_script(2, "--data.dataset_path", tiny_dataset, "--training.steps", "8",
-                      "--optimizer.lr", "1e30", "--lr_scheduler.warmup_steps", "0", *CKPT,
-                      "--job.dump_folder", str(dump))
+    proc = run_script(
+        2,
+        "--data.dataset_path",
+        tiny_dataset,
+        "--training.steps",
+        "8",
+        "--optimizer.lr",
+        "1e30",
+        "--lr_scheduler.warmup_steps",
+        "0",
+        *CKPT,
+        "--job.dump_folder",
+        str(dump),
+    )
     lines = assert_last_line(proc, 3, "loss is")
     assert lines[-2].startswith("titanlab: launcher report (torchrun's traceback): ")
     log = lines[-2].split(": ", 2)[-1]
@@ -99,8 +138,10 @@ def test_pickled_loader_state_is_refused_in_the_rank_without_running_it(tiny_dat
 
     data = ["--data.dataset_path", tiny_dataset, *CONSTANT_LR, *CKPT]
     dump = tmp_path / "run"
-    assert run_script(1, *data, "--training.steps", "2", "--job.dump_folder", str(dump)) \
-        .returncode == 0
+    assert (
+        run_script(1, *data, "--training.steps", "2", "--job.dump_folder", str(dump)).returncode
+        == 0
+    )
     flat = str(tmp_path / "flat.pt")
     dcp_to_torch_save(str(dump / "checkpoint" / "step-2"), flat)
     state = torch.load(flat, weights_only=False)

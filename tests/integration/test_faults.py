@@ -19,14 +19,36 @@ from titanlab.checkpoint import store
 CONSTANT_LR = ["--lr_scheduler.warmup_steps", "2", "--lr_scheduler.decay_ratio", "0"]
 
 
-def start(tiny_dataset, dump, *extra, env_extra=None, stdout=subprocess.PIPE, stderr=subprocess.PIPE):
+def start(
+    tiny_dataset, dump, *extra, env_extra=None, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+):
     env = dict(os.environ, NGPU="2", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env_extra or {}))
-    cmd = [os.path.join(REPO, "run_train.sh"), "train_configs/debug_model.toml",
-           "--training.seq_len", "64", "--training.local_batch_size", "2", "--metrics.log_freq", "1",
-           "--validation.enable", "false", "--debug.deterministic", "true",
-           "--checkpoint.enable", "true", "--checkpoint.keep_latest_k", "0",
-           "--checkpoint.export_at_end", "false", "--data.dataset_path", tiny_dataset,
-           "--job.dump_folder", dump, *CONSTANT_LR, *extra]
+    cmd = [
+        os.path.join(REPO, "run_train.sh"),
+        "train_configs/debug_model.toml",
+        "--training.seq_len",
+        "64",
+        "--training.local_batch_size",
+        "2",
+        "--metrics.log_freq",
+        "1",
+        "--validation.enable",
+        "false",
+        "--debug.deterministic",
+        "true",
+        "--checkpoint.enable",
+        "true",
+        "--checkpoint.keep_latest_k",
+        "0",
+        "--checkpoint.export_at_end",
+        "false",
+        "--data.dataset_path",
+        tiny_dataset,
+        "--job.dump_folder",
+        dump,
+        *CONSTANT_LR,
+        *extra,
+    ]
     return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=stdout, stderr=stderr, text=True)
 
 
@@ -60,8 +82,12 @@ def worker_pid(rank: int, dump: str) -> int:
                 env = f.read().decode(errors="replace").split("\0")
         except OSError:
             continue
-        if "titanlab.train" in cmd and dump in cmd and f"RANK={rank}" in env \
-                and "torch.distributed.run" not in cmd:
+        if (
+            "titanlab.train" in cmd
+            and dump in cmd
+            and f"RANK={rank}" in env
+            and "torch.distributed.run" not in cmd
+        ):
             return int(pid)
     raise AssertionError(f"no rank {rank} process for {dump}")
 
@@ -102,9 +128,18 @@ def test_hung_rank_fails_within_timeout_naming_rank_and_step(tiny_dataset, tmp_p
     timeout_s = 10
     err_path = tmp_path / "stderr.txt"
     with open(err_path, "w") as err_file:
-        run = start(tiny_dataset, dump, "--training.steps", "400", "--checkpoint.interval", "5",
-                    "--comm.train_timeout_seconds", str(timeout_s), stdout=subprocess.DEVNULL,
-                    stderr=err_file)
+        run = start(
+            tiny_dataset,
+            dump,
+            "--training.steps",
+            "400",
+            "--checkpoint.interval",
+            "5",
+            "--comm.train_timeout_seconds",
+            str(timeout_s),
+            stdout=subprocess.DEVNULL,
+            stderr=err_file,
+        )
     step5 = os.path.join(dump, "checkpoint", "step-5")
     wait_for(lambda: os.path.isdir(step5) and store.incomplete_reason(step5) is None)
     hung = worker_pid(1, dump)
@@ -127,8 +162,11 @@ def test_hung_rank_fails_within_timeout_naming_rank_and_step(tiny_dataset, tmp_p
     # The error came within the timeout plus a margin (the step in flight, and the logging) ...
     assert reported_after < timeout_s + 30, reported_after
     # ... and the last complete checkpoint is intact.
-    steps = [s for s in store.list_steps(os.path.join(dump, "checkpoint"))
-             if store.incomplete_reason(os.path.join(dump, "checkpoint", f"step-{s}")) is None]
+    steps = [
+        s
+        for s in store.list_steps(os.path.join(dump, "checkpoint"))
+        if store.incomplete_reason(os.path.join(dump, "checkpoint", f"step-{s}")) is None
+    ]
     assert steps and f"step-{steps[-1]}" in line
     assert os.path.exists(os.path.join(dump, "metrics.jsonl"))
 
@@ -167,14 +205,19 @@ def run_pids(dump: str) -> list[int]:
     return pids
 
 
-def test_sigkill_while_checkpoint_is_written_resumes_from_previous_complete(tiny_dataset, straight,
-                                                                            tmp_path):
+def test_sigkill_while_checkpoint_is_written_resumes_from_previous_complete(
+    tiny_dataset, straight, tmp_path
+):
     dump, hook = str(tmp_path / "torn"), tmp_path / "hook"
     hook.mkdir()
     (hook / "sitecustomize.py").write_text(STALL)
     ckpt = ["--training.steps", "20", "--checkpoint.interval", "5"]
-    run = start(tiny_dataset, dump, *ckpt, env_extra={
-        "STALL_CHECKPOINT": "step-10", "PYTHONPATH": str(hook)})
+    run = start(
+        tiny_dataset,
+        dump,
+        *ckpt,
+        env_extra={"STALL_CHECKPOINT": "step-10", "PYTHONPATH": str(hook)},
+    )
     step10 = os.path.join(dump, "checkpoint", "step-10")
     wait_for(lambda: os.path.exists(step10 + ".stalled"))
     for pid in run_pids(dump):  # the whole job dies at once, as when its node loses power

@@ -2,8 +2,16 @@
 
 from conftest import read_metrics
 
-BF16 = ["--training.steps", "20", "--training.mixed_precision_on_cpu", "true",
-        "--training.local_batch_size", "2", "--checkpoint.enable", "false"]
+BF16 = [
+    "--training.steps",
+    "20",
+    "--training.mixed_precision_on_cpu",
+    "true",
+    "--training.local_batch_size",
+    "2",
+    "--checkpoint.enable",
+    "false",
+]
 
 
 def test_float8_emulate_loss_within_2_percent_of_bf16(train, tmp_path):
@@ -19,5 +27,7 @@ def test_float8_emulate_loss_within_2_percent_of_bf16(train, tmp_path):
 def test_float8_without_emulate_on_cpu_is_one_line(train):
     run = train(1, "--training.steps", "1", "--float8.enable", "true")
     assert run.returncode != 0
-    assert ("titanlab: error: float8.enable=true needs a GPU with float8 (compute capability >= "
-            "8.9), not cpu; set float8.emulate=true to test the numerics") in run.stderr
+    assert (
+        "titanlab: error: float8.enable=true needs a GPU with float8 (compute capability >= "
+        "8.9), not cpu; set float8.emulate=true to test the numerics"
+    ) in run.stderr

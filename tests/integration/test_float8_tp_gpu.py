@@ -9,12 +9,21 @@ from conftest import read_metrics
 
 pytestmark = pytest.mark.skipif(
     torch.cuda.device_count() < 2 or torch.cuda.get_device_capability(0) < (8, 9),
-    reason="needs 2 CUDA GPUs with float8 (compute capability >= 8.9)")
+    reason="needs 2 CUDA GPUs with float8 (compute capability >= 8.9)",
+)
 
 pytest.importorskip("torchao")
 
-COMMON = ["--training.steps", "20", "--checkpoint.enable", "false",
-          "--parallelism.tensor_parallel_degree", "2", "--training.local_batch_size", "4"]
+COMMON = [
+    "--training.steps",
+    "20",
+    "--checkpoint.enable",
+    "false",
+    "--parallelism.tensor_parallel_degree",
+    "2",
+    "--training.local_batch_size",
+    "4",
+]
 
 
 def test_float8_tp_tracks_bf16_tp(train, tmp_path):

@@ -1,6 +1,5 @@
 """2-process FSDP2 trains to the same losses as 1 process on the same global batch."""
 
-
 STEPS = 5
 
 
@@ -22,7 +21,14 @@ def test_fsdp2_matches_single_process(train):
 def test_gradient_accumulation_matches_single_process(train):
     # 2 ranks × local 1 × 2 accumulation steps = the same global batch of 4.
     single = train(1, "--training.steps", str(STEPS), "--training.local_batch_size", "4").check()
-    accum = train(2, "--training.steps", str(STEPS), "--training.local_batch_size", "1",
-                  "--training.global_batch_size", "4").check()
+    accum = train(
+        2,
+        "--training.steps",
+        str(STEPS),
+        "--training.local_batch_size",
+        "1",
+        "--training.global_batch_size",
+        "4",
+    ).check()
     assert "grad_accum_steps=2" in accum.stdout
     assert_close(single.losses, accum.losses, 1e-5)

@@ -5,8 +5,16 @@ import os
 
 from conftest import read_metrics
 
-BF16 = ["--training.mixed_precision_on_cpu", "true", "--training.mixed_precision_param", "bfloat16",
-        "--training.steps", "4", "--checkpoint.enable", "false"]
+BF16 = [
+    "--training.mixed_precision_on_cpu",
+    "true",
+    "--training.mixed_precision_param",
+    "bfloat16",
+    "--training.steps",
+    "4",
+    "--checkpoint.enable",
+    "false",
+]
 
 
 def test_bf16_autocast_single_process_matches_fsdp_bf16(train, tmp_path):
@@ -15,8 +23,16 @@ def test_bf16_autocast_single_process_matches_fsdp_bf16(train, tmp_path):
     one, two, fp32 = str(tmp_path / "one"), str(tmp_path / "two"), str(tmp_path / "fp32")
     train(1, *BF16, "--training.local_batch_size", "4", dump=one).check()
     train(2, *BF16, "--training.local_batch_size", "2", dump=two).check()
-    train(1, "--training.steps", "4", "--checkpoint.enable", "false", "--training.local_batch_size",
-          "4", dump=fp32).check()
+    train(
+        1,
+        "--training.steps",
+        "4",
+        "--checkpoint.enable",
+        "false",
+        "--training.local_batch_size",
+        "4",
+        dump=fp32,
+    ).check()
     a, b, c = read_metrics(one), read_metrics(two), read_metrics(fp32)
     assert max(abs(a[s] - b[s]) for s in a) < 2e-2
     assert a[1] != c[1]  # bf16 really ran: it differs from fp32 in the low bits
@@ -25,12 +41,29 @@ def test_bf16_autocast_single_process_matches_fsdp_bf16(train, tmp_path):
 
 def test_fp16_loss_scaling_skips_overflow_and_recovers(train, tmp_path):
     dump = str(tmp_path / "fp16")
-    run = train(2, "--training.mixed_precision_on_cpu", "true", "--training.mixed_precision_param",
-                "float16", "--training.loss_scale_init", str(2.0 ** 22), "--training.steps", "10",
-                "--training.local_batch_size", "2", "--lr_scheduler.warmup_steps", "1",
-                "--checkpoint.enable", "false", dump=dump).check()
-    skipped = [int(line.split("step ")[1].split()[0]) for line in run.stdout.splitlines()
-               if "skipped: float16 gradients overflowed" in line]
+    run = train(
+        2,
+        "--training.mixed_precision_on_cpu",
+        "true",
+        "--training.mixed_precision_param",
+        "float16",
+        "--training.loss_scale_init",
+        str(2.0**22),
+        "--training.steps",
+        "10",
+        "--training.local_batch_size",
+        "2",
+        "--lr_scheduler.warmup_steps",
+        "1",
+        "--checkpoint.enable",
+        "false",
+        dump=dump,
+    ).check()
+    skipped = [
+        int(line.split("step ")[1].split()[0])
+        for line in run.stdout.splitlines()
+        if "skipped: float16 gradients overflowed" in line
+    ]
     assert skipped and skipped[0] == 1  # the huge initial scale overflows at once
     assert max(skipped) <= 7  # ... and is halved until the steps go through
     with open(os.path.join(dump, "metrics.jsonl")) as f:

@@ -18,7 +18,8 @@ ENABLE = "TITANLAB_SLURM_TESTS"
 pytestmark = pytest.mark.skipif(
     os.environ.get(ENABLE) != "1",
     reason=f"needs a Slurm test cluster: run as root with {ENABLE}=1 (installs slurm-wlm and "
-           "munge, creates network namespaces, edits /etc/hosts; all undone afterwards)")
+    "munge, creates network namespaces, edits /etc/hosts; all undone afterwards)",
+)
 SCRIPT = os.path.join(REPO, "multinode_trainer.slurm")
 CONSTANT_LR = ["--lr_scheduler.warmup_steps", "2", "--lr_scheduler.decay_ratio", "0"]
 
@@ -43,21 +44,49 @@ def straight(tiny_dataset, tmp_path_factory):
 
 def overrides(tiny_dataset, dump, steps):
     args = TINY[2:]  # the script passes --job.config_file itself
-    return [*args, *CONSTANT_LR, "--data.dataset_path", tiny_dataset, "--job.dump_folder", dump,
-            "--training.steps", str(steps), "--checkpoint.enable", "true",
-            "--checkpoint.interval", "100", "--checkpoint.keep_latest_k", "0",
-            "--checkpoint.export_at_end", "false"]
+    return [
+        *args,
+        *CONSTANT_LR,
+        "--data.dataset_path",
+        tiny_dataset,
+        "--job.dump_folder",
+        dump,
+        "--training.steps",
+        str(steps),
+        "--checkpoint.enable",
+        "true",
+        "--checkpoint.interval",
+        "100",
+        "--checkpoint.keep_latest_k",
+        "0",
+        "--checkpoint.export_at_end",
+        "false",
+    ]
 
 
 def submit(slurm, dump, args, nodes=2, ntasks_per_node=1):
     """sbatch the project's script; returns the job id and the path of its log."""
     log = os.path.join(dump, "slurm-%j.out")
     os.makedirs(dump, exist_ok=True)
-    env = {"CONFIG_FILE": "train_configs/debug_model.toml", "PYTHON": sys.executable,
-           "MAX_RESTARTS": "0", "PYTHONUNBUFFERED": "1"}
-    job = slurm.submit(SCRIPT, *args, cwd=REPO, env=env, sbatch_args=[
-        f"--nodes={nodes}", f"--ntasks-per-node={ntasks_per_node}", "--cpus-per-task=1",
-        f"--output={log}", "--time=10"])
+    env = {
+        "CONFIG_FILE": "train_configs/debug_model.toml",
+        "PYTHON": sys.executable,
+        "MAX_RESTARTS": "0",
+        "PYTHONUNBUFFERED": "1",
+    }
+    job = slurm.submit(
+        SCRIPT,
+        *args,
+        cwd=REPO,
+        env=env,
+        sbatch_args=[
+            f"--nodes={nodes}",
+            f"--ntasks-per-node={ntasks_per_node}",
+            "--cpus-per-task=1",
+            f"--output={log}",
+            "--time=10",
+        ],
+    )
     return job, log.replace("%j", str(job))
 
 
@@ -66,8 +95,9 @@ def read(path):
         return f.read()
 
 
-def test_sbatch_two_nodes_trains_checkpoints_and_second_submission_resumes(slurm, tiny_dataset,
-                                                                           straight, tmp_path):
+def test_sbatch_two_nodes_trains_checkpoints_and_second_submission_resumes(
+    slurm, tiny_dataset, straight, tmp_path
+):
     dump = str(tmp_path / "slurm_run")
     job, log = submit(slurm, dump, overrides(tiny_dataset, dump, 4))
     info = slurm.wait(job, timeout=300)
@@ -90,8 +120,9 @@ def test_sbatch_two_nodes_trains_checkpoints_and_second_submission_resumes(slurm
     assert [got[s] for s in range(1, 9)] == [straight[s] for s in range(1, 9)]  # bitwise
 
 
-def test_preempted_job_checkpoints_requeues_itself_and_resumes_exactly(slurm, tiny_dataset,
-                                                                       straight, tmp_path):
+def test_preempted_job_checkpoints_requeues_itself_and_resumes_exactly(
+    slurm, tiny_dataset, straight, tmp_path
+):
     dump = str(tmp_path / "preempted")
     job, log = submit(slurm, dump, overrides(tiny_dataset, dump, 12))
     metrics = os.path.join(dump, "metrics.jsonl")
@@ -104,8 +135,9 @@ def test_preempted_job_checkpoints_requeues_itself_and_resumes_exactly(slurm, ti
     slurm.control("update", f"JobId={job}", "StartTime=now+5")
     info = slurm.wait(job, timeout=300)
     text = read(log)
-    assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("COMPLETED", "0:0", "1"), \
+    assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("COMPLETED", "0:0", "1"), (
         text[-4000:]
+    )
     stopped = int(text.split("preempted after step ")[1].split(";")[0])
     assert 3 <= stopped < 12, text[-4000:]
     assert f"requeueing job {job}" in text

@@ -56,6 +56,7 @@ def test_layout_matches_single_process(name, reference):
 @pytest.mark.parametrize("name", list(OPTIONS))
 def test_option_matches_single_process(name, reference):
     dataset, seed, losses, root = reference
-    outcome = parity_matrix.run_layout(OPTIONS[name], dataset, seed, losses,
-                                       os.path.join(root, name), extra=OPTION_ARGS[name])
+    outcome = parity_matrix.run_layout(
+        OPTIONS[name], dataset, seed, losses, os.path.join(root, name), extra=OPTION_ARGS[name]
+    )
     _assert_matches(outcome, losses)

@@ -13,9 +13,20 @@ import pytest
 
 from conftest import read_metrics
 
-COMMON = ["--model.flavor", "debugmodel_deep", "--training.steps", "6",
-          "--training.global_batch_size", "8", "--checkpoint.interval", "3",
-          "--checkpoint.keep_latest_k", "0", "--checkpoint.export_at_end", "false"]
+COMMON = [
+    "--model.flavor",
+    "debugmodel_deep",
+    "--training.steps",
+    "6",
+    "--training.global_batch_size",
+    "8",
+    "--checkpoint.interval",
+    "3",
+    "--checkpoint.keep_latest_k",
+    "0",
+    "--checkpoint.export_at_end",
+    "false",
+]
 TARGETS = {
     "fsdp2_tp2": (4, 4, ["--parallelism.tensor_parallel_degree", "2"]),
     "pp2_fsdp2": (4, 4, ["--parallelism.pipeline_parallel_degree", "2"]),
@@ -28,8 +39,19 @@ def fsdp4_run(tiny_dataset, tmp_path_factory):
     from conftest import TINY, launch
 
     dump = str(tmp_path_factory.mktemp("reshard") / "fsdp4")
-    launch(4, TINY + ["--data.dataset_path", tiny_dataset, *COMMON, "--training.local_batch_size", "2",
-                      "--job.dump_folder", dump]).check()
+    launch(
+        4,
+        TINY
+        + [
+            "--data.dataset_path",
+            tiny_dataset,
+            *COMMON,
+            "--training.local_batch_size",
+            "2",
+            "--job.dump_folder",
+            dump,
+        ],
+    ).check()
     return dump
 
 
@@ -38,9 +60,18 @@ def test_fsdp4_checkpoint_resumes_under(target, fsdp4_run, train, tmp_path):
     nproc, local_batch, extra = TARGETS[target]
     step3 = os.path.join(fsdp4_run, "checkpoint", "step-3")
     dump = str(tmp_path / target)
-    run = train(nproc, *COMMON, "--training.local_batch_size", str(local_batch), *extra,
-                "--checkpoint.initial_load_path", step3,
-                "--checkpoint.initial_load_model_only", "false", dump=dump).check()
+    run = train(
+        nproc,
+        *COMMON,
+        "--training.local_batch_size",
+        str(local_batch),
+        *extra,
+        "--checkpoint.initial_load_path",
+        step3,
+        "--checkpoint.initial_load_model_only",
+        "false",
+        dump=dump,
+    ).check()
     assert "(step 3)" in run.stdout  # resumed with the full training state, not just weights
     want, got = read_metrics(fsdp4_run), read_metrics(dump)
     assert sorted(got) == [4, 5, 6]

@@ -7,8 +7,16 @@ from conftest import read_metrics
 # A schedule that does not depend on training.steps (warmup, then constant), so a run of 10
 # steps resumed to 20 follows the same lr as a run of 20.
 CONSTANT_LR = ["--lr_scheduler.warmup_steps", "2", "--lr_scheduler.decay_ratio", "0"]
-CKPT = ["--checkpoint.enable", "true", "--checkpoint.interval", "5", "--checkpoint.keep_latest_k", "0",
-        "--checkpoint.export_at_end", "false"]
+CKPT = [
+    "--checkpoint.enable",
+    "true",
+    "--checkpoint.interval",
+    "5",
+    "--checkpoint.keep_latest_k",
+    "0",
+    "--checkpoint.export_at_end",
+    "false",
+]
 
 
 def test_resume_is_bitwise_exact(train, tmp_path):
@@ -54,8 +62,18 @@ def test_checkpoint_without_metadata_is_skipped(train, tmp_path):
 
 
 def test_async_checkpoints_resume_exactly_and_keep_latest_k(train, tmp_path):
-    ckpt = ["--checkpoint.enable", "true", "--checkpoint.interval", "2", "--checkpoint.async_mode",
-            "async", "--checkpoint.keep_latest_k", "2", "--checkpoint.export_dtype", "bfloat16"]
+    ckpt = [
+        "--checkpoint.enable",
+        "true",
+        "--checkpoint.interval",
+        "2",
+        "--checkpoint.async_mode",
+        "async",
+        "--checkpoint.keep_latest_k",
+        "2",
+        "--checkpoint.export_dtype",
+        "bfloat16",
+    ]
     straight, resumed = str(tmp_path / "straight"), str(tmp_path / "resumed")
     train(2, "--training.steps", "6", *CONSTANT_LR, *ckpt, dump=straight).check()
     train(2, "--training.steps", "4", *CONSTANT_LR, *ckpt, dump=resumed).check()

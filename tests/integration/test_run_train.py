@@ -9,14 +9,21 @@ from conftest import REPO
 
 def run_script(*args: str, env_extra: dict | None = None) -> subprocess.CompletedProcess:
     env = dict(os.environ, NGPU="2", OMP_NUM_THREADS="1", **(env_extra or {}))
-    return subprocess.run([os.path.join(REPO, "run_train.sh"), *args], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=600)
+    return subprocess.run(
+        [os.path.join(REPO, "run_train.sh"), *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 def test_8b_on_cpu_fails_fast_with_one_line(tmp_path):
     dump = tmp_path / "out"
-    proc = run_script("train_configs/llama_8b.toml", "--training.steps", "1",
-                      "--job.dump_folder", str(dump))
+    proc = run_script(
+        "train_configs/llama_8b.toml", "--training.steps", "1", "--job.dump_folder", str(dump)
+    )
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1, proc.stderr
@@ -27,11 +34,23 @@ def test_8b_on_cpu_fails_fast_with_one_line(tmp_path):
 
 
 def test_8b_config_runs_with_debugmodel(tmp_path, tiny_dataset):
-    proc = run_script("train_configs/llama_8b.toml", "--training.steps", "1",
-                      "--model.flavor", "debugmodel", "--training.seq_len", "1024",
-                      "--data.dataset_path", tiny_dataset, "--checkpoint.enable", "false",
-                      "--compile.enable", "false",  # the preset compiles; tested in test_compile
-                      "--job.dump_folder", str(tmp_path / "out"))
+    proc = run_script(
+        "train_configs/llama_8b.toml",
+        "--training.steps",
+        "1",
+        "--model.flavor",
+        "debugmodel",
+        "--training.seq_len",
+        "1024",
+        "--data.dataset_path",
+        tiny_dataset,
+        "--checkpoint.enable",
+        "false",
+        "--compile.enable",
+        "false",  # the preset compiles; tested in test_compile
+        "--job.dump_folder",
+        str(tmp_path / "out"),
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "step: 1  loss:" in proc.stdout
     assert "selective_ac_option = 'op'" in proc.stdout  # the config's own settings were used
@@ -40,13 +59,19 @@ def test_8b_config_runs_with_debugmodel(tmp_path, tiny_dataset):
 def test_bad_option_is_one_line_before_launch(tmp_path):
     proc = run_script("--training.stepz", "3")
     assert proc.returncode == 2
-    assert proc.stderr.strip() == ("titanlab: error: unknown config key training.stepz; "
-                                   "did you mean 'training.steps'?")
+    assert proc.stderr.strip() == (
+        "titanlab: error: unknown config key training.stepz; did you mean 'training.steps'?"
+    )
 
 
 def test_help_lists_options():
-    proc = subprocess.run([sys.executable, "-m", "titanlab.train", "--help"], cwd=REPO,
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "titanlab.train", "--help"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0
     assert "--training.local_batch_size (int, default: 8)" in proc.stdout
     assert "--lr_scheduler.decay_type (linear | cosine | sqrt, default: 'linear')" in proc.stdout
@@ -54,12 +79,19 @@ def test_help_lists_options():
 
 def test_seed_checkpoint_gives_every_layout_the_same_start(train, tmp_path):
     seed_dump = str(tmp_path / "seed")
-    made = train(1, "--checkpoint.create_seed_checkpoint", "true", "--debug.seed", "7",
-                 dump=seed_dump).check()
+    made = train(
+        1, "--checkpoint.create_seed_checkpoint", "true", "--debug.seed", "7", dump=seed_dump
+    ).check()
     assert "seed checkpoint written" in made.stdout and made.losses == {}
     seed = os.path.join(seed_dump, "checkpoint", "step-0")
-    start = ["--training.steps", "2", "--checkpoint.initial_load_path", seed,
-             "--checkpoint.export_at_end", "false"]
+    start = [
+        "--training.steps",
+        "2",
+        "--checkpoint.initial_load_path",
+        seed,
+        "--checkpoint.export_at_end",
+        "false",
+    ]
     one = train(1, *start, "--training.local_batch_size", "4").check()
     two = train(2, *start, "--training.local_batch_size", "2").check()
     assert "model only" in one.stdout and "model only" in two.stdout

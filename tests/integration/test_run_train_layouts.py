@@ -13,7 +13,12 @@ from titanlab.metrics import parse_log_line
 
 LAYOUTS = {
     "hsdp": ["--parallelism.data_parallel_replicate_degree", "2"],
-    "pp_tp": ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.tensor_parallel_degree", "2"],
+    "pp_tp": [
+        "--parallelism.pipeline_parallel_degree",
+        "2",
+        "--parallelism.tensor_parallel_degree",
+        "2",
+    ],
 }
 EXPECTED = {
     "hsdp": "ParallelDims(dp_replicate=2, dp_shard=2, cp=1, tp=1, pp=1, world_size=4)",
@@ -25,12 +30,33 @@ EXPECTED = {
 def test_run_train_sh_layout(layout, tiny_dataset, tmp_path):
     env = dict(os.environ, NGPU="4", OMP_NUM_THREADS="1")
     proc = subprocess.run(
-        [os.path.join(REPO, "run_train.sh"), "train_configs/debug_model.toml",
-         "--training.steps", "3", "--training.seq_len", "64", "--training.local_batch_size", "4",
-         "--metrics.log_freq", "1", "--validation.enable", "false", "--checkpoint.enable", "false",
-         "--data.dataset_path", tiny_dataset, "--job.dump_folder", str(tmp_path / "out"),
-         *LAYOUTS[layout]],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+        [
+            os.path.join(REPO, "run_train.sh"),
+            "train_configs/debug_model.toml",
+            "--training.steps",
+            "3",
+            "--training.seq_len",
+            "64",
+            "--training.local_batch_size",
+            "4",
+            "--metrics.log_freq",
+            "1",
+            "--validation.enable",
+            "false",
+            "--checkpoint.enable",
+            "false",
+            "--data.dataset_path",
+            tiny_dataset,
+            "--job.dump_folder",
+            str(tmp_path / "out"),
+            *LAYOUTS[layout],
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     losses = dict(filter(None, map(parse_log_line, proc.stdout.splitlines())))
     assert sorted(losses) == [1, 2, 3]

@@ -12,17 +12,24 @@ def config(local: int, global_bs: int) -> JobConfig:
     return c
 
 
-@pytest.mark.parametrize("local, global_bs, dp, expected", [
-    (8, -1, 2, (8, 16, 2, 1)),
-    (8, 16, 2, (8, 16, 2, 1)),
-    (8, 64, 2, (8, 64, 2, 4)),
-    (4, 12, 1, (4, 12, 1, 3)),
-    (1, -1, 1, (1, 1, 1, 1)),
-])
+@pytest.mark.parametrize(
+    "local, global_bs, dp, expected",
+    [
+        (8, -1, 2, (8, 16, 2, 1)),
+        (8, 16, 2, (8, 16, 2, 1)),
+        (8, 64, 2, (8, 64, 2, 4)),
+        (4, 12, 1, (4, 12, 1, 3)),
+        (1, -1, 1, (1, 1, 1, 1)),
+    ],
+)
 def test_grad_accum_steps(local, global_bs, dp, expected):
     layout = batch_layout(config(local, global_bs), dp)
-    assert (layout.local_batch_size, layout.global_batch_size, layout.dp_degree,
-            layout.grad_accum_steps) == expected
+    assert (
+        layout.local_batch_size,
+        layout.global_batch_size,
+        layout.dp_degree,
+        layout.grad_accum_steps,
+    ) == expected
 
 
 @pytest.mark.parametrize("global_bs", [24, 8])
@@ -31,4 +38,5 @@ def test_non_divisible_global_batch(global_bs):
         batch_layout(config(8, global_bs), 2)
     assert str(info.value) == (
         f"training.global_batch_size={global_bs} is not divisible by local_batch_size × dp "
-        "= 8 × 2 = 16; use a multiple of 16")
+        "= 8 × 2 = 16; use a multiple of 16"
+    )

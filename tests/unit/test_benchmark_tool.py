@@ -18,8 +18,17 @@ from tools.benchmark import Result, Run  # noqa: E402
 
 def records(step_seconds: list[float], tokens: int) -> list[dict]:
     """metrics.jsonl records as the trainer writes them with log_freq 1 (tps = tokens / dt)."""
-    return [{"step": i + 1, "loss": 5.0, "grad_norm": 1.0, "lr": 1e-3, "tps": tokens / dt,
-             "memory_gib": 0.5 + i} for i, dt in enumerate(step_seconds)]
+    return [
+        {
+            "step": i + 1,
+            "loss": 5.0,
+            "grad_norm": 1.0,
+            "lr": 1e-3,
+            "tps": tokens / dt,
+            "memory_gib": 0.5 + i,
+        }
+        for i, dt in enumerate(step_seconds)
+    ]
 
 
 def test_step_times_drop_warmup_and_invert_tps():
@@ -61,31 +70,53 @@ def test_ratios_per_thread_and_by_precision():
 
 
 def test_render_table():
-    ok = Result(Run(ranks=2, ac="selective"), step_s=0.1234, tps=16600.4, peak_gib=1.5,
-                threads=1, ratio=0.75)
+    ok = Result(
+        Run(ranks=2, ac="selective"),
+        step_s=0.1234,
+        tps=16600.4,
+        peak_gib=1.5,
+        threads=1,
+        ratio=0.75,
+    )
     bad = Result(Run(compile=True, ranks=1), error="exit 1: RuntimeError: a|b")
     lines = benchmark.render_table([ok, bad]).splitlines()
-    assert lines[0] == ("| run | step time (ms, median) | tps/rank (median) | peak memory (GiB) "
-                        "| vs baseline |")
+    assert lines[0] == (
+        "| run | step time (ms, median) | tps/rank (median) | peak memory (GiB) | vs baseline |"
+    )
     assert lines[1] == "|---|---|---|---|---|"
-    assert lines[2] == ("| titanlab · eager · AC selective · 2 ranks FSDP · fp32 | 123.4 | 16,600 "
-                        "| 1.50 | 0.75× |")
-    assert lines[3] == ("| titanlab · compile · AC none · 1 rank · fp32 | failed: exit 1: "
-                        "RuntimeError: a/b |  |  |  |")
-    mfu = Result(Run(ranks=0, precision="float8", compile=True), step_s=1.0, tps=8192.0,
-                 peak_gib=60.0, mfu=0.4321)
+    assert lines[2] == (
+        "| titanlab · eager · AC selective · 2 ranks FSDP · fp32 | 123.4 | 16,600 | 1.50 | 0.75× |"
+    )
+    assert lines[3] == (
+        "| titanlab · compile · AC none · 1 rank · fp32 | failed: exit 1: "
+        "RuntimeError: a/b |  |  |  |"
+    )
+    mfu = Result(
+        Run(ranks=0, precision="float8", compile=True),
+        step_s=1.0,
+        tps=8192.0,
+        peak_gib=60.0,
+        mfu=0.4321,
+    )
     table = benchmark.render_table([mfu], mfu=True).splitlines()
     assert table[0].endswith("| MFU |") and table[1].count("---") == 6
-    assert table[2] == "| baseline (plain loop) · compile · float8 | 1000.0 | 8,192 | 60.00 |  | 43.2% |"
+    assert (
+        table[2]
+        == "| baseline (plain loop) · compile · float8 | 1000.0 | 8,192 | 60.00 |  | 43.2% |"
+    )
 
 
 def test_replace_block_keeps_the_rest(tmp_path):
-    text = ("# Perf\n\nintro\n\n<!-- benchmark:cpu:begin -->\nold\n<!-- benchmark:cpu:end -->\n\n"
-            "<!-- benchmark:cuda:begin -->\ngpu\n<!-- benchmark:cuda:end -->\ntail\n")
+    text = (
+        "# Perf\n\nintro\n\n<!-- benchmark:cpu:begin -->\nold\n<!-- benchmark:cpu:end -->\n\n"
+        "<!-- benchmark:cuda:begin -->\ngpu\n<!-- benchmark:cuda:end -->\ntail\n"
+    )
     out = benchmark.replace_block(text, "cpu", "new\ntable")
     assert out == text.replace("old", "new\ntable")
     added = benchmark.replace_block("# Perf\n", "cuda-8b", "x")
-    assert added == "# Perf\n\n<!-- benchmark:cuda-8b:begin -->\nx\n<!-- benchmark:cuda-8b:end -->\n"
+    assert (
+        added == "# Perf\n\n<!-- benchmark:cuda-8b:begin -->\nx\n<!-- benchmark:cuda-8b:end -->\n"
+    )
 
     path = str(tmp_path / "docs" / "performance.md")
     benchmark.write_block(path, "cpu", "first")
@@ -99,7 +130,10 @@ def test_replace_block_keeps_the_rest(tmp_path):
 def test_matrix():
     quick = benchmark.matrix("quick")
     assert [(r.compile, r.ac, r.ranks, r.precision) for r in quick] == [
-        (False, "none", 1, "fp32"), (False, "none", 2, "fp32"), (False, "none", 0, "fp32")]
+        (False, "none", 1, "fp32"),
+        (False, "none", 2, "fp32"),
+        (False, "none", 0, "fp32"),
+    ]
     full = benchmark.matrix("full")
     trainer = [r for r in full if r.ranks]
     assert len(trainer) == len(set(trainer)) == 2 * 3 * 2 * 2 and len(full) - len(trainer) == 4
@@ -110,8 +144,10 @@ def test_matrix():
 
 def test_combine_repeats_takes_medians_and_range():
     run = benchmark.Run()
-    rows = [benchmark.Result(run, step_s=t, tps=4096 / t, peak_gib=g)
-            for t, g in ((3.0, 1.0), (2.0, 1.2), (2.5, 1.1))]
+    rows = [
+        benchmark.Result(run, step_s=t, tps=4096 / t, peak_gib=g)
+        for t, g in ((3.0, 1.0), (2.0, 1.2), (2.5, 1.1))
+    ]
     row = benchmark.combine(rows)
     assert (row.step_s, row.tps, row.peak_gib, row.spread) == (2.5, 4096 / 2.5, 1.2, (2.0, 3.0))
     assert "2500.0 (2000–3000)" in benchmark.render_table([row])

@@ -11,12 +11,16 @@ pytest.importorskip("torchao")
 
 
 def test_converter_skips_output_and_odd_dims():
-    args = TransformerModelArgs(dim=64, n_layers=1, n_heads=4, n_kv_heads=2, vocab_size=100,
-                                multiple_of=24, max_seq_len=16)  # ffn hidden 192? not always /16
+    args = TransformerModelArgs(
+        dim=64, n_layers=1, n_heads=4, n_kv_heads=2, vocab_size=100, multiple_of=24, max_seq_len=16
+    )  # ffn hidden 192? not always /16
     model = Transformer(args)
     apply_float8(model, Float8(enable=True, emulate=True), torch.device("cpu"), fsdp_enabled=False)
-    kinds = {name: type(m).__name__ for name, m in model.named_modules()
-             if isinstance(m, torch.nn.Linear)}
+    kinds = {
+        name: type(m).__name__
+        for name, m in model.named_modules()
+        if isinstance(m, torch.nn.Linear)
+    }
     assert kinds["output"] == "Linear"  # filtered by name (and vocab 100 is not /16)
     assert kinds["layers.0.attention.wq"] == "Float8Linear"
     hidden = args.ffn_hidden_dim()
@@ -32,11 +36,22 @@ def test_disabled_is_a_no_op():
 
 
 def test_float8_tp_styles_come_from_torchao():
-    from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+    )
     from torchao.float8.float8_tensor_parallel import (
-        Float8ColwiseParallel, Float8RowwiseParallel, PrepareFloat8ModuleInput)
+        Float8ColwiseParallel,
+        Float8RowwiseParallel,
+        PrepareFloat8ModuleInput,
+    )
 
     from titanlab.distributed.tensor_parallel import block_styles
 
-    assert block_styles(True) == (Float8ColwiseParallel, Float8RowwiseParallel, PrepareFloat8ModuleInput)
+    assert block_styles(True) == (
+        Float8ColwiseParallel,
+        Float8RowwiseParallel,
+        PrepareFloat8ModuleInput,
+    )
     assert block_styles(False) == (ColwiseParallel, RowwiseParallel, PrepareModuleInput)

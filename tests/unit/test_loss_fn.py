@@ -13,9 +13,9 @@ def test_compiled_loss_equals_eager():
     compiled = build_loss_fn(compile_loss=True, loss_parallel=False)
     assert compiled is not cross_entropy_sum
     eager_loss = cross_entropy_sum(logits, labels)
-    eager_grad, = torch.autograd.grad(eager_loss, logits)
+    (eager_grad,) = torch.autograd.grad(eager_loss, logits)
     loss = compiled(logits, labels)
-    grad, = torch.autograd.grad(loss, logits)
+    (grad,) = torch.autograd.grad(loss, logits)
     assert torch.allclose(loss, eager_loss, atol=1e-5, rtol=0)
     assert torch.allclose(grad, eager_grad, atol=1e-6, rtol=0)
 

@@ -33,8 +33,11 @@ def estimate_8b(ac="none", world_size=8, dtype=torch.bfloat16):
 @pytest.fixture
 def host_with_8_gib(monkeypatch):
     """Pretend each rank has 8 GiB of host memory, whatever this machine has."""
-    monkeypatch.setattr(memory, "available_bytes_per_rank",
-                        lambda n: (8 * GIB, f"8.0 GiB of host memory shared by {n} CPU process(es)"))
+    monkeypatch.setattr(
+        memory,
+        "available_bytes_per_rank",
+        lambda n: (8 * GIB, f"8.0 GiB of host memory shared by {n} CPU process(es)"),
+    )
 
 
 def test_8b_fsdp_sharded_states_are_exact():
@@ -67,8 +70,9 @@ def test_activation_checkpointing_order():
 def test_total_is_peak_plus_overhead():
     est = estimate_8b()
     backward = est.activations + max(est.logits, est.recompute)
-    assert est.total == (est.params + est.optimizer + est.gathered_params
-                         + max(backward, est.grads) + est.overhead)
+    assert est.total == (
+        est.params + est.optimizer + est.gathered_params + max(backward, est.grads) + est.overhead
+    )
     assert est.summary().endswith(" GiB") and "params 3.7" in est.summary()
 
 
@@ -91,8 +95,9 @@ def test_8b_on_two_cpu_ranks_raises_one_line(host_with_8_gib):
 
 
 def test_debugmodel_fits(host_with_8_gib):
-    est = check_memory(model_args("debugmodel", 4352, 256), job("debugmodel", 256, 8), 2, 2,
-                       torch.float32)
+    est = check_memory(
+        model_args("debugmodel", 4352, 256), job("debugmodel", 256, 8), 2, 2, torch.float32
+    )
     assert est.total < GIB
 
 
@@ -101,8 +106,9 @@ def test_debugmodel_fits_on_this_host():
     have, what = memory.available_bytes_per_rank(2)
     assert have > GIB
     assert what.endswith(f"shared by 2 CPU process(es), {have / GIB:.1f} GiB each")
-    est = check_memory(model_args("debugmodel", 4352, 256), job("debugmodel", 256, 8), 2, 2,
-                       torch.float32)
+    est = check_memory(
+        model_args("debugmodel", 4352, 256), job("debugmodel", 256, 8), 2, 2, torch.float32
+    )
     assert est.total < have
 
 
@@ -119,7 +125,10 @@ def test_estimate_memory_tool_prints_table_and_verdict(capsys):
     spec = importlib.util.spec_from_file_location("estimate_memory_tool", path)
     tool = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tool)
-    assert tool.main(["--nproc", "2", "--model.flavor", "debugmodel", "--training.seq_len", "256"]) == 0
+    assert (
+        tool.main(["--nproc", "2", "--model.flavor", "debugmodel", "--training.seq_len", "256"])
+        == 0
+    )
     out = capsys.readouterr().out
     assert "activations" in out and "total" in out and "→ fits" in out
     assert tool.main(["--nproc", "1", "--model.flavor", "405B", "--training.seq_len", "8192"]) == 1

@@ -21,7 +21,9 @@ from titanlab.memory import estimate_memory
 from titanlab.models.llama3 import Transformer, llama3_flavors
 from titanlab.optim import OptimizersContainer
 
-ARGS = dataclasses.replace(llama3_flavors["debugmodel"], n_layers=4, vocab_size=4352, max_seq_len=256)
+ARGS = dataclasses.replace(
+    llama3_flavors["debugmodel"], n_layers=4, vocab_size=4352, max_seq_len=256
+)
 BATCH, SEQ = 4, 256
 
 
@@ -47,18 +49,22 @@ def measured_peak(cfg: JobConfig) -> int:
         optimizer.zero_grad()
 
     step()
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True,
-                 with_stack=True) as prof:
+    with profile(
+        activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True
+    ) as prof:
         step()
     _, sizes = MemoryProfileTimeline(prof._memory_profile())._coalesce_timeline("cpu")
     return int(np.asarray(sizes).sum(axis=1).max())
 
 
-@pytest.mark.parametrize("mode, option", [("none", "op"), ("full", "op"), ("selective", "op"),
-                                          ("selective", "2")])
+@pytest.mark.parametrize(
+    "mode, option", [("none", "op"), ("full", "op"), ("selective", "op"), ("selective", "2")]
+)
 def test_estimate_within_15_percent_of_measured_peak(mode, option):
     cfg = config(mode, option)
     predicted = estimate_memory(ARGS, cfg, 1, torch.float32).peak_tensors
     measured = measured_peak(cfg)
-    print(f"{mode}/{option}: predicted {predicted / 2**20:.1f} MiB, measured {measured / 2**20:.1f} MiB")
+    print(
+        f"{mode}/{option}: predicted {predicted / 2**20:.1f} MiB, measured {measured / 2**20:.1f} MiB"
+    )
     assert abs(predicted - measured) / measured < 0.15, (predicted, measured)

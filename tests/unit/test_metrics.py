@@ -5,9 +5,11 @@ import torch
 
 from titanlab.metrics import device_peak_flops, parse_log_line
 
-LINE = ("[rank0]:2025-01-01 12:00:00,000 - titanlab - INFO - step: 12  loss: 3.456789  "
-        "grad_norm: 1.2345  lr: 3.000e-03  tps: 12345  tflops: 0.123  mfu: n/a  "
-        "memory: 1.23GiB(peak_rss)")
+LINE = (
+    "[rank0]:2025-01-01 12:00:00,000 - titanlab - INFO - step: 12  loss: 3.456789  "
+    "grad_norm: 1.2345  lr: 3.000e-03  tps: 12345  tflops: 0.123  mfu: n/a  "
+    "memory: 1.23GiB(peak_rss)"
+)
 
 
 def test_parse_metrics_line():
@@ -20,12 +22,15 @@ def test_parse_non_finite_loss():
     assert step == 3 and loss != loss
 
 
-@pytest.mark.parametrize("line", [
-    "validation: step: 100  val_loss: 3.210000",
-    "training: steps 1 → 200",
-    "checkpoint: saved step-100 in 1.2 s",
-    "",
-])
+@pytest.mark.parametrize(
+    "line",
+    [
+        "validation: step: 100  val_loss: 3.210000",
+        "training: steps 1 → 200",
+        "checkpoint: saved step-100 in 1.2 s",
+        "",
+    ],
+)
 def test_other_lines_are_none(line):
     assert parse_log_line(line) is None
 

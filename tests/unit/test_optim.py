@@ -12,8 +12,14 @@ CPU = torch.device("cpu")
 
 
 def factor(step, *, warmup=10, total=110, ratio=-1.0, kind="linear", min_lr=0.0):
-    return lr_factor(step, warmup_steps=warmup, total_steps=total, decay_ratio=ratio,
-                     decay_type=kind, min_lr_factor=min_lr)
+    return lr_factor(
+        step,
+        warmup_steps=warmup,
+        total_steps=total,
+        decay_ratio=ratio,
+        decay_type=kind,
+        min_lr_factor=min_lr,
+    )
 
 
 def tiny_linear(seed=0):
@@ -92,8 +98,7 @@ def test_wsd_zero_ratio_never_decays():
     assert [factor(s, ratio=0.0) for s in (10, 60, 109, 110)] == [1.0] * 4
 
 
-@pytest.mark.parametrize("step, shape", [(10, 1.0), (34, 1 - math.sqrt(24 / 99)),
-                                         (109, 0.0)])
+@pytest.mark.parametrize("step, shape", [(10, 1.0), (34, 1 - math.sqrt(24 / 99)), (109, 0.0)])
 def test_sqrt_shape(step, shape):
     assert factor(step, kind="sqrt", min_lr=0.2) == pytest.approx(0.2 + 0.8 * shape)
 
@@ -111,9 +116,14 @@ def scheduler_cfg():
 
 def expected_lr(k, lr=0.01, total=10):
     cfg = scheduler_cfg()
-    return lr * lr_factor(k, warmup_steps=cfg.warmup_steps, total_steps=total,
-                          decay_ratio=cfg.decay_ratio, decay_type=cfg.decay_type,
-                          min_lr_factor=cfg.min_lr_factor)
+    return lr * lr_factor(
+        k,
+        warmup_steps=cfg.warmup_steps,
+        total_steps=total,
+        decay_ratio=cfg.decay_ratio,
+        decay_type=cfg.decay_type,
+        min_lr_factor=cfg.min_lr_factor,
+    )
 
 
 @pytest.mark.parametrize("k", [0, 1, 3, 6, 10])
@@ -144,17 +154,30 @@ def test_scheduler_state_dict_round_trip():
 
 
 def test_optimizer_hyperparameters_from_config():
-    optimizer = make_optimizer(tiny_linear(), lr=0.02, beta1=0.8, beta2=0.99, eps=1e-6,
-                               weight_decay=0.05, implementation="foreach")
+    optimizer = make_optimizer(
+        tiny_linear(),
+        lr=0.02,
+        beta1=0.8,
+        beta2=0.99,
+        eps=1e-6,
+        weight_decay=0.05,
+        implementation="foreach",
+    )
     group = optimizer.param_groups[0]
     assert isinstance(optimizer, torch.optim.AdamW)
     assert (group["lr"], group["betas"], group["eps"], group["weight_decay"]) == (
-        0.02, (0.8, 0.99), 1e-6, 0.05)
+        0.02,
+        (0.8, 0.99),
+        1e-6,
+        0.05,
+    )
     assert group["foreach"] is True
 
 
-@pytest.mark.parametrize("impl, fused, foreach", [("fused", True, None), ("foreach", None, True),
-                                                  ("for-loop", None, False)])
+@pytest.mark.parametrize(
+    "impl, fused, foreach",
+    [("fused", True, None), ("foreach", None, True), ("for-loop", None, False)],
+)
 def test_implementation_flags(impl, fused, foreach):
     group = make_optimizer(tiny_linear(), implementation=impl).param_groups[0]
     assert (group["fused"], group["foreach"]) == (fused, foreach)

@@ -44,8 +44,10 @@ def test_messages_are_one_line():
 
 
 def test_render_fstring_and_concatenation():
-    assert _template('f"tp={dims.tp!r} must divide {heads:d} heads"') == \
-        "tp=<dims.tp> must divide <heads> heads"
+    assert (
+        _template('f"tp={dims.tp!r} must divide {heads:d} heads"')
+        == "tp=<dims.tp> must divide <heads> heads"
+    )
     assert _template('"a " "b"') == "a b"
     assert _template('"load " + path + f" at {step}"') == "load <path> at <step>"
     assert _template("msg") == "<msg>"

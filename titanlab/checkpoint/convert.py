@@ -31,16 +31,33 @@ from tqdm import tqdm
 
 from titanlab.checkpoint.hf_adapter import HFStateDictAdapter, from_hf_name, to_hf_name
 from titanlab.checkpoint.hf_config import (
-    DEFAULT_MAX_POSITION_EMBEDDINGS, from_hf_config, generation_config, to_hf_config)
+    DEFAULT_MAX_POSITION_EMBEDDINGS,
+    from_hf_config,
+    generation_config,
+    to_hf_config,
+)
 from titanlab.checkpoint.hf_tokenizer import resolve_tokenizer, write_hf_tokenizer
 from titanlab.checkpoint.streaming import (
-    MODEL_PREFIX, ST_FROM_NAME, ConversionError, DcpModelReader, LazyModelPlanner,
-    read_safetensors_tensor, write_safetensors)
+    MODEL_PREFIX,
+    ST_FROM_NAME,
+    ConversionError,
+    DcpModelReader,
+    LazyModelPlanner,
+    read_safetensors_tensor,
+    write_safetensors,
+)
 from titanlab.models.llama3.args import TransformerModelArgs, llama3_flavors
 from titanlab.models.llama3.model import Transformer
 
-__all__ = ["ConversionError", "DTYPES", "DcpModelReader", "dcp_to_hf", "expected_shapes",
-           "hf_to_dcp", "parse_size"]
+__all__ = [
+    "DTYPES",
+    "ConversionError",
+    "DcpModelReader",
+    "dcp_to_hf",
+    "expected_shapes",
+    "hf_to_dcp",
+    "parse_size",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +72,15 @@ def parse_size(text: str) -> int:
     Raises:
         ConversionError: not a positive size.
     """
-    units = {"kib": 2**10, "mib": 2**20, "gib": 2**30, "kb": 10**3, "mb": 10**6, "gb": 10**9, "b": 1}
+    units = {
+        "kib": 2**10,
+        "mib": 2**20,
+        "gib": 2**30,
+        "kb": 10**3,
+        "mb": 10**6,
+        "gb": 10**9,
+        "b": 1,
+    }
     t = text.strip().lower()
     for unit, factor in units.items():
         if t.endswith(unit):
@@ -68,7 +93,9 @@ def parse_size(text: str) -> int:
     except ValueError:
         size = 0
     if size <= 0:
-        raise ConversionError(f"size {text!r} is not a positive size; e.g. 5GB, 500MB, 2GiB or bytes")
+        raise ConversionError(
+            f"size {text!r} is not a positive size; e.g. 5GB, 500MB, 2GiB or bytes"
+        )
     return size
 
 
@@ -80,11 +107,16 @@ def expected_shapes(args: TransformerModelArgs) -> dict[str, tuple[int, ...]]:
     return {k: tuple(v.shape) for k, v in model.state_dict().items()}
 
 
-def _resolve_args(flavor: str, model_args: TransformerModelArgs | None, vocab: int,
-                  ) -> TransformerModelArgs:
+def _resolve_args(
+    flavor: str,
+    model_args: TransformerModelArgs | None,
+    vocab: int,
+) -> TransformerModelArgs:
     if model_args is None:
         if flavor not in llama3_flavors:
-            raise ConversionError(f"flavor={flavor!r} is unknown; valid: {', '.join(llama3_flavors)}")
+            raise ConversionError(
+                f"flavor={flavor!r} is unknown; valid: {', '.join(llama3_flavors)}"
+            )
         model_args = llama3_flavors[flavor]
     args = dataclasses.replace(model_args, vocab_size=vocab)
     args.validate()
@@ -94,18 +126,27 @@ def _resolve_args(flavor: str, model_args: TransformerModelArgs | None, vocab: i
 def _prepare_out_dir(path: str, overwrite: bool) -> None:
     if os.path.isdir(path) and os.listdir(path):
         if not overwrite:
-            raise ConversionError(f"output folder {path!r} exists and is not empty; "
-                                  "choose a new folder or pass --overwrite")
+            raise ConversionError(
+                f"output folder {path!r} exists and is not empty; "
+                "choose a new folder or pass --overwrite"
+            )
         shutil.rmtree(path)
     os.makedirs(path, exist_ok=True)
 
 
-def dcp_to_hf(dcp_dir: str, out_dir: str, *, flavor: str = "debugmodel",
-              model_args: TransformerModelArgs | None = None, dtype: torch.dtype = torch.bfloat16,
-              max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
-              max_position_embeddings: int = DEFAULT_MAX_POSITION_EMBEDDINGS,
-              tokenizer_path: str | None = None, overwrite: bool = False,
-              progress: bool = True) -> TransformerModelArgs:
+def dcp_to_hf(
+    dcp_dir: str,
+    out_dir: str,
+    *,
+    flavor: str = "debugmodel",
+    model_args: TransformerModelArgs | None = None,
+    dtype: torch.dtype = torch.bfloat16,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    max_position_embeddings: int = DEFAULT_MAX_POSITION_EMBEDDINGS,
+    tokenizer_path: str | None = None,
+    overwrite: bool = False,
+    progress: bool = True,
+) -> TransformerModelArgs:
     """Convert the model weights of a titanlab DCP checkpoint into a Hugging Face Llama folder.
 
     Args:
@@ -130,7 +171,9 @@ def dcp_to_hf(dcp_dir: str, out_dir: str, *, flavor: str = "debugmodel",
     """
     reader = DcpModelReader(dcp_dir)
     if "tok_embeddings.weight" not in reader.tensors:
-        raise ConversionError(f"DCP checkpoint {dcp_dir!r} has no {MODEL_PREFIX}tok_embeddings.weight")
+        raise ConversionError(
+            f"DCP checkpoint {dcp_dir!r} has no {MODEL_PREFIX}tok_embeddings.weight"
+        )
     args = _resolve_args(flavor, model_args, reader.tensors["tok_embeddings.weight"].shape[0])
     adapter = HFStateDictAdapter(args)
     expected = expected_shapes(args)
@@ -141,12 +184,14 @@ def dcp_to_hf(dcp_dir: str, out_dir: str, *, flavor: str = "debugmodel",
     names = [n for n in expected if not adapter.skipped_in_hf(n)]
     for name in names:
         if name not in reader.tensors:
-            raise ConversionError(f"DCP checkpoint {dcp_dir!r} lacks tensor {MODEL_PREFIX}{name} "
-                                  f"of {label}")
+            raise ConversionError(
+                f"DCP checkpoint {dcp_dir!r} lacks tensor {MODEL_PREFIX}{name} of {label}"
+            )
         if reader.tensors[name].shape != expected[name]:
             raise ConversionError(
                 f"DCP tensor {MODEL_PREFIX}{name} has shape {list(reader.tensors[name].shape)} but "
-                f"{label} expects {list(expected[name])}; pass the flavor it was trained as")
+                f"{label} expects {list(expected[name])}; pass the flavor it was trained as"
+            )
     tokenizer = resolve_tokenizer(tokenizer_path, args.vocab_size)
     _prepare_out_dir(out_dir, overwrite)
 
@@ -176,15 +221,23 @@ def dcp_to_hf(dcp_dir: str, out_dir: str, *, flavor: str = "debugmodel",
             file = f"model-{k:05d}-of-{len(shards):05d}.safetensors"
             write_safetensors(os.path.join(out_dir, file), entries, blocks_of, bar.update)
             weight_map.update({n: file for n, _, _ in entries})
-    _write_json(os.path.join(out_dir, "config.json"),
-                to_hf_config(args, dtype=dtype, max_position_embeddings=max_position_embeddings))
+    _write_json(
+        os.path.join(out_dir, "config.json"),
+        to_hf_config(args, dtype=dtype, max_position_embeddings=max_position_embeddings),
+    )
     _write_json(os.path.join(out_dir, "generation_config.json"), generation_config(args))
     if tokenizer is not None:
         write_hf_tokenizer(tokenizer, out_dir)
-    _write_json(os.path.join(out_dir, _INDEX),
-                {"metadata": {"total_size": total}, "weight_map": weight_map})
-    logger.info("convert: wrote %d tensors (%.1f MB, %d shards) to %s", len(weight_map),
-                total / 1e6, len(shards), out_dir)
+    _write_json(
+        os.path.join(out_dir, _INDEX), {"metadata": {"total_size": total}, "weight_map": weight_map}
+    )
+    logger.info(
+        "convert: wrote %d tensors (%.1f MB, %d shards) to %s",
+        len(weight_map),
+        total / 1e6,
+        len(shards),
+        out_dir,
+    )
     return args
 
 
@@ -202,14 +255,23 @@ def _hf_files(hf_dir: str) -> list[str]:
             return sorted(set(json.load(f)["weight_map"].values()))
     files = sorted(f for f in os.listdir(hf_dir) if f.endswith(".safetensors"))
     if not files:
-        raise ConversionError(f"Hugging Face folder {hf_dir!r} has no .safetensors weights "
-                              "(.bin / .pth files are not read; download the safetensors files)")
+        raise ConversionError(
+            f"Hugging Face folder {hf_dir!r} has no .safetensors weights "
+            "(.bin / .pth files are not read; download the safetensors files)"
+        )
     return files
 
 
-def hf_to_dcp(hf_dir: str, dcp_dir: str, *, flavor: str | None = None,
-              model_args: TransformerModelArgs | None = None, dtype: torch.dtype | None = None,
-              overwrite: bool = False, progress: bool = True) -> TransformerModelArgs:
+def hf_to_dcp(
+    hf_dir: str,
+    dcp_dir: str,
+    *,
+    flavor: str | None = None,
+    model_args: TransformerModelArgs | None = None,
+    dtype: torch.dtype | None = None,
+    overwrite: bool = False,
+    progress: bool = True,
+) -> TransformerModelArgs:
     """Convert a Hugging Face Llama folder into a model-only titanlab DCP checkpoint.
 
     The result holds `{"model": <titanlab state dict>, "train_state": {"step": 0}}`, like
@@ -259,40 +321,58 @@ def hf_to_dcp(hf_dir: str, dcp_dir: str, *, flavor: str | None = None,
                 sl = f.get_slice(hf_name)
                 shape, st_dtype = sl.get_shape(), sl.get_dtype()
                 if st_dtype not in ST_FROM_NAME:
-                    raise ConversionError(f"HF tensor {hf_name} has dtype {st_dtype}; valid: "
-                                          f"{', '.join(ST_FROM_NAME)}")
+                    raise ConversionError(
+                        f"HF tensor {hf_name} has dtype {st_dtype}; valid: "
+                        f"{', '.join(ST_FROM_NAME)}"
+                    )
                 want = expected.get(ours)
                 if want is None:
                     raise ConversionError(f"HF tensor {hf_name} is not a weight of flavor {name!r}")
                 if tuple(shape) != want:
-                    raise ConversionError(f"HF tensor {hf_name} has shape {list(shape)} but flavor "
-                                          f"{name!r} expects {list(want)} ({ours})")
+                    raise ConversionError(
+                        f"HF tensor {hf_name} has shape {list(shape)} but flavor "
+                        f"{name!r} expects {list(want)} ({ours})"
+                    )
                 where[ours], stored[ours] = (path, hf_name), (shape, ST_FROM_NAME[st_dtype])
     if args.tie_word_embeddings and "tok_embeddings.weight" in where:
         where["output.weight"] = where["tok_embeddings.weight"]
         stored["output.weight"] = stored["tok_embeddings.weight"]
     for ours in expected:
         if ours not in where:
-            raise ConversionError(f"Hugging Face folder {hf_dir!r} lacks tensor "
-                                  f"{to_hf_name(ours)} of flavor {name!r}")
+            raise ConversionError(
+                f"Hugging Face folder {hf_dir!r} lacks tensor {to_hf_name(ours)} of flavor {name!r}"
+            )
 
     def load(ours: str) -> torch.Tensor:
         path, hf_name = where[ours]
         if adapter.needs_permutation(ours):
             return adapter.from_hf(hf_name, read_safetensors_tensor(path, hf_name, None))[1].to(
-                dtype or stored[ours][1])
+                dtype or stored[ours][1]
+            )
         return read_safetensors_tensor(path, hf_name, dtype)
 
-    placeholders = {ours: torch.zeros((), dtype=dtype or stored[ours][1]).expand(expected[ours])
-                    for ours in expected}
+    placeholders = {
+        ours: torch.zeros((), dtype=dtype or stored[ours][1]).expand(expected[ours])
+        for ours in expected
+    }
     total = sum(p.numel() * p.dtype.itemsize for p in placeholders.values())
     _prepare_out_dir(dcp_dir, overwrite)
-    with tqdm(total=total, unit="B", unit_scale=True, desc="from-hf", disable=not progress) as bar, \
-            warnings.catch_warnings():
+    with (
+        tqdm(total=total, unit="B", unit_scale=True, desc="from-hf", disable=not progress) as bar,
+        warnings.catch_warnings(),
+    ):
         warnings.simplefilter("ignore", UserWarning)  # "torch.distributed is ... uninitialized"
-        dcp.save({"model": placeholders, "train_state": {"step": 0}},
-                 storage_writer=FileSystemWriter(dcp_dir, single_file_per_rank=False),
-                 planner=LazyModelPlanner(load, bar.update), no_dist=True)
-    logger.info("convert: wrote %d tensors (%.1f MB) of flavor %s to %s", len(placeholders),
-                total / 1e6, name, dcp_dir)
+        dcp.save(
+            {"model": placeholders, "train_state": {"step": 0}},
+            storage_writer=FileSystemWriter(dcp_dir, single_file_per_rank=False),
+            planner=LazyModelPlanner(load, bar.update),
+            no_dist=True,
+        )
+    logger.info(
+        "convert: wrote %d tensors (%.1f MB) of flavor %s to %s",
+        len(placeholders),
+        total / 1e6,
+        name,
+        dcp_dir,
+    )
     return args

@@ -67,8 +67,10 @@ def to_hf_name(name: str) -> str:
     m = _OURS_LAYER.match(name)
     if m and m.group(2) in _LAYER_TO_HF:
         return f"model.layers.{m.group(1)}.{_LAYER_TO_HF[m.group(2)]}"
-    raise ValueError(f"{name!r} is not a titanlab Llama 3 weight name; valid: "
-                     f"{', '.join(_GLOBAL_TO_HF)}, layers.N.{{{', '.join(_LAYER_TO_HF)}}}")
+    raise ValueError(
+        f"{name!r} is not a titanlab Llama 3 weight name; valid: "
+        f"{', '.join(_GLOBAL_TO_HF)}, layers.N.{{{', '.join(_LAYER_TO_HF)}}}"
+    )
 
 
 def from_hf_name(hf_name: str) -> str:
@@ -82,8 +84,10 @@ def from_hf_name(hf_name: str) -> str:
     m = _HF_LAYER.match(hf_name)
     if m and m.group(2) in _LAYER_FROM_HF:
         return f"layers.{m.group(1)}.{_LAYER_FROM_HF[m.group(2)]}"
-    raise ValueError(f"{hf_name!r} is not a Hugging Face Llama weight name; valid: "
-                     f"{', '.join(_GLOBAL_FROM_HF)}, model.layers.N.{{{', '.join(_LAYER_FROM_HF)}}}")
+    raise ValueError(
+        f"{hf_name!r} is not a Hugging Face Llama weight name; valid: "
+        f"{', '.join(_GLOBAL_FROM_HF)}, model.layers.N.{{{', '.join(_LAYER_FROM_HF)}}}"
+    )
 
 
 def permute_to_hf(w: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -172,8 +176,11 @@ class HFStateDictAdapter:
         """A whole HF Llama state dict in titanlab names and layout. For a tied model
         `output.weight` is the embedding tensor itself (as in titanlab's own state dict), and an
         `lm_head.weight` in the input is ignored."""
-        sd = dict(self.from_hf(k, v) for k, v in hf_state_dict.items()
-                  if not (self.args.tie_word_embeddings and k == "lm_head.weight"))
+        sd = dict(
+            self.from_hf(k, v)
+            for k, v in hf_state_dict.items()
+            if not (self.args.tie_word_embeddings and k == "lm_head.weight")
+        )
         if self.args.tie_word_embeddings and "tok_embeddings.weight" in sd:
             sd["output.weight"] = sd["tok_embeddings.weight"]
         return sd

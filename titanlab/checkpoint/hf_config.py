@@ -32,8 +32,12 @@ def special_token_ids(vocab_size: int) -> tuple[int, int]:
     return bos, bos + 1
 
 
-def to_hf_config(args: TransformerModelArgs, *, dtype: torch.dtype,
-                 max_position_embeddings: int = DEFAULT_MAX_POSITION_EMBEDDINGS) -> dict[str, Any]:
+def to_hf_config(
+    args: TransformerModelArgs,
+    *,
+    dtype: torch.dtype,
+    max_position_embeddings: int = DEFAULT_MAX_POSITION_EMBEDDINGS,
+) -> dict[str, Any]:
     """The `config.json` dict of a `LlamaForCausalLM` with the shape of `args`.
 
     Args:
@@ -46,16 +50,24 @@ def to_hf_config(args: TransformerModelArgs, *, dtype: torch.dtype,
         ValueError: unresolved vocab size or an unsupported dtype.
     """
     if args.vocab_size <= 0:
-        raise ValueError(f"vocab_size={args.vocab_size} must be resolved (> 0) to write config.json")
+        raise ValueError(
+            f"vocab_size={args.vocab_size} must be resolved (> 0) to write config.json"
+        )
     if dtype not in HF_DTYPE_NAMES:
         raise ValueError(f"dtype={dtype} is not supported; valid: float32, bfloat16, float16")
     bos, eos = special_token_ids(args.vocab_size)
     s = args.rope_scaling
-    rope_scaling = None if s is None else {
-        "rope_type": "llama3", "factor": s.factor, "low_freq_factor": s.low_freq_factor,
-        "high_freq_factor": s.high_freq_factor,
-        "original_max_position_embeddings": s.original_max_position_embeddings,
-    }
+    rope_scaling = (
+        None
+        if s is None
+        else {
+            "rope_type": "llama3",
+            "factor": s.factor,
+            "low_freq_factor": s.low_freq_factor,
+            "high_freq_factor": s.high_freq_factor,
+            "original_max_position_embeddings": s.original_max_position_embeddings,
+        }
+    )
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -102,9 +114,11 @@ def _rope_from_hf(cfg: dict[str, Any]) -> tuple[float | None, RopeScaling | None
         raise ValueError(f"config.json rope type {kind!r} is not supported; valid: llama3, default")
     try:
         return theta, RopeScaling(
-            factor=float(params["factor"]), low_freq_factor=float(params["low_freq_factor"]),
+            factor=float(params["factor"]),
+            low_freq_factor=float(params["low_freq_factor"]),
             high_freq_factor=float(params["high_freq_factor"]),
-            original_max_position_embeddings=int(params["original_max_position_embeddings"]))
+            original_max_position_embeddings=int(params["original_max_position_embeddings"]),
+        )
     except KeyError as e:
         raise ValueError(f"config.json llama3 rope scaling lacks {e.args[0]!r}") from None
 
@@ -112,11 +126,16 @@ def _rope_from_hf(cfg: dict[str, Any]) -> tuple[float | None, RopeScaling | None
 def _expected(args: TransformerModelArgs) -> dict[str, Any]:
     """The config values that must equal a flavor's (everything but vocab and context length)."""
     return {
-        "hidden_size": args.dim, "num_hidden_layers": args.n_layers,
-        "num_attention_heads": args.n_heads, "num_key_value_heads": args.kv_heads,
-        "head_dim": args.head_dim, "intermediate_size": args.ffn_hidden_dim(),
-        "rms_norm_eps": args.norm_eps, "rope_theta": args.rope_theta,
-        "rope_scaling": args.rope_scaling, "tie_word_embeddings": args.tie_word_embeddings,
+        "hidden_size": args.dim,
+        "num_hidden_layers": args.n_layers,
+        "num_attention_heads": args.n_heads,
+        "num_key_value_heads": args.kv_heads,
+        "head_dim": args.head_dim,
+        "intermediate_size": args.ffn_hidden_dim(),
+        "rms_norm_eps": args.norm_eps,
+        "rope_theta": args.rope_theta,
+        "rope_scaling": args.rope_scaling,
+        "tie_word_embeddings": args.tie_word_embeddings,
     }
 
 
@@ -124,13 +143,16 @@ def _actual(cfg: dict[str, Any]) -> dict[str, Any]:
     heads = cfg.get("num_attention_heads")
     theta, scaling = _rope_from_hf(cfg)
     return {
-        "hidden_size": cfg.get("hidden_size"), "num_hidden_layers": cfg.get("num_hidden_layers"),
+        "hidden_size": cfg.get("hidden_size"),
+        "num_hidden_layers": cfg.get("num_hidden_layers"),
         "num_attention_heads": heads,
         "num_key_value_heads": cfg.get("num_key_value_heads") or heads,
-        "head_dim": cfg.get("head_dim") or (
-            cfg["hidden_size"] // heads if cfg.get("hidden_size") and heads else None),
+        "head_dim": cfg.get("head_dim")
+        or (cfg["hidden_size"] // heads if cfg.get("hidden_size") and heads else None),
         "intermediate_size": cfg.get("intermediate_size"),
-        "rms_norm_eps": cfg.get("rms_norm_eps"), "rope_theta": theta, "rope_scaling": scaling,
+        "rms_norm_eps": cfg.get("rms_norm_eps"),
+        "rope_theta": theta,
+        "rope_scaling": scaling,
         "tie_word_embeddings": bool(cfg.get("tie_word_embeddings", False)),
     }
 
@@ -163,9 +185,12 @@ def _check_architecture(cfg: dict[str, Any]) -> None:
         raise ValueError(f"config.json vocab_size={cfg.get('vocab_size')!r} must be a positive int")
 
 
-def from_hf_config(cfg: dict[str, Any], flavor: str | None = None, *,
-                   model_args: TransformerModelArgs | None = None,
-                   ) -> tuple[str, TransformerModelArgs]:
+def from_hf_config(
+    cfg: dict[str, Any],
+    flavor: str | None = None,
+    *,
+    model_args: TransformerModelArgs | None = None,
+) -> tuple[str, TransformerModelArgs]:
     """Resolve the titanlab model a Hugging Face Llama config describes.
 
     Args:
@@ -198,4 +223,5 @@ def from_hf_config(cfg: dict[str, Any], flavor: str | None = None, *,
     raise ValueError(
         f"config.json (hidden_size={a['hidden_size']}, num_hidden_layers={a['num_hidden_layers']}, "
         f"num_attention_heads={a['num_attention_heads']}) matches no titanlab flavor; valid: "
-        f"{', '.join(llama3_flavors)} (pass --flavor to see the first differing value)")
+        f"{', '.join(llama3_flavors)} (pass --flavor to see the first differing value)"
+    )

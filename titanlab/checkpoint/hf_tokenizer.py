@@ -17,7 +17,12 @@ import os
 import shutil
 
 from titanlab.data.tokenizer import (
-    LLAMA3_SPECIAL_TOKENS, LLAMA3_SPLIT_PATTERN, Tokenizer, _parse_bpe_file, default_tokenizer_path)
+    LLAMA3_SPECIAL_TOKENS,
+    LLAMA3_SPLIT_PATTERN,
+    Tokenizer,
+    _parse_bpe_file,
+    default_tokenizer_path,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -25,8 +30,11 @@ logger = logging.getLogger(__name__)
 def _byte_to_unicode() -> dict[int, str]:
     """GPT-2's reversible map of the 256 byte values to printable characters: printable Latin-1
     bytes map to themselves, the others to code points 256, 257, ... in byte order."""
-    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
-            *range(ord("®"), ord("ÿ") + 1)]
+    keep = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
     table, extra = {}, 0
     for b in range(256):
         if b in keep:
@@ -63,18 +71,25 @@ def _build_tokenizer_json(tok: Tokenizer) -> str:
     with open(tok.path, "rb") as f:
         ranks = _parse_bpe_file(tok.path, f.read())
     vocab, merges = _vocab_and_merges(ranks)
-    hf = HFTokenizer(models.BPE(vocab, merges, ignore_merges=True))  # whole words first, as tiktoken
-    hf.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(LLAMA3_SPLIT_PATTERN), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
+    hf = HFTokenizer(
+        models.BPE(vocab, merges, ignore_merges=True)
+    )  # whole words first, as tiktoken
+    hf.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(LLAMA3_SPLIT_PATTERN), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
     hf.decoder = decoders.ByteLevel()
-    hf.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                           for t in LLAMA3_SPECIAL_TOKENS])
+    hf.add_special_tokens(
+        [AddedToken(t, special=True, normalized=False) for t in LLAMA3_SPECIAL_TOKENS]
+    )
     bos = "<|begin_of_text|>"
     hf.post_processor = processors.TemplateProcessing(
-        single=f"{bos}:0 $A:0", pair=f"{bos}:0 $A:0 {bos}:1 $B:1",
-        special_tokens=[(bos, tok.bos_id)])
+        single=f"{bos}:0 $A:0",
+        pair=f"{bos}:0 $A:0 {bos}:1 $B:1",
+        special_tokens=[(bos, tok.bos_id)],
+    )
     assert hf.token_to_id(bos) == tok.bos_id and hf.get_vocab_size() == tok.vocab_size
     return hf.to_str(pretty=False)
 
@@ -95,16 +110,21 @@ def resolve_tokenizer(tokenizer_path: str | None, vocab_size: int) -> Tokenizer 
         tok = Tokenizer(default_tokenizer_path())
         if tok.vocab_size == vocab_size:
             return tok
-        logger.warning("convert: vocab size %d is not the bundled tokenizer's; no tokenizer "
-                       "files written (pass --tokenizer PATH/tokenizer.model)", vocab_size)
+        logger.warning(
+            "convert: vocab size %d is not the bundled tokenizer's; no tokenizer "
+            "files written (pass --tokenizer PATH/tokenizer.model)",
+            vocab_size,
+        )
         return None
     try:
         tok = Tokenizer(tokenizer_path)
     except (FileNotFoundError, ValueError) as e:
         raise ValueError(f"--tokenizer {tokenizer_path!r}: {e}") from None
     if tok.vocab_size != vocab_size:
-        raise ValueError(f"--tokenizer {tokenizer_path!r} has {tok.vocab_size} tokens but the "
-                         f"model's embedding has {vocab_size} rows")
+        raise ValueError(
+            f"--tokenizer {tokenizer_path!r} has {tok.vocab_size} tokens but the "
+            f"model's embedding has {vocab_size} rows"
+        )
     return tok
 
 
@@ -116,17 +136,25 @@ def write_hf_tokenizer(tok: Tokenizer, out_dir: str) -> None:
     try:
         tokenizer_json = _build_tokenizer_json(tok)
     except ImportError:
-        logger.warning("convert: `tokenizers` is not installed; wrote original/tokenizer.model "
-                       "only (pip install tokenizers for tokenizer.json)")
+        logger.warning(
+            "convert: `tokenizers` is not installed; wrote original/tokenizer.model "
+            "only (pip install tokenizers for tokenizer.json)"
+        )
         return
     with open(os.path.join(out_dir, "tokenizer.json"), "w", encoding="utf-8") as f:
         f.write(tokenizer_json)
     special = {"bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>"}
     for name, obj in (
         ("special_tokens_map.json", special),
-        ("tokenizer_config.json", {**special, "tokenizer_class": "PreTrainedTokenizerFast",
-                                   "clean_up_tokenization_spaces": False,
-                                   "model_input_names": ["input_ids", "attention_mask"]}),
+        (
+            "tokenizer_config.json",
+            {
+                **special,
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "clean_up_tokenization_spaces": False,
+                "model_input_names": ["input_ids", "attention_mask"],
+            },
+        ),
     ):
         with open(os.path.join(out_dir, name), "w", encoding="utf-8") as f:
             json.dump(obj, f, indent=2)

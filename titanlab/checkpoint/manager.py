@@ -12,6 +12,7 @@ import logging
 import os
 import time
 from concurrent.futures import Future
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.distributed as dist
@@ -19,10 +20,18 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions, get_model_state_dict, get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict)
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 
 from titanlab.checkpoint import plain_state, store
 from titanlab.config.job_config import Checkpoint, ConfigError
+
+if TYPE_CHECKING:
+    from titanlab.models.llama3.model import Transformer
 
 logger = logging.getLogger(__name__)
 _FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
@@ -41,8 +50,17 @@ class Checkpointer:
         dp_rank: data-parallel index of this rank (keys the loader position).
     """
 
-    def __init__(self, cfg: Checkpoint, dump_folder: str, *, model_parts: list[nn.Module],
-                 optimizer, lr_scheduler, dataloader, dp_rank: int) -> None:
+    def __init__(
+        self,
+        cfg: Checkpoint,
+        dump_folder: str,
+        *,
+        model_parts: list[nn.Module],
+        optimizer,
+        lr_scheduler,
+        dataloader,
+        dp_rank: int,
+    ) -> None:
         self.cfg = cfg
         self.root = store.checkpoint_root(cfg.folder, dump_folder)
         self.model_parts = model_parts
@@ -77,8 +95,9 @@ class Checkpointer:
             "optimizer": self._optim_sd(),
             "lr_scheduler": self.lr_scheduler.state_dict(),
             # JSON in a uint8 tensor: one per-rank item that loading never unpickles.
-            "dataloader": {f"dp_rank_{self.dp_rank}":
-                           plain_state.encode(self.dataloader.state_dict())},
+            "dataloader": {
+                f"dp_rank_{self.dp_rank}": plain_state.encode(self.dataloader.state_dict())
+            },
             "rng": {f"rank_{self.rank}": torch.get_rng_state()},
             "train_state": {"step": step},
         }
@@ -98,22 +117,36 @@ class Checkpointer:
         begin = time.perf_counter()
         state = self._full_state(step)
         if self._async_pg is not None:
-            self._pending = (step, dcp.async_save(state, checkpoint_id=path, process_group=self._async_pg))
-            logger.info("checkpoint: step %d staged in %.2fs, writing to %s in the background",
-                        step, time.perf_counter() - begin, path)
+            # With the default (synchronous) stager, async_save returns a plain Future; only an
+            # asynchronous stager makes it an AsyncSaveResponse.
+            future = cast(
+                Future, dcp.async_save(state, checkpoint_id=path, process_group=self._async_pg)
+            )
+            self._pending = (step, future)
+            logger.info(
+                "checkpoint: step %d staged in %.2fs, writing to %s in the background",
+                step,
+                time.perf_counter() - begin,
+                path,
+            )
         else:
             dcp.save(state, checkpoint_id=path)
-            logger.info("checkpoint: saved step %d to %s in %.2fs", step, path, time.perf_counter() - begin)
+            logger.info(
+                "checkpoint: saved step %d to %s in %.2fs", step, path, time.perf_counter() - begin
+            )
             self._after_complete()
         return path
 
-    def save_model_only(self, step: int, dtype: torch.dtype = torch.float32,
-                        name: str | None = None) -> str:
+    def save_model_only(
+        self, step: int, dtype: torch.dtype = torch.float32, name: str | None = None
+    ) -> str:
         """Write only the model weights (cast to `dtype`), e.g. the seed checkpoint (step 0)
         or the final export. Returns the folder."""
         self.wait()
         path = self._fresh_dir(step, name)
-        model = {k: v.to(dtype) if v.is_floating_point() else v for k, v in self._model_sd().items()}
+        model = {
+            k: v.to(dtype) if v.is_floating_point() else v for k, v in self._model_sd().items()
+        }
         dcp.save({"model": model, "train_state": {"step": step}}, checkpoint_id=path)
         logger.info("checkpoint: saved model weights (%s) of step %d to %s", dtype, step, path)
         return path
@@ -129,10 +162,15 @@ class Checkpointer:
 
             hf_path = os.path.join(self.root, f"hf-step-{step}")
             begin = time.perf_counter()
-            dcp_to_hf(path, hf_path, model_args=self.model_parts[0].args, dtype=dtype,
-                      overwrite=True, progress=False)
-            logger.info("checkpoint: wrote the Hugging Face folder %s in %.2fs", hf_path,
-                        time.perf_counter() - begin)
+            model = cast("Transformer", self.model_parts[0])
+            dcp_to_hf(
+                path, hf_path, model_args=model.args, dtype=dtype, overwrite=True, progress=False
+            )
+            logger.info(
+                "checkpoint: wrote the Hugging Face folder %s in %.2fs",
+                hf_path,
+                time.perf_counter() - begin,
+            )
         return path
 
     def _fresh_dir(self, step: int, name: str | None = None) -> str:
@@ -155,9 +193,12 @@ class Checkpointer:
     def _after_complete(self) -> None:
         if self.rank != 0 or self.cfg.keep_latest_k == 0:
             return
-        complete = [s for s in store.list_steps(self.root) if s > 0
-                    and store.incomplete_reason(store.step_dir(self.root, s)) is None]
-        for s in complete[:-self.cfg.keep_latest_k]:
+        complete = [
+            s
+            for s in store.list_steps(self.root)
+            if s > 0 and store.incomplete_reason(store.step_dir(self.root, s)) is None
+        ]
+        for s in complete[: -self.cfg.keep_latest_k]:
             store.remove(store.step_dir(self.root, s))
 
     # --- loading -------------------------------------------------------------------------
@@ -191,7 +232,9 @@ class Checkpointer:
             path, model_only = self.cfg.initial_load_path, self.cfg.initial_load_model_only
             reason = store.incomplete_reason(path) if os.path.isdir(path) else "it does not exist"
             if reason:
-                raise ConfigError(f"checkpoint.initial_load_path={path!r} cannot be loaded: {reason}")
+                raise ConfigError(
+                    f"checkpoint.initial_load_path={path!r} cannot be loaded: {reason}"
+                )
         if path is None:
             return 0
         keys = store.saved_keys(path)
@@ -210,8 +253,8 @@ class Checkpointer:
                 state["rng"] = {f"rank_{self.rank}": torch.get_rng_state()}
         part_keys = [list(get_model_state_dict(part)) for part in self.model_parts]
         dcp.load(state, checkpoint_id=path)
-        for part, keys in zip(self.model_parts, part_keys):
-            set_model_state_dict(part, {k: state["model"][k] for k in keys})
+        for part, fqns in zip(self.model_parts, part_keys):
+            set_model_state_dict(part, {k: state["model"][k] for k in fqns})
         if has_optim:
             for part, opt in zip(self.model_parts, self.optimizer.optimizers):
                 set_optimizer_state_dict(part, opt, state["optimizer"], options=_FLAT)
@@ -219,13 +262,17 @@ class Checkpointer:
             try:
                 loader_state = plain_state.decode(state["dataloader"][loader_key])
             except ValueError as e:
-                raise ConfigError(f"{path}: the data-loader state dataloader.{loader_key} is not "
-                                  f"plain data ({e}); refusing to load it") from None
+                raise ConfigError(
+                    f"{path}: the data-loader state dataloader.{loader_key} is not "
+                    f"plain data ({e}); refusing to load it"
+                ) from None
             self.dataloader.load_state_dict(loader_state)
             if "rng" in state:
                 torch.set_rng_state(state["rng"][f"rank_{self.rank}"])
         step = int(state["train_state"]["step"]) if has_optim else 0
-        logger.info("checkpoint: loaded %s (step %d%s)", path, step, "" if has_optim else ", model only")
+        logger.info(
+            "checkpoint: loaded %s (step %d%s)", path, step, "" if has_optim else ", model only"
+        )
         return step
 
     def close(self) -> None:
@@ -242,11 +289,16 @@ def _loader_buffer(path: str, key: str) -> torch.Tensor:
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     meta = FileSystemReader(path).read_metadata().state_dict_metadata.get(key)
-    if not isinstance(meta, TensorStorageMetadata) or meta.properties.dtype != torch.uint8 \
-            or len(meta.size) != 1:
+    if (
+        not isinstance(meta, TensorStorageMetadata)
+        or meta.properties.dtype != torch.uint8
+        or len(meta.size) != 1
+    ):
         raise ConfigError(
             f"{path}: the data-loader state {key} is not plain data (a pickle, as written before "
             "titanlab stored it as JSON); refusing to load it because unpickling can run code. "
-            "To start from its weights only: --checkpoint.initial_load_path " + path +
-            " --checkpoint.initial_load_model_only true in an empty dump folder")
+            "To start from its weights only: --checkpoint.initial_load_path "
+            + path
+            + " --checkpoint.initial_load_model_only true in an empty dump folder"
+        )
     return torch.empty(meta.size, dtype=torch.uint8)

@@ -31,8 +31,9 @@ def decode(tensor: torch.Tensor) -> dict[str, Any]:
     """The dict `encode` stored in `tensor`. Raises ValueError when the bytes are not UTF-8 JSON
     of a dict."""
     if tensor.dtype != torch.uint8 or tensor.dim() != 1:
-        raise ValueError(f"expected a 1-D uint8 tensor, got {tensor.dtype} of shape "
-                         f"{tuple(tensor.shape)}")
+        raise ValueError(
+            f"expected a 1-D uint8 tensor, got {tensor.dtype} of shape {tuple(tensor.shape)}"
+        )
     try:
         state = json.loads(bytes(tensor.tolist()).decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:

@@ -35,8 +35,10 @@ def load_step_path(root: str, step: int) -> str:
     path = step_dir(root, step)
     reason = incomplete_reason(path) if os.path.isdir(path) else "it does not exist"
     if reason:
-        raise ConfigError(f"checkpoint.load_step={step}: {path} cannot be loaded: {reason}; "
-                          f"complete steps: {complete_steps(root)}")
+        raise ConfigError(
+            f"checkpoint.load_step={step}: {path} cannot be loaded: {reason}; "
+            f"complete steps: {complete_steps(root)}"
+        )
     return path
 
 
@@ -49,8 +51,11 @@ def list_steps(root: str) -> list[int]:
     """Steps that have a checkpoint folder under `root` (complete or not), ascending."""
     if not os.path.isdir(root):
         return []
-    steps = [int(m.group(1)) for name in os.listdir(root)
-             if (m := _STEP_DIR.match(name)) and os.path.isdir(os.path.join(root, name))]
+    steps = [
+        int(m.group(1))
+        for name in os.listdir(root)
+        if (m := _STEP_DIR.match(name)) and os.path.isdir(os.path.join(root, name))
+    ]
     return sorted(steps)
 
 

@@ -18,7 +18,7 @@ import os
 import struct
 import sys
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import IO, Any, cast
 
 import torch
 from safetensors import safe_open
@@ -29,8 +29,14 @@ from titanlab.checkpoint import store
 
 MODEL_PREFIX = "model."
 """Prefix of the model weights in a titanlab DCP checkpoint (`model.layers.0.attention.wq.weight`)."""
-ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16",
-             torch.float64: "F64", torch.int64: "I64", torch.int32: "I32"}
+ST_DTYPES = {
+    torch.float32: "F32",
+    torch.bfloat16: "BF16",
+    torch.float16: "F16",
+    torch.float64: "F64",
+    torch.int64: "I64",
+    torch.int32: "I32",
+}
 """torch dtype → safetensors dtype name."""
 ST_FROM_NAME = {v: k for k, v in ST_DTYPES.items()}
 BLOCK_BYTES = 64 * 2**20  # dtype conversion works on row blocks of this size
@@ -107,27 +113,33 @@ class DcpModelReader:
             for c in item.chunks:
                 info = md.storage_data[MetadataIndex(fqn, c.offsets)]
                 if getattr(info, "transform_descriptors", None):
-                    raise ConversionError(f"DCP checkpoint {path!r}: tensor {fqn} is stored with "
-                                          f"transforms {info.transform_descriptors}; unsupported")
+                    raise ConversionError(
+                        f"DCP checkpoint {path!r}: tensor {fqn} is stored with "
+                        f"transforms {info.transform_descriptors}; unsupported"
+                    )
                 chunks.append((tuple(c.offsets), tuple(c.sizes), info))
-            self.tensors[fqn[len(MODEL_PREFIX):]] = _StoredTensor(
-                tuple(item.size), item.properties.dtype, chunks)
+            self.tensors[fqn[len(MODEL_PREFIX) :]] = _StoredTensor(
+                tuple(item.size), item.properties.dtype, chunks
+            )
         if not self.tensors:
-            raise ConversionError(f"DCP checkpoint {path!r} holds no model weights "
-                                  f"({MODEL_PREFIX}* keys)")
+            raise ConversionError(
+                f"DCP checkpoint {path!r} holds no model weights ({MODEL_PREFIX}* keys)"
+            )
 
     def _load_chunk(self, info) -> torch.Tensor:
         with open(os.path.join(self.path, info.relative_path), "rb", buffering=0) as f:
-            return torch.load(_FileView(f, info.offset, info.length), map_location="cpu",
-                              weights_only=True)
+            # a RawIOBase file object; torch.load's stub asks for typing.IO[bytes]
+            view = cast(IO[bytes], _FileView(f, info.offset, info.length))
+            return torch.load(view, map_location="cpu", weights_only=True)
 
     def row_blocks(self, name: str) -> Iterator[torch.Tensor]:
         """Tensor `name` (titanlab name, no prefix) as consecutive row blocks covering it, in its
         stored dtype. Chunks split along dim 0 only (FSDP) are yielded as they are stored; any
         other split (e.g. tensor parallel columns) is assembled into one full tensor first."""
         t = self.tensors[name]
-        row_split = all(o[1:] == (0,) * (len(t.shape) - 1) and s[1:] == t.shape[1:]
-                        for o, s, _ in t.chunks)
+        row_split = all(
+            o[1:] == (0,) * (len(t.shape) - 1) and s[1:] == t.shape[1:] for o, s, _ in t.chunks
+        )
         if row_split:
             for offsets, _, info in sorted(t.chunks, key=lambda c: c[0]):
                 yield self._load_chunk(info)
@@ -148,9 +160,12 @@ class DcpModelReader:
         return full
 
 
-def write_safetensors(path: str, entries: list[tuple[str, tuple[int, ...], torch.dtype]],
-                      blocks_of: Callable[[str], Iterator[torch.Tensor]],
-                      on_bytes: Callable[[int], None] | None = None) -> None:
+def write_safetensors(
+    path: str,
+    entries: list[tuple[str, tuple[int, ...], torch.dtype]],
+    blocks_of: Callable[[str], Iterator[torch.Tensor]],
+    on_bytes: Callable[[int], None] | None = None,
+) -> None:
     """Write one safetensors file whose tensors arrive as row blocks, never holding a whole
     shard. The file layout is the safetensors format (github.com/huggingface/safetensors,
     "Format"): an 8-byte little-endian header length N, N bytes of JSON header (names → dtype,
@@ -169,8 +184,11 @@ def write_safetensors(path: str, entries: list[tuple[str, tuple[int, ...], torch
     offset = 0
     for name, shape, dtype in entries:
         nbytes = torch.Size(shape).numel() * dtype.itemsize
-        header[name] = {"dtype": ST_DTYPES[dtype], "shape": list(shape),
-                        "data_offsets": [offset, offset + nbytes]}
+        header[name] = {
+            "dtype": ST_DTYPES[dtype],
+            "shape": list(shape),
+            "data_offsets": [offset, offset + nbytes],
+        }
         offset += nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
@@ -184,8 +202,10 @@ def write_safetensors(path: str, entries: list[tuple[str, tuple[int, ...], torch
                     continue
                 rows = max(1, BLOCK_BYTES // max(1, block[0].numel() * dtype.itemsize))
                 for r in range(0, block.shape[0], rows):
-                    piece = block[r:r + rows].to(dtype).contiguous()
-                    f.write(memoryview(piece.view(torch.uint8).numpy()).cast("B"))
+                    piece = block[r : r + rows].to(dtype).contiguous()
+                    piece_np = piece.view(torch.uint8).numpy()
+                    # numpy's stubs declare ndarray.__buffer__ only for Python >= 3.12
+                    f.write(memoryview(piece_np).cast("B"))  # type: ignore[arg-type]
                     written += piece.nbytes
                     if on_bytes is not None:
                         on_bytes(piece.nbytes)
@@ -214,7 +234,7 @@ def read_safetensors_tensor(path: str, key: str, dtype: torch.dtype | None) -> t
     rows = max(1, BLOCK_BYTES // max(1, torch.Size(shape[1:]).numel() * dtype.itemsize))
     for r in range(0, shape[0], rows):
         with safe_open(path, framework="pt") as f:
-            out[r:r + rows] = f.get_slice(key)[r:r + rows]
+            out[r : r + rows] = f.get_slice(key)[r : r + rows]
     return out
 
 
@@ -237,7 +257,7 @@ class LazyModelPlanner(DefaultSavePlanner):
     def resolve_data(self, write_item):
         fqn = write_item.index.fqn
         if fqn.startswith(MODEL_PREFIX):
-            tensor = self._load_fn(fqn[len(MODEL_PREFIX):])
+            tensor = self._load_fn(fqn[len(MODEL_PREFIX) :])
             if self._on_bytes is not None:
                 self._on_bytes(tensor.nbytes)
             return tensor

@@ -53,9 +53,13 @@ class Checkpoint:
 
     def validate(self) -> None:
         _require(self.interval >= 1, f"checkpoint.interval={self.interval} must be >= 1")
-        _require(self.keep_latest_k >= 0, f"checkpoint.keep_latest_k={self.keep_latest_k} must be >= 0")
+        _require(
+            self.keep_latest_k >= 0, f"checkpoint.keep_latest_k={self.keep_latest_k} must be >= 0"
+        )
         _require(self.load_step >= -1, f"checkpoint.load_step={self.load_step} must be -1 or >= 0")
         _require(bool(self.folder), "checkpoint.folder must not be empty")
-        _require(not self.last_save_in_hf or self.export_at_end,
-                 "checkpoint.last_save_in_hf=true needs checkpoint.export_at_end=true "
-                 "(the Hugging Face folder is converted from the export)")
+        _require(
+            not self.last_save_in_hf or self.export_at_end,
+            "checkpoint.last_save_in_hf=true needs checkpoint.export_at_end=true "
+            "(the Hugging Face folder is converted from the export)",
+        )

@@ -26,8 +26,11 @@ def field_docs(cls: type) -> dict[str, str]:
     for node, nxt in zip(body, body[1:] + [None]):
         if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
             doc = ""
-            if isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant) \
-                    and isinstance(nxt.value.value, str):
+            if (
+                isinstance(nxt, ast.Expr)
+                and isinstance(nxt.value, ast.Constant)
+                and isinstance(nxt.value.value, str)
+            ):
                 doc = " ".join(nxt.value.value.split())
             docs[node.target.id] = doc
     return docs
@@ -65,8 +68,10 @@ def format_help() -> str:
         hints = typing.get_type_hints(sec_cls)
         docs = field_docs(sec_cls)
         for f in dataclasses.fields(sec_cls):
-            lines.append(f"  --{sec_name}.{f.name} ({type_name(hints[f.name])}, "
-                         f"default: {_default(sec_cls, f.name)!r})")
+            lines.append(
+                f"  --{sec_name}.{f.name} ({type_name(hints[f.name])}, "
+                f"default: {_default(sec_cls, f.name)!r})"
+            )
             for chunk in textwrap.wrap(docs.get(f.name, ""), 92):
                 lines.append("      " + chunk)
     return "\n".join(lines)
@@ -78,10 +83,17 @@ def markdown_reference() -> str:
     for sec_name, sec_cls in sections():
         hints = typing.get_type_hints(sec_cls)
         docs = field_docs(sec_cls)
-        out += [f"#### `[{sec_name}]`", "", "| option | type | default | meaning |", "|---|---|---|---|"]
+        out += [
+            f"#### `[{sec_name}]`",
+            "",
+            "| option | type | default | meaning |",
+            "|---|---|---|---|",
+        ]
         for f in dataclasses.fields(sec_cls):
             typ = type_name(hints[f.name]).replace("|", "\\|")
             doc = docs.get(f.name, "").replace("|", "\\|")
-            out.append(f"| `{sec_name}.{f.name}` | {typ} | `{_default(sec_cls, f.name)!r}` | {doc} |")
+            out.append(
+                f"| `{sec_name}.{f.name}` | {typ} | `{_default(sec_cls, f.name)!r}` | {doc} |"
+            )
         out.append("")
     return "\n".join(out)

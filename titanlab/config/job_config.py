@@ -18,9 +18,25 @@ from titanlab.config.errors import ConfigError, _require
 from titanlab.config.parallelism import Parallelism
 from titanlab.config.performance import ActivationCheckpoint, Compile, Float8
 
-__all__ = ["ActivationCheckpoint", "Checkpoint", "Comm", "Compile", "ConfigError", "Data", "Debug",
-           "Float8", "Job", "JobConfig", "LRScheduler", "Metrics", "Model", "Optimizer",
-           "Parallelism", "Training", "Validation"]
+__all__ = [
+    "ActivationCheckpoint",
+    "Checkpoint",
+    "Comm",
+    "Compile",
+    "ConfigError",
+    "Data",
+    "Debug",
+    "Float8",
+    "Job",
+    "JobConfig",
+    "LRScheduler",
+    "Metrics",
+    "Model",
+    "Optimizer",
+    "Parallelism",
+    "Training",
+    "Validation",
+]
 
 
 @dataclass
@@ -104,13 +120,19 @@ class Training:
     def validate(self) -> None:
         _require(self.steps >= 1, f"training.steps={self.steps} must be >= 1")
         _require(self.seq_len >= 2, f"training.seq_len={self.seq_len} must be >= 2")
-        _require(self.local_batch_size >= 1,
-                 f"training.local_batch_size={self.local_batch_size} must be >= 1")
-        _require(self.global_batch_size == -1 or self.global_batch_size >= 1,
-                 f"training.global_batch_size={self.global_batch_size} must be -1 or >= 1")
+        _require(
+            self.local_batch_size >= 1,
+            f"training.local_batch_size={self.local_batch_size} must be >= 1",
+        )
+        _require(
+            self.global_batch_size == -1 or self.global_batch_size >= 1,
+            f"training.global_batch_size={self.global_batch_size} must be -1 or >= 1",
+        )
         _require(self.max_norm >= 0, f"training.max_norm={self.max_norm} must be >= 0")
         _require(self.gc_freq >= 0, f"training.gc_freq={self.gc_freq} must be >= 0")
-        _require(self.loss_scale_init > 0, f"training.loss_scale_init={self.loss_scale_init} must be > 0")
+        _require(
+            self.loss_scale_init > 0, f"training.loss_scale_init={self.loss_scale_init} must be > 0"
+        )
 
 
 @dataclass
@@ -160,11 +182,17 @@ class LRScheduler:
     """Final learning rate as a fraction of `optimizer.lr`."""
 
     def validate(self) -> None:
-        _require(self.warmup_steps >= 0, f"lr_scheduler.warmup_steps={self.warmup_steps} must be >= 0")
-        _require(self.decay_ratio == -1.0 or 0.0 <= self.decay_ratio <= 1.0,
-                 f"lr_scheduler.decay_ratio={self.decay_ratio} must be -1 or in [0, 1]")
-        _require(0.0 <= self.min_lr_factor <= 1.0,
-                 f"lr_scheduler.min_lr_factor={self.min_lr_factor} must be in [0, 1]")
+        _require(
+            self.warmup_steps >= 0, f"lr_scheduler.warmup_steps={self.warmup_steps} must be >= 0"
+        )
+        _require(
+            self.decay_ratio == -1.0 or 0.0 <= self.decay_ratio <= 1.0,
+            f"lr_scheduler.decay_ratio={self.decay_ratio} must be -1 or in [0, 1]",
+        )
+        _require(
+            0.0 <= self.min_lr_factor <= 1.0,
+            f"lr_scheduler.min_lr_factor={self.min_lr_factor} must be in [0, 1]",
+        )
 
 
 @dataclass
@@ -203,7 +231,10 @@ class Data:
     """Data loader worker processes per rank (0: load in the training process)."""
 
     def validate(self) -> None:
-        _require(0.0 <= self.val_fraction < 1.0, f"data.val_fraction={self.val_fraction} must be in [0, 1)")
+        _require(
+            0.0 <= self.val_fraction < 1.0,
+            f"data.val_fraction={self.val_fraction} must be in [0, 1)",
+        )
         _require(self.num_workers >= 0, f"data.num_workers={self.num_workers} must be >= 0")
 
 
@@ -244,10 +275,14 @@ class Comm:
     """Timeout of any collective once training runs; a hung rank fails the job after this."""
 
     def validate(self) -> None:
-        _require(self.init_timeout_seconds >= 1,
-                 f"comm.init_timeout_seconds={self.init_timeout_seconds} must be >= 1")
-        _require(self.train_timeout_seconds >= 1,
-                 f"comm.train_timeout_seconds={self.train_timeout_seconds} must be >= 1")
+        _require(
+            self.init_timeout_seconds >= 1,
+            f"comm.init_timeout_seconds={self.init_timeout_seconds} must be >= 1",
+        )
+        _require(
+            self.train_timeout_seconds >= 1,
+            f"comm.train_timeout_seconds={self.train_timeout_seconds} must be >= 1",
+        )
 
 
 @dataclass
@@ -274,5 +309,7 @@ class JobConfig:
         """Validate every section, then the cross-section rules. Raises ConfigError."""
         for f in fields(self):
             getattr(self, f.name).validate()
-        _require(not (self.validation.enable and self.data.val_fraction == 0),
-                 "validation.enable=true needs data.val_fraction > 0 (no held-out data otherwise)")
+        _require(
+            not (self.validation.enable and self.data.val_fraction == 0),
+            "validation.enable=true needs data.val_fraction > 0 (no held-out data otherwise)",
+        )

@@ -39,7 +39,9 @@ def _field_type(section: str, key: str) -> Any:
     hints = typing.get_type_hints(cls)
     if key not in hints:
         valid = [f"{section}.{k}" for k in hints]
-        raise ConfigError(f"unknown config key {section}.{key}{_suggest(f'{section}.{key}', valid)}")
+        raise ConfigError(
+            f"unknown config key {section}.{key}{_suggest(f'{section}.{key}', valid)}"
+        )
     return hints[key]
 
 
@@ -51,8 +53,10 @@ def _coerce(section: str, key: str, value: Any, from_cli: bool) -> Any:
     if origin is typing.Literal:
         choices = typing.get_args(tp)
         if value not in choices:
-            raise ConfigError(f"{where} is not valid; valid: {', '.join(map(str, choices))}"
-                              f"{_suggest(str(value), [str(c) for c in choices])}")
+            raise ConfigError(
+                f"{where} is not valid; valid: {', '.join(map(str, choices))}"
+                f"{_suggest(str(value), [str(c) for c in choices])}"
+            )
         return value
     if origin is list:
         if from_cli and isinstance(value, str):

@@ -7,6 +7,16 @@ from typing import Literal
 
 from titanlab.config.errors import ConfigError, _require  # noqa: F401
 
+PipelineSchedule = Literal[
+    "GPipe",
+    "1F1B",
+    "Interleaved1F1B",
+    "LoopedBFS",
+    "InterleavedZeroBubble",
+    "ZBVZeroBubble",
+    "DualPipeV",
+]
+
 
 @dataclass
 class Parallelism:
@@ -30,10 +40,7 @@ class Parallelism:
     pipeline_parallel_degree: int = 1
     """pp: pipeline parallel degree (number of pipeline ranks)."""
 
-    pipeline_parallel_schedule: Literal[
-        "GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble",
-        "DualPipeV",
-    ] = "1F1B"
+    pipeline_parallel_schedule: PipelineSchedule = "1F1B"
     """Pipeline schedule, used when pipeline_parallel_degree > 1."""
 
     pipeline_parallel_microbatch_size: int = 1
@@ -56,13 +63,22 @@ class Parallelism:
     attention through SDPA; CUDA only)."""
 
     def validate(self) -> None:
-        _require(self.data_parallel_replicate_degree >= 1,
-                 f"parallelism.data_parallel_replicate_degree={self.data_parallel_replicate_degree}"
-                 " must be >= 1")
-        _require(self.data_parallel_shard_degree == -1 or self.data_parallel_shard_degree >= 1,
-                 f"parallelism.data_parallel_shard_degree={self.data_parallel_shard_degree}"
-                 " must be -1 or >= 1")
-        for key in ("tensor_parallel_degree", "pipeline_parallel_degree", "context_parallel_degree",
-                    "pipeline_parallel_microbatch_size", "pipeline_parallel_stages_per_rank"):
+        _require(
+            self.data_parallel_replicate_degree >= 1,
+            f"parallelism.data_parallel_replicate_degree={self.data_parallel_replicate_degree}"
+            " must be >= 1",
+        )
+        _require(
+            self.data_parallel_shard_degree == -1 or self.data_parallel_shard_degree >= 1,
+            f"parallelism.data_parallel_shard_degree={self.data_parallel_shard_degree}"
+            " must be -1 or >= 1",
+        )
+        for key in (
+            "tensor_parallel_degree",
+            "pipeline_parallel_degree",
+            "context_parallel_degree",
+            "pipeline_parallel_microbatch_size",
+            "pipeline_parallel_stages_per_rank",
+        ):
             value = getattr(self, key)
             _require(value >= 1, f"parallelism.{key}={value} must be >= 1")

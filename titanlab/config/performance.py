@@ -21,8 +21,10 @@ class ActivationCheckpoint:
 
     def validate(self) -> None:
         opt = self.selective_ac_option
-        _require(opt == "op" or (opt.isdecimal() and int(opt) >= 1),
-                 f"activation_checkpoint.selective_ac_option={opt!r} must be 'op' or a positive integer")
+        _require(
+            opt == "op" or (opt.isdecimal() and int(opt) >= 1),
+            f"activation_checkpoint.selective_ac_option={opt!r} must be 'op' or a positive integer",
+        )
 
 
 @dataclass

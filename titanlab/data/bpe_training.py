@@ -10,7 +10,7 @@ from __future__ import annotations
 import base64
 import json
 import os
-from typing import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 from titanlab.data.tokenizer import LLAMA3_SPLIT_PATTERN
 
@@ -53,7 +53,9 @@ def merges_to_ranks(merges: Iterable[tuple[str, str]]) -> list[bytes]:
         try:
             token = bytes(char_to_byte[c] for c in left + right)
         except KeyError as e:
-            raise ValueError(f"merge {left!r} + {right!r} has a non byte-level char {e.args[0]!r}")
+            raise ValueError(
+                f"merge {left!r} + {right!r} has a non byte-level char {e.args[0]!r}"
+            ) from None
         if token not in seen:
             seen.add(token)
             ranks.append(token)

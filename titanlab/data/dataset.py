@@ -40,7 +40,9 @@ class MemmapTokenDataset(Dataset):
             tokens for one train window, or ``split="val"`` with ``val_fraction=0``.
     """
 
-    def __init__(self, data_dir: str, seq_len: int, *, split: str = "train", val_fraction: float = 0.005):
+    def __init__(
+        self, data_dir: str, seq_len: int, *, split: str = "train", val_fraction: float = 0.005
+    ):
         if seq_len < 1:
             raise ValueError(f"seq_len={seq_len} is invalid; use an integer >= 1")
         if split not in _SPLITS:
@@ -136,20 +138,30 @@ def read_metadata(meta_path: str) -> dict:
         with open(meta_path, encoding="utf-8") as f:
             meta = json.load(f)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{meta_path!r} is not valid JSON ({e}); prepare the data again with "
-                         "tools/prepare_data.py") from None
+        raise ValueError(
+            f"{meta_path!r} is not valid JSON ({e}); prepare the data again with "
+            "tools/prepare_data.py"
+        ) from None
     if not isinstance(meta, dict):
         raise ValueError(f"{meta_path!r} holds a JSON {type(meta).__name__}, not an object")
     if meta.get("dtype") not in _TOKEN_DTYPES:
-        raise ValueError(f"{meta_path!r}: dtype={meta.get('dtype')!r}; valid: "
-                         f"{', '.join(_TOKEN_DTYPES)}")
+        raise ValueError(
+            f"{meta_path!r}: dtype={meta.get('dtype')!r}; valid: {', '.join(_TOKEN_DTYPES)}"
+        )
     shards = meta.get("shards")
     if not isinstance(shards, list) or not all(
-            isinstance(sh, dict) and isinstance(sh.get("file"), str)
-            and os.sep not in sh["file"] and sh["file"] not in ("", ".", "..")
-            and type(sh.get("tokens")) is int and sh["tokens"] >= 0 for sh in shards):
-        raise ValueError(f"{meta_path!r}: 'shards' must be a list of {{\"file\": name, \"tokens\": "
-                         "count >= 0}} entries")
+        isinstance(sh, dict)
+        and isinstance(sh.get("file"), str)
+        and os.sep not in sh["file"]
+        and sh["file"] not in ("", ".", "..")
+        and type(sh.get("tokens")) is int
+        and sh["tokens"] >= 0
+        for sh in shards
+    ):
+        raise ValueError(
+            f'{meta_path!r}: \'shards\' must be a list of {{"file": name, "tokens": '
+            "count >= 0}} entries"
+        )
     vocab = meta.get("vocab_size")
     if vocab is not None and (type(vocab) is not int or vocab < 1):
         raise ValueError(f"{meta_path!r}: vocab_size={vocab!r} must be a positive integer")

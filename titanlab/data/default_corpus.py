@@ -32,7 +32,7 @@ def default_corpus_files() -> list[str]:
         ValueError: the standard library directory holds no ``.py`` files.
     """
     root = sysconfig.get_paths()["stdlib"]
-    files = []
+    files: list[str] = []
     for parent, dirs, names in os.walk(root):
         dirs[:] = [d for d in dirs if d not in _EXCLUDED_DIRS]
         files.extend(os.path.join(parent, n) for n in names if n.endswith(".py"))
@@ -70,7 +70,11 @@ def ensure_default_corpus(cache_dir: str, tokenizer_path: str, workers: int = 1)
         try:
             if not os.path.isfile(meta_path):
                 prepare_data(
-                    default_corpus_files(), out_dir, tokenizer_path, workers=workers, shard_size_mb=4.0
+                    default_corpus_files(),
+                    out_dir,
+                    tokenizer_path,
+                    workers=workers,
+                    shard_size_mb=4.0,
                 )
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sized
+from typing import cast
+from collections.abc import Sequence
 
 import torch
 from torch.utils.data import Dataset
@@ -52,7 +54,7 @@ def build_dataloader(
     if num_workers < 0:
         raise ValueError(f"num_workers={num_workers} is invalid; use an integer >= 0")
     sampler = DistributedShuffleSampler(
-        len(dataset), dp_rank=dp_rank, dp_world_size=dp_world_size, seed=seed
+        len(cast(Sized, dataset)), dp_rank=dp_rank, dp_world_size=dp_world_size, seed=seed
     )
     return StatefulDataLoader(
         dataset,

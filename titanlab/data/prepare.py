@@ -18,7 +18,9 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
-from typing import Any, Sequence
+from collections.abc import Iterator
+from typing import Any, cast
+from collections.abc import Sequence
 
 import numpy as np
 from tqdm import tqdm
@@ -80,8 +82,15 @@ def _shard_spec(index: int, files: list[str], fingerprint: str, text_key: str) -
     inputs = []
     for path in files:
         st = os.stat(path)
-        inputs.append({"path": os.path.abspath(path), "bytes": st.st_size, "mtime_ns": st.st_mtime_ns})
-    return {"index": index, "tokenizer_fingerprint": fingerprint, "text_key": text_key, "inputs": inputs}
+        inputs.append(
+            {"path": os.path.abspath(path), "bytes": st.st_size, "mtime_ns": st.st_mtime_ns}
+        )
+    return {
+        "index": index,
+        "tokenizer_fingerprint": fingerprint,
+        "text_key": text_key,
+        "inputs": inputs,
+    }
 
 
 def _is_done(out_dir: str, spec: dict, itemsize: int) -> bool:
@@ -101,19 +110,25 @@ def _tokenize_shard(job: tuple[str, str, dict]) -> dict:
     if tok is None:
         tok = Tokenizer(tokenizer_path)
         if tok.fingerprint != spec["tokenizer_fingerprint"]:
-            raise ValueError(f"tokenizer file {tokenizer_path!r} changed while preparing data; rerun")
+            raise ValueError(
+                f"tokenizer file {tokenizer_path!r} changed while preparing data; rerun"
+            )
         _worker_tokenizers[key] = tok
     dtype = token_dtype(tok.vocab_size)
     final = os.path.join(out_dir, shard_name(spec["index"]))
     tmp = f"{final}.tmp.{os.getpid()}"
     tokens = documents = 0
-    with open(tmp, "wb") as f:
-        for entry in spec["inputs"]:
-            for text in iter_documents(entry["path"], spec["text_key"]):
-                ids = np.asarray(tok.encode(text, bos=True, eos=True), dtype=dtype)
-                f.write(ids.tobytes())
-                tokens += len(ids)
-                documents += 1
+    try:
+        with open(tmp, "wb") as f:
+            for entry in spec["inputs"]:
+                for text in iter_documents(entry["path"], spec["text_key"]):
+                    ids = np.asarray(tok.encode(text, bos=True, eos=True), dtype=dtype)
+                    f.write(ids.tobytes())
+                    tokens += len(ids)
+                    documents += 1
+    except BaseException:  # an unreadable input: leave no partial shard behind
+        os.remove(tmp)
+        raise
     os.replace(tmp, final)
     record = {**spec, "tokens": tokens, "documents": documents}
     write_json_atomic(os.path.join(out_dir, f"shard_{spec['index']:05d}.json"), record)
@@ -195,8 +210,9 @@ def prepare_data(
     todo = []
     for spec in specs:
         if _is_done(output_dir, spec, itemsize):
-            records[spec["index"]] = _read_json(
-                os.path.join(output_dir, f"shard_{spec['index']:05d}.json")
+            # _is_done just read and validated this record, so it is not None here
+            records[spec["index"]] = cast(
+                dict, _read_json(os.path.join(output_dir, f"shard_{spec['index']:05d}.json"))
             )
         else:
             todo.append((output_dir, tok.path, spec))
@@ -205,6 +221,7 @@ def prepare_data(
     bar = tqdm(total=total_bytes, unit="B", unit_scale=True, desc="tokenize", disable=not progress)
     bar.set_postfix(shards=f"{len(records)}/{len(specs)}")
     pool = None
+    results: Iterator[dict]
     if workers > 1 and len(todo) > 1:
         pool = multiprocessing.get_context("spawn").Pool(min(workers, len(todo)))
         results = pool.imap_unordered(_tokenize_shard, todo)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import gzip
 import json
 import os
-from typing import Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 
 def list_input_files(inputs: Sequence[str]) -> list[str]:
@@ -30,7 +30,9 @@ def list_input_files(inputs: Sequence[str]) -> list[str]:
         else:
             raise FileNotFoundError(f"input {path!r} does not exist (expected a file or directory)")
     if not files:
-        raise ValueError(f"no input files found under {list(inputs)!r}; pass text/jsonl/parquet files")
+        raise ValueError(
+            f"no input files found under {list(inputs)!r}; pass text/jsonl/parquet files"
+        )
     return sorted(files)
 
 
@@ -46,7 +48,9 @@ def input_kind(path: str) -> str:
 
 def _check_text(value: object, where: str, text_key: str) -> str:
     if not isinstance(value, str):
-        raise ValueError(f"{where}: field {text_key!r} is {type(value).__name__}, expected a string")
+        raise ValueError(
+            f"{where}: field {text_key!r} is {type(value).__name__}, expected a string"
+        )
     return value
 
 

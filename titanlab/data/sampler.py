@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from typing import Any
+from collections.abc import Iterator
 
 import torch
 from torch.utils.data import Sampler
@@ -104,9 +105,13 @@ class DistributedShuffleSampler(Sampler[int]):
             if consumed % self.dp_world_size:
                 raise ValueError(
                     f"sampler state of {saved_world} ranks at position {state_dict['position']} "
-                    f"({consumed} samples) cannot be split over {self.dp_world_size} ranks")
-            state_dict = dict(state_dict, dp_world_size=self.dp_world_size,
-                              position=consumed // self.dp_world_size)
+                    f"({consumed} samples) cannot be split over {self.dp_world_size} ranks"
+                )
+            state_dict = dict(
+                state_dict,
+                dp_world_size=self.dp_world_size,
+                position=consumed // self.dp_world_size,
+            )
         for key in ("num_samples", "dp_world_size", "seed"):
             if state_dict[key] != getattr(self, key):
                 raise ValueError(

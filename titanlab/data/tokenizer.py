@@ -13,7 +13,7 @@ import binascii
 import hashlib
 import os
 import re
-from typing import Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 import tiktoken
 
@@ -47,9 +47,7 @@ LLAMA3_SPECIAL_TOKENS = _NAMED_SPECIAL_TOKENS + tuple(
 # text is encoded in pieces exactly as Meta's reference tokenizer cuts it.
 _MAX_ENCODE_CHARS = 400_000
 _MAX_RUN_CHARS = 25_000
-_LONG_RUN_RE = re.compile(
-    rf"(?<!\s)\s{{{_MAX_RUN_CHARS + 1},}}|(?<!\S)\S{{{_MAX_RUN_CHARS + 1},}}"
-)
+_LONG_RUN_RE = re.compile(rf"(?<!\s)\s{{{_MAX_RUN_CHARS + 1},}}|(?<!\S)\S{{{_MAX_RUN_CHARS + 1},}}")
 
 _ASSETS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets")
 
@@ -115,7 +113,9 @@ class Tokenizer:
 
     def __init__(self, path: str):
         if not os.path.isfile(path):
-            raise FileNotFoundError(f"tokenizer file {path!r} not found (expected a tokenizer.model)")
+            raise FileNotFoundError(
+                f"tokenizer file {path!r} not found (expected a tokenizer.model)"
+            )
         self.path = os.path.abspath(path)
         with open(path, "rb") as f:
             data = f.read()

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 from collections import defaultdict
+from typing import cast
 
 import torch
 from torch import nn
@@ -49,8 +50,11 @@ def _op_sac_context():
         if op in _MATMULS:
             key = "recompute" if ctx.is_recompute else "forward"
             counts[key] += 1
-            return CheckpointPolicy.MUST_SAVE if counts[key] % 2 == 1 else \
-                CheckpointPolicy.PREFER_RECOMPUTE
+            return (
+                CheckpointPolicy.MUST_SAVE
+                if counts[key] % 2 == 1
+                else CheckpointPolicy.PREFER_RECOMPUTE
+            )
         return CheckpointPolicy.PREFER_RECOMPUTE
 
     return create_selective_checkpoint_contexts(policy)
@@ -60,8 +64,9 @@ def _wrap(block: nn.Module, mode: str, option: str, layer_idx: int) -> nn.Module
     if mode == "full":
         return checkpoint_wrapper(block, preserve_rng_state=False)
     if option == "op":
-        return checkpoint_wrapper(block, context_fn=functools.partial(_op_sac_context),
-                                  preserve_rng_state=False)
+        return checkpoint_wrapper(
+            block, context_fn=functools.partial(_op_sac_context), preserve_rng_state=False
+        )
     every = int(option)
     return checkpoint_wrapper(block, preserve_rng_state=False) if layer_idx % every == 0 else block
 
@@ -79,5 +84,6 @@ def apply_ac(model: nn.Module, mode: str, selective_ac_option: str = "op") -> No
         return
     if mode not in ("full", "selective"):
         raise ValueError(f"activation_checkpoint.mode={mode!r}; valid: none, full, selective")
-    for i, (name, block) in enumerate(list(model.layers.items())):
-        model.layers[name] = _wrap(block, mode, selective_ac_option, i)
+    layers = cast(nn.ModuleDict, model.layers)
+    for i, (name, block) in enumerate(list(layers.items())):
+        layers[name] = _wrap(block, mode, selective_ac_option, i)

@@ -33,7 +33,7 @@ import contextlib
 import json
 import os
 from collections import defaultdict
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
@@ -41,32 +41,55 @@ from torch.distributed.distributed_c10d import _resolve_process_group
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
+if TYPE_CHECKING:
+    from torch.distributed.distributed_c10d import GroupName  # a NewType of str
+
 ENV_VAR = "TITANLAB_COMM_COUNT"
 COUNTED_STEP = 2  # step 1 also holds one-off traffic (pipeline shape exchange, lazy init)
 
 # op name (overload packet, any of the three collective namespaces) → kind
 _KINDS = {
-    "_allgather_base_": "all_gather", "allgather_": "all_gather",
-    "allgather_coalesced_": "all_gather", "allgather_into_tensor_coalesced_": "all_gather",
-    "all_gather_into_tensor": "all_gather", "all_gather_into_tensor_coalesced": "all_gather",
+    "_allgather_base_": "all_gather",
+    "allgather_": "all_gather",
+    "allgather_coalesced_": "all_gather",
+    "allgather_into_tensor_coalesced_": "all_gather",
+    "all_gather_into_tensor": "all_gather",
+    "all_gather_into_tensor_coalesced": "all_gather",
     "all_gather_into_tensor_out": "all_gather",
-    "_reduce_scatter_base_": "reduce_scatter", "reduce_scatter_": "reduce_scatter",
-    "reduce_scatter_tensor_coalesced_": "reduce_scatter", "reduce_scatter_tensor": "reduce_scatter",
+    "_reduce_scatter_base_": "reduce_scatter",
+    "reduce_scatter_": "reduce_scatter",
+    "reduce_scatter_tensor_coalesced_": "reduce_scatter",
+    "reduce_scatter_tensor": "reduce_scatter",
     "reduce_scatter_tensor_coalesced": "reduce_scatter",
-    "allreduce_": "all_reduce", "allreduce_coalesced_": "all_reduce", "all_reduce": "all_reduce",
-    "all_reduce_": "all_reduce", "all_reduce_coalesced": "all_reduce",
+    "allreduce_": "all_reduce",
+    "allreduce_coalesced_": "all_reduce",
+    "all_reduce": "all_reduce",
+    "all_reduce_": "all_reduce",
+    "all_reduce_coalesced": "all_reduce",
     "all_reduce_coalesced_": "all_reduce",
-    "broadcast_": "broadcast", "broadcast": "broadcast",
-    "alltoall_": "all_to_all", "alltoall_base_": "all_to_all", "all_to_all_single": "all_to_all",
-    "send": "send", "recv_": "recv", "recv_any_source_": "recv",
-    "gather_": "gather", "scatter_": "scatter", "reduce_": "reduce", "barrier": "barrier",
+    "broadcast_": "broadcast",
+    "broadcast": "broadcast",
+    "alltoall_": "all_to_all",
+    "alltoall_base_": "all_to_all",
+    "all_to_all_single": "all_to_all",
+    "send": "send",
+    "recv_": "recv",
+    "recv_any_source_": "recv",
+    "gather_": "gather",
+    "scatter_": "scatter",
+    "reduce_": "reduce",
+    "barrier": "barrier",
 }
 _NAMESPACES = {"c10d", "_c10d_functional", "_c10d_functional_autograd"}
 # Ring factor on `bytes` giving `wire_bytes`, as a function of the group size n.
 _WIRE = {
-    "all_gather": lambda n: (n - 1) / n, "reduce_scatter": lambda n: (n - 1) / n,
-    "all_reduce": lambda n: 2 * (n - 1) / n, "all_to_all": lambda n: (n - 1) / n,
-    "broadcast": lambda n: (n - 1) / n, "send": lambda n: 1.0, "recv": lambda n: 0.0,
+    "all_gather": lambda n: (n - 1) / n,
+    "reduce_scatter": lambda n: (n - 1) / n,
+    "all_reduce": lambda n: 2 * (n - 1) / n,
+    "all_to_all": lambda n: (n - 1) / n,
+    "broadcast": lambda n: (n - 1) / n,
+    "send": lambda n: 1.0,
+    "recv": lambda n: 0.0,
 }
 
 
@@ -91,7 +114,7 @@ def _group_size(group: Any) -> int | None:
         if isinstance(group, dist.ProcessGroup):
             return group.size()
         if isinstance(group, str):
-            return _resolve_process_group(group).size()
+            return _resolve_process_group(cast("GroupName", group)).size()
     except (RuntimeError, TypeError, ValueError, KeyError):
         pass
     return None
@@ -149,9 +172,15 @@ class CommCounter(TorchDispatchMode):
     def summary(self) -> dict[str, dict[str, Any]]:
         """{kind: {"calls": int, "bytes": int, "wire_bytes": int, "sizes": {"<bytes>x<group
         size>": calls}}} for every kind seen; bytes as defined in the module docstring."""
-        return {k: {"calls": self._calls[k], "bytes": self._bytes[k],
-                    "wire_bytes": round(self._wire[k]), "sizes": dict(sorted(self._sizes[k].items()))}
-                for k in sorted(self._calls)}
+        return {
+            k: {
+                "calls": self._calls[k],
+                "bytes": self._bytes[k],
+                "wire_bytes": round(self._wire[k]),
+                "sizes": dict(sorted(self._sizes[k].items())),
+            }
+            for k in sorted(self._calls)
+        }
 
     def write_json(self, path: str, **extra: Any) -> None:
         """Write `{**extra, "kinds": summary()}` to `path` atomically."""

@@ -7,15 +7,23 @@ attention costs the same on every rank. CUDA only in torch 2.13 (validated up fr
 from __future__ import annotations
 
 import contextlib
+from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+if TYPE_CHECKING:
+    from titanlab.models.llama3.model import Transformer
 
-def cp_context(cp_mesh: DeviceMesh | None, inputs: torch.Tensor, labels: torch.Tensor,
-               model_parts: list[nn.Module]):
+
+def cp_context(
+    cp_mesh: DeviceMesh | None,
+    inputs: torch.Tensor,
+    labels: torch.Tensor,
+    model_parts: list[nn.Module],
+):
     """A context inside which `inputs`/`labels` (bs, seq) and every part's RoPE tables
     (seq, head_dim/2) hold only this rank's share of the sequence; a no-op without cp."""
     if cp_mesh is None:
@@ -24,11 +32,18 @@ def cp_context(cp_mesh: DeviceMesh | None, inputs: torch.Tensor, labels: torch.T
 
     buffers, dims = [inputs, labels], [1, 1]
     for part in model_parts:
-        buffers += [part.rope_cos, part.rope_sin]
+        model = cast("Transformer", part)  # every part is a Transformer (or a stage of one)
+        buffers += [model.rope_cos, model.rope_sin]
         dims += [0, 0]
     stack = contextlib.ExitStack()
-    stack.enter_context(sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
-                                     SDPBackend.CUDNN_ATTENTION]))
-    stack.enter_context(context_parallel(cp_mesh, buffers=buffers, buffer_seq_dims=dims,
-                                         no_restore_buffers={inputs, labels}))
+    stack.enter_context(
+        sdpa_kernel(
+            [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION]
+        )
+    )
+    stack.enter_context(
+        context_parallel(
+            cp_mesh, buffers=buffers, buffer_seq_dims=dims, no_restore_buffers={inputs, labels}
+        )
+    )
     return stack

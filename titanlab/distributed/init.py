@@ -35,8 +35,14 @@ def init_distributed(init_timeout_s: int) -> tuple[torch.device, int, int]:
         (device, rank, world_size). The device is `cuda:<LOCAL_RANK>` or `cpu`.
     """
     if "RANK" not in os.environ:  # a world of one, launched without torchrun
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
-                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+        os.environ.update(
+            RANK="0",
+            LOCAL_RANK="0",
+            WORLD_SIZE="1",
+            LOCAL_WORLD_SIZE="1",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(_free_port()),
+        )
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if device_type() == "cuda":
         device = torch.device("cuda", local_rank)
@@ -47,8 +53,13 @@ def init_distributed(init_timeout_s: int) -> tuple[torch.device, int, int]:
         backend = "gloo"
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     timeout = timedelta(seconds=init_timeout_s)
-    dist.init_process_group(backend=backend, store=_attempt_store(rank, world_size, timeout),
-                            rank=rank, world_size=world_size, timeout=timeout)
+    dist.init_process_group(
+        backend=backend,
+        store=_attempt_store(rank, world_size, timeout),
+        rank=rank,
+        world_size=world_size,
+        timeout=timeout,
+    )
     return device, dist.get_rank(), dist.get_world_size()
 
 
@@ -60,9 +71,14 @@ def _attempt_store(rank: int, world_size: int, timeout: timedelta) -> dist.Store
     to connect ("Connection refused").
     """
     agent_hosts_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
-                          is_master=not agent_hosts_store and rank == 0, timeout=timeout,
-                          multi_tenant=True)
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        world_size,
+        is_master=not agent_hosts_store and rank == 0,
+        timeout=timeout,
+        multi_tenant=True,
+    )
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     return dist.PrefixStore(f"titanlab/attempt_{attempt}", store)
 

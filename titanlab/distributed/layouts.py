@@ -17,11 +17,15 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, cast
 
 from titanlab.config.job_config import ConfigError, JobConfig
 from titanlab.distributed import pipeline
 from titanlab.distributed.parallel_dims import ParallelDims
 from titanlab.distributed.validate import validate_layout
+
+if TYPE_CHECKING:
+    from titanlab.config.parallelism import PipelineSchedule
 
 SCHEDULES = (*pipeline.SINGLE, *pipeline.LOOPED, *pipeline.V_SHAPE)
 
@@ -99,13 +103,22 @@ class Layout:
     def overrides(self, global_batch_size: int) -> list[str]:
         """Command-line options that select this layout (`--section.key value` pairs)."""
         local = self.local_batch_size(global_batch_size)
-        out = ["--parallelism.data_parallel_replicate_degree", str(self.dp_replicate),
-               "--parallelism.data_parallel_shard_degree", str(self.dp_shard),
-               "--parallelism.tensor_parallel_degree", str(self.tp),
-               "--parallelism.context_parallel_degree", str(self.cp),
-               "--parallelism.pipeline_parallel_degree", str(self.pp),
-               "--training.global_batch_size", str(global_batch_size),
-               "--training.local_batch_size", str(local if local else 1)]
+        out = [
+            "--parallelism.data_parallel_replicate_degree",
+            str(self.dp_replicate),
+            "--parallelism.data_parallel_shard_degree",
+            str(self.dp_shard),
+            "--parallelism.tensor_parallel_degree",
+            str(self.tp),
+            "--parallelism.context_parallel_degree",
+            str(self.cp),
+            "--parallelism.pipeline_parallel_degree",
+            str(self.pp),
+            "--training.global_batch_size",
+            str(global_batch_size),
+            "--training.local_batch_size",
+            str(local if local else 1),
+        ]
         if self.schedule:
             out += ["--parallelism.pipeline_parallel_schedule", self.schedule]
         return out
@@ -115,12 +128,17 @@ def _factorizations(n: int, parts: int) -> list[tuple[int, ...]]:
     """Ordered tuples of `parts` positive integers whose product is `n`."""
     if parts == 1:
         return [(n,)]
-    return [(d, *rest) for d in range(1, n + 1) if n % d == 0
-            for rest in _factorizations(n // d, parts - 1)]
+    return [
+        (d, *rest)
+        for d in range(1, n + 1)
+        if n % d == 0
+        for rest in _factorizations(n // d, parts - 1)
+    ]
 
 
-def enumerate_layouts(world_size: int, *, with_cp: bool = False,
-                      grad_accum: tuple[int, ...] = (1, 2)) -> list[Layout]:
+def enumerate_layouts(
+    world_size: int, *, with_cp: bool = False, grad_accum: tuple[int, ...] = (1, 2)
+) -> list[Layout]:
     """Every candidate layout of `world_size` ranks: each ordered factorization into
     (dp_replicate, dp_shard, cp, tp, pp) (cp only when `with_cp`), each schedule when pp > 1,
     each gradient-accumulation count. Validity is not checked here (see `check_layout`)."""
@@ -137,21 +155,32 @@ def apply_layout(config: JobConfig, layout: Layout, global_batch_size: int) -> J
     """A copy of `config` with the layout's degrees, schedule and batch sizes."""
     local = layout.local_batch_size(global_batch_size)
     if local is None:
-        raise ConfigError(f"training.global_batch_size={global_batch_size} does not split over "
-                          f"dp {layout.dp_replicate * layout.dp_shard} × grad_accum "
-                          f"{layout.grad_accum}")
+        raise ConfigError(
+            f"training.global_batch_size={global_batch_size} does not split over "
+            f"dp {layout.dp_replicate * layout.dp_shard} × grad_accum "
+            f"{layout.grad_accum}"
+        )
     p = dataclasses.replace(
-        config.parallelism, data_parallel_replicate_degree=layout.dp_replicate,
-        data_parallel_shard_degree=layout.dp_shard, tensor_parallel_degree=layout.tp,
-        context_parallel_degree=layout.cp, pipeline_parallel_degree=layout.pp,
-        pipeline_parallel_schedule=layout.schedule or config.parallelism.pipeline_parallel_schedule)
-    t = dataclasses.replace(config.training, local_batch_size=local,
-                            global_batch_size=global_batch_size)
+        config.parallelism,
+        data_parallel_replicate_degree=layout.dp_replicate,
+        data_parallel_shard_degree=layout.dp_shard,
+        tensor_parallel_degree=layout.tp,
+        context_parallel_degree=layout.cp,
+        pipeline_parallel_degree=layout.pp,
+        # layout.schedule is one of SCHEDULES, the keys of the pipeline's schedule tables
+        pipeline_parallel_schedule=cast(
+            "PipelineSchedule", layout.schedule or config.parallelism.pipeline_parallel_schedule
+        ),
+    )
+    t = dataclasses.replace(
+        config.training, local_batch_size=local, global_batch_size=global_batch_size
+    )
     return dataclasses.replace(config, parallelism=p, training=t)
 
 
-def check_parallel_layout(config: JobConfig, world_size: int, model_args,
-                          device_type: str) -> ParallelDims:
+def check_parallel_layout(
+    config: JobConfig, world_size: int, model_args, device_type: str
+) -> ParallelDims:
     """The layout checks of the trainer's pre-flight: degrees against the world size, batch
     split, and `validate_layout`. Returns the ParallelDims; raises ConfigError (one line)."""
     from titanlab.components import batch_layout  # components imports the data stack
@@ -162,8 +191,9 @@ def check_parallel_layout(config: JobConfig, world_size: int, model_args,
     return dims
 
 
-def check_layout(config: JobConfig, layout: Layout, global_batch_size: int, model_args,
-                 device_type: str) -> str | None:
+def check_layout(
+    config: JobConfig, layout: Layout, global_batch_size: int, model_args, device_type: str
+) -> str | None:
     """None when the trainer accepts `layout` on top of `config`, else its one-line refusal."""
     try:
         cfg = apply_layout(config, layout, global_batch_size)
@@ -181,6 +211,7 @@ def pairwise_subset(layouts: list[Layout], must: tuple[frozenset[str], ...] = ()
     Greedy set cover, cheapest first: each round takes the layout that covers the most uncovered
     pairs per rank (ties: fewer ranks, then the input order), so the result is deterministic.
     """
+
     def pairs(lay: Layout) -> set[frozenset[str]]:
         feats = sorted(lay.features)
         single = {frozenset([f]) for f in feats}  # a feature alone counts too
@@ -188,16 +219,20 @@ def pairwise_subset(layouts: list[Layout], must: tuple[frozenset[str], ...] = ()
 
     chosen: list[Layout] = []
     for need in must:
-        best = min((lay for lay in layouts if need <= lay.tags),
-                   key=lambda lay: (lay.world_size, len(lay.features)), default=None)
+        best = min(
+            (lay for lay in layouts if need <= lay.tags),
+            key=lambda lay: (lay.world_size, len(lay.features)),
+            default=None,
+        )
         if best is not None and best not in chosen:
             chosen.append(best)
     uncovered = set().union(*(pairs(lay) for lay in layouts)) if layouts else set()
     for lay in chosen:
         uncovered -= pairs(lay)
     while uncovered:
-        best = max(layouts, key=lambda lay: (len(pairs(lay) & uncovered) / lay.world_size,
-                                             -lay.world_size))
+        best = max(
+            layouts, key=lambda lay: (len(pairs(lay) & uncovered) / lay.world_size, -lay.world_size)
+        )
         chosen.append(best)
         uncovered -= pairs(best)
     return chosen

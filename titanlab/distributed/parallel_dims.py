@@ -43,7 +43,8 @@ class ParallelDims:
             if self.world_size % others:
                 raise ConfigError(
                     f"world size {self.world_size} is not divisible by dp_replicate*cp*tp*pp = "
-                    f"{self.dp_replicate}*{self.cp}*{self.tp}*{self.pp} = {others}")
+                    f"{self.dp_replicate}*{self.cp}*{self.tp}*{self.pp} = {others}"
+                )
             self.dp_shard = self.world_size // others
         if self.dp_shard < 1:
             raise ConfigError(f"dp_shard={self.dp_shard} must be -1 or >= 1")
@@ -51,10 +52,11 @@ class ParallelDims:
         if product != self.world_size:
             raise ConfigError(
                 f"dp_replicate*dp_shard*cp*tp*pp = {self.dp_replicate}*{self.dp_shard}*{self.cp}*"
-                f"{self.tp}*{self.pp} = {product} does not equal the world size {self.world_size}")
+                f"{self.tp}*{self.pp} = {product} does not equal the world size {self.world_size}"
+            )
 
     @classmethod
-    def from_config(cls, parallelism, world_size: int) -> "ParallelDims":
+    def from_config(cls, parallelism, world_size: int) -> ParallelDims:
         """Build from the `[parallelism]` config section."""
         return cls(
             dp_replicate=parallelism.data_parallel_replicate_degree,
@@ -112,8 +114,13 @@ class ParallelDims:
 
         Returns the root mesh; `self.mesh(name)` returns a named or flattened sub-mesh.
         """
-        degrees = {"pp": self.pp, "dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard,
-                   "cp": self.cp, "tp": self.tp}
+        degrees = {
+            "pp": self.pp,
+            "dp_replicate": self.dp_replicate,
+            "dp_shard": self.dp_shard,
+            "cp": self.cp,
+            "tp": self.tp,
+        }
         names = [n for n in MESH_ORDER if degrees[n] > 1] or ["dp_shard"]
         shape = tuple(degrees[n] for n in names)
         root = init_device_mesh(device_type, shape, mesh_dim_names=tuple(names))

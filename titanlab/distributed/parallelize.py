@@ -8,16 +8,26 @@ with `to_empty` + `init_weights` (or a checkpoint load).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 from torch.distributed._composable.replicate_with_fsdp import replicate
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+)
 
 from titanlab.config.job_config import JobConfig
 from titanlab.distributed.activation_checkpoint import apply_ac
 from titanlab.distributed.parallel_dims import ParallelDims
 from titanlab.distributed.tensor_parallel import apply_tp
+
+if TYPE_CHECKING:
+    from titanlab.models.llama3.model import Transformer
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -30,22 +40,36 @@ def param_dtype(config: JobConfig, device: torch.device) -> torch.dtype:
     return _DTYPES[config.training.mixed_precision_param]
 
 
-def parallelize_llama(model: nn.Module, parallel_dims: ParallelDims, config: JobConfig,
-                      device: torch.device) -> nn.Module:
+def parallelize_llama(
+    model: Transformer, parallel_dims: ParallelDims, config: JobConfig, device: torch.device
+) -> Transformer:
     """Apply, in order, TP → AC → compile → FSDP2/HSDP/DDP to `model` (the whole model, or one
     pipeline stage of it) in place. Returns the same model object.
     """
     if parallel_dims.tp_enabled:
         f8 = config.float8
-        apply_tp(model, parallel_dims.mesh("tp"),
-                 loss_parallel=not config.parallelism.disable_loss_parallel,
-                 float8_comm=f8.enable and f8.recipe_name == "tensorwise" and device.type == "cuda")
-    apply_ac(model, config.activation_checkpoint.mode, config.activation_checkpoint.selective_ac_option)
+        tp_mesh = parallel_dims.mesh("tp")
+        assert tp_mesh is not None  # built whenever tp > 1
+        apply_tp(
+            model,
+            tp_mesh,
+            loss_parallel=not config.parallelism.disable_loss_parallel,
+            float8_comm=f8.enable and f8.recipe_name == "tensorwise" and device.type == "cuda",
+        )
+    apply_ac(
+        model, config.activation_checkpoint.mode, config.activation_checkpoint.selective_ac_option
+    )
     if config.compile.enable and "model" in config.compile.components:
         apply_compile(model, config.compile.backend)
     if parallel_dims.dp_replicate_enabled and not parallel_dims.fsdp_enabled:
-        apply_ddp(model, parallel_dims.mesh("dp_replicate"), param_dtype=param_dtype(config, device),
-                  reduce_dtype=_DTYPES[config.training.mixed_precision_reduce])
+        dp_mesh = parallel_dims.mesh("dp_replicate")
+        assert dp_mesh is not None  # built whenever dp_replicate > 1
+        apply_ddp(
+            model,
+            dp_mesh,
+            param_dtype=param_dtype(config, device),
+            reduce_dtype=_DTYPES[config.training.mixed_precision_reduce],
+        )
     elif parallel_dims.fsdp_enabled:
         apply_fsdp(
             model,
@@ -54,8 +78,9 @@ def parallelize_llama(model: nn.Module, parallel_dims: ParallelDims, config: Job
             reduce_dtype=_DTYPES[config.training.mixed_precision_reduce],
             cpu_offload=config.training.enable_cpu_offload,
             pin_memory=device.type == "cuda",
-            reshard_after_forward=reshard_policy(config.parallelism.fsdp_reshard_after_forward,
-                                                 pp_enabled=parallel_dims.pp_enabled),
+            reshard_after_forward=reshard_policy(
+                config.parallelism.fsdp_reshard_after_forward, pp_enabled=parallel_dims.pp_enabled
+            ),
         )
     return model
 
@@ -65,6 +90,7 @@ def fsdp_mesh(parallel_dims: ParallelDims) -> DeviceMesh:
     (parameters replicated on dim 0, sharded on dim 1)."""
     root = parallel_dims.mesh("root")
     if parallel_dims.dp_replicate_enabled:
+        assert root is not None  # set by build_mesh
         shard_dims = [n for n in ("dp_shard", "cp") if parallel_dims.mesh(n) is not None]
         inner = "dp_shard_cp" if len(shard_dims) > 1 else shard_dims[0]
         return root["dp_replicate", inner]
@@ -73,8 +99,9 @@ def fsdp_mesh(parallel_dims: ParallelDims) -> DeviceMesh:
     return mesh
 
 
-def apply_ddp(model: nn.Module, dp_mesh: DeviceMesh, *, param_dtype: torch.dtype,
-              reduce_dtype: torch.dtype) -> None:
+def apply_ddp(
+    model: Transformer, dp_mesh: DeviceMesh, *, param_dtype: torch.dtype, reduce_dtype: torch.dtype
+) -> None:
     """Plain data parallel: full parameters on every rank, gradients all-reduced (averaged) per
     block during backward.
 
@@ -104,16 +131,23 @@ def reshard_policy(option: str, pp_enabled: bool) -> bool:
     return not pp_enabled
 
 
-def apply_compile(model: nn.Module, backend: str) -> None:
+def apply_compile(model: Transformer, backend: str) -> None:
     """Compile each transformer block in place (`Module.compile`, so parameter names do not
     change and checkpoints stay portable). Blocks are identical, so one graph serves all."""
     for block in model.layers.values():
         block.compile(backend=backend, fullgraph=True)
 
 
-def apply_fsdp(model: nn.Module, mesh: DeviceMesh, *, param_dtype: torch.dtype,
-               reduce_dtype: torch.dtype, cpu_offload: bool, pin_memory: bool,
-               reshard_after_forward: bool) -> None:
+def apply_fsdp(
+    model: Transformer,
+    mesh: DeviceMesh,
+    *,
+    param_dtype: torch.dtype,
+    reduce_dtype: torch.dtype,
+    cpu_offload: bool,
+    pin_memory: bool,
+    reshard_after_forward: bool,
+) -> None:
     """FSDP2 `fully_shard` each block, the final norm + output together, then the root.
 
     The final norm and output run last in forward and first in backward, so they are never
@@ -121,15 +155,31 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, *, param_dtype: torch.dtype,
     """
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     offload = CPUOffloadPolicy(pin_memory=pin_memory) if cpu_offload else OffloadPolicy()
-    kw = dict(mesh=mesh, mp_policy=mp, offload_policy=offload)
     for block in model.layers.values():
-        fully_shard(block, reshard_after_forward=reshard_after_forward, **kw)
-    tied = model.output is not None and model.tok_embeddings is not None and \
-        model.output.weight is model.tok_embeddings.weight
+        fully_shard(
+            block,
+            reshard_after_forward=reshard_after_forward,
+            mesh=mesh,
+            mp_policy=mp,
+            offload_policy=offload,
+        )
+    tied = (
+        model.output is not None
+        and model.tok_embeddings is not None
+        and model.output.weight is model.tok_embeddings.weight
+    )
     if not tied:
         if model.tok_embeddings is not None:
-            fully_shard(model.tok_embeddings, reshard_after_forward=reshard_after_forward, **kw)
-        tail = [m for m in (model.norm, model.output) if m is not None]
+            fully_shard(
+                model.tok_embeddings,
+                reshard_after_forward=reshard_after_forward,
+                mesh=mesh,
+                mp_policy=mp,
+                offload_policy=offload,
+            )
+        tail: list[nn.Module] = [m for m in (model.norm, model.output) if m is not None]
         if tail:
-            fully_shard(tail, reshard_after_forward=False, **kw)
-    fully_shard(model, reshard_after_forward=False, **kw)
+            fully_shard(
+                tail, reshard_after_forward=False, mesh=mesh, mp_policy=mp, offload_policy=offload
+            )
+    fully_shard(model, reshard_after_forward=False, mesh=mesh, mp_policy=mp, offload_policy=offload)

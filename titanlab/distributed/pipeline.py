@@ -11,16 +11,22 @@ Qi et al. 2023) or two stages in a V (ZBVZeroBubble, DualPipeV; rank r holds sta
 from __future__ import annotations
 
 import copy
+from typing import TYPE_CHECKING
 
-from torch import nn
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining import schedules as S
 
 from titanlab.config.job_config import ConfigError
 
+if TYPE_CHECKING:
+    from titanlab.models.llama3.model import Transformer
+
 SINGLE = {"GPipe": S.ScheduleGPipe, "1F1B": S.Schedule1F1B}
-LOOPED = {"Interleaved1F1B": S.ScheduleInterleaved1F1B, "LoopedBFS": S.ScheduleLoopedBFS,
-          "InterleavedZeroBubble": S.ScheduleInterleavedZeroBubble}
+LOOPED = {
+    "Interleaved1F1B": S.ScheduleInterleaved1F1B,
+    "LoopedBFS": S.ScheduleLoopedBFS,
+    "InterleavedZeroBubble": S.ScheduleInterleavedZeroBubble,
+}
 V_SHAPE = {"ZBVZeroBubble": S.ScheduleZBVZeroBubble, "DualPipeV": S.ScheduleDualPipeV}
 ZERO_BUBBLE = {"InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"}
 
@@ -57,11 +63,13 @@ def layers_per_stage(n_layers: int, n_stages: int, per_stage: int = -1) -> list[
         if sum(counts) != n_layers:
             raise ConfigError(
                 f"parallelism.pipeline_parallel_layers_per_stage={per_stage} over {n_stages} stages "
-                f"gives {sum(counts)} layers (first/last one fewer), but the model has {n_layers}")
+                f"gives {sum(counts)} layers (first/last one fewer), but the model has {n_layers}"
+            )
         return counts
     if n_stages > n_layers:
-        raise ConfigError(f"{n_stages} pipeline stages need at least as many layers; the model has "
-                          f"{n_layers}")
+        raise ConfigError(
+            f"{n_stages} pipeline stages need at least as many layers; the model has {n_layers}"
+        )
     units = n_layers + 2 if n_stages > 1 else n_layers
     base, rem = divmod(units, n_stages)
     counts = [base] * n_stages
@@ -77,13 +85,16 @@ def layers_per_stage(n_layers: int, n_stages: int, per_stage: int = -1) -> list[
     return counts
 
 
-def stage_fqns(n_layers: int, n_stages: int, per_stage: int = -1,
-               manual: list[str] | None = None) -> list[list[str]]:
+def stage_fqns(
+    n_layers: int, n_stages: int, per_stage: int = -1, manual: list[str] | None = None
+) -> list[list[str]]:
     """Module names of each stage: manual lists ("tok_embeddings layers.0 ...") or the auto split."""
     if manual:
         if len(manual) != n_stages:
-            raise ConfigError(f"parallelism.pipeline_parallel_module_fqns_per_stage has {len(manual)}"
-                              f" entries; the schedule needs {n_stages} stages")
+            raise ConfigError(
+                f"parallelism.pipeline_parallel_module_fqns_per_stage has {len(manual)}"
+                f" entries; the schedule needs {n_stages} stages"
+            )
         return [entry.split() for entry in manual]
     fqns, start = [], 0
     for i, count in enumerate(layers_per_stage(n_layers, n_stages, per_stage)):
@@ -97,7 +108,7 @@ def stage_fqns(n_layers: int, n_stages: int, per_stage: int = -1,
     return fqns
 
 
-def build_stage_module(model: nn.Module, fqns: list[str]) -> nn.Module:
+def build_stage_module(model: Transformer, fqns: list[str]) -> Transformer:
     """A copy of `model` (on the meta device) keeping only the modules named in `fqns`."""
     stage = copy.deepcopy(model)
     keep = set(fqns)
@@ -109,21 +120,24 @@ def build_stage_module(model: nn.Module, fqns: list[str]) -> nn.Module:
             del stage.layers[layer_id]
     unknown = keep - {"tok_embeddings", "norm", "output"} - {f"layers.{i}" for i in model.layers}
     if unknown:
-        raise ConfigError(f"unknown module names for a pipeline stage: {sorted(unknown)}; valid: "
-                          "tok_embeddings, layers.<i>, norm, output")
+        raise ConfigError(
+            f"unknown module names for a pipeline stage: {sorted(unknown)}; valid: "
+            "tok_embeddings, layers.<i>, norm, output"
+        )
     return stage
 
 
 def build_schedule(name: str, stages: list[PipelineStage], n_microbatches: int, loss_fn):
     """The schedule object; gradients are not rescaled (the loss is already globally normalized)."""
     if name in SINGLE:
-        return SINGLE[name](stages[0], n_microbatches=n_microbatches, loss_fn=loss_fn,
-                            scale_grads=False)
+        return SINGLE[name](
+            stages[0], n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False
+        )
     cls = LOOPED.get(name) or V_SHAPE[name]
     return cls(stages, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)
 
 
-def pipeline_llama(model: nn.Module, parallel_dims, config, device, parallelize_fn, loss_fn):
+def pipeline_llama(model: Transformer, parallel_dims, config, device, parallelize_fn, loss_fn):
     """Split the meta-device `model` into this rank's stages, parallelize each with
     `parallelize_fn(stage_module)` (TP/AC/compile/FSDP inside the stage), materialize them on
     `device` and build the schedule.
@@ -135,8 +149,12 @@ def pipeline_llama(model: nn.Module, parallel_dims, config, device, parallelize_
     pp, pp_rank = pp_mesh.size(), pp_mesh.get_local_rank()
     per_rank = stages_per_rank(p.pipeline_parallel_schedule, p.pipeline_parallel_stages_per_rank)
     n_stages = pp * per_rank
-    all_fqns = stage_fqns(len(model.layers), n_stages, p.pipeline_parallel_layers_per_stage,
-                          p.pipeline_parallel_module_fqns_per_stage)
+    all_fqns = stage_fqns(
+        len(model.layers),
+        n_stages,
+        p.pipeline_parallel_layers_per_stage,
+        p.pipeline_parallel_module_fqns_per_stage,
+    )
     ids = stage_ids(p.pipeline_parallel_schedule, pp_rank, pp, per_rank)
     parts, stages = [], []
     for sid in ids:

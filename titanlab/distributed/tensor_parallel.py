@@ -23,12 +23,23 @@ Plan (Shoeybi et al. 2019, "Megatron-LM"; Korthikanti et al. 2022 for sequence p
 
 from __future__ import annotations
 
-from torch import nn
+from typing import TYPE_CHECKING
+
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
-    ColwiseParallel, PrepareModuleInput, PrepareModuleOutput, RowwiseParallel, SequenceParallel,
-    parallelize_module)
+    ColwiseParallel,
+    PrepareModuleInput,
+    PrepareModuleOutput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor.parallel import ParallelStyle
+
+    from titanlab.models.llama3.model import Transformer
 
 
 def block_styles(float8_comm: bool) -> tuple[type, type, type]:
@@ -36,13 +47,18 @@ def block_styles(float8_comm: bool) -> tuple[type, type, type]:
     float8 ones when `float8_comm` (the Linear layers must already be torchao Float8Linear)."""
     if float8_comm:
         from torchao.float8.float8_tensor_parallel import (
-            Float8ColwiseParallel, Float8RowwiseParallel, PrepareFloat8ModuleInput)
+            Float8ColwiseParallel,
+            Float8RowwiseParallel,
+            PrepareFloat8ModuleInput,
+        )
+
         return Float8ColwiseParallel, Float8RowwiseParallel, PrepareFloat8ModuleInput
     return ColwiseParallel, RowwiseParallel, PrepareModuleInput
 
 
-def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, loss_parallel: bool,
-             float8_comm: bool = False) -> None:
+def apply_tp(
+    model: Transformer, tp_mesh: DeviceMesh, *, loss_parallel: bool, float8_comm: bool = False
+) -> None:
     """Shard `model` (a Transformer or a pipeline stage of one) over `tp_mesh` in place.
 
     Input tokens (bs, seq) must be identical on every tp rank; the output is logits (bs, seq,
@@ -50,10 +66,11 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, loss_parallel: bool,
     A middle pipeline stage takes and returns (bs, seq, dim) hidden states sharded on seq.
     `float8_comm`: all-gather the blocks' activations in float8 (torchao tensorwise recipe).
     """
-    top: dict[str, nn.Module | object] = {}
+    top: dict[str, ParallelStyle] = {}
     if model.tok_embeddings is not None:
-        top["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1),
-                                                    use_local_output=False)
+        top["tok_embeddings"] = RowwiseParallel(
+            input_layouts=Replicate(), output_layouts=Shard(1), use_local_output=False
+        )
     if model.norm is not None:
         top["norm"] = SequenceParallel()
     if model.output is not None:
@@ -68,15 +85,17 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, loss_parallel: bool,
     block_plan = {
         "attention_norm": SequenceParallel(),
         # (x, cos, sin): only x is a sharded activation; the RoPE tables are plain tensors.
-        "attention": PrepareModuleInput(input_layouts=(Shard(1), None, None),
-                                        desired_input_layouts=(Replicate(), None, None)),
+        "attention": PrepareModuleInput(
+            input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None)
+        ),
         "attention.wq": ColwiseParallel(),
         "attention.wk": ColwiseParallel(),
         "attention.wv": ColwiseParallel(),
         "attention.wo": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
         "ffn_norm": SequenceParallel(),
-        "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),),
-                                           desired_input_layouts=(Replicate(),)),
+        "feed_forward": PrepareModuleInput(
+            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
+        ),
         "feed_forward.w1": ColwiseParallel(),
         "feed_forward.w3": ColwiseParallel(),
         "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
@@ -88,9 +107,20 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, loss_parallel: bool,
         parallelize_module(block, tp_mesh, block_plan)
     # Pipeline stages exchange plain tensors (this rank's sequence shard): convert at the edges.
     if blocks and model.tok_embeddings is None:
-        parallelize_module(blocks[0], tp_mesh, PrepareModuleInput(
-            input_layouts=(Shard(1), None, None), desired_input_layouts=(Shard(1), None, None),
-            use_local_output=False))
+        parallelize_module(
+            blocks[0],
+            tp_mesh,
+            PrepareModuleInput(
+                input_layouts=(Shard(1), None, None),
+                desired_input_layouts=(Shard(1), None, None),
+                use_local_output=False,
+            ),
+        )
     if blocks and model.norm is None:
-        parallelize_module(blocks[-1], tp_mesh, PrepareModuleOutput(
-            output_layouts=Shard(1), desired_output_layouts=Shard(1), use_local_output=True))
+        parallelize_module(
+            blocks[-1],
+            tp_mesh,
+            PrepareModuleOutput(
+                output_layouts=Shard(1), desired_output_layouts=Shard(1), use_local_output=True
+            ),
+        )

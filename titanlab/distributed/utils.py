@@ -9,8 +9,9 @@ from torch.distributed.tensor import DTensor
 
 
 @torch.no_grad()
-def clip_grad_norm_(parameters: list[torch.nn.Parameter], max_norm: float,
-                    pp_mesh: DeviceMesh | None = None) -> torch.Tensor:
+def clip_grad_norm_(
+    parameters: list[torch.nn.Parameter], max_norm: float, pp_mesh: DeviceMesh | None = None
+) -> torch.Tensor:
     """Clip gradients in place to a global L2 norm of at most `max_norm`; return the norm.
 
     The norm covers every shard of every parameter: DTensor gradients (FSDP, TP) are reduced

@@ -17,20 +17,26 @@ def validate_layout(config: JobConfig, dims: ParallelDims, model_args, device_ty
     heads, kv_heads = model_args.n_heads, model_args.kv_heads
     if dims.tp > 1:
         if heads % dims.tp or kv_heads % dims.tp:
-            raise ConfigError(f"parallelism.tensor_parallel_degree={dims.tp} must divide the number of"
-                              f" heads ({heads}) and of KV heads ({kv_heads}) of {config.model.flavor}")
+            raise ConfigError(
+                f"parallelism.tensor_parallel_degree={dims.tp} must divide the number of"
+                f" heads ({heads}) and of KV heads ({kv_heads}) of {config.model.flavor}"
+            )
     seq_div = dims.tp * (2 * dims.cp if dims.cp > 1 else 1)
     if t.seq_len % seq_div:
-        raise ConfigError(f"training.seq_len={t.seq_len} must be divisible by tp × 2·cp = {seq_div}"
-                          " (sequence parallel and load-balanced context parallel split it)")
+        raise ConfigError(
+            f"training.seq_len={t.seq_len} must be divisible by tp × 2·cp = {seq_div}"
+            " (sequence parallel and load-balanced context parallel split it)"
+        )
     if dims.cp > 1:
         if device_type != "cuda":
             raise ConfigError(
                 f"parallelism.context_parallel_degree={dims.cp} needs CUDA: on CPU torch 2.13's SDPA "
-                "kernels have no context-parallel sharding rule; use context_parallel_degree=1")
+                "kernels have no context-parallel sharding rule; use context_parallel_degree=1"
+            )
         if dims.pp > 1:
-            raise ConfigError("context parallel with pipeline parallel is not supported yet; "
-                              "use one of them")
+            raise ConfigError(
+                "context parallel with pipeline parallel is not supported yet; use one of them"
+            )
     if dims.pp > 1:
         _validate_pipeline(config, dims, model_args)
 
@@ -39,31 +45,52 @@ def _validate_pipeline(config: JobConfig, dims: ParallelDims, model_args) -> Non
     p, t = config.parallelism, config.training
     name, pp = p.pipeline_parallel_schedule, dims.pp
     if model_args.tie_word_embeddings:
-        raise ConfigError(f"model.flavor={config.model.flavor} ties the output to the embedding, "
-                          "which cannot be split across pipeline stages; use pipeline_parallel_degree=1")
+        raise ConfigError(
+            f"model.flavor={config.model.flavor} ties the output to the embedding, "
+            "which cannot be split across pipeline stages; use pipeline_parallel_degree=1"
+        )
     per_rank = pipeline.stages_per_rank(name, p.pipeline_parallel_stages_per_rank)
     if name in pipeline.LOOPED and per_rank < 2:
-        raise ConfigError(f"parallelism.pipeline_parallel_schedule={name} needs "
-                          "pipeline_parallel_stages_per_rank >= 2")
+        raise ConfigError(
+            f"parallelism.pipeline_parallel_schedule={name} needs "
+            "pipeline_parallel_stages_per_rank >= 2"
+        )
     n_stages = pp * per_rank
-    pipeline.stage_fqns(model_args.n_layers, n_stages, p.pipeline_parallel_layers_per_stage,
-                        p.pipeline_parallel_module_fqns_per_stage)  # raises on a bad split
+    pipeline.stage_fqns(
+        model_args.n_layers,
+        n_stages,
+        p.pipeline_parallel_layers_per_stage,
+        p.pipeline_parallel_module_fqns_per_stage,
+    )  # raises on a bad split
     mb = p.pipeline_parallel_microbatch_size
     if t.local_batch_size % mb:
-        raise ConfigError(f"training.local_batch_size={t.local_batch_size} is not divisible by "
-                          f"parallelism.pipeline_parallel_microbatch_size={mb}")
+        raise ConfigError(
+            f"training.local_batch_size={t.local_batch_size} is not divisible by "
+            f"parallelism.pipeline_parallel_microbatch_size={mb}"
+        )
     n_mb = t.local_batch_size // mb
     need = n_stages if name == "DualPipeV" else pp
     if n_mb < need:
-        raise ConfigError(f"{name} with {n_stages} stages needs at least {need} microbatches, but "
-                          f"local_batch_size / microbatch_size = {t.local_batch_size} / {mb} = {n_mb}")
+        raise ConfigError(
+            f"{name} with {n_stages} stages needs at least {need} microbatches, but "
+            f"local_batch_size / microbatch_size = {t.local_batch_size} / {mb} = {n_mb}"
+        )
     if name in pipeline.LOOPED and n_mb % pp:
-        raise ConfigError(f"{name} needs the number of microbatches ({n_mb}) to be a multiple of "
-                          f"pipeline_parallel_degree={pp}")
+        raise ConfigError(
+            f"{name} needs the number of microbatches ({n_mb}) to be a multiple of "
+            f"pipeline_parallel_degree={pp}"
+        )
     if name == "DualPipeV" and dims.world_size != pp:
-        raise ConfigError("DualPipeV fails in torch 2.13 when pp is a sub-mesh of a larger mesh; "
-                          "use it with pipeline parallel alone, or choose ZBVZeroBubble")
-    if name in pipeline.ZERO_BUBBLE and dims.fsdp_enabled \
-            and p.fsdp_reshard_after_forward == "always":
-        raise ConfigError(f"{name} with FSDP and fsdp_reshard_after_forward=always gives wrong "
-                          "gradients in torch 2.13; use 'default' (no resharding under pipeline parallel)")
+        raise ConfigError(
+            "DualPipeV fails in torch 2.13 when pp is a sub-mesh of a larger mesh; "
+            "use it with pipeline parallel alone, or choose ZBVZeroBubble"
+        )
+    if (
+        name in pipeline.ZERO_BUBBLE
+        and dims.fsdp_enabled
+        and p.fsdp_reshard_after_forward == "always"
+    ):
+        raise ConfigError(
+            f"{name} with FSDP and fsdp_reshard_after_forward=always gives wrong "
+            "gradients in torch 2.13; use 'default' (no resharding under pipeline parallel)"
+        )

@@ -13,7 +13,12 @@ import torch.distributed.checkpoint as dcp
 from safetensors import safe_open
 
 from titanlab.checkpoint.convert import (
-    ConversionError, DcpModelReader, dcp_to_hf, hf_to_dcp, parse_size)
+    ConversionError,
+    DcpModelReader,
+    dcp_to_hf,
+    hf_to_dcp,
+    parse_size,
+)
 from titanlab.checkpoint.hf_adapter import HFStateDictAdapter
 from titanlab.data.tokenizer import Tokenizer, default_tokenizer_path
 from titanlab.models.llama3 import Transformer, llama3_flavors
@@ -21,8 +26,9 @@ from titanlab.models.llama3 import Transformer, llama3_flavors
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 VOCAB = Tokenizer(default_tokenizer_path()).vocab_size
 DEBUG = dataclasses.replace(llama3_flavors["debugmodel"], vocab_size=VOCAB, max_seq_len=32)
-TIED = dataclasses.replace(DEBUG, dim=64, n_layers=2, n_heads=4, n_kv_heads=2,
-                           tie_word_embeddings=True)
+TIED = dataclasses.replace(
+    DEBUG, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, tie_word_embeddings=True
+)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # transformers loads local folders only
 
@@ -60,8 +66,13 @@ def test_parse_size():
 
 def test_to_hf_shards_index_and_config(tmp_path):
     sd = save_dcp(tmp_path / "dcp", DEBUG)
-    dcp_to_hf(str(tmp_path / "dcp"), str(tmp_path / "hf"), dtype=torch.float32,
-              max_shard_bytes=3 * 10**6, progress=False)
+    dcp_to_hf(
+        str(tmp_path / "dcp"),
+        str(tmp_path / "hf"),
+        dtype=torch.float32,
+        max_shard_bytes=3 * 10**6,
+        progress=False,
+    )
     files = sorted(os.listdir(tmp_path / "hf"))
     shards = [f for f in files if f.endswith(".safetensors")]
     assert len(shards) > 3 and shards[0] == f"model-00001-of-{len(shards):05d}.safetensors"
@@ -89,15 +100,22 @@ def test_to_hf_dtype_cast(tmp_path):
     dcp_to_hf(str(tmp_path / "dcp"), str(tmp_path / "hf"), dtype=torch.bfloat16, progress=False)
     got = read_hf(tmp_path / "hf")
     expected = HFStateDictAdapter(DEBUG).to_hf_state_dict(sd)
-    assert all(got[k].dtype == torch.bfloat16 and torch.equal(got[k], expected[k].bfloat16())
-               for k in expected)
+    assert all(
+        got[k].dtype == torch.bfloat16 and torch.equal(got[k], expected[k].bfloat16())
+        for k in expected
+    )
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["torch_dtype"] == "bfloat16"
 
 
 def test_tied_model_round_trip_and_transformers_logits(tmp_path):
     sd = save_dcp(tmp_path / "dcp", TIED)
-    dcp_to_hf(str(tmp_path / "dcp"), str(tmp_path / "hf"), model_args=TIED, dtype=torch.float32,
-              progress=False)
+    dcp_to_hf(
+        str(tmp_path / "dcp"),
+        str(tmp_path / "hf"),
+        model_args=TIED,
+        dtype=torch.float32,
+        progress=False,
+    )
     got = read_hf(tmp_path / "hf")
     assert "lm_head.weight" not in got and "model.embed_tokens.weight" in got
     hf_to_dcp(str(tmp_path / "hf"), str(tmp_path / "dcp2"), model_args=TIED, progress=False)
@@ -125,7 +143,12 @@ def test_hf_tokenizer_encodes_like_titanlab(tmp_path):
     ours = Tokenizer(str(tmp_path / "hf" / "original" / "tokenizer.model"))
     with open(os.path.join(REPO, "titanlab", "checkpoint", "convert.py"), encoding="utf-8") as f:
         source = f.read()
-    for text in ["Hello world!", "  x = 12345  # é 中文 \U0001F600\n\n\t  ", "it's  DON'T\r\n", source]:
+    for text in [
+        "Hello world!",
+        "  x = 12345  # é 中文 \U0001f600\n\n\t  ",
+        "it's  DON'T\r\n",
+        source,
+    ]:
         assert hf_tok(text)["input_ids"] == ours.encode(text, bos=True, eos=False)
     assert (hf_tok.bos_token_id, hf_tok.eos_token_id) == (ours.bos_id, ours.eos_id)
 
@@ -137,8 +160,11 @@ def test_to_hf_errors_name_the_problem(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(ConversionError, match="no .metadata"):
         dcp_to_hf(str(tmp_path / "empty"), str(tmp_path / "hf"))
-    with pytest.raises(ConversionError, match=r"DCP tensor model.tok_embeddings.weight has shape "
-                                              r"\[4352, 256\] but flavor '1B' expects \[4352, 2048\]"):
+    with pytest.raises(
+        ConversionError,
+        match=r"DCP tensor model.tok_embeddings.weight has shape "
+        r"\[4352, 256\] but flavor '1B' expects \[4352, 2048\]",
+    ):
         dcp_to_hf(str(tmp_path / "dcp"), str(tmp_path / "hf"), flavor="1B")
     with pytest.raises(ConversionError, match="flavor='9B' is unknown; valid: debugmodel"):
         dcp_to_hf(str(tmp_path / "dcp"), str(tmp_path / "hf"), flavor="9B")
@@ -160,22 +186,35 @@ def test_from_hf_errors_name_the_tensor(tmp_path):
     # A tensor of the wrong shape under a config that matches: named with both shapes.
     index = json.loads((hf / "model.safetensors.index.json").read_text())
     from safetensors.torch import save_file
+
     shard = hf / index["weight_map"]["model.layers.2.self_attn.k_proj.weight"]
     with safe_open(str(shard), framework="pt") as f:
         tensors = {k: f.get_tensor(k) for k in f.keys()}
     tensors["model.layers.2.self_attn.k_proj.weight"] = torch.zeros(256, 256)
     save_file(tensors, str(shard), metadata={"format": "pt"})
-    with pytest.raises(ConversionError, match=r"HF tensor model.layers.2.self_attn.k_proj.weight has "
-                                              r"shape \[256, 256\] but flavor 'debugmodel' expects \[128, 256\]"):
+    with pytest.raises(
+        ConversionError,
+        match=r"HF tensor model.layers.2.self_attn.k_proj.weight has "
+        r"shape \[256, 256\] but flavor 'debugmodel' expects \[128, 256\]",
+    ):
         hf_to_dcp(str(hf), str(tmp_path / "out"))
     assert not (tmp_path / "out").exists()
 
 
 def cli(*args: str, script: bool = False) -> subprocess.CompletedProcess:
-    entry = [os.path.join(REPO, "tools", "convert_checkpoint.py")] if script else \
-        ["-m", "tools.convert_checkpoint"]
-    return subprocess.run([sys.executable, *entry, *args], cwd=REPO, capture_output=True,
-                          text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    entry = (
+        [os.path.join(REPO, "tools", "convert_checkpoint.py")]
+        if script
+        else ["-m", "tools.convert_checkpoint"]
+    )
+    return subprocess.run(
+        [sys.executable, *entry, *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )
 
 
 def test_cli_round_trip_and_one_line_errors(tmp_path):
@@ -194,10 +233,20 @@ def test_cli_round_trip_and_one_line_errors(tmp_path):
         (("from-hf", str(tmp_path / "dcp"), str(tmp_path / "o")), "has no config.json"),
         (("from-hf", str(tmp_path / "hf")), "the following arguments are required: dcp_dir"),
         (("to-hf", "a", "b", "--dtype", "int8"), "argument --dtype: invalid choice: 'int8'"),
-        (("to-hf", str(tmp_path / "dcp"), str(tmp_path / "o"), "--max-shard-size", "big"),
-         "'big' is not a positive size"),
-        (("to-hf", str(tmp_path / "dcp"), str(tmp_path / "o"), "--tokenizer", str(tmp_path / "t")),
-         "not found"),
+        (
+            ("to-hf", str(tmp_path / "dcp"), str(tmp_path / "o"), "--max-shard-size", "big"),
+            "'big' is not a positive size",
+        ),
+        (
+            (
+                "to-hf",
+                str(tmp_path / "dcp"),
+                str(tmp_path / "o"),
+                "--tokenizer",
+                str(tmp_path / "t"),
+            ),
+            "not found",
+        ),
     ]:
         proc = cli(*args)
         assert proc.returncode == 2, proc.stderr

@@ -7,12 +7,24 @@ import pytest
 import torch
 
 from titanlab.checkpoint.hf_adapter import (
-    HFStateDictAdapter, from_hf_name, permute_from_hf, permute_to_hf, to_hf_name)
+    HFStateDictAdapter,
+    from_hf_name,
+    permute_from_hf,
+    permute_to_hf,
+    to_hf_name,
+)
 from titanlab.models.llama3 import Transformer, llama3_flavors
 from titanlab.models.llama3.model import apply_rotary_emb, precompute_rope_cos_sin
 
-TINY = dataclasses.replace(llama3_flavors["debugmodel"], dim=64, n_layers=2, n_heads=4,
-                           n_kv_heads=2, vocab_size=50, max_seq_len=16)
+TINY = dataclasses.replace(
+    llama3_flavors["debugmodel"],
+    dim=64,
+    n_layers=2,
+    n_heads=4,
+    n_kv_heads=2,
+    vocab_size=50,
+    max_seq_len=16,
+)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # transformers loads local folders only
 
@@ -53,10 +65,18 @@ def test_permuted_projections_give_the_same_attention_scores():
     wq, wk = torch.randn(n_heads * head_dim, dim), torch.randn(n_kv * head_dim, dim)
     x = torch.randn(2, seq, dim)
     cos, sin = precompute_rope_cos_sin(head_dim, seq, 500000.0, llama3_flavors["8B"].rope_scaling)
-    q, k = apply_rotary_emb((x @ wq.T).view(2, seq, n_heads, head_dim),
-                            (x @ wk.T).view(2, seq, n_kv, head_dim), cos, sin)
-    q_hf = _hf_rotate_half_rope((x @ permute_to_hf(wq, n_heads).T).view(2, seq, n_heads, head_dim), cos, sin)
-    k_hf = _hf_rotate_half_rope((x @ permute_to_hf(wk, n_kv).T).view(2, seq, n_kv, head_dim), cos, sin)
+    q, k = apply_rotary_emb(
+        (x @ wq.T).view(2, seq, n_heads, head_dim),
+        (x @ wk.T).view(2, seq, n_kv, head_dim),
+        cos,
+        sin,
+    )
+    q_hf = _hf_rotate_half_rope(
+        (x @ permute_to_hf(wq, n_heads).T).view(2, seq, n_heads, head_dim), cos, sin
+    )
+    k_hf = _hf_rotate_half_rope(
+        (x @ permute_to_hf(wk, n_kv).T).view(2, seq, n_kv, head_dim), cos, sin
+    )
     rep = n_heads // n_kv
     scores = torch.einsum("bqhd,bkhd->bhqk", q, k.repeat_interleave(rep, dim=2))
     scores_hf = torch.einsum("bqhd,bkhd->bhqk", q_hf, k_hf.repeat_interleave(rep, dim=2))
@@ -75,11 +95,15 @@ def test_name_map_round_trips_every_weight():
     assert len(set(hf_names)) == len(names)
     assert [from_hf_name(h) for h in hf_names] == names
     assert to_hf_name("layers.1.feed_forward.w2.weight") == "model.layers.1.mlp.down_proj.weight"
-    assert to_hf_name("layers.0.ffn_norm.weight") == "model.layers.0.post_attention_layernorm.weight"
+    assert (
+        to_hf_name("layers.0.ffn_norm.weight") == "model.layers.0.post_attention_layernorm.weight"
+    )
     assert to_hf_name("output.weight") == "lm_head.weight"
 
 
-@pytest.mark.parametrize("bad", ["layers.0.attention.wq.bias", "rope_cos", "layers.x.ffn_norm.weight"])
+@pytest.mark.parametrize(
+    "bad", ["layers.0.attention.wq.bias", "rope_cos", "layers.x.ffn_norm.weight"]
+)
 def test_unknown_names_are_one_line_errors(bad):
     with pytest.raises(ValueError, match="valid:") as e:
         to_hf_name(bad)

@@ -8,21 +8,38 @@ import torch
 
 from titanlab.checkpoint import plain_state
 
-PACKAGE = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(
-    os.path.abspath(__file__))))), "titanlab")
-UNSAFE_MODULES = {"pickle", "cPickle", "_pickle", "dill", "cloudpickle", "shelve", "marshal", "joblib"}
+PACKAGE = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))),
+    "titanlab",
+)
+UNSAFE_MODULES = {
+    "pickle",
+    "cPickle",
+    "_pickle",
+    "dill",
+    "cloudpickle",
+    "shelve",
+    "marshal",
+    "joblib",
+}
 
 
 def test_round_trip_of_a_loader_state():
-    state = {"_num_yielded": 7, "_sampler_iter_state": {"sampler_state": {"epoch": 1, "seed": 3}},
-             "_shared_seed": None, "_iterator_finished": False, "name": "ü"}
+    state = {
+        "_num_yielded": 7,
+        "_sampler_iter_state": {"sampler_state": {"epoch": 1, "seed": 3}},
+        "_shared_seed": None,
+        "_iterator_finished": False,
+        "name": "ü",
+    }
     t = plain_state.encode(state)
     assert t.dtype == torch.uint8 and t.dim() == 1
     assert plain_state.decode(t) == state
 
 
-@pytest.mark.parametrize("bad", [{"t": (1, 2)}, {1: "int key"}, {"b": b"bytes"}, {"o": object()},
-                                 {"nan": float("nan")}])
+@pytest.mark.parametrize(
+    "bad", [{"t": (1, 2)}, {1: "int key"}, {"b": b"bytes"}, {"o": object()}, {"nan": float("nan")}]
+)
 def test_encode_refuses_what_json_would_change(bad):
     with pytest.raises(ValueError):
         plain_state.encode(bad)

@@ -11,8 +11,11 @@ from titanlab.checkpoint import store
 
 
 def state_dict(step: int) -> dict:
-    return {"model": {"w": torch.arange(12.0).reshape(3, 4) * step, "b": torch.ones(4)},
-            "optimizer": {"step": torch.tensor(float(step))}, "train_state": {"step": step}}
+    return {
+        "model": {"w": torch.arange(12.0).reshape(3, 4) * step, "b": torch.ones(4)},
+        "optimizer": {"step": torch.tensor(float(step))},
+        "train_state": {"step": step},
+    }
 
 
 def save(root, step: int) -> str:
@@ -51,7 +54,10 @@ def test_missing_metadata(ckpt):
 
 
 def test_missing_folder(tmp_path):
-    assert store.incomplete_reason(str(tmp_path / "step-99")) == "no .metadata (the write did not finish)"
+    assert (
+        store.incomplete_reason(str(tmp_path / "step-99"))
+        == "no .metadata (the write did not finish)"
+    )
 
 
 def test_unreadable_metadata(ckpt):
@@ -68,7 +74,8 @@ def test_truncated_data_file(ckpt):
         f.truncate(size - 1)
     name = os.path.basename(data)
     assert store.incomplete_reason(ckpt) == (
-        f"data file {name} is truncated ({size - 1} of {size} bytes)")
+        f"data file {name} is truncated ({size - 1} of {size} bytes)"
+    )
 
 
 def test_empty_data_file(ckpt):
@@ -76,7 +83,8 @@ def test_empty_data_file(ckpt):
     size = os.path.getsize(data)
     open(data, "wb").close()
     assert store.incomplete_reason(ckpt) == (
-        f"data file {os.path.basename(data)} is truncated (0 of {size} bytes)")
+        f"data file {os.path.basename(data)} is truncated (0 of {size} bytes)"
+    )
 
 
 def test_missing_data_file(ckpt):

@@ -51,7 +51,7 @@ def test_defaults_without_arguments():
 
 
 def test_toml_overrides_defaults(tmp_path):
-    config = build_from(tmp_path, '[training]\nsteps = 20\nseq_len = 64\n[optimizer]\nlr = 0.003\n')
+    config = build_from(tmp_path, "[training]\nsteps = 20\nseq_len = 64\n[optimizer]\nlr = 0.003\n")
     assert (config.training.steps, config.training.seq_len, config.optimizer.lr) == (20, 64, 0.003)
     assert config.training.local_batch_size == 8  # untouched field keeps its default
     assert config.job.config_file.endswith("job.toml")
@@ -69,13 +69,16 @@ def test_cli_value_containing_equals_sign():
     assert config.job.description == "a=b"
 
 
-@pytest.mark.parametrize("cli, expected", [
-    (["--checkpoint.enable"], True),
-    (["--checkpoint.enable", "--training.steps", "3"], True),
-    (["--checkpoint.enable", "false"], False),
-    (["--checkpoint.enable=true"], True),
-    (["--checkpoint.enable", "0"], False),
-])
+@pytest.mark.parametrize(
+    "cli, expected",
+    [
+        (["--checkpoint.enable"], True),
+        (["--checkpoint.enable", "--training.steps", "3"], True),
+        (["--checkpoint.enable", "false"], False),
+        (["--checkpoint.enable=true"], True),
+        (["--checkpoint.enable", "0"], False),
+    ],
+)
 def test_bool_flags(tmp_path, cli, expected):
     config = build_from(tmp_path, "[checkpoint]\nenable = true\n" if not expected else "", *cli)
     assert config.checkpoint.enable is expected
@@ -86,11 +89,14 @@ def test_bare_bool_flag_keeps_following_option():
     assert config.training.steps == 3
 
 
-@pytest.mark.parametrize("cli, expected", [
-    (["--compile.components", "model"], ["model"]),
-    (["--compile.components", "model,loss"], ["model", "loss"]),
-    (["--compile.components=loss"], ["loss"]),
-])
+@pytest.mark.parametrize(
+    "cli, expected",
+    [
+        (["--compile.components", "model"], ["model"]),
+        (["--compile.components", "model,loss"], ["model", "loss"]),
+        (["--compile.components=loss"], ["loss"]),
+    ],
+)
 def test_list_option_from_cli(cli, expected):
     assert build_config(cli).compile.components == expected
 
@@ -100,15 +106,23 @@ def test_list_option_from_toml(tmp_path):
 
 
 def test_int_accepted_for_float_field(tmp_path):
-    config = build_from(tmp_path, "[optimizer]\nlr = 1\n[lr_scheduler]\ndecay_ratio = -1\n",
-                        "--metrics.peak_flops", "2")
+    config = build_from(
+        tmp_path,
+        "[optimizer]\nlr = 1\n[lr_scheduler]\ndecay_ratio = -1\n",
+        "--metrics.peak_flops",
+        "2",
+    )
     assert config.optimizer.lr == 1.0 and type(config.optimizer.lr) is float
-    assert config.lr_scheduler.decay_ratio == -1.0 and type(config.lr_scheduler.decay_ratio) is float
+    assert (
+        config.lr_scheduler.decay_ratio == -1.0 and type(config.lr_scheduler.decay_ratio) is float
+    )
     assert config.metrics.peak_flops == 2.0 and type(config.metrics.peak_flops) is float
 
 
 def test_negative_number_is_a_value_not_an_option():
-    config = build_config(["--training.global_batch_size", "-1", "--lr_scheduler.decay_ratio", "-1"])
+    config = build_config(
+        ["--training.global_batch_size", "-1", "--lr_scheduler.decay_ratio", "-1"]
+    )
     assert config.training.global_batch_size == -1
     assert config.lr_scheduler.decay_ratio == -1.0
 
@@ -134,73 +148,118 @@ def test_unknown_key_suggests_closest():
 
 
 def test_unknown_key_in_toml(tmp_path):
-    message = config_error(["--job.config_file",
-                            write_toml(tmp_path, "[optimizer]\nweight_decayy = 0.1\n")])
-    assert message == ("unknown config key optimizer.weight_decayy; "
-                       "did you mean 'optimizer.weight_decay'?")
+    message = config_error(
+        ["--job.config_file", write_toml(tmp_path, "[optimizer]\nweight_decayy = 0.1\n")]
+    )
+    assert message == (
+        "unknown config key optimizer.weight_decayy; did you mean 'optimizer.weight_decay'?"
+    )
 
 
 def test_wrong_type_in_toml(tmp_path):
-    message = config_error(["--job.config_file", write_toml(tmp_path, '[training]\nsteps = "ten"\n')])
+    message = config_error(
+        ["--job.config_file", write_toml(tmp_path, '[training]\nsteps = "ten"\n')]
+    )
     assert message == "training.steps='ten' must be an int"
 
 
-@pytest.mark.parametrize("toml, expected", [
-    ("[training]\nsteps = 10.0\n", "training.steps=10.0 must be an int"),
-    ("[training]\nsteps = true\n", "training.steps=True must be an int"),
-    ('[optimizer]\nlr = "big"\n', "optimizer.lr='big' must be a float"),
-    ('[checkpoint]\nenable = "yes"\n', "checkpoint.enable='yes' must be a bool (true or false)"),
-    ("[job]\ndump_folder = 3\n", "job.dump_folder=3 must be a string"),
-    ('[compile]\ncomponents = "model"\n', "compile.components='model' must be a list of strings"),
-])
+@pytest.mark.parametrize(
+    "toml, expected",
+    [
+        ("[training]\nsteps = 10.0\n", "training.steps=10.0 must be an int"),
+        ("[training]\nsteps = true\n", "training.steps=True must be an int"),
+        ('[optimizer]\nlr = "big"\n', "optimizer.lr='big' must be a float"),
+        (
+            '[checkpoint]\nenable = "yes"\n',
+            "checkpoint.enable='yes' must be a bool (true or false)",
+        ),
+        ("[job]\ndump_folder = 3\n", "job.dump_folder=3 must be a string"),
+        (
+            '[compile]\ncomponents = "model"\n',
+            "compile.components='model' must be a list of strings",
+        ),
+    ],
+)
 def test_wrong_types_in_toml(tmp_path, toml, expected):
     assert config_error(["--job.config_file", write_toml(tmp_path, toml)]) == expected
 
 
-@pytest.mark.parametrize("cli, expected", [
-    (["--training.steps", "ten"], "training.steps='ten' must be an int"),
-    (["--training.steps=1.5"], "training.steps='1.5' must be an int"),
-    (["--optimizer.lr", "fast"], "optimizer.lr='fast' must be a float"),
-    (["--checkpoint.enable", "maybe"], "checkpoint.enable='maybe' must be a bool (true or false)"),
-])
+@pytest.mark.parametrize(
+    "cli, expected",
+    [
+        (["--training.steps", "ten"], "training.steps='ten' must be an int"),
+        (["--training.steps=1.5"], "training.steps='1.5' must be an int"),
+        (["--optimizer.lr", "fast"], "optimizer.lr='fast' must be a float"),
+        (
+            ["--checkpoint.enable", "maybe"],
+            "checkpoint.enable='maybe' must be a bool (true or false)",
+        ),
+    ],
+)
 def test_wrong_types_on_cli(cli, expected):
     assert config_error(cli) == expected
 
 
 def test_literal_not_in_choices_lists_valid_ones():
     message = config_error(["--lr_scheduler.decay_type", "cosin"])
-    assert message == ("lr_scheduler.decay_type='cosin' is not valid; valid: linear, cosine, sqrt; "
-                       "did you mean 'cosine'?")
+    assert message == (
+        "lr_scheduler.decay_type='cosin' is not valid; valid: linear, cosine, sqrt; "
+        "did you mean 'cosine'?"
+    )
 
 
 def test_literal_in_toml(tmp_path):
     toml = '[training]\nmixed_precision_param = "fp8"\n'
     message = config_error(["--job.config_file", write_toml(tmp_path, toml)])
-    assert message == ("training.mixed_precision_param='fp8' is not valid; "
-                       "valid: bfloat16, float32, float16")
+    assert message == (
+        "training.mixed_precision_param='fp8' is not valid; valid: bfloat16, float32, float16"
+    )
 
 
-@pytest.mark.parametrize("cli, expected", [
-    (["--training.steps=0"], "training.steps=0 must be >= 1"),
-    (["--optimizer.lr=-1"], "optimizer.lr=-1.0 must be > 0"),
-    (["--data.val_fraction=1.5"], "data.val_fraction=1.5 must be in [0, 1)"),
-    (["--parallelism.tensor_parallel_degree=0"],
-     "parallelism.tensor_parallel_degree=0 must be >= 1"),
-    (["--parallelism.pipeline_parallel_degree=0"],
-     "parallelism.pipeline_parallel_degree=0 must be >= 1"),
-    (["--parallelism.data_parallel_shard_degree=0"],
-     "parallelism.data_parallel_shard_degree=0 must be -1 or >= 1"),
-    (["--training.global_batch_size=0"], "training.global_batch_size=0 must be -1 or >= 1"),
-    (["--optimizer.beta2=1"], "optimizer.beta2=1.0 must be in [0, 1)"),
-    (["--lr_scheduler.decay_ratio=1.5"], "lr_scheduler.decay_ratio=1.5 must be -1 or in [0, 1]"),
-    (["--lr_scheduler.min_lr_factor=-0.1"], "lr_scheduler.min_lr_factor=-0.1 must be in [0, 1]"),
-    (["--checkpoint.load_step=-2"], "checkpoint.load_step=-2 must be -1 or >= 0"),
-    (["--activation_checkpoint.selective_ac_option=0"],
-     "activation_checkpoint.selective_ac_option='0' must be 'op' or a positive integer"),
-    (["--compile.components=model,graph"], "compile.components has ['graph']; valid: model, loss"),
-    (["--model.flavor=9B"], "model.flavor='9B' is unknown; valid: debugmodel, debugmodel_deep, 1B, 3B, 8B, 70B, 405B"),
-    (["--job.dump_folder="], "job.dump_folder must not be empty"),
-])
+@pytest.mark.parametrize(
+    "cli, expected",
+    [
+        (["--training.steps=0"], "training.steps=0 must be >= 1"),
+        (["--optimizer.lr=-1"], "optimizer.lr=-1.0 must be > 0"),
+        (["--data.val_fraction=1.5"], "data.val_fraction=1.5 must be in [0, 1)"),
+        (
+            ["--parallelism.tensor_parallel_degree=0"],
+            "parallelism.tensor_parallel_degree=0 must be >= 1",
+        ),
+        (
+            ["--parallelism.pipeline_parallel_degree=0"],
+            "parallelism.pipeline_parallel_degree=0 must be >= 1",
+        ),
+        (
+            ["--parallelism.data_parallel_shard_degree=0"],
+            "parallelism.data_parallel_shard_degree=0 must be -1 or >= 1",
+        ),
+        (["--training.global_batch_size=0"], "training.global_batch_size=0 must be -1 or >= 1"),
+        (["--optimizer.beta2=1"], "optimizer.beta2=1.0 must be in [0, 1)"),
+        (
+            ["--lr_scheduler.decay_ratio=1.5"],
+            "lr_scheduler.decay_ratio=1.5 must be -1 or in [0, 1]",
+        ),
+        (
+            ["--lr_scheduler.min_lr_factor=-0.1"],
+            "lr_scheduler.min_lr_factor=-0.1 must be in [0, 1]",
+        ),
+        (["--checkpoint.load_step=-2"], "checkpoint.load_step=-2 must be -1 or >= 0"),
+        (
+            ["--activation_checkpoint.selective_ac_option=0"],
+            "activation_checkpoint.selective_ac_option='0' must be 'op' or a positive integer",
+        ),
+        (
+            ["--compile.components=model,graph"],
+            "compile.components has ['graph']; valid: model, loss",
+        ),
+        (
+            ["--model.flavor=9B"],
+            "model.flavor='9B' is unknown; valid: debugmodel, debugmodel_deep, 1B, 3B, 8B, 70B, 405B",
+        ),
+        (["--job.dump_folder="], "job.dump_folder must not be empty"),
+    ],
+)
 def test_out_of_range_values(cli, expected):
     assert config_error(cli) == expected
 
@@ -225,7 +284,8 @@ def test_malformed_toml(tmp_path):
 def test_non_table_section(tmp_path):
     path = write_toml(tmp_path, "training = 5\n")
     assert config_error(["--job.config_file", path]) == (
-        f"[training] in {path} must be a table of key = value")
+        f"[training] in {path} must be a table of key = value"
+    )
 
 
 def test_top_level_key_is_an_unknown_section(tmp_path):
@@ -238,11 +298,13 @@ def test_option_without_value(cli):
     assert config_error(cli) == "option --training.steps needs a value"
 
 
-@pytest.mark.parametrize("cli, junk", [(["train.toml"], "train.toml"),
-                                       (["--training.steps", "3", "extra"], "extra")])
+@pytest.mark.parametrize(
+    "cli, junk", [(["train.toml"], "train.toml"), (["--training.steps", "3", "extra"], "extra")]
+)
 def test_positional_junk(cli, junk):
     assert config_error(cli) == (
-        f"unexpected argument {junk!r}; options look like --section.key VALUE")
+        f"unexpected argument {junk!r}; options look like --section.key VALUE"
+    )
 
 
 def test_option_without_section():
@@ -250,7 +312,9 @@ def test_option_without_section():
 
 
 # --- documentation ------------------------------------------------------------------------------
-@pytest.mark.parametrize("section, key, cls", all_fields(), ids=lambda v: v if isinstance(v, str) else "")
+@pytest.mark.parametrize(
+    "section, key, cls", all_fields(), ids=lambda v: v if isinstance(v, str) else ""
+)
 def test_every_field_has_a_docstring(section, key, cls):
     assert field_docs(cls).get(key, "").strip(), f"{section}.{key} has no docstring"
 
@@ -276,7 +340,9 @@ def test_markdown_reference_has_one_row_per_field():
     assert [row.split("`")[1] for row in rows] == expected
     for row in rows:
         cells = row.replace("\\|", "").strip("|").split("|")
-        assert len(cells) == 4, row  # option | type | default | meaning: any '|' in a doc is escaped
+        assert len(cells) == 4, (
+            row
+        )  # option | type | default | meaning: any '|' in a doc is escaped
     assert text.count("#### `[") == len(sections())
 
 
@@ -302,7 +368,9 @@ def test_train_config_parses(path):
 
 @pytest.mark.parametrize("name", ["llama_8b", "llama_70b", "llama_405b"])
 def test_large_presets_compile_and_checkpoint_activations(name):
-    config = build_config(["--job.config_file", os.path.join(REPO, "train_configs", f"{name}.toml")])
+    config = build_config(
+        ["--job.config_file", os.path.join(REPO, "train_configs", f"{name}.toml")]
+    )
     assert config.compile.enable and config.compile.components == ["model", "loss"]
     assert config.activation_checkpoint.mode in ("selective", "full")
     assert config.training.mixed_precision_param == "bfloat16"

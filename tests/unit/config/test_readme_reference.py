@@ -8,8 +8,12 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.a
 
 
 def test_readme_config_reference_is_current():
-    proc = subprocess.run([sys.executable, "tools/gen_config_docs.py", "--check"], cwd=REPO,
-                          capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "tools/gen_config_docs.py", "--check"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 

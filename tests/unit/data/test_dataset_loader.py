@@ -48,7 +48,9 @@ def test_train_val_disjoint(tmp_path):
     val_starts = [val[i][0][0].item() for i in range(len(val))]
     assert val_starts == [8 * len(train), 8 * (len(train) + 1)]
     assert not train_starts & set(val_starts)
-    assert train[len(train) - 1][1][-1].item() == val[0][0][0].item()  # only the boundary token is shared
+    assert (
+        train[len(train) - 1][1][-1].item() == val[0][0][0].item()
+    )  # only the boundary token is shared
     assert val[1][1][-1].item() <= 200
 
 
@@ -75,7 +77,9 @@ def test_dataset_pickles_without_data(tmp_path):
 
 def test_sampler_ranks_disjoint_and_cover_epoch():
     n, world = 23, 4
-    samplers = [DistributedShuffleSampler(n, dp_rank=r, dp_world_size=world, seed=7) for r in range(world)]
+    samplers = [
+        DistributedShuffleSampler(n, dp_rank=r, dp_world_size=world, seed=7) for r in range(world)
+    ]
     epoch0 = [[i for _, i in zip(range(n // world), iter(s))] for s in samplers]
     flat = [i for rank in epoch0 for i in rank]
     assert len(flat) == len(set(flat)) == (n // world) * world
@@ -113,7 +117,9 @@ def test_sampler_state_and_errors():
 
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_loader_resume_is_exact(tmp_path, num_workers):
-    ds = MemmapTokenDataset(write_stream(tmp_path / "d", [40, 50]), 4, val_fraction=0.0)  # 22 windows
+    ds = MemmapTokenDataset(
+        write_stream(tmp_path / "d", [40, 50]), 4, val_fraction=0.0
+    )  # 22 windows
     kwargs = dict(local_batch_size=3, dp_rank=1, dp_world_size=2, seed=5, num_workers=num_workers)
     loader = build_dataloader(ds, **kwargs)
     it = iter(loader)
@@ -147,7 +153,10 @@ def test_sampler_reshards_to_another_world_size():
     state = old[0].state_dict()
     want = {i for s in old for i in _take(s, 4)}
     for world in (4, 1, 8):
-        new = [DistributedShuffleSampler(n, dp_rank=r, dp_world_size=world, seed=5) for r in range(world)]
+        new = [
+            DistributedShuffleSampler(n, dp_rank=r, dp_world_size=world, seed=5)
+            for r in range(world)
+        ]
         for s in new:
             s.load_state_dict(dict(state))
         got = [i for s in new for i in _take(s, 8 // world)]

@@ -23,12 +23,19 @@ def test_default_cache_dir(monkeypatch):
 
 def test_ensure_default_corpus_concurrent(tmp_path, monkeypatch):
     stdlib = default_corpus.default_corpus_files()
-    few = [f for f in stdlib if f.endswith((os.sep + "json" + os.sep + "encoder.py",
-                                             os.sep + "json" + os.sep + "decoder.py"))]
+    few = [
+        f
+        for f in stdlib
+        if f.endswith(
+            (os.sep + "json" + os.sep + "encoder.py", os.sep + "json" + os.sep + "decoder.py")
+        )
+    ]
     monkeypatch.setattr(default_corpus, "default_corpus_files", lambda: few)
     calls = []
     real = default_corpus.prepare_data
-    monkeypatch.setattr(default_corpus, "prepare_data", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(
+        default_corpus, "prepare_data", lambda *a, **k: calls.append(1) or real(*a, **k)
+    )
 
     results = []
     threads = [

@@ -60,8 +60,13 @@ def test_mixed_inputs(tmp_path):
     texts = make_inputs(tmp_path / "in")
     tok = Tokenizer(default_tokenizer_path())
     out = tmp_path / "out"
-    meta = prepare_data([str(tmp_path / "in")], str(out), default_tokenizer_path(),
-                        shard_size_mb=1e-4, progress=False)
+    meta = prepare_data(
+        [str(tmp_path / "in")],
+        str(out),
+        default_tokenizer_path(),
+        shard_size_mb=1e-4,
+        progress=False,
+    )
     want = expected_tokens(tok, texts)
     tokens = read_all(out)[1]
     assert tokens == want
@@ -84,7 +89,9 @@ def test_resume_redoes_only_missing_shard(tmp_path, monkeypatch):
 
     done = []
     real = prepare._tokenize_shard
-    monkeypatch.setattr(prepare, "_tokenize_shard", lambda job: done.append(job[2]["index"]) or real(job))
+    monkeypatch.setattr(
+        prepare, "_tokenize_shard", lambda job: done.append(job[2]["index"]) or real(job)
+    )
     meta2 = prepare_data(*args, shard_size_mb=1e-4, progress=False)
     assert done == [1]
     assert meta2 == meta
@@ -102,8 +109,14 @@ def test_parallel_workers_match_serial(tmp_path):
     serial = tmp_path / "serial"
     parallel = tmp_path / "parallel"
     for out, workers in ((serial, 1), (parallel, 2)):
-        prepare_data([str(tmp_path / "in")], str(out), default_tokenizer_path(),
-                     shard_size_mb=1e-4, workers=workers, progress=False)
+        prepare_data(
+            [str(tmp_path / "in")],
+            str(out),
+            default_tokenizer_path(),
+            shard_size_mb=1e-4,
+            workers=workers,
+            progress=False,
+        )
     assert read_all(serial) == read_all(parallel)
 
 
@@ -126,8 +139,9 @@ def test_bad_inputs(tmp_path):
     (tmp_path / "x.jsonl").write_text('{"content": "hi"}\n')
     with pytest.raises(ValueError, match="no field 'text'"):
         prepare_data([str(tmp_path / "x.jsonl")], str(tmp_path / "o2"), tok, progress=False)
-    meta = prepare_data([str(tmp_path / "x.jsonl")], str(tmp_path / "o3"), tok, text_key="content",
-                        progress=False)
+    meta = prepare_data(
+        [str(tmp_path / "x.jsonl")], str(tmp_path / "o3"), tok, text_key="content", progress=False
+    )
     assert meta["total_documents"] == 1
     pq.write_table(pa.table({"body": ["a"]}), tmp_path / "y.parquet")
     with pytest.raises(ValueError, match="no column 'text'"):

@@ -67,7 +67,10 @@ def test_tiny_hand_written_model(tmp_path):
     assert tok.vocab_size == 259 + 256 and tok.bos_id == 259
     assert tok.encode("abc", bos=False, eos=False) == [257]
     assert tok.encode("ab x", bos=True, eos=False) == [259, 256, ord(" "), ord("x")]
-    assert tok.fingerprint == hashlib.sha256((tmp_path / "tokenizer.model").read_bytes()).hexdigest()[:16]
+    assert (
+        tok.fingerprint
+        == hashlib.sha256((tmp_path / "tokenizer.model").read_bytes()).hexdigest()[:16]
+    )
     assert tok.decode(tok.encode(SAMPLE, bos=False, eos=False)) == SAMPLE
 
 

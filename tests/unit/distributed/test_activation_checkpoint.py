@@ -13,8 +13,9 @@ from titanlab.distributed.activation_checkpoint import apply_ac
 from titanlab.loss import cross_entropy_sum
 from titanlab.models.llama3 import Transformer, TransformerModelArgs
 
-ARGS = TransformerModelArgs(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=128,
-                            multiple_of=32, max_seq_len=32)
+ARGS = TransformerModelArgs(
+    dim=64, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=128, multiple_of=32, max_seq_len=32
+)
 
 
 def make_model() -> Transformer:
@@ -66,9 +67,13 @@ def test_ac_modes_keep_memory_in_the_expected_order():
         kept[mode, option] = saved_bytes_and_grads(model)[0]
     # Full AC keeps each block's input; op-level SAC also keeps SDPA outputs and every other
     # matmul output; checkpointing every 2nd block keeps everything of the other half.
-    assert kept["full", "op"] < kept["selective", "op"] < kept["selective", "2"] < kept["none", "op"]
+    assert (
+        kept["full", "op"] < kept["selective", "op"] < kept["selective", "2"] < kept["none", "op"]
+    )
 
 
 def test_unknown_mode_is_one_line():
-    with pytest.raises(ValueError, match=r"^activation_checkpoint.mode='half'; valid: none, full, selective$"):
+    with pytest.raises(
+        ValueError, match=r"^activation_checkpoint.mode='half'; valid: none, full, selective$"
+    ):
         apply_ac(make_model(), "half")

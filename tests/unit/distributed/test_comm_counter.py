@@ -21,8 +21,13 @@ F32 = 4  # bytes per float32 element
 
 def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                            world_size=world, timeout=timedelta(seconds=60))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{init_file}",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=60),
+    )
     ok = False
     try:
         from torch.distributed.device_mesh import init_device_mesh
@@ -36,8 +41,10 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
             dist.all_reduce(x)  # 24
             dist.broadcast(x, src=0)  # 24
             peer = 1 - rank
-            ops = [dist.P2POp(dist.isend, torch.ones(5), peer),  # 20 sent
-                   dist.P2POp(dist.irecv, torch.empty(5), peer)]  # 20 received
+            ops = [
+                dist.P2POp(dist.isend, torch.ones(5), peer),  # 20 sent
+                dist.P2POp(dist.irecv, torch.empty(5), peer),
+            ]  # 20 received
             for work in dist.batch_isend_irecv(ops):
                 work.wait()
             # DTensor goes through the functional collectives: an all-gather of (8, 4) fp32.
@@ -59,16 +66,27 @@ def test_counter_bytes_two_ranks(tmp_path):
         assert kinds["all_gather"]["calls"] == 2
         assert kinds["all_gather"]["bytes"] == 12 * F32 + 8 * 4 * F32
         assert kinds["all_gather"]["wire_bytes"] == (12 * F32 + 8 * 4 * F32) // 2
-        assert kinds["reduce_scatter"] == {"calls": 1, "bytes": 6 * F32, "wire_bytes": 3 * F32,
-                                           "sizes": {f"{6 * F32}x2": 1}}
-        assert kinds["all_reduce"] == {"calls": 2, "bytes": 6 * F32 + 4 * F32,
-                                       "wire_bytes": 6 * F32 + 4 * F32,
-                                       "sizes": {f"{4 * F32}x2": 1, f"{6 * F32}x2": 1}}
+        assert kinds["reduce_scatter"] == {
+            "calls": 1,
+            "bytes": 6 * F32,
+            "wire_bytes": 3 * F32,
+            "sizes": {f"{6 * F32}x2": 1},
+        }
+        assert kinds["all_reduce"] == {
+            "calls": 2,
+            "bytes": 6 * F32 + 4 * F32,
+            "wire_bytes": 6 * F32 + 4 * F32,
+            "sizes": {f"{4 * F32}x2": 1, f"{6 * F32}x2": 1},
+        }
         assert kinds["send"]["calls"] == 1 and kinds["send"]["bytes"] == 5 * F32
         assert kinds["recv"]["calls"] == 1 and kinds["recv"]["bytes"] == 5 * F32
         assert kinds["recv"]["wire_bytes"] == 0
-        assert kinds["broadcast"] == {"calls": 1, "bytes": 6 * F32, "wire_bytes": 3 * F32,
-                                      "sizes": {f"{6 * F32}x2": 1}}
+        assert kinds["broadcast"] == {
+            "calls": 1,
+            "bytes": 6 * F32,
+            "wire_bytes": 3 * F32,
+            "sizes": {f"{6 * F32}x2": 1},
+        }
 
 
 def test_count_step_comms_env(tmp_path, monkeypatch):

@@ -53,8 +53,14 @@ def test_every_candidate_is_accepted_or_refused_with_one_line(verdicts):
     assert refusals and all("\n" not in why and why for why in refusals)
     valid = {lay.name for lay, why in verdicts if why is None}
     # The layouts that trained wrong or were refused before issue 16 are valid now.
-    for name in ("ws4-ddp2-pp2-1F1B", "ws4-ddp2-pp2-GPipe", "ws4-ddp2-pp2-Interleaved1F1B",
-                 "ws4-ddp2-tp2", "ws8-hsdp2x2-pp2-1F1B", "ws8-fsdp2-tp2-pp2-1F1B"):
+    for name in (
+        "ws4-ddp2-pp2-1F1B",
+        "ws4-ddp2-pp2-GPipe",
+        "ws4-ddp2-pp2-Interleaved1F1B",
+        "ws4-ddp2-tp2",
+        "ws8-hsdp2x2-pp2-1F1B",
+        "ws8-fsdp2-tp2-pp2-1F1B",
+    ):
         assert name in valid
     refused = dict((lay.name, why) for lay, why in verdicts if why)
     assert "must divide the number of heads" in refused["ws4-tp4"]
@@ -67,26 +73,36 @@ def test_ci_subset_covers_every_pair_that_can_meet(verdicts):
     assert set(subset) <= set(valid)
 
     def pairs(lays):
-        return {frozenset(p) for lay in lays for p in itertools.combinations(sorted(lay.features), 2)}
+        return {
+            frozenset(p) for lay in lays for p in itertools.combinations(sorted(lay.features), 2)
+        }
 
     assert pairs(valid) == pairs(subset)
     names = {lay.name for lay in subset}
     kinds = {(lay.dp_kind, lay.schedule) for lay in subset}
-    for schedule in ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble",
-                     "ZBVZeroBubble"):  # DualPipeV is refused on a sub-mesh
+    for schedule in (
+        "GPipe",
+        "1F1B",
+        "Interleaved1F1B",
+        "LoopedBFS",
+        "InterleavedZeroBubble",
+        "ZBVZeroBubble",
+    ):  # DualPipeV is refused on a sub-mesh
         assert ("ddp", schedule) in kinds and ("hsdp", schedule) in kinds
     assert any(lay.dp_kind == "hsdp" and lay.tp > 1 for lay in subset)
-    assert any(lay.world_size == 8 and lay.pp > 1 and lay.tp > 1 and lay.dp_kind == "fsdp"
-               for lay in subset), names
+    assert any(
+        lay.world_size == 8 and lay.pp > 1 and lay.tp > 1 and lay.dp_kind == "fsdp"
+        for lay in subset
+    ), names
     assert len(subset) < len(valid) / 3  # a subset, not the matrix
 
 
 def test_pairwise_subset_on_a_toy():
-    a = Layout(2, 1, 1, 1, None, 2)   # ddp + grad_accum, 2 ranks
-    b = Layout(1, 1, 2, 1, None, 2)   # tp + grad_accum, 2 ranks
-    c = Layout(2, 1, 2, 1, None, 1)   # ddp + tp, 4 ranks
-    d = Layout(2, 1, 2, 1, None, 2)   # all three on 4 ranks: covers every pair alone
-    e = Layout(1, 1, 1, 1, None, 1)   # no feature at all: never needed
+    a = Layout(2, 1, 1, 1, None, 2)  # ddp + grad_accum, 2 ranks
+    b = Layout(1, 1, 2, 1, None, 2)  # tp + grad_accum, 2 ranks
+    c = Layout(2, 1, 2, 1, None, 1)  # ddp + tp, 4 ranks
+    d = Layout(2, 1, 2, 1, None, 2)  # all three on 4 ranks: covers every pair alone
+    e = Layout(1, 1, 1, 1, None, 1)  # no feature at all: never needed
     assert pairwise_subset([a, b, c, d, e]) == pairwise_subset([a, b, c, d, e])  # deterministic
     assert pairwise_subset([d, e]) == [d]
     assert set(pairwise_subset([a, b, c, e])) == {a, b, c}

@@ -7,8 +7,9 @@ from titanlab.distributed.parallel_dims import ParallelDims
 
 
 def dims(world_size, dp_shard=-1, dp_replicate=1, cp=1, tp=1, pp=1) -> ParallelDims:
-    return ParallelDims(dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, tp=tp, pp=pp,
-                        world_size=world_size)
+    return ParallelDims(
+        dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, tp=tp, pp=pp, world_size=world_size
+    )
 
 
 def dims_error(world_size, **degrees) -> str:
@@ -19,20 +20,28 @@ def dims_error(world_size, **degrees) -> str:
     return message
 
 
-@pytest.mark.parametrize("world, degrees, dp_shard", [
-    (1, {}, 1),
-    (8, {}, 8),
-    (8, {"dp_replicate": 2}, 4),
-    (8, {"tp": 2}, 4),
-    (16, {"dp_replicate": 2, "cp": 2, "pp": 2}, 2),
-])
+@pytest.mark.parametrize(
+    "world, degrees, dp_shard",
+    [
+        (1, {}, 1),
+        (8, {}, 8),
+        (8, {"dp_replicate": 2}, 4),
+        (8, {"tp": 2}, 4),
+        (16, {"dp_replicate": 2, "cp": 2, "pp": 2}, 2),
+    ],
+)
 def test_dp_shard_minus_one_takes_the_rest(world, degrees, dp_shard):
     assert dims(world, **degrees).dp_shard == dp_shard
 
 
 def test_degree_properties():
     d = dims(8, dp_replicate=2)
-    assert (d.dp_degree, d.dp_enabled, d.fsdp_enabled, d.dp_replicate_enabled) == (8, True, True, True)
+    assert (d.dp_degree, d.dp_enabled, d.fsdp_enabled, d.dp_replicate_enabled) == (
+        8,
+        True,
+        True,
+        True,
+    )
     single = dims(1)
     assert (single.dp_degree, single.dp_enabled, single.fsdp_enabled) == (1, False, False)
 
@@ -45,14 +54,17 @@ def test_from_config():
 
 def test_product_mismatch_names_numbers_and_world_size():
     assert dims_error(8, dp_shard=3) == (
-        "dp_replicate*dp_shard*cp*tp*pp = 1*3*1*1*1 = 3 does not equal the world size 8")
+        "dp_replicate*dp_shard*cp*tp*pp = 1*3*1*1*1 = 3 does not equal the world size 8"
+    )
     assert dims_error(4, dp_shard=4, dp_replicate=2) == (
-        "dp_replicate*dp_shard*cp*tp*pp = 2*4*1*1*1 = 8 does not equal the world size 4")
+        "dp_replicate*dp_shard*cp*tp*pp = 2*4*1*1*1 = 8 does not equal the world size 4"
+    )
 
 
 def test_world_not_divisible_by_other_degrees():
     assert dims_error(6, dp_replicate=4) == (
-        "world size 6 is not divisible by dp_replicate*cp*tp*pp = 4*1*1*1 = 4")
+        "world size 6 is not divisible by dp_replicate*cp*tp*pp = 4*1*1*1 = 4"
+    )
 
 
 @pytest.mark.parametrize("name", ["dp_replicate", "cp", "tp", "pp"])
@@ -68,4 +80,9 @@ def test_dp_shard_zero_or_negative(dp_shard):
 @pytest.mark.parametrize("dp_shard", [1, -1])
 def test_replicate_without_shard_is_plain_ddp(dp_shard):
     dims = ParallelDims(dp_replicate=2, dp_shard=dp_shard, cp=1, tp=1, pp=1, world_size=2)
-    assert (dims.dp_shard, dims.dp_degree, dims.fsdp_enabled, dims.dp_replicate_enabled) == (1, 2, False, True)
+    assert (dims.dp_shard, dims.dp_degree, dims.fsdp_enabled, dims.dp_replicate_enabled) == (
+        1,
+        2,
+        False,
+        True,
+    )

@@ -9,8 +9,15 @@ from titanlab.distributed.validate import validate_layout
 from titanlab.models.llama3 import llama3_flavors
 
 
-def error(world=4, flavor="debugmodel", device="cpu", seq_len=64, local_batch=8,
-          compile_enable=False, **parallelism):
+def error(
+    world=4,
+    flavor="debugmodel",
+    device="cpu",
+    seq_len=64,
+    local_batch=8,
+    compile_enable=False,
+    **parallelism,
+):
     """The ConfigError message of validating this layout (or None when it passes)."""
     config = JobConfig()
     config.compile.enable = compile_enable
@@ -31,65 +38,95 @@ def error(world=4, flavor="debugmodel", device="cpu", seq_len=64, local_batch=8,
 def test_valid_layouts_pass():
     assert error(tensor_parallel_degree=2) is None
     assert error(pipeline_parallel_degree=2, pipeline_parallel_schedule="ZBVZeroBubble") is None
-    assert error(world=2, pipeline_parallel_degree=2, pipeline_parallel_schedule="DualPipeV") is None
+    assert (
+        error(world=2, pipeline_parallel_degree=2, pipeline_parallel_schedule="DualPipeV") is None
+    )
 
 
 def test_tp_must_divide_heads_and_kv_heads():
     # debugmodel: 8 heads, 4 KV heads.
     assert error(world=8, tensor_parallel_degree=8) == (
         "parallelism.tensor_parallel_degree=8 must divide the number of heads (8) and of KV heads"
-        " (4) of debugmodel")
+        " (4) of debugmodel"
+    )
     assert "number of heads (8)" in error(world=3, tensor_parallel_degree=3)
 
 
 def test_seq_len_divisible_by_tp_and_2cp():
     assert error(tensor_parallel_degree=2, seq_len=63) == (
         "training.seq_len=63 must be divisible by tp × 2·cp = 2 (sequence parallel and "
-        "load-balanced context parallel split it)")
-    assert "tp × 2·cp = 8" in error(world=4, device="cuda", tensor_parallel_degree=2,
-                                    context_parallel_degree=2, seq_len=36)
+        "load-balanced context parallel split it)"
+    )
+    assert "tp × 2·cp = 8" in error(
+        world=4, device="cuda", tensor_parallel_degree=2, context_parallel_degree=2, seq_len=36
+    )
 
 
 def test_cp_needs_cuda_and_no_pp():
     assert error(world=2, context_parallel_degree=2).startswith(
-        "parallelism.context_parallel_degree=2 needs CUDA")
+        "parallelism.context_parallel_degree=2 needs CUDA"
+    )
     assert error(world=4, device="cuda", context_parallel_degree=2, pipeline_parallel_degree=2) == (
-        "context parallel with pipeline parallel is not supported yet; use one of them")
+        "context parallel with pipeline parallel is not supported yet; use one of them"
+    )
     assert error(world=2, device="cuda", context_parallel_degree=2) is None
 
 
 def test_layers_must_cover_the_stages():
     # debugmodel has 6 layers; PP 4 × 2 stages per rank = 8 stages.
     assert error(pipeline_parallel_degree=4, pipeline_parallel_schedule="Interleaved1F1B") == (
-        "8 pipeline stages need at least as many layers; the model has 6")
+        "8 pipeline stages need at least as many layers; the model has 6"
+    )
     assert error(pipeline_parallel_degree=2, pipeline_parallel_layers_per_stage=4) is None  # 3 + 3
-    assert "gives 4 layers" in error(pipeline_parallel_degree=2, pipeline_parallel_layers_per_stage=3)
+    assert "gives 4 layers" in error(
+        pipeline_parallel_degree=2, pipeline_parallel_layers_per_stage=3
+    )
 
 
 def test_microbatches_per_schedule():
     assert error(local_batch=1, pipeline_parallel_degree=2) == (
         "1F1B with 2 stages needs at least 2 microbatches, but local_batch_size / microbatch_size "
-        "= 1 / 1 = 1")
-    assert "needs at least 4 microbatches" in error(world=2, local_batch=2, pipeline_parallel_degree=2,
-                                                    pipeline_parallel_schedule="DualPipeV")
-    assert error(local_batch=3, pipeline_parallel_degree=2, pipeline_parallel_schedule="LoopedBFS") == (
-        "LoopedBFS needs the number of microbatches (3) to be a multiple of pipeline_parallel_degree=2")
-    assert error(local_batch=8, pipeline_parallel_degree=2, pipeline_parallel_microbatch_size=3) == (
-        "training.local_batch_size=8 is not divisible by parallelism.pipeline_parallel_microbatch_size=3")
+        "= 1 / 1 = 1"
+    )
+    assert "needs at least 4 microbatches" in error(
+        world=2, local_batch=2, pipeline_parallel_degree=2, pipeline_parallel_schedule="DualPipeV"
+    )
+    assert error(
+        local_batch=3, pipeline_parallel_degree=2, pipeline_parallel_schedule="LoopedBFS"
+    ) == (
+        "LoopedBFS needs the number of microbatches (3) to be a multiple of pipeline_parallel_degree=2"
+    )
+    assert error(
+        local_batch=8, pipeline_parallel_degree=2, pipeline_parallel_microbatch_size=3
+    ) == (
+        "training.local_batch_size=8 is not divisible by parallelism.pipeline_parallel_microbatch_size=3"
+    )
     assert "needs pipeline_parallel_stages_per_rank >= 2" in error(
-        pipeline_parallel_degree=2, pipeline_parallel_schedule="Interleaved1F1B",
-        pipeline_parallel_stages_per_rank=1)
+        pipeline_parallel_degree=2,
+        pipeline_parallel_schedule="Interleaved1F1B",
+        pipeline_parallel_stages_per_rank=1,
+    )
 
 
 def test_refused_torch_213_traps():
     assert error(pipeline_parallel_degree=2, pipeline_parallel_schedule="DualPipeV").startswith(
-        "DualPipeV fails in torch 2.13 when pp is a sub-mesh")
-    assert "gives wrong gradients" in error(pipeline_parallel_degree=2,
-                                            pipeline_parallel_schedule="ZBVZeroBubble",
-                                            fsdp_reshard_after_forward="always")
+        "DualPipeV fails in torch 2.13 when pp is a sub-mesh"
+    )
+    assert "gives wrong gradients" in error(
+        pipeline_parallel_degree=2,
+        pipeline_parallel_schedule="ZBVZeroBubble",
+        fsdp_reshard_after_forward="always",
+    )
     # DDP (FSDP2's replicate) composes with TP and PP since issue 16.
-    assert error(world=4, tensor_parallel_degree=2, data_parallel_replicate_degree=2,
-                 data_parallel_shard_degree=1) is None
+    assert (
+        error(
+            world=4,
+            tensor_parallel_degree=2,
+            data_parallel_replicate_degree=2,
+            data_parallel_shard_degree=1,
+        )
+        is None
+    )
 
 
 def test_compile_with_tp_is_allowed():
@@ -98,11 +135,16 @@ def test_compile_with_tp_is_allowed():
 
 def test_tied_embeddings_cannot_be_pipelined():
     assert error(flavor="1B", pipeline_parallel_degree=2, seq_len=64).startswith(
-        "model.flavor=1B ties the output to the embedding")
+        "model.flavor=1B ties the output to the embedding"
+    )
 
 
 def test_manual_stage_split():
     ok = ["tok_embeddings layers.0 layers.1 layers.2", "layers.3 layers.4 layers.5 norm output"]
-    assert error(world=2, pipeline_parallel_degree=2, pipeline_parallel_module_fqns_per_stage=ok) is None
+    assert (
+        error(world=2, pipeline_parallel_degree=2, pipeline_parallel_module_fqns_per_stage=ok)
+        is None
+    )
     assert "has 1 entries; the schedule needs 2 stages" in error(
-        world=2, pipeline_parallel_degree=2, pipeline_parallel_module_fqns_per_stage=ok[:1])
+        world=2, pipeline_parallel_degree=2, pipeline_parallel_module_fqns_per_stage=ok[:1]
+    )

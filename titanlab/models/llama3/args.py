@@ -110,7 +110,8 @@ class TransformerModelArgs:
             )
         s = self.rope_scaling
         if s is not None and not (
-            s.factor >= 1 and 0 < s.low_freq_factor < s.high_freq_factor
+            s.factor >= 1
+            and 0 < s.low_freq_factor < s.high_freq_factor
             and s.original_max_position_embeddings > 0
         ):
             raise ValueError(
@@ -127,32 +128,69 @@ def _published(**kwargs) -> TransformerModelArgs:
 llama3_flavors: dict[str, TransformerModelArgs] = {
     # Tiny GQA model that trains on CPU; scaling on so that code path runs in every test.
     "debugmodel": TransformerModelArgs(
-        dim=256, n_layers=6, n_heads=8, n_kv_heads=4, multiple_of=64,
-        rope_theta=500000.0, rope_scaling=LLAMA31_SCALING,
+        dim=256,
+        n_layers=6,
+        n_heads=8,
+        n_kv_heads=4,
+        multiple_of=64,
+        rope_theta=500000.0,
+        rope_scaling=LLAMA31_SCALING,
     ),
     # 8 thin layers: enough stages for 4-rank interleaved pipelines in CPU parity tests.
     "debugmodel_deep": TransformerModelArgs(
-        dim=64, n_layers=8, n_heads=4, n_kv_heads=2, multiple_of=32,
-        rope_theta=500000.0, rope_scaling=LLAMA31_SCALING,
+        dim=64,
+        n_layers=8,
+        n_heads=4,
+        n_kv_heads=2,
+        multiple_of=32,
+        rope_theta=500000.0,
+        rope_scaling=LLAMA31_SCALING,
     ),
     "1B": _published(
-        dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim_multiplier=1.5,
-        multiple_of=256, rope_scaling=LLAMA32_SCALING, tie_word_embeddings=True,
+        dim=2048,
+        n_layers=16,
+        n_heads=32,
+        n_kv_heads=8,
+        ffn_dim_multiplier=1.5,
+        multiple_of=256,
+        rope_scaling=LLAMA32_SCALING,
+        tie_word_embeddings=True,
     ),
     "3B": _published(
-        dim=3072, n_layers=28, n_heads=24, n_kv_heads=8, ffn_dim_multiplier=1.0,
-        multiple_of=256, rope_scaling=LLAMA32_SCALING, tie_word_embeddings=True,
+        dim=3072,
+        n_layers=28,
+        n_heads=24,
+        n_kv_heads=8,
+        ffn_dim_multiplier=1.0,
+        multiple_of=256,
+        rope_scaling=LLAMA32_SCALING,
+        tie_word_embeddings=True,
     ),
     "8B": _published(
-        dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim_multiplier=1.3,
-        multiple_of=1024, rope_scaling=LLAMA31_SCALING,
+        dim=4096,
+        n_layers=32,
+        n_heads=32,
+        n_kv_heads=8,
+        ffn_dim_multiplier=1.3,
+        multiple_of=1024,
+        rope_scaling=LLAMA31_SCALING,
     ),
     "70B": _published(
-        dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim_multiplier=1.3,
-        multiple_of=4096, rope_scaling=LLAMA31_SCALING,
+        dim=8192,
+        n_layers=80,
+        n_heads=64,
+        n_kv_heads=8,
+        ffn_dim_multiplier=1.3,
+        multiple_of=4096,
+        rope_scaling=LLAMA31_SCALING,
     ),
     "405B": _published(
-        dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, ffn_dim_multiplier=1.2,
-        multiple_of=4096, rope_scaling=LLAMA31_SCALING,
+        dim=16384,
+        n_layers=126,
+        n_heads=128,
+        n_kv_heads=8,
+        ffn_dim_multiplier=1.2,
+        multiple_of=4096,
+        rope_scaling=LLAMA31_SCALING,
     ),
 }

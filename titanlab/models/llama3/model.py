@@ -14,6 +14,7 @@ and the Llama 3 paper (Dubey et al. 2024, "The Llama 3 Herd of Models").
 from __future__ import annotations
 
 import math
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -22,8 +23,9 @@ from torch import nn
 from titanlab.models.llama3.args import RopeScaling, TransformerModelArgs
 
 
-def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None,
-                     device: torch.device | None = None) -> torch.Tensor:
+def rope_frequencies(
+    head_dim: int, theta: float, scaling: RopeScaling | None, device: torch.device | None = None
+) -> torch.Tensor:
     """RoPE angular frequencies (radians per token), shape (head_dim // 2,) fp32.
 
     freq_i = theta ** (-2i / head_dim). With `scaling`, the Llama 3.1 rule (Meta llama-models
@@ -34,7 +36,8 @@ def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None,
     - otherwise (1 - s) * freq / factor + s * freq, s = (L / wavelen - low) / (high - low).
     """
     freqs = 1.0 / theta ** (
-        torch.arange(0, head_dim, 2, device=device)[: head_dim // 2].float() / head_dim)
+        torch.arange(0, head_dim, 2, device=device)[: head_dim // 2].float() / head_dim
+    )
     if scaling is None:
         return freqs
     orig = scaling.original_max_position_embeddings
@@ -46,9 +49,13 @@ def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None,
     return torch.where(wavelen < orig / high, freqs, out)
 
 
-def precompute_rope_cos_sin(head_dim: int, end: int, theta: float, scaling: RopeScaling | None,
-                            device: torch.device | None = None,
-                            ) -> tuple[torch.Tensor, torch.Tensor]:
+def precompute_rope_cos_sin(
+    head_dim: int,
+    end: int,
+    theta: float,
+    scaling: RopeScaling | None,
+    device: torch.device | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin of the RoPE angles position * freq, each shape (end, head_dim // 2) fp32.
 
     Frequencies (with optional Llama 3.1 scaling) come from `rope_frequencies`.
@@ -58,8 +65,12 @@ def precompute_rope_cos_sin(head_dim: int, end: int, theta: float, scaling: Rope
     return angles.cos(), angles.sin()
 
 
-def apply_rotary_emb(xq: torch.Tensor, xk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
+def apply_rotary_emb(
+    xq: torch.Tensor,
+    xk: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate queries and keys by position, Meta's interleaved pair layout, in real arithmetic.
 
     Elements (2i, 2i+1) of each head form pair i, rotated by angle position * freq_i: the same as
@@ -182,19 +193,31 @@ class Transformer(nn.Module):
         ValueError: from `args.validate()` if the arguments are inconsistent.
     """
 
+    # Declared for type checkers: a pipeline stage sets the modules it does not own to None,
+    # and the RoPE tables are (non-persistent) buffers.
+    args: TransformerModelArgs
+    tok_embeddings: nn.Embedding | None
+    layers: nn.ModuleDict
+    norm: nn.RMSNorm | None
+    output: nn.Linear | None
+    rope_cos: torch.Tensor
+    rope_sin: torch.Tensor
+
     def __init__(self, args: TransformerModelArgs):
         super().__init__()
         args.validate()
         self.args = args
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
         self.layers = nn.ModuleDict(
-            {str(i): TransformerBlock(i, args) for i in range(args.n_layers)})
+            {str(i): TransformerBlock(i, args) for i in range(args.n_layers)}
+        )
         self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         if args.tie_word_embeddings:
             self.output.weight = self.tok_embeddings.weight
         cos, sin = precompute_rope_cos_sin(
-            args.head_dim, args.max_seq_len, args.rope_theta, args.rope_scaling)
+            args.head_dim, args.max_seq_len, args.rope_theta, args.rope_scaling
+        )
         self.register_buffer("rope_cos", cos, persistent=False)  # (max_seq_len, head_dim/2)
         self.register_buffer("rope_sin", sin, persistent=False)
 
@@ -230,19 +253,23 @@ class Transformer(nn.Module):
         """
         device = self.rope_cos.device if buffer_device is None else buffer_device
         cos, sin = precompute_rope_cos_sin(
-            self.args.head_dim, self.args.max_seq_len, self.args.rope_theta,
-            self.args.rope_scaling, device=device)
+            self.args.head_dim,
+            self.args.max_seq_len,
+            self.args.rope_theta,
+            self.args.rope_scaling,
+            device=device,
+        )
         self.rope_cos, self.rope_sin = cos, sin
         if self.tok_embeddings is not None and not self.args.tie_word_embeddings:
             nn.init.normal_(self.tok_embeddings.weight, mean=0.0, std=1.0)
         for layer_id in sorted(self.layers.keys(), key=int):
-            self.layers[layer_id].init_weights()
+            cast(TransformerBlock, self.layers[layer_id]).init_weights()
         if self.norm is not None:
             self.norm.reset_parameters()
         if self.output is not None:
-            _trunc_normal_(self.output.weight, self.args.dim ** -0.5)
+            _trunc_normal_(self.output.weight, self.args.dim**-0.5)
         elif self.args.tie_word_embeddings and self.tok_embeddings is not None:
-            _trunc_normal_(self.tok_embeddings.weight, self.args.dim ** -0.5)
+            _trunc_normal_(self.tok_embeddings.weight, self.args.dim**-0.5)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """Run the (possibly partial, per pipeline stage) model.
@@ -259,8 +286,7 @@ class Transformer(nn.Module):
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         seq = h.shape[1]
         if seq > self.rope_cos.shape[0]:
-            raise ValueError(
-                f"sequence length {seq} exceeds max_seq_len={self.rope_cos.shape[0]}")
+            raise ValueError(f"sequence length {seq} exceeds max_seq_len={self.rope_cos.shape[0]}")
         for layer in self.layers.values():
             h = layer(h, self.rope_cos, self.rope_sin)  # (bs, seq, dim)
         if self.norm is not None:
@@ -293,8 +319,11 @@ def flops_per_token(args: TransformerModelArgs, seq_len: int, n_params_non_embed
     return 6 * n_params_non_embedding + 12 * args.n_layers * args.n_heads * args.head_dim * seq_len
 
 
-def get_nparams_and_flops(model: nn.Module, args: TransformerModelArgs, seq_len: int,
-                          ) -> tuple[int, int]:
+def get_nparams_and_flops(
+    model: nn.Module,
+    args: TransformerModelArgs,
+    seq_len: int,
+) -> tuple[int, int]:
     """(total parameter count, training FLOPs per token at `seq_len`); see `flops_per_token`."""
     n_non_embedding = count_params(model, exclude_embedding=True)
     return count_params(model), flops_per_token(args, seq_len, n_non_embedding)

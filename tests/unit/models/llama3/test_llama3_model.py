@@ -16,8 +16,9 @@ def debug_args(**kw):
 
 
 def small_args(**kw):
-    base = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, multiple_of=16, vocab_size=512,
-                max_seq_len=16)
+    base = dict(
+        dim=64, n_layers=2, n_heads=4, n_kv_heads=2, multiple_of=16, vocab_size=512, max_seq_len=16
+    )
     return dataclasses.replace(llama3_flavors["debugmodel"], **{**base, **kw})
 
 
@@ -66,8 +67,8 @@ def test_init_stds():
     assert close(layer0.feed_forward.w1.weight, 0.02 * trunc3)
     assert close(layer0.attention.wo.weight, 0.02 / math.sqrt(2) * trunc3)
     assert close(layer1.feed_forward.w2.weight, 0.02 / math.sqrt(4) * trunc3)
-    assert close(model.output.weight, args.dim ** -0.5 * trunc3)
-    assert model.output.weight.abs().max() <= 3 * args.dim ** -0.5
+    assert close(model.output.weight, args.dim**-0.5 * trunc3)
+    assert model.output.weight.abs().max() <= 3 * args.dim**-0.5
     assert torch.equal(layer0.attention_norm.weight, torch.ones(args.dim))
     flat = build_on_meta_and_init(small_args(depth_init=False))
     assert close(flat.layers["0"].attention.wo.weight, 0.02 / math.sqrt(2 * 2) * trunc3)
@@ -78,7 +79,7 @@ def test_tied_embeddings_share_the_parameter():
     model = build_on_meta_and_init(args)
     assert model.output.weight is model.tok_embeddings.weight
     assert "output.weight" not in dict(model.named_parameters())  # counted once
-    assert math.isclose(model.output.weight.std().item(), args.dim ** -0.5 * 0.9866, rel_tol=0.1)
+    assert math.isclose(model.output.weight.std().item(), args.dim**-0.5 * 0.9866, rel_tol=0.1)
     model(torch.randint(0, args.vocab_size, (1, 4))).sum().backward()
     assert model.tok_embeddings.weight.grad is not None
 

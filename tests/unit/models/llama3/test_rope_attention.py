@@ -13,8 +13,9 @@ from titanlab.models.llama3.model import (
     rope_frequencies,
 )
 
-SCALING = RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                      original_max_position_embeddings=8192)
+SCALING = RopeScaling(
+    factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192
+)
 
 
 def reference_scaled_freq(freq: float, s: RopeScaling) -> float:
@@ -27,7 +28,8 @@ def reference_scaled_freq(freq: float, s: RopeScaling) -> float:
     if wavelen > low_wavelen:
         return freq / s.factor
     smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (
-        s.high_freq_factor - s.low_freq_factor)
+        s.high_freq_factor - s.low_freq_factor
+    )
     return (1 - smooth) * freq / s.factor + smooth * freq
 
 
@@ -78,8 +80,16 @@ def test_apply_rotary_emb_matches_complex_reference():
 
 
 def small_args(**kw):
-    base = dict(dim=64, n_layers=2, n_heads=8, n_kv_heads=2, vocab_size=64, multiple_of=16,
-                max_seq_len=16, rope_scaling=SCALING)
+    base = dict(
+        dim=64,
+        n_layers=2,
+        n_heads=8,
+        n_kv_heads=2,
+        vocab_size=64,
+        multiple_of=16,
+        max_seq_len=16,
+        rope_scaling=SCALING,
+    )
     return TransformerModelArgs(**{**base, **kw})
 
 
