@@ -85,6 +85,12 @@ def _validate_pipeline(config: JobConfig, dims: ParallelDims, model_args) -> Non
             "DualPipeV fails in torch 2.13 when pp is a sub-mesh of a larger mesh; "
             "use it with pipeline parallel alone, or choose ZBVZeroBubble"
         )
+    if name in pipeline.ZERO_BUBBLE and dims.tp > 1:
+        raise ConfigError(
+            f"{name} with tensor parallel fails in torch 2.13 (the split input/weight backward, "
+            "stage_backward_input, raises \"Can't detach views in-place\" on TP's DTensors); use "
+            "1F1B, Interleaved1F1B, LoopedBFS or GPipe with tensor_parallel_degree > 1"
+        )
     if (
         name in pipeline.ZERO_BUBBLE
         and dims.fsdp_enabled

@@ -148,3 +148,23 @@ def test_manual_stage_split():
     assert "has 1 entries; the schedule needs 2 stages" in error(
         world=2, pipeline_parallel_degree=2, pipeline_parallel_module_fqns_per_stage=ok[:1]
     )
+
+
+def test_zero_bubble_schedules_with_tp_are_refused():
+    for schedule in ("InterleavedZeroBubble", "ZBVZeroBubble"):
+        msg = error(
+            world=4,
+            tensor_parallel_degree=2,
+            pipeline_parallel_degree=2,
+            pipeline_parallel_schedule=schedule,
+        )
+        assert msg.startswith(f"{schedule} with tensor parallel fails in torch 2.13"), msg
+    assert (
+        error(
+            world=4,
+            tensor_parallel_degree=2,
+            pipeline_parallel_degree=2,
+            pipeline_parallel_schedule="LoopedBFS",
+        )
+        is None
+    )
