@@ -26,7 +26,15 @@ from titanlab.distributed.init import destroy_distributed, init_distributed, set
 from titanlab.distributed.context_parallel import cp_context
 from titanlab.distributed.parallelize import param_dtype, parallelize_llama
 from titanlab.distributed.pipeline import pipeline_llama
-from titanlab.launcher import write_error_file
+from titanlab.failures import (
+    CONFIG_ERROR_EXIT_CODE,
+    DIVERGED_EXIT_CODE,
+    HANG_EXIT_CODE,
+    TrainingDiverged,
+    fail,
+    is_collective_timeout,
+    timeout_line,
+)
 from titanlab.float8 import apply_float8, precompute_scales
 from titanlab.preemption import REQUEUE_EXIT_CODE, Preempted, PreemptionHandler
 from titanlab.precision import autocast_context, build_grad_scaler
@@ -38,10 +46,6 @@ from titanlab.models.llama3 import get_nparams_and_flops
 from titanlab.optim import LRSchedulersContainer, OptimizersContainer
 
 logger = logging.getLogger("titanlab")
-
-
-class TrainingDiverged(RuntimeError):
-    """The loss became NaN or infinite."""
 
 
 class Trainer:
@@ -351,21 +355,6 @@ class Trainer:
         self.metrics.close()
 
 
-def is_collective_timeout(e: BaseException) -> bool:
-    """Whether `e` is a process-group timeout (gloo: "Timed out waiting"; NCCL watchdog: "timeout")."""
-    text = str(e).lower()
-    return isinstance(e, (RuntimeError, torch.distributed.DistError)) and (
-        "timed out" in text or "timeout" in text
-    )
-
-
-def _fail(line: str, exit_code: int) -> int:
-    """Print this rank's one error line, record it for `titanlab.launcher`, return the code."""
-    print(line, file=sys.stderr, flush=True)
-    write_error_file(line, exit_code)
-    return exit_code
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if "--help" in argv or "-h" in argv:
@@ -390,20 +379,16 @@ def main(argv: list[str] | None = None) -> int:
         trainer.close()
         clean = True
         return REQUEUE_EXIT_CODE
-    except (ConfigError, TrainingDiverged) as e:
-        return _fail(f"titanlab: error: {e}", 2 if isinstance(e, ConfigError) else 3)
+    except ConfigError as e:
+        return fail(f"titanlab: error: {e}", CONFIG_ERROR_EXIT_CODE)
+    except TrainingDiverged as e:
+        return fail(f"titanlab: error: {e}", DIVERGED_EXIT_CODE)
     except Exception as e:
         if trainer is None or not is_collective_timeout(e):
             raise
-        first = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
         last = trainer.checkpointer.last_complete()
-        return _fail(
-            f"titanlab: error: rank {trainer.rank}: a collective timed out at step "
-            f"{trainer.step} (comm.train_timeout_seconds="
-            f"{trainer.config.comm.train_timeout_seconds}); a peer rank stopped "
-            f"responding. Last complete checkpoint: {last or 'none'}. ({first})",
-            4,
-        )
+        timeout_s = trainer.config.comm.train_timeout_seconds
+        return fail(timeout_line(e, trainer.rank, trainer.step, timeout_s, last), HANG_EXIT_CODE)
     finally:
         destroy_distributed(barrier=clean)
 

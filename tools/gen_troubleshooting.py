@@ -173,7 +173,7 @@ The exit code tells the kind of failure:
 |---|---|---|
 | 0 | The run finished. | |
 | 2 | A configuration or input error: the line names the option or file. | `ConfigError` |
-| 3 | The loss became NaN or infinite. | `TrainingDiverged` (titanlab/train.py) |
+| 3 | The loss became NaN or infinite. | `TrainingDiverged` (titanlab/failures.py) |
 | 4 | A collective timed out: some rank stopped responding. | a process-group timeout |
 | 75 | Preempted (SIGTERM or SIGUSR1) after saving a checkpoint. Run the same command to resume. | `Preempted` |
 
@@ -252,7 +252,7 @@ Choose a folder you can write, on a filesystem every node sees for multi-node ru
 
 **The loss diverged (exit 3).** `loss is nan at step 412; last complete checkpoint:
 outputs/x/checkpoint/step-400 (lower optimizer.lr or check the data)`. `Trainer.train_step` in
-titanlab/train.py raises `TrainingDiverged` when the global loss is NaN or infinite. It checks
+titanlab/train.py raises `TrainingDiverged` (titanlab/failures.py) when the global loss is NaN or infinite. It checks
 after the gradient clip and before the optimizer step, so the bad step's update is not applied.
 Lower `optimizer.lr`, lengthen `lr_scheduler.warmup_steps` or lower `training.max_norm`, then
 run again. With `checkpoint.enable` it resumes from the last complete checkpoint. If it diverges

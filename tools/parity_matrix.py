@@ -27,6 +27,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from titanlab.distributed.layouts import Layout, check_layout, enumerate_layouts, pairwise_subset
+from tools.tiny_run import TINY_RUN
 
 STEPS = 5
 GLOBAL_BATCH = 8
@@ -35,34 +36,19 @@ WORLD_SIZES = (1, 2, 4, 8)
 # PP × TP × FSDP on 8 ranks must be in the CI subset even though pairs alone do not force it.
 MUST = (frozenset({"pp:1F1B", "tp", "fsdp", "8ranks"}),)
 BASE_ARGS = [
-    "--job.config_file",
-    os.path.join(REPO, "train_configs", "debug_model.toml"),
+    *TINY_RUN,
     "--model.flavor",
     "debugmodel_deep",
-    "--training.seq_len",
-    "64",
     "--training.steps",
     str(STEPS),
     "--training.global_batch_size",
     str(GLOBAL_BATCH),
     "--training.local_batch_size",
     str(GLOBAL_BATCH),
-    "--lr_scheduler.warmup_steps",
-    "2",
-    "--metrics.log_freq",
-    "1",
-    "--validation.enable",
-    "false",
-    "--debug.deterministic",
-    "true",
     "--checkpoint.export_at_end",
     "false",
     "--checkpoint.interval",
     "1000",
-    "--comm.init_timeout_seconds",
-    "120",
-    "--comm.train_timeout_seconds",
-    "120",
 ]
 DOC_BEGIN = "<!-- parity-matrix:begin -->"
 DOC_END = "<!-- parity-matrix:end -->"

@@ -14,34 +14,15 @@ from dataclasses import dataclass, field
 
 import pytest
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from titanlab.data.default_corpus import default_corpus_files
 from titanlab.data.prepare import prepare_data
 from titanlab.data.tokenizer import default_tokenizer_path
 from titanlab.metrics import parse_log_line
+from tools.tiny_run import CONSTANT_LR, REPO, TINY_RUN, checkpoint_every  # noqa: F401 (re-exported)
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-# A tiny run of the debug model: 6 layers, dim 256, 64-token windows.
-TINY = [
-    "--job.config_file",
-    os.path.join(REPO, "train_configs", "debug_model.toml"),
-    "--training.seq_len",
-    "64",
-    "--training.local_batch_size",
-    "2",
-    "--lr_scheduler.warmup_steps",
-    "2",
-    "--metrics.log_freq",
-    "1",
-    "--validation.enable",
-    "false",
-    "--debug.deterministic",
-    "true",
-    "--comm.init_timeout_seconds",
-    "120",
-    "--comm.train_timeout_seconds",
-    "120",
-]
+# A tiny run of the debug model (6 layers, dim 256, 64-token windows), 2 samples per rank.
+TINY = [*TINY_RUN, "--training.local_batch_size", "2"]
 
 
 @dataclass

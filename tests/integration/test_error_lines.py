@@ -13,29 +13,9 @@ import subprocess
 
 import pytest
 
-from conftest import REPO
+from conftest import CONSTANT_LR, REPO, TINY, checkpoint_every, read_metrics
 
-CONSTANT_LR = ["--lr_scheduler.warmup_steps", "2", "--lr_scheduler.decay_ratio", "0"]
-CKPT = [
-    "--checkpoint.enable",
-    "true",
-    "--checkpoint.interval",
-    "1",
-    "--checkpoint.export_at_end",
-    "false",
-]
-TINY = [
-    "--training.seq_len",
-    "64",
-    "--training.local_batch_size",
-    "2",
-    "--metrics.log_freq",
-    "1",
-    "--validation.enable",
-    "false",
-    "--comm.init_timeout_seconds",
-    "120",
-]
+CKPT = checkpoint_every(1)
 
 
 def run_script(nproc: int, *args: str) -> subprocess.CompletedProcess:
@@ -115,6 +95,10 @@ def test_diverged_loss_in_a_rank_is_the_last_line_with_exit_3(tiny_dataset, tmp_
         str(dump),
     )
     lines = assert_last_line(proc, 3, "loss is")
+    # The line names the step that diverged and the newest checkpoint, one step before it.
+    bad_step = max(read_metrics(str(dump))) + 1
+    assert f"at step {bad_step};" in lines[-1]
+    assert f"last complete checkpoint: {dump / 'checkpoint' / f'step-{bad_step - 1}'}" in lines[-1]
     assert lines[-2].startswith("titanlab: launcher report (torchrun's traceback): ")
     log = lines[-2].split(": ", 2)[-1]
     assert log.startswith(str(dump / "logs")) and "ChildFailedError" in open(log).read()

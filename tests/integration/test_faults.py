@@ -13,10 +13,8 @@ import time
 
 import pytest
 
-from conftest import REPO, read_metrics, wait_for
+from conftest import CONSTANT_LR, REPO, read_metrics, wait_for
 from titanlab.checkpoint import store
-
-CONSTANT_LR = ["--lr_scheduler.warmup_steps", "2", "--lr_scheduler.decay_ratio", "0"]
 
 
 def start(

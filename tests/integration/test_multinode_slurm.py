@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from conftest import REPO, TINY, launch, read_metrics, wait_for
+from conftest import CONSTANT_LR, REPO, TINY, launch, read_metrics, wait_for
 from slurm_cluster import SlurmTestCluster
 from titanlab.checkpoint import store
 
@@ -21,7 +21,6 @@ pytestmark = pytest.mark.skipif(
     "munge, creates network namespaces, edits /etc/hosts; all undone afterwards)",
 )
 SCRIPT = os.path.join(REPO, "multinode_trainer.slurm")
-CONSTANT_LR = ["--lr_scheduler.warmup_steps", "2", "--lr_scheduler.decay_ratio", "0"]
 
 
 @pytest.fixture(scope="module")

@@ -2,21 +2,9 @@
 
 import os
 
-from conftest import read_metrics
+from conftest import CONSTANT_LR, checkpoint_every, read_metrics
 
-# A schedule that does not depend on training.steps (warmup, then constant), so a run of 10
-# steps resumed to 20 follows the same lr as a run of 20.
-CONSTANT_LR = ["--lr_scheduler.warmup_steps", "2", "--lr_scheduler.decay_ratio", "0"]
-CKPT = [
-    "--checkpoint.enable",
-    "true",
-    "--checkpoint.interval",
-    "5",
-    "--checkpoint.keep_latest_k",
-    "0",
-    "--checkpoint.export_at_end",
-    "false",
-]
+CKPT = checkpoint_every(5, "--checkpoint.keep_latest_k", "0")
 
 
 def test_resume_is_bitwise_exact(train, tmp_path):

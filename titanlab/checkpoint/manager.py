@@ -276,8 +276,11 @@ class Checkpointer:
         return step
 
     def close(self) -> None:
+        """Finish any async save, then end the async-save group once every rank got here
+        (called on a clean or preempted exit, which all ranks reach)."""
         self.wait()
         if self._async_pg is not None:
+            dist.barrier(group=self._async_pg)
             dist.destroy_process_group(self._async_pg)
             self._async_pg = None
 

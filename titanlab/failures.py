@@ -1,0 +1,51 @@
+"""How a training rank ends on an error: one `titanlab: error:` line and a documented exit code.
+
+Exit codes (also in docs/troubleshooting.md): 2 a configuration or input error, 3 the loss
+diverged, 4 a collective timed out (a peer rank hung or died). 75, a preemption, is in
+`titanlab.preemption`. The line goes to this rank's stderr and to the file `titanlab.launcher`
+reads, so the launcher can print it last, after torchrun's own report.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from titanlab.launcher import write_error_file
+
+CONFIG_ERROR_EXIT_CODE = 2
+DIVERGED_EXIT_CODE = 3
+HANG_EXIT_CODE = 4
+
+
+class TrainingDiverged(RuntimeError):
+    """The loss became NaN or infinite."""
+
+
+def is_collective_timeout(e: BaseException) -> bool:
+    """Whether `e` is a process-group timeout (gloo: "Timed out waiting"; NCCL watchdog: "timeout")."""
+    text = str(e).lower()
+    return isinstance(e, (RuntimeError, torch.distributed.DistError)) and (
+        "timed out" in text or "timeout" in text
+    )
+
+
+def timeout_line(e: BaseException, rank: int, step: int, timeout_s: int, last: str | None) -> str:
+    """The error line for a collective that timed out on `rank` at `step` (first line of `e` kept).
+
+    `timeout_s` is comm.train_timeout_seconds; `last` the newest complete checkpoint, if any.
+    """
+    first = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
+    return (
+        f"titanlab: error: rank {rank}: a collective timed out at step {step} "
+        f"(comm.train_timeout_seconds={timeout_s}); a peer rank stopped responding. "
+        f"Last complete checkpoint: {last or 'none'}. ({first})"
+    )
+
+
+def fail(line: str, exit_code: int) -> int:
+    """Print this rank's one error line, record it for `titanlab.launcher`, return `exit_code`."""
+    print(line, file=sys.stderr, flush=True)
+    write_error_file(line, exit_code)
+    return exit_code
