@@ -67,7 +67,7 @@ def trace_activation_bytes(model_args, batch: int, seq: int, dtype: torch.dtype)
     """Trace forward + loss of 1- and 2-block versions of the model on fake tensors.
 
     Args:
-        model_args: a `TransformerModelArgs` (vocab_size set).
+        model_args: a registered family's args (vocab_size set).
         batch, seq: local batch size and sequence length (tokens per sample) of one rank.
         dtype: compute dtype of activations (fp32, or bf16/fp16 under mixed precision).
     Returns:
@@ -76,12 +76,12 @@ def trace_activation_bytes(model_args, batch: int, seq: int, dtype: torch.dtype)
     """
     from titanlab.distributed.activation_checkpoint import apply_ac
     from titanlab.loss import cross_entropy_sum
-    from titanlab.models.llama3 import Transformer
+    from titanlab.models.registry import build_model
 
     def live_after_forward(n_layers: int, mode: str) -> int:
         args = dataclasses.replace(model_args, n_layers=n_layers, max_seq_len=max(seq, 1))
         with torch.device("meta"):
-            model = Transformer(args).to(dtype)
+            model = build_model(args).to(dtype)
         apply_ac(model, "selective" if mode == "op" else mode, "op")
         # Fake CPU tensors rather than meta ones: SDPA then picks the fused (flash) kernel, which
         # keeps O(seq) per head as on GPUs, where meta would pick the O(seq²) math kernel.

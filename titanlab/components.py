@@ -6,9 +6,10 @@ Nothing here runs a training step; `titanlab.train` composes these into the loop
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
-from typing import cast
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -22,32 +23,121 @@ from titanlab.config.job_config import ConfigError, JobConfig
 from titanlab.data.dataset import MemmapTokenDataset
 from titanlab.data.default_corpus import default_cache_dir, ensure_default_corpus
 from titanlab.data.loader import build_dataloader
-from titanlab.data.tokenizer import Tokenizer, default_tokenizer_path
-from titanlab.models.llama3 import Transformer, TransformerModelArgs, llama3_flavors
+from titanlab.data.tokenizer import AnyTokenizer, default_tokenizer_path, load_tokenizer
+from titanlab.models.common.decoder import Decoder
+from titanlab.models.registry import (
+    ModelFamily,
+    build_model,
+    family_of_hf_config,
+    get_family,
+    get_flavor,
+)
+from titanlab.models.stored_args import HF_FLAVOR, read_model_args
 
 logger = logging.getLogger(__name__)
 
 
-def build_tokenizer(config: JobConfig) -> Tokenizer:
-    """The tokenizer at `model.tokenizer_path`, or the bundled stdlib BPE when it is empty."""
+def build_tokenizer(config: JobConfig) -> AnyTokenizer:
+    """The tokenizer at `model.tokenizer_path` (tiktoken `tokenizer.model` or HF
+    `tokenizer.json`), or the bundled stdlib BPE when it is empty."""
     path = config.model.tokenizer_path or default_tokenizer_path()
     try:
-        return Tokenizer(path)
+        return load_tokenizer(path)
     except (FileNotFoundError, ValueError) as e:
         raise ConfigError(f"model.tokenizer_path={path!r}: {e}") from None
 
 
-def build_model_args(config: JobConfig, vocab_size: int) -> TransformerModelArgs:
-    """The flavor's published dims with the tokenizer's vocab and the training seq_len."""
-    args = dataclasses.replace(
-        llama3_flavors[config.model.flavor],
-        vocab_size=vocab_size,
-        max_seq_len=config.training.seq_len,
-    )
+def build_family(config: JobConfig) -> ModelFamily:
+    """The registered family `model.name`. Raises ConfigError naming the valid names."""
+    try:
+        return get_family(config.model.name)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+def _hf_config_args(config: JobConfig, family: ModelFamily) -> Any:
+    """Args of the `config.json` at `model.hf_config` (a file or the folder holding it)."""
+    path = config.model.hf_config
+    file = os.path.join(path, "config.json") if os.path.isdir(path) else path
+    try:
+        with open(file, encoding="utf-8") as f:
+            cfg = json.load(f)
+        found = family_of_hf_config(cfg)
+        if found.name != family.name:
+            raise ValueError(f"it describes a {found.name} model but model.name={family.name!r}")
+        return family.hf.from_config(cfg)
+    except (OSError, json.JSONDecodeError, ValueError, AttributeError) as e:
+        raise ConfigError(f"model.hf_config={path!r}: {e}") from None
+
+
+def _stored_args(config: JobConfig, family: ModelFamily) -> tuple[str, Any] | None:
+    """(flavor, args) stored with `checkpoint.initial_load_path`, checked against model.name."""
+    path = config.checkpoint.initial_load_path
+    if not path or not os.path.isdir(path):
+        return None
+    try:
+        stored = read_model_args(path)
+    except ValueError as e:
+        raise ConfigError(f"checkpoint.initial_load_path: {e}") from None
+    if stored is None:
+        return None
+    found, flavor, args = stored
+    if found.name != family.name:
+        raise ConfigError(
+            f"checkpoint.initial_load_path={path!r} holds a {found.name} model; set "
+            f"model.name={found.name!r} (model.name={family.name!r})"
+        )
+    return flavor, args
+
+
+def build_model_args(config: JobConfig, vocab_size: int) -> Any:
+    """The model's args: a published flavor with the tokenizer's vocab, or with
+    `model.flavor = "hf"` the architecture of `model.hf_config` or of the args stored with
+    `checkpoint.initial_load_path` (its own vocab size, which must hold the tokenizer's ids);
+    the RoPE table sized to `training.seq_len`.
+
+    Raises:
+        ConfigError: unknown family or flavor, an unreadable or foreign config, a flavor that
+            differs from the stored checkpoint's, or a vocabulary that does not fit.
+    """
+    family = build_family(config)
+    flavor = config.model.flavor
+    stored = _stored_args(config, family)
+    if flavor == HF_FLAVOR:
+        if config.model.hf_config:
+            args = _hf_config_args(config, family)
+        elif stored is not None:
+            args = stored[1]
+        else:
+            raise ConfigError(
+                'model.flavor="hf" needs model.hf_config (a config.json) or a '
+                "checkpoint.initial_load_path holding model_args.json (convert_checkpoint "
+                "from-hf writes it)"
+            )
+        if vocab_size > args.vocab_size:
+            raise ConfigError(
+                f"the tokenizer has {vocab_size} ids but the model's vocab_size is "
+                f"{args.vocab_size}; use the model's own tokenizer (model.tokenizer_path)"
+            )
+        args = dataclasses.replace(args, max_seq_len=config.training.seq_len)
+    else:
+        try:
+            published = get_flavor(family, flavor)
+        except ValueError as e:
+            raise ConfigError(f"{e}, or {HF_FLAVOR!r}") from None
+        if stored is not None and stored[0] != flavor:
+            raise ConfigError(
+                f"checkpoint.initial_load_path={config.checkpoint.initial_load_path!r} holds a "
+                f"{family.name} model of flavor {stored[0]!r}, not model.flavor={flavor!r}; set "
+                f"model.flavor={stored[0]!r}"
+            )
+        args = dataclasses.replace(
+            published, vocab_size=vocab_size, max_seq_len=config.training.seq_len
+        )
     try:
         args.validate()
     except ValueError as e:
-        raise ConfigError(f"model.flavor={config.model.flavor}: {e}") from None
+        raise ConfigError(f"model.flavor={flavor}: {e}") from None
     return args
 
 
@@ -91,7 +181,7 @@ def dataset_dir(config: JobConfig, tokenizer_path: str) -> str:
     return ensure_default_corpus(config.data.cache_dir or default_cache_dir(), tokenizer_path)
 
 
-def build_datasets(config: JobConfig, tokenizer: Tokenizer, data_dir: str):
+def build_datasets(config: JobConfig, tokenizer: AnyTokenizer, data_dir: str):
     """(train, val-or-None) MemmapTokenDatasets; the data must be tokenized with `tokenizer`."""
     try:
         train = MemmapTokenDataset(
@@ -134,16 +224,17 @@ def build_loader(dataset, config: JobConfig, dp_rank: int, dp_degree: int):
     )
 
 
-def build_meta_model(model_args: TransformerModelArgs) -> Transformer:
-    """The model on the meta device: shapes only, no memory; parallelize it, then materialize."""
+def build_meta_model(model_args: Any) -> Decoder:
+    """The model of `model_args` (its family's) on the meta device: shapes only, no memory;
+    parallelize it, then materialize."""
     with torch.device("meta"):
-        return Transformer(model_args)
+        return cast(Decoder, build_model(model_args))
 
 
 @torch.no_grad()
 def init_model_weights(
     model_parts: list[nn.Module],
-    model_args: TransformerModelArgs,
+    model_args: Any,
     device: torch.device,
     seed: int,
     world_size: int,
@@ -161,7 +252,7 @@ def init_model_weights(
     """
     torch.manual_seed(seed)
     for part in model_parts:
-        cast(Transformer, part).init_weights(buffer_device=device)
+        cast(Decoder, part).init_weights(buffer_device=device)
     if device.type == "cuda" or world_size == 1:
         return
     full = build_meta_model(model_args)

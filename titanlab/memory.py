@@ -23,8 +23,10 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import cast
 
 import torch
+from torch import nn
 
 from titanlab.config.job_config import ConfigError, JobConfig
 
@@ -82,18 +84,19 @@ def estimate_memory(
     """Estimate per-rank memory for training `model_args` with `config` on `world_size` ranks.
 
     Args:
-        model_args: a `TransformerModelArgs` with vocab_size set.
+        model_args: a registered family's args (`titanlab.models.registry`), vocab_size set.
         compute_dtype: dtype of activations (the FSDP param dtype, float32 on CPU by default).
     Returns:
         bytes per rank by category; `total` is the predicted peak including overhead.
     """
     from titanlab.activation_memory import trace_activation_bytes
-    from titanlab.models.llama3 import Transformer, count_params
+    from titanlab.models.common.decoder import count_params
+    from titanlab.models.registry import build_model
 
     with torch.device("meta"):
-        model = Transformer(model_args)
+        model = build_model(model_args)
     n_params = count_params(model)
-    block_params = count_params(model.layers["0"])
+    block_params = count_params(cast(nn.ModuleDict, model.layers)["0"])
     p = config.parallelism
     tp, pp, cp = p.tensor_parallel_degree, p.pipeline_parallel_degree, p.context_parallel_degree
     dp_shard = p.data_parallel_shard_degree

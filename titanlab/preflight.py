@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import sys
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -19,12 +20,12 @@ from titanlab import components
 from titanlab.checkpoint import store
 from titanlab.config.job_config import ConfigError, JobConfig
 from titanlab.config.manager import build_config
-from titanlab.data.tokenizer import Tokenizer
+from titanlab.data.tokenizer import AnyTokenizer
 from titanlab.distributed.parallel_dims import ParallelDims
 from titanlab.distributed.parallelize import param_dtype
 from titanlab.distributed.layouts import check_parallel_layout
 from titanlab.memory import check_memory
-from titanlab.models.llama3 import TransformerModelArgs
+from titanlab.models.registry import ModelFamily
 
 
 @dataclass
@@ -33,13 +34,15 @@ class Plan:
 
     parallel_dims: ParallelDims
     batch: components.BatchLayout
-    tokenizer: Tokenizer
-    model_args: TransformerModelArgs
+    tokenizer: AnyTokenizer
+    family: ModelFamily
+    model_args: Any
 
 
 def check(config: JobConfig, world_size: int, local_world_size: int) -> Plan:
     """Validate the layout, batch sizes, tokenizer, model dims and memory. Raises ConfigError."""
     ParallelDims.from_config(config.parallelism, world_size)  # degrees first: the cheapest check
+    family = components.build_family(config)
     tokenizer = components.build_tokenizer(config)
     model_args = components.build_model_args(config, tokenizer.vocab_size)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -47,10 +50,10 @@ def check(config: JobConfig, world_size: int, local_world_size: int) -> Plan:
     batch = components.batch_layout(config, parallel_dims.dp_degree)
     check_memory(model_args, config, world_size, local_world_size, param_dtype(config, device))
     check_files(config, tokenizer)
-    return Plan(parallel_dims, batch, tokenizer, model_args)
+    return Plan(parallel_dims, batch, tokenizer, family, model_args)
 
 
-def check_files(config: JobConfig, tokenizer: Tokenizer) -> None:
+def check_files(config: JobConfig, tokenizer: AnyTokenizer) -> None:
     """What the run will read and write, checked without writing anything: the dataset folder
     (metadata parses, every shard has the length it lists, its vocabulary fits the tokenizer),
     that `job.dump_folder` can be created or written, and that `checkpoint.initial_load_path`

@@ -1,4 +1,4 @@
-"""Train a Llama 3 model: `python -m titanlab.train --job.config_file FILE.toml [--section.key V ...]`.
+"""Train a model of the registry: `python -m titanlab.train --job.config_file FILE.toml [--section.key V ...]`.
 
 Launch several processes with torchrun (see run_train.sh). One training step is:
 get batch → forward/backward (per microbatch) → clip → optimizer step → log → maybe checkpoint.
@@ -24,8 +24,8 @@ from titanlab.config.manager import build_config, format_config
 from titanlab.distributed.comm_counter import count_step_comms
 from titanlab.distributed.init import destroy_distributed, init_distributed, set_train_timeout
 from titanlab.distributed.context_parallel import cp_context
-from titanlab.distributed.parallelize import param_dtype, parallelize_llama
-from titanlab.distributed.pipeline import pipeline_llama
+from titanlab.distributed.parallelize import param_dtype, parallelize_model
+from titanlab.distributed.pipeline import pipeline_model
 from titanlab.failures import (
     CONFIG_ERROR_EXIT_CODE,
     DIVERGED_EXIT_CODE,
@@ -42,7 +42,8 @@ from titanlab.loss import IGNORE_INDEX, ScaledLoss, build_loss_fn, local_value, 
 from titanlab.distributed.utils import clip_grad_norm_, global_sum
 from titanlab.memory import local_world_size
 from titanlab.metrics import MetricsLogger, device_peak_flops
-from titanlab.models.llama3 import get_nparams_and_flops
+from titanlab.models.common.decoder import count_params
+from titanlab.models.registry import format_families
 from titanlab.optim import LRSchedulersContainer, OptimizersContainer
 
 logger = logging.getLogger("titanlab")
@@ -57,7 +58,7 @@ class Trainer:
         # Everything that can be checked without a process group is checked first.
         plan = preflight.check(config, world_size, local_world_size())
         self.parallel_dims, self.batch = plan.parallel_dims, plan.batch
-        self.tokenizer, self.model_args = plan.tokenizer, plan.model_args
+        self.tokenizer, self.family, self.model_args = plan.tokenizer, plan.family, plan.model_args
 
         self.device, self.rank, _ = init_distributed(config.comm.init_timeout_seconds)
         if self.rank != 0:
@@ -99,11 +100,13 @@ class Trainer:
         )
 
         model = components.build_meta_model(self.model_args)
-        nparams, flops_per_token = get_nparams_and_flops(
-            model, self.model_args, config.training.seq_len
+        nparams = count_params(model)
+        flops_per_token = self.family.flops_per_token(
+            self.model_args, config.training.seq_len, count_params(model, exclude_embedding=True)
         )
         logger.info(
-            "model: llama3 %s, %s parameters, %.3e training FLOPs/token; layout: %s",
+            "model: %s %s, %s parameters, %.3e training FLOPs/token; layout: %s",
+            self.family.name,
             config.model.flavor,
             f"{nparams:,}",
             flops_per_token,
@@ -115,12 +118,12 @@ class Trainer:
             config.compile.enable and "loss" in config.compile.components, self.loss_parallel
         )
         parallelize = functools.partial(
-            parallelize_llama, parallel_dims=dims, config=config, device=self.device
+            parallelize_model, parallel_dims=dims, config=config, device=self.device
         )
         self.schedule = None
         if dims.pp_enabled:
             self.pp_loss = ScaledLoss(self.loss_fn)
-            self.schedule, self.model_parts, self.has_first, self.has_last = pipeline_llama(
+            self.schedule, self.model_parts, self.has_first, self.has_last = pipeline_model(
                 model, dims, config, self.device, parallelize, self.pp_loss
             )
         else:
@@ -145,6 +148,8 @@ class Trainer:
             lr_scheduler=self.lr_scheduler,
             dataloader=self.loader,
             dp_rank=dp_rank,
+            family=self.family,
+            model_args=self.model_args,
         )
         components.init_model_weights(
             self.model_parts, self.model_args, self.device, config.debug.seed, world_size
@@ -358,7 +363,7 @@ class Trainer:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if "--help" in argv or "-h" in argv:
-        print(format_help())
+        print(format_help() + "\n\n" + format_families())
         return 0
     logging.basicConfig(
         level=logging.INFO,

@@ -49,6 +49,7 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 from titanlab.hostinfo import cpu_model, ram_gib
+from titanlab.models.registry import DEFAULT_FAMILY, FAMILIES
 
 CONFIG = os.path.join(REPO, "train_configs", "debug_model.toml")
 SEQ, GLOBAL_BS = 256, 16
@@ -248,8 +249,11 @@ def failure(log: str) -> str:
     return (hits or lines or ["no output"])[0 if hits else -1][:200]
 
 
-def run_trainer(run: Run, steps: int, warmup: int, threads: int, data_dir: str) -> Result:
-    """Train `warmup + steps` steps under torchrun; summarize rank 0's metrics.jsonl."""
+def run_trainer(
+    run: Run, steps: int, warmup: int, threads: int, data_dir: str, model: str = DEFAULT_FAMILY
+) -> Result:
+    """Train `warmup + steps` steps of `model`'s debugmodel under torchrun; summarize rank 0's
+    metrics.jsonl."""
     local = GLOBAL_BS // run.ranks
     threads = threads if run.ranks == 1 else 1
     with tempfile.TemporaryDirectory(prefix="titanlab_bench_") as dump:
@@ -263,6 +267,8 @@ def run_trainer(run: Run, steps: int, warmup: int, threads: int, data_dir: str) 
             "titanlab.train",
             "--job.config_file",
             CONFIG,
+            "--model.name",
+            model,
             "--job.dump_folder",
             dump,
             "--data.dataset_path",
@@ -306,7 +312,7 @@ def run_trainer(run: Run, steps: int, warmup: int, threads: int, data_dir: str) 
 def plain_loop(spec: dict) -> dict:
     """The baseline (child process): titanlab's `Transformer`, then plain PyTorch only.
 
-    spec: flavor, layers (None: the flavor's), vocab, seq, batch, precision, compile, steps,
+    spec: model (family), flavor, layers (None: the flavor's), vocab, seq, batch, precision, compile, steps,
     warmup, threads, data_dir (None: random tokens), device. Returns per-step seconds, peak GiB
     (CUDA max reserved, else peak RSS), training FLOPs/token and the device's peak FLOP/s."""
     import numpy as np
@@ -314,11 +320,13 @@ def plain_loop(spec: dict) -> dict:
     import torch.nn.functional as F
 
     from titanlab.metrics import device_peak_flops
-    from titanlab.models.llama3 import Transformer, get_nparams_and_flops, llama3_flavors
+    from titanlab.models.common.decoder import count_params
+    from titanlab.models.registry import get_family
 
     torch.set_num_threads(spec["threads"])
     device = torch.device(spec["device"])
-    base = llama3_flavors[spec["flavor"]]
+    family = get_family(spec["model"])
+    base = family.flavors[spec["flavor"]]
     args = dataclasses.replace(
         base,
         vocab_size=spec["vocab"],
@@ -327,9 +335,9 @@ def plain_loop(spec: dict) -> dict:
     )
     torch.manual_seed(0)
     with torch.device(device):
-        model = Transformer(args)
+        model = family.model_cls(args)
     model.init_weights()
-    _, flops = get_nparams_and_flops(model, args, spec["seq"])
+    flops = family.flops_per_token(args, spec["seq"], count_params(model, exclude_embedding=True))
     if spec["precision"] == "float8":
         from torchao.float8 import convert_to_float8_training
 
@@ -440,6 +448,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--gpu-8b", action="store_true", help="CUDA: 8B-dims rows with MFU")
     p.add_argument("--gpu-layers", type=int, default=4, help="blocks of the 8B-shaped model")
+    p.add_argument(
+        "--model",
+        default=DEFAULT_FAMILY,
+        choices=list(FAMILIES),
+        help=f"model family of the debugmodel runs (default: {DEFAULT_FAMILY})",
+    )
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.child:
@@ -460,6 +474,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     about = machine(info, a.threads, command)
     loop = {
+        "model": a.model,
         "flavor": "debugmodel",
         "layers": None,
         "vocab": info["vocab"],
@@ -478,7 +493,7 @@ def main(argv: list[str] | None = None) -> int:
             repeated[run].append(
                 run_plain(run, loop, a.threads)
                 if run.ranks == 0
-                else run_trainer(run, a.steps, a.warmup, a.threads, info["data_dir"])
+                else run_trainer(run, a.steps, a.warmup, a.threads, info["data_dir"], a.model)
             )
     results = [combine(rs) for rs in repeated.values()]
     if results:

@@ -1,15 +1,19 @@
-"""Convert checkpoints between titanlab DCP and Hugging Face Llama (safetensors), streamed.
+"""Convert checkpoints between titanlab DCP and Hugging Face (safetensors), streamed.
 
-    python -m tools.convert_checkpoint to-hf DCP_DIR OUT_DIR [--flavor F] [--dtype bf16|fp16|fp32]
-        [--max-shard-size 5GB] [--max-seq-len N] [--tokenizer PATH|none] [--overwrite] [--quiet]
+    python -m tools.convert_checkpoint to-hf DCP_DIR OUT_DIR [--model NAME] [--flavor F]
+        [--dtype bf16|fp16|fp32] [--max-shard-size 5GB] [--max-seq-len N]
+        [--tokenizer PATH|none] [--overwrite] [--quiet]
     python -m tools.convert_checkpoint from-hf HF_DIR DCP_DIR [--flavor F] [--dtype auto|bf16|...]
         [--overwrite] [--quiet]
 
+Any family of the model registry (Llama 3 as `LlamaForCausalLM`, Qwen3 as `Qwen3ForCausalLM`).
 `to-hf` reads the model weights of a titanlab DCP checkpoint (`step-N` of any parallel layout, or
-`export-step-N`; the optimizer is ignored) and writes a folder that
-`transformers.LlamaForCausalLM.from_pretrained` and vLLM load. DCP folders do not store the model
-args: `--flavor` names them (the vocab size comes from the embedding). `from-hf` writes a
-model-only DCP folder to start training from with `--checkpoint.initial_load_path`. A bad input
+`export-step-N`; the optimizer is ignored) and writes a folder that `transformers`'
+`from_pretrained` and vLLM load. The model args come from the folder's `model_args.json`
+(titanlab writes it with every checkpoint); `--model` / `--flavor` name them for an older folder
+(the vocab size comes from the embedding). `from-hf` derives the args from config.json (any
+shape of the architecture) and writes a model-only DCP folder with them, to start training from
+with `--checkpoint.initial_load_path` and `--model.flavor hf`. A bad input
 ends with one line `convert_checkpoint: error: ...` and exit status 2. Also runnable as
 `python tools/convert_checkpoint.py`.
 """
@@ -26,8 +30,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from titanlab.cli import OneLineParser
 from titanlab.checkpoint.convert import DTYPES, dcp_to_hf, hf_to_dcp, parse_size
-from titanlab.checkpoint.hf_config import DEFAULT_MAX_POSITION_EMBEDDINGS
-from titanlab.models.llama3.args import llama3_flavors
+from titanlab.models.common.hf_config import DEFAULT_MAX_POSITION_EMBEDDINGS
+from titanlab.models.registry import DEFAULT_FAMILY, FAMILIES, get_family
 
 PROG = "convert_checkpoint"
 
@@ -35,15 +39,22 @@ PROG = "convert_checkpoint"
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(prog=PROG, description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
-    flavors = ", ".join(llama3_flavors)
+    flavors = "; ".join(f"{n}: {', '.join(get_family(n).flavors)}" for n in FAMILIES)
 
-    to_hf = sub.add_parser("to-hf", help="titanlab DCP checkpoint -> Hugging Face Llama folder")
+    to_hf = sub.add_parser("to-hf", help="titanlab DCP checkpoint -> Hugging Face folder")
     to_hf.add_argument("dcp_dir", help="DCP checkpoint folder (step-N or export-step-N)")
     to_hf.add_argument("out_dir", help="Hugging Face folder to create")
     to_hf.add_argument(
+        "--model",
+        default=None,
+        choices=list(FAMILIES),
+        help="model family (default: the one in model_args.json, else " + DEFAULT_FAMILY + ")",
+    )
+    to_hf.add_argument(
         "--flavor",
-        default="debugmodel",
-        help=f"model flavor the checkpoint was trained as ({flavors}; default: debugmodel)",
+        default=None,
+        help=f"flavor the checkpoint was trained as ({flavors}; default: the args in the "
+        "folder's model_args.json, else debugmodel)",
     )
     to_hf.add_argument(
         "--dtype",
@@ -70,13 +81,13 @@ def build_parser() -> argparse.ArgumentParser:
         "(default: the bundled tokenizer when the vocab size is its own)",
     )
 
-    from_hf = sub.add_parser("from-hf", help="Hugging Face Llama folder -> titanlab DCP checkpoint")
+    from_hf = sub.add_parser("from-hf", help="Hugging Face folder -> titanlab DCP checkpoint")
     from_hf.add_argument("hf_dir", help="folder with config.json and .safetensors weights")
     from_hf.add_argument("dcp_dir", help="DCP folder to create")
     from_hf.add_argument(
         "--flavor",
         default=None,
-        help=f"flavor the config must match ({flavors}; default: the one it matches)",
+        help=f"flavor the config must match ({flavors}; default: any shape, args from config.json)",
     )
     from_hf.add_argument(
         "--dtype",
@@ -99,6 +110,7 @@ def run(argv: list[str] | None = None) -> str:
         model = dcp_to_hf(
             args.dcp_dir,
             args.out_dir,
+            model_name=args.model,
             flavor=args.flavor,
             dtype=DTYPES[args.dtype],
             max_shard_bytes=parse_size(args.max_shard_size),

@@ -40,7 +40,7 @@ def main(argv: list[str]) -> int:
     est = estimate_memory(args, config, nproc, param_dtype(config, device))
     have, what = available_bytes_per_rank(nproc)
     print(
-        f"llama3 {config.model.flavor}, seq_len {config.training.seq_len}, local batch "
+        f"{config.model.name} {config.model.flavor}, seq_len {config.training.seq_len}, local batch "
         f"{config.training.local_batch_size}, AC {config.activation_checkpoint.mode}, {nproc} rank(s)"
     )
     print(f"{'category':<18}{'GiB per rank':>14}")

@@ -1,13 +1,15 @@
-"""Streamed conversion between titanlab DCP checkpoints and Hugging Face Llama folders.
+"""Streamed conversion between titanlab DCP checkpoints and Hugging Face folders (any family of
+the model registry: `LlamaForCausalLM`, `Qwen3ForCausalLM`).
 
 `dcp_to_hf` reads the model weights of a DCP checkpoint of any parallel layout (the `model.*`
 keys; optimizer and the rest are ignored) one stored chunk at a time, and writes
 `model-0000k-of-0000n.safetensors` shards plus `model.safetensors.index.json`, `config.json`,
 `generation_config.json` and, when the tokenizer is known, the tokenizer files. `hf_to_dcp` reads
-a Hugging Face Llama folder one tensor at a time and writes a model-only DCP folder of the form
-`Checkpointer.save_model_only` writes (`{"model": ..., "train_state": {"step": 0}}`), which
-`checkpoint.initial_load_path` loads. Both directions map names and permute wq/wk with
-`titanlab.checkpoint.hf_adapter`.
+a Hugging Face folder one tensor at a time and writes a model-only DCP folder of the form
+`Checkpointer.save_model_only` writes (`{"model": ..., "train_state": {"step": 0}}`) plus the
+model args derived from its config.json (`model_args.json`), which
+`checkpoint.initial_load_path` loads. Both directions map names and permute wq/wk (and the
+q/k norms) with `titanlab.models.common.hf_adapter`; the config mapping is the family's.
 
 Memory: neither direction holds more than about one tensor (the I/O is in
 `titanlab.checkpoint.streaming`); measurements in docs/checkpoint_conversion.md.
@@ -22,6 +24,7 @@ import os
 import shutil
 import warnings
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -29,13 +32,6 @@ from safetensors import safe_open
 from torch.distributed.checkpoint import FileSystemWriter
 from tqdm import tqdm
 
-from titanlab.checkpoint.hf_adapter import HFStateDictAdapter, from_hf_name, to_hf_name
-from titanlab.checkpoint.hf_config import (
-    DEFAULT_MAX_POSITION_EMBEDDINGS,
-    from_hf_config,
-    generation_config,
-    to_hf_config,
-)
 from titanlab.checkpoint.hf_tokenizer import resolve_tokenizer, write_hf_tokenizer
 from titanlab.checkpoint.streaming import (
     MODEL_PREFIX,
@@ -46,8 +42,17 @@ from titanlab.checkpoint.streaming import (
     read_safetensors_tensor,
     write_safetensors,
 )
-from titanlab.models.llama3.args import TransformerModelArgs, llama3_flavors
-from titanlab.models.llama3.model import Transformer
+from titanlab.models.common.hf_adapter import HFStateDictAdapter, from_hf_name, to_hf_name
+from titanlab.models.common.hf_config import DEFAULT_MAX_POSITION_EMBEDDINGS, special_token_ids
+from titanlab.models.registry import (
+    DEFAULT_FAMILY,
+    ModelFamily,
+    family_of_hf_config,
+    get_family,
+    get_flavor,
+    matching_flavor,
+)
+from titanlab.models.stored_args import HF_FLAVOR, read_model_args, write_model_args
 
 __all__ = [
     "DTYPES",
@@ -99,28 +104,36 @@ def parse_size(text: str) -> int:
     return size
 
 
-def expected_shapes(args: TransformerModelArgs) -> dict[str, tuple[int, ...]]:
-    """titanlab state-dict names → shapes of a model of `args` (vocab_size resolved), in
-    state-dict order; built on the meta device, so no memory."""
+def expected_shapes(family: ModelFamily, args: Any) -> dict[str, tuple[int, ...]]:
+    """titanlab state-dict names → shapes of a `family` model of `args` (vocab_size resolved),
+    in state-dict order; built on the meta device, so no memory."""
     with torch.device("meta"):
-        model = Transformer(dataclasses.replace(args, max_seq_len=1))
+        model = family.model_cls(dataclasses.replace(args, max_seq_len=1))
     return {k: tuple(v.shape) for k, v in model.state_dict().items()}
 
 
-def _resolve_args(
-    flavor: str,
-    model_args: TransformerModelArgs | None,
-    vocab: int,
-) -> TransformerModelArgs:
-    if model_args is None:
-        if flavor not in llama3_flavors:
-            raise ConversionError(
-                f"flavor={flavor!r} is unknown; valid: {', '.join(llama3_flavors)}"
-            )
-        model_args = llama3_flavors[flavor]
+def _resolve_dcp_model(
+    dcp_dir: str, model_name: str | None, flavor: str | None, model_args: Any, vocab: int
+) -> tuple[ModelFamily, Any, str]:
+    """(family, args with `vocab`, label for messages) of a DCP checkpoint: explicit
+    `model_args`, else a named flavor, else the folder's `model_args.json`, else the default family's
+    debugmodel."""
+    stored = read_model_args(dcp_dir)
+    if model_args is not None:
+        family, label = get_family(model_name or DEFAULT_FAMILY), "the given model args"
+    elif flavor is None and stored is not None:
+        family, name, model_args = stored
+        label = f"{family.name} model of {dcp_dir}/model_args.json ({name})"
+    else:
+        family = get_family(model_name or (stored[0].name if stored else DEFAULT_FAMILY))
+        flavor = flavor or "debugmodel"
+        try:
+            model_args, label = get_flavor(family, flavor), f"flavor {flavor!r}"
+        except ValueError as e:
+            raise ConversionError(str(e)) from None
     args = dataclasses.replace(model_args, vocab_size=vocab)
     args.validate()
-    return args
+    return family, args, label
 
 
 def _prepare_out_dir(path: str, overwrite: bool) -> None:
@@ -138,23 +151,28 @@ def dcp_to_hf(
     dcp_dir: str,
     out_dir: str,
     *,
-    flavor: str = "debugmodel",
-    model_args: TransformerModelArgs | None = None,
+    model_name: str | None = None,
+    flavor: str | None = None,
+    model_args: Any = None,
     dtype: torch.dtype = torch.bfloat16,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     max_position_embeddings: int = DEFAULT_MAX_POSITION_EMBEDDINGS,
     tokenizer_path: str | None = None,
     overwrite: bool = False,
     progress: bool = True,
-) -> TransformerModelArgs:
-    """Convert the model weights of a titanlab DCP checkpoint into a Hugging Face Llama folder.
+) -> Any:
+    """Convert the model weights of a titanlab DCP checkpoint into a Hugging Face folder.
 
     Args:
         dcp_dir: complete DCP folder of any parallel layout (model weights under `model.`).
         out_dir: folder to create (must be empty or absent unless `overwrite`).
-        flavor: titanlab flavor the checkpoint was trained as (DCP folders do not store the
-            model args); the vocab size is taken from the embedding's shape.
-        model_args: use these args instead of `flavor` (vocab size still from the checkpoint).
+        model_name: the family (`model.name`); default: the one in the folder's
+            `model_args.json`, else the default family (`model.name`'s default).
+        flavor: published flavor the checkpoint was trained as; default: the args stored in
+            the folder's `model_args.json` (titanlab writes it with every checkpoint), else
+            "debugmodel". The vocab size is taken from the embedding's shape.
+        model_args: use these args (of `model_name`) instead (vocab size still from the
+            checkpoint).
         dtype: dtype of the written weights (fp32, bf16 or fp16).
         max_shard_bytes: a shard holds tensors up to this many bytes (one larger tensor gets a
             shard of its own).
@@ -174,10 +192,11 @@ def dcp_to_hf(
         raise ConversionError(
             f"DCP checkpoint {dcp_dir!r} has no {MODEL_PREFIX}tok_embeddings.weight"
         )
-    args = _resolve_args(flavor, model_args, reader.tensors["tok_embeddings.weight"].shape[0])
+    family, args, label = _resolve_dcp_model(
+        dcp_dir, model_name, flavor, model_args, reader.tensors["tok_embeddings.weight"].shape[0]
+    )
     adapter = HFStateDictAdapter(args)
-    expected = expected_shapes(args)
-    label = "the given model args" if model_args is not None else f"flavor {flavor!r}"
+    expected = expected_shapes(family, args)
     for name in reader.tensors:
         if name not in expected:
             raise ConversionError(f"DCP tensor {MODEL_PREFIX}{name} is not a weight of {label}")
@@ -221,11 +240,18 @@ def dcp_to_hf(
             file = f"model-{k:05d}-of-{len(shards):05d}.safetensors"
             write_safetensors(os.path.join(out_dir, file), entries, blocks_of, bar.update)
             weight_map.update({n: file for n, _, _ in entries})
+    bos, eos = (
+        (tokenizer.bos_id, tokenizer.eos_id)
+        if tokenizer is not None
+        else special_token_ids(args.vocab_size)
+    )
     _write_json(
         os.path.join(out_dir, "config.json"),
-        to_hf_config(args, dtype=dtype, max_position_embeddings=max_position_embeddings),
+        family.hf.to_config(args, dtype, max_position_embeddings, bos, eos),
     )
-    _write_json(os.path.join(out_dir, "generation_config.json"), generation_config(args))
+    _write_json(
+        os.path.join(out_dir, "generation_config.json"), {"bos_token_id": bos, "eos_token_id": eos}
+    )
     if tokenizer is not None:
         write_hf_tokenizer(tokenizer, out_dir)
     _write_json(
@@ -262,26 +288,53 @@ def _hf_files(hf_dir: str) -> list[str]:
     return files
 
 
+def _args_from_hf(cfg: dict, flavor: str | None, model_args: Any) -> tuple[ModelFamily, Any]:
+    """(family, args) a config.json describes; with `flavor` / `model_args`, also checks that
+    the config has that architecture (vocab size aside)."""
+    if not isinstance(cfg, dict):
+        raise ConversionError("config.json is not a JSON object")
+    family = family_of_hf_config(cfg)
+    args = family.hf.from_config(cfg)
+    if model_args is None and flavor is None:
+        return family, args
+    want = model_args if model_args is not None else get_flavor(family, flavor or "")
+    want = dataclasses.replace(want, vocab_size=args.vocab_size)
+    label = "the given model args" if model_args is not None else f"flavor {flavor!r}"
+    mine = family.hf.to_config(args, torch.float32, 1, None, None)
+    theirs = family.hf.to_config(want, torch.float32, 1, None, None)
+    for key, value in theirs.items():
+        if mine.get(key) != value:
+            raise ConversionError(
+                f"config.json does not match {label}: {key}={mine.get(key)!r} "
+                f"(the flavor has {value!r})"
+            )
+    return family, want
+
+
 def hf_to_dcp(
     hf_dir: str,
     dcp_dir: str,
     *,
     flavor: str | None = None,
-    model_args: TransformerModelArgs | None = None,
+    model_args: Any = None,
     dtype: torch.dtype | None = None,
     overwrite: bool = False,
     progress: bool = True,
-) -> TransformerModelArgs:
-    """Convert a Hugging Face Llama folder into a model-only titanlab DCP checkpoint.
+) -> Any:
+    """Convert a Hugging Face folder of a registered architecture into a model-only titanlab
+    DCP checkpoint.
 
     The result holds `{"model": <titanlab state dict>, "train_state": {"step": 0}}`, like
-    `Checkpointer.save_model_only`; start training from it with `checkpoint.initial_load_path`.
+    `Checkpointer.save_model_only`, and `model_args.json` with the args derived from
+    config.json (any shape of the architecture, not only the published flavors); start training
+    from it with `checkpoint.initial_load_path` and `model.flavor = "hf"` (or the flavor it
+    matches).
 
     Args:
         hf_dir: folder with config.json and .safetensors weights (sharded with an index or not).
         dcp_dir: folder to create (must be empty or absent unless `overwrite`).
-        flavor: titanlab flavor the config must match; None: the flavor it matches.
-        model_args: check against these args instead of a flavor.
+        flavor: a published flavor the config must match; None: any shape.
+        model_args: args the config must match instead of a flavor.
         dtype: dtype to store (None: each tensor's dtype in the HF files). The trainer loads
             any float dtype into its fp32 parameters.
         overwrite: remove a non-empty `dcp_dir` first.
@@ -289,18 +342,19 @@ def hf_to_dcp(
     Returns:
         The resolved model args (vocab size from the config).
     Raises:
-        ConversionError / ValueError: one line — missing folder or config.json, a config that
-            differs from the flavor (naming the key), or an HF tensor missing, unknown or of the
-            wrong shape (naming it).
+        ConversionError / ValueError: one line — missing folder or config.json, an unknown
+            model_type, a config field the family cannot honour, a config that differs from the
+            requested flavor, or an HF tensor missing, unknown or of the wrong shape (naming it).
     """
     cfg_path = os.path.join(hf_dir, "config.json")
     if not os.path.isfile(cfg_path):
         raise ConversionError(f"Hugging Face folder {hf_dir!r} has no config.json")
     with open(cfg_path, encoding="utf-8") as f:
         cfg = json.load(f)
-    name, args = from_hf_config(cfg, flavor, model_args=model_args)
+    family, args = _args_from_hf(cfg, flavor, model_args)
+    name = matching_flavor(family, args) or f"{HF_FLAVOR} ({family.name}, custom shape)"
     adapter = HFStateDictAdapter(args)
-    expected = expected_shapes(args)
+    expected = expected_shapes(family, args)
 
     where: dict[str, tuple[str, str]] = {}  # titanlab name -> (file, HF name)
     stored: dict[str, tuple[list[int], torch.dtype]] = {}
@@ -368,6 +422,7 @@ def hf_to_dcp(
             planner=LazyModelPlanner(load, bar.update),
             no_dist=True,
         )
+    write_model_args(dcp_dir, family, args)
     logger.info(
         "convert: wrote %d tensors (%.1f MB) of flavor %s to %s",
         len(placeholders),

@@ -1,4 +1,5 @@
-"""Tokenizer files of a Hugging Face Llama folder, from a titanlab (Llama 3 format) tokenizer.model.
+"""Tokenizer files of an exported Hugging Face folder: a tokenizer.json tokenizer's own files, or
+those built from a titanlab (Llama 3 format) tokenizer.model.
 
 Always writes a copy of the file as `original/tokenizer.model` (where Meta's folders keep it, and
 what `model.tokenizer_path` takes). When the `tokenizers` library is installed it also writes
@@ -19,10 +20,13 @@ import shutil
 from titanlab.data.tokenizer import (
     LLAMA3_SPECIAL_TOKENS,
     LLAMA3_SPLIT_PATTERN,
+    AnyTokenizer,
     Tokenizer,
     _parse_bpe_file,
     default_tokenizer_path,
+    load_tokenizer,
 )
+from titanlab.data.tokenizer_json import TOKENIZER_FILES, HFTokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -94,15 +98,17 @@ def _build_tokenizer_json(tok: Tokenizer) -> str:
     return hf.to_str(pretty=False)
 
 
-def resolve_tokenizer(tokenizer_path: str | None, vocab_size: int) -> Tokenizer | None:
+def resolve_tokenizer(tokenizer_path: str | None, vocab_size: int) -> AnyTokenizer | None:
     """The tokenizer whose files go with a model of `vocab_size`, or None.
 
     Args:
-        tokenizer_path: a Llama 3 format tokenizer.model; None: the bundled one if its vocab
-            size is `vocab_size`, else none; "": none.
+        tokenizer_path: a Llama 3 format tokenizer.model or a Hugging Face tokenizer.json (or
+            its folder); None: the bundled one if its vocab size is `vocab_size`, else none;
+            "": none.
         vocab_size: the model's vocabulary (embedding rows).
     Raises:
-        ValueError: `tokenizer_path` is unreadable or its vocab size is not `vocab_size`.
+        ValueError: `tokenizer_path` is unreadable, or its ids do not fit the embedding (a
+            tiktoken tokenizer must have exactly `vocab_size` ids; a tokenizer.json at most).
     """
     if tokenizer_path == "":
         return None
@@ -117,20 +123,31 @@ def resolve_tokenizer(tokenizer_path: str | None, vocab_size: int) -> Tokenizer 
         )
         return None
     try:
-        tok = Tokenizer(tokenizer_path)
+        found = load_tokenizer(tokenizer_path)
     except (FileNotFoundError, ValueError) as e:
         raise ValueError(f"--tokenizer {tokenizer_path!r}: {e}") from None
-    if tok.vocab_size != vocab_size:
+    fits = (
+        found.vocab_size <= vocab_size
+        if isinstance(found, HFTokenizer)
+        else found.vocab_size == vocab_size
+    )
+    if not fits:
         raise ValueError(
-            f"--tokenizer {tokenizer_path!r} has {tok.vocab_size} tokens but the "
+            f"--tokenizer {tokenizer_path!r} has {found.vocab_size} tokens but the "
             f"model's embedding has {vocab_size} rows"
         )
-    return tok
+    return found
 
 
-def write_hf_tokenizer(tok: Tokenizer, out_dir: str) -> None:
-    """Write `original/tokenizer.model` and, with `tokenizers` installed, `tokenizer.json`,
-    `tokenizer_config.json` and `special_tokens_map.json` of `tok` into `out_dir`."""
+def write_hf_tokenizer(tok: AnyTokenizer, out_dir: str) -> None:
+    """Write the tokenizer files of `tok` into `out_dir`: a Hugging Face tokenizer's own files
+    (copied), or for a tiktoken one `original/tokenizer.model` and, with `tokenizers`
+    installed, `tokenizer.json`, `tokenizer_config.json` and `special_tokens_map.json`."""
+    if isinstance(tok, HFTokenizer):
+        for name in TOKENIZER_FILES:
+            if os.path.isfile(os.path.join(tok.folder, name)):
+                shutil.copyfile(os.path.join(tok.folder, name), os.path.join(out_dir, name))
+        return
     os.makedirs(os.path.join(out_dir, "original"), exist_ok=True)
     shutil.copyfile(tok.path, os.path.join(out_dir, "original", "tokenizer.model"))
     try:

@@ -12,7 +12,7 @@ import logging
 import os
 import time
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
@@ -29,9 +29,10 @@ from torch.distributed.checkpoint.state_dict import (
 
 from titanlab.checkpoint import plain_state, store
 from titanlab.config.job_config import Checkpoint, ConfigError
+from titanlab.models.stored_args import write_model_args
 
 if TYPE_CHECKING:
-    from titanlab.models.llama3.model import Transformer
+    from titanlab.models.registry import ModelFamily
 
 logger = logging.getLogger(__name__)
 _FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
@@ -48,6 +49,9 @@ class Checkpointer:
         optimizer: an `OptimizersContainer` (one optimizer per model part).
         lr_scheduler, dataloader: objects with state_dict / load_state_dict.
         dp_rank: data-parallel index of this rank (keys the loader position).
+        family, model_args: the model's family and args; written as `model_args.json` into
+            every folder saved, so `convert_checkpoint to-hf` and `checkpoint.initial_load_path`
+            know the shape (None: not written).
     """
 
     def __init__(
@@ -60,8 +64,11 @@ class Checkpointer:
         lr_scheduler,
         dataloader,
         dp_rank: int,
+        family: ModelFamily | None = None,
+        model_args: Any = None,
     ) -> None:
         self.cfg = cfg
+        self.family, self.model_args = family, model_args
         self.root = store.checkpoint_root(cfg.folder, dump_folder)
         self.model_parts = model_parts
         self.optimizer = optimizer
@@ -162,9 +169,15 @@ class Checkpointer:
 
             hf_path = os.path.join(self.root, f"hf-step-{step}")
             begin = time.perf_counter()
-            model = cast("Transformer", self.model_parts[0])
+            assert self.family is not None, "last_save_in_hf needs the model's family"
             dcp_to_hf(
-                path, hf_path, model_args=model.args, dtype=dtype, overwrite=True, progress=False
+                path,
+                hf_path,
+                model_name=self.family.name,
+                model_args=self.model_args,
+                dtype=dtype,
+                overwrite=True,
+                progress=False,
             )
             logger.info(
                 "checkpoint: wrote the Hugging Face folder %s in %.2fs",
@@ -178,6 +191,8 @@ class Checkpointer:
         if self.rank == 0:
             store.remove(path)  # a cut-off earlier attempt at this step must not mix in
             os.makedirs(path, exist_ok=True)
+            if self.family is not None:
+                write_model_args(path, self.family, self.model_args)
         dist.barrier()
         return path
 

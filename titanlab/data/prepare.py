@@ -26,12 +26,12 @@ import numpy as np
 from tqdm import tqdm
 
 from titanlab.data.prepare_inputs import iter_documents, list_input_files
-from titanlab.data.tokenizer import Tokenizer
+from titanlab.data.tokenizer import AnyTokenizer, load_tokenizer
 
 FORMAT_VERSION = 1
 METADATA_FILE = "metadata.json"
 
-_worker_tokenizers: dict[str, Tokenizer] = {}
+_worker_tokenizers: dict[str, AnyTokenizer] = {}
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -108,7 +108,7 @@ def _tokenize_shard(job: tuple[str, str, dict]) -> dict:
     key = f"{tokenizer_path}@{spec['tokenizer_fingerprint']}"
     tok = _worker_tokenizers.get(key)
     if tok is None:
-        tok = Tokenizer(tokenizer_path)
+        tok = load_tokenizer(tokenizer_path)
         if tok.fingerprint != spec["tokenizer_fingerprint"]:
             raise ValueError(
                 f"tokenizer file {tokenizer_path!r} changed while preparing data; rerun"
@@ -184,7 +184,7 @@ def prepare_data(
         raise ValueError(f"workers={workers} is invalid; use an integer >= 1")
     if shard_size_mb <= 0:
         raise ValueError(f"shard_size_mb={shard_size_mb} is invalid; use a positive number")
-    tok = Tokenizer(tokenizer_path)
+    tok = load_tokenizer(tokenizer_path)
     out_prefix = os.path.join(os.path.abspath(output_dir), "")
     files = [f for f in list_input_files(inputs) if not f.startswith(out_prefix)]
     if not files:

@@ -1,4 +1,4 @@
-"""Llama 3 style tiktoken tokenizer.
+"""Llama 3 style tiktoken tokenizer, and `load_tokenizer` (tiktoken or Hugging Face tokenizer.json).
 
 Reads a BPE file in the Llama 3 ``tokenizer.model`` format (one ``base64(token bytes) rank`` per
 line, ranks ``0..n-1``), splits text with Llama 3's pre-tokenizer regex and appends Llama 3.1's 256
@@ -16,6 +16,8 @@ import re
 from collections.abc import Iterator, Sequence
 
 import tiktoken
+
+from titanlab.data.tokenizer_json import HFTokenizer
 
 # Llama 3's pre-tokenizer split pattern (identical to OpenAI's cl100k pattern).
 LLAMA3_SPLIT_PATTERN = (
@@ -193,3 +195,29 @@ class Tokenizer:
     def decode(self, ids: Sequence[int]) -> str:
         """Decode token ids into text; byte sequences that are not valid UTF-8 become U+FFFD."""
         return self._encoding.decode([int(i) for i in ids])
+
+
+def is_tokenizer_json(path: str) -> bool:
+    """Whether `path` names a Hugging Face tokenizer: a `*.json` file or a folder holding a
+    `tokenizer.json` (otherwise it is a tiktoken `tokenizer.model`)."""
+    if os.path.isdir(path):
+        return os.path.isfile(os.path.join(path, "tokenizer.json"))
+    return path.endswith(".json")
+
+
+AnyTokenizer = Tokenizer | HFTokenizer
+"""Either kind of tokenizer: both have path, vocab_size, bos_id, eos_id, fingerprint, encode,
+decode."""
+
+
+def load_tokenizer(path: str) -> AnyTokenizer:
+    """The tokenizer at `path`: a Hugging Face `tokenizer.json` (or its folder) through the
+    `tokenizers` library, else a tiktoken `tokenizer.model` (Llama 3 format).
+
+    Raises:
+        FileNotFoundError: nothing at `path`.
+        ValueError: a malformed file.
+    """
+    if is_tokenizer_json(path):
+        return HFTokenizer(path)
+    return Tokenizer(path)

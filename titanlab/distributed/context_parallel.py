@@ -15,7 +15,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 if TYPE_CHECKING:
-    from titanlab.models.llama3.model import Transformer
+    from titanlab.models.common.decoder import Decoder
 
 
 def cp_context(
@@ -32,7 +32,7 @@ def cp_context(
 
     buffers, dims = [inputs, labels], [1, 1]
     for part in model_parts:
-        model = cast("Transformer", part)  # every part is a Transformer (or a stage of one)
+        model = cast("Decoder", part)  # every part is a Decoder (or a stage of one)
         buffers += [model.rope_cos, model.rope_sin]
         dims += [0, 0]
     stack = contextlib.ExitStack()

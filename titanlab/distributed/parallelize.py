@@ -1,4 +1,4 @@
-"""`parallelize_llama`: apply parallelisms and training features to a Llama model from outside.
+"""`parallelize_model`: apply parallelisms and training features to a decoder from outside.
 
 The order is fixed and each step is a small `apply_*` helper taking the model, a mesh and its
 own config: tensor parallel → activation checkpointing → torch.compile → FSDP2/HSDP. The model
@@ -25,9 +25,10 @@ from titanlab.config.job_config import JobConfig
 from titanlab.distributed.activation_checkpoint import apply_ac
 from titanlab.distributed.parallel_dims import ParallelDims
 from titanlab.distributed.tensor_parallel import apply_tp
+from titanlab.models.registry import family_of_args
 
 if TYPE_CHECKING:
-    from titanlab.models.llama3.model import Transformer
+    from titanlab.models.common.decoder import Decoder
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -40,9 +41,9 @@ def param_dtype(config: JobConfig, device: torch.device) -> torch.dtype:
     return _DTYPES[config.training.mixed_precision_param]
 
 
-def parallelize_llama(
-    model: Transformer, parallel_dims: ParallelDims, config: JobConfig, device: torch.device
-) -> Transformer:
+def parallelize_model(
+    model: Decoder, parallel_dims: ParallelDims, config: JobConfig, device: torch.device
+) -> Decoder:
     """Apply, in order, TP → AC → compile → FSDP2/HSDP/DDP to `model` (the whole model, or one
     pipeline stage of it) in place. Returns the same model object.
     """
@@ -53,6 +54,7 @@ def parallelize_llama(
         apply_tp(
             model,
             tp_mesh,
+            block_plan_fn=family_of_args(model.args).tp_block_plan,
             loss_parallel=not config.parallelism.disable_loss_parallel,
             float8_comm=f8.enable and f8.recipe_name == "tensorwise" and device.type == "cuda",
         )
@@ -100,7 +102,7 @@ def fsdp_mesh(parallel_dims: ParallelDims) -> DeviceMesh:
 
 
 def apply_ddp(
-    model: Transformer, dp_mesh: DeviceMesh, *, param_dtype: torch.dtype, reduce_dtype: torch.dtype
+    model: Decoder, dp_mesh: DeviceMesh, *, param_dtype: torch.dtype, reduce_dtype: torch.dtype
 ) -> None:
     """Plain data parallel: full parameters on every rank, gradients all-reduced (averaged) per
     block during backward.
@@ -131,7 +133,7 @@ def reshard_policy(option: str, pp_enabled: bool) -> bool:
     return not pp_enabled
 
 
-def apply_compile(model: Transformer, backend: str) -> None:
+def apply_compile(model: Decoder, backend: str) -> None:
     """Compile each transformer block in place (`Module.compile`, so parameter names do not
     change and checkpoints stay portable). Blocks are identical, so one graph serves all."""
     for block in model.layers.values():
@@ -139,7 +141,7 @@ def apply_compile(model: Transformer, backend: str) -> None:
 
 
 def apply_fsdp(
-    model: Transformer,
+    model: Decoder,
     mesh: DeviceMesh,
     *,
     param_dtype: torch.dtype,

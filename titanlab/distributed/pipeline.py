@@ -19,7 +19,7 @@ from torch.distributed.pipelining import schedules as S
 from titanlab.config.job_config import ConfigError
 
 if TYPE_CHECKING:
-    from titanlab.models.llama3.model import Transformer
+    from titanlab.models.common.decoder import Decoder
 
 SINGLE = {"GPipe": S.ScheduleGPipe, "1F1B": S.Schedule1F1B}
 LOOPED = {
@@ -108,7 +108,7 @@ def stage_fqns(
     return fqns
 
 
-def build_stage_module(model: Transformer, fqns: list[str]) -> Transformer:
+def build_stage_module(model: Decoder, fqns: list[str]) -> Decoder:
     """A copy of `model` (on the meta device) keeping only the modules named in `fqns`."""
     stage = copy.deepcopy(model)
     keep = set(fqns)
@@ -137,7 +137,7 @@ def build_schedule(name: str, stages: list[PipelineStage], n_microbatches: int, 
     return cls(stages, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)
 
 
-def pipeline_llama(model: Transformer, parallel_dims, config, device, parallelize_fn, loss_fn):
+def pipeline_model(model: Decoder, parallel_dims, config, device, parallelize_fn, loss_fn):
     """Split the meta-device `model` into this rank's stages, parallelize each with
     `parallelize_fn(stage_module)` (TP/AC/compile/FSDP inside the stage), materialize them on
     `device` and build the schedule.

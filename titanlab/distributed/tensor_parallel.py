@@ -2,8 +2,10 @@
 
 Plan (Shoeybi et al. 2019, "Megatron-LM"; Korthikanti et al. 2022 for sequence parallel):
 - tok_embeddings: row-wise (vocab sharded); output sharded on the sequence dim for the norms.
-- attention wq/wk/wv and FFN w1/w3: column-wise (heads / hidden units sharded), so attention
-  runs on local heads; wo and w2: row-wise, their outputs reduce-scattered onto sequence shards.
+- each block: the family's plan (`ModelFamily.tp_block_plan`, from
+  `titanlab.models.common.tp_plan`): attention wq/wk/wv and FFN w1/w3 column-wise (heads / hidden
+  units sharded), so attention runs on local heads; wo and w2 row-wise, their outputs
+  reduce-scattered onto sequence shards; Qwen3's per-head q/k norms on the sharded heads dim.
 - attention_norm, ffn_norm, norm: sequence parallel (each rank normalizes its own tokens), so
   activations between blocks are sharded on the sequence dim and every parameter is a DTensor
   (plain-tensor norm weights would break foreach AdamW and clip_grad_norm_).
@@ -23,6 +25,7 @@ Plan (Shoeybi et al. 2019, "Megatron-LM"; Korthikanti et al. 2022 for sequence p
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from torch.distributed.device_mesh import DeviceMesh
@@ -39,7 +42,7 @@ from torch.distributed.tensor.parallel import (
 if TYPE_CHECKING:
     from torch.distributed.tensor.parallel import ParallelStyle
 
-    from titanlab.models.llama3.model import Transformer
+    from titanlab.models.common.decoder import Decoder
 
 
 def block_styles(float8_comm: bool) -> tuple[type, type, type]:
@@ -57,13 +60,20 @@ def block_styles(float8_comm: bool) -> tuple[type, type, type]:
 
 
 def apply_tp(
-    model: Transformer, tp_mesh: DeviceMesh, *, loss_parallel: bool, float8_comm: bool = False
+    model: Decoder,
+    tp_mesh: DeviceMesh,
+    *,
+    block_plan_fn: Callable[[type, type, type], dict[str, ParallelStyle]],
+    loss_parallel: bool,
+    float8_comm: bool = False,
 ) -> None:
-    """Shard `model` (a Transformer or a pipeline stage of one) over `tp_mesh` in place.
+    """Shard `model` (a Decoder or a pipeline stage of one) over `tp_mesh` in place.
 
     Input tokens (bs, seq) must be identical on every tp rank; the output is logits (bs, seq,
     vocab) as a DTensor sharded on vocab when `loss_parallel`, else a plain replicated tensor.
     A middle pipeline stage takes and returns (bs, seq, dim) hidden states sharded on seq.
+    `block_plan_fn`: the family's block plan from the (colwise, rowwise, prepare-input) style
+    classes (`ModelFamily.tp_block_plan`; see `titanlab.models.common.tp_plan`).
     `float8_comm`: all-gather the blocks' activations in float8 (torchao tensorwise recipe).
     """
     top: dict[str, ParallelStyle] = {}
@@ -82,24 +92,8 @@ def apply_tp(
     if top:
         parallelize_module(model, tp_mesh, top)
 
-    block_plan = {
-        "attention_norm": SequenceParallel(),
-        # (x, cos, sin): only x is a sharded activation; the RoPE tables are plain tensors.
-        "attention": PrepareModuleInput(
-            input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None)
-        ),
-        "attention.wq": ColwiseParallel(),
-        "attention.wk": ColwiseParallel(),
-        "attention.wv": ColwiseParallel(),
-        "attention.wo": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
-        "ffn_norm": SequenceParallel(),
-        "feed_forward": PrepareModuleInput(
-            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
-        ),
-        "feed_forward.w1": ColwiseParallel(),
-        "feed_forward.w3": ColwiseParallel(),
-        "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
-    }
+    colwise, rowwise, prepare_input = block_styles(float8_comm)
+    block_plan = block_plan_fn(colwise, rowwise, prepare_input)
     # Between blocks (and between pipeline stages) activations are plain local (bs, seq/tp, dim)
     # tensors; the sequence-parallel norms read them as Shard(1).
     blocks = list(model.layers.values())

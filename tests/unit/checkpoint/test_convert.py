@@ -19,7 +19,7 @@ from titanlab.checkpoint.convert import (
     hf_to_dcp,
     parse_size,
 )
-from titanlab.checkpoint.hf_adapter import HFStateDictAdapter
+from titanlab.models.common.hf_adapter import HFStateDictAdapter
 from titanlab.data.tokenizer import Tokenizer, default_tokenizer_path
 from titanlab.models.llama3 import Transformer, llama3_flavors
 
@@ -166,7 +166,9 @@ def test_to_hf_errors_name_the_problem(tmp_path):
         r"\[4352, 256\] but flavor '1B' expects \[4352, 2048\]",
     ):
         dcp_to_hf(str(tmp_path / "dcp"), str(tmp_path / "hf"), flavor="1B")
-    with pytest.raises(ConversionError, match="flavor='9B' is unknown; valid: debugmodel"):
+    with pytest.raises(
+        ConversionError, match="flavor='9B' is unknown for model.name='llama3'; valid: debugmodel"
+    ):
         dcp_to_hf(str(tmp_path / "dcp"), str(tmp_path / "hf"), flavor="9B")
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "x").write_text("x")

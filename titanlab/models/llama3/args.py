@@ -9,19 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-
-@dataclass(frozen=True)
-class RopeScaling:
-    """Llama 3.1 RoPE frequency scaling (long-context extension); see `precompute_rope_cos_sin`."""
-
-    factor: float = 8.0
-    """Divisor applied to the low frequencies (8 for Llama 3.1, 32 for Llama 3.2 1B/3B)."""
-    low_freq_factor: float = 1.0
-    """Wavelengths above `original_max_position_embeddings / low_freq_factor` are scaled fully."""
-    high_freq_factor: float = 4.0
-    """Wavelengths below `original_max_position_embeddings / high_freq_factor` are unchanged."""
-    original_max_position_embeddings: int = 8192
-    """Context length (tokens) of the model before the long-context extension."""
+from titanlab.models.common.rope import RopeScaling
 
 
 LLAMA31_SCALING = RopeScaling(factor=8.0)
@@ -46,6 +34,9 @@ class TransformerModelArgs:
     """The SwiGLU hidden width is rounded up to a multiple of this."""
     ffn_dim_multiplier: float | None = None
     """Optional multiplier on the default SwiGLU hidden width int(8 * dim / 3)."""
+    hidden_dim: int | None = None
+    """Explicit SwiGLU hidden width (HF `intermediate_size`); None: Meta's rule from dim,
+    ffn_dim_multiplier and multiple_of. Set when a Hugging Face config is imported."""
     norm_eps: float = 1e-5
     """Epsilon of every RMSNorm."""
     rope_theta: float = 500000.0
@@ -59,6 +50,11 @@ class TransformerModelArgs:
     be split across pipeline stages."""
     depth_init: bool = True
     """Output-projection init std 0.02/sqrt(2*(layer_id+1)) if True, else 0.02/sqrt(2*n_layers)."""
+
+    @property
+    def qk_norm(self) -> bool:
+        """Llama has no per-head q/k norms."""
+        return False
 
     @property
     def head_dim(self) -> int:
@@ -76,6 +72,8 @@ class TransformerModelArgs:
         hidden = int(2 * 4 * dim / 3); if ffn_dim_multiplier: hidden = int(ffn_dim_multiplier *
         hidden); then round up to a multiple of `multiple_of`. E.g. 8B: 14336.
         """
+        if self.hidden_dim is not None:
+            return self.hidden_dim
         hidden = int(2 * 4 * self.dim / 3)
         if self.ffn_dim_multiplier is not None:
             hidden = int(self.ffn_dim_multiplier * hidden)
@@ -102,6 +100,8 @@ class TransformerModelArgs:
             raise ValueError(
                 f"n_kv_heads={self.n_kv_heads} must be positive and divide n_heads={self.n_heads}"
             )
+        if self.hidden_dim is not None and self.hidden_dim <= 0:
+            raise ValueError(f"hidden_dim={self.hidden_dim} must be positive")
         if self.ffn_dim_multiplier is not None and self.ffn_dim_multiplier <= 0:
             raise ValueError(f"ffn_dim_multiplier={self.ffn_dim_multiplier} must be positive")
         if self.norm_eps <= 0 or self.rope_theta <= 0:

@@ -1,4 +1,5 @@
-"""The titanlab ⇄ Hugging Face Llama adapter: name map, RoPE permutation, tied embeddings."""
+"""The titanlab ⇄ Hugging Face state-dict adapter on Llama: name map, RoPE permutation, tied
+embeddings (Qwen3's q/k norms: tests/unit/models/qwen3)."""
 
 import dataclasses
 import os
@@ -6,7 +7,7 @@ import os
 import pytest
 import torch
 
-from titanlab.checkpoint.hf_adapter import (
+from titanlab.models.common.hf_adapter import (
     HFStateDictAdapter,
     from_hf_name,
     permute_from_hf,
@@ -14,7 +15,7 @@ from titanlab.checkpoint.hf_adapter import (
     to_hf_name,
 )
 from titanlab.models.llama3 import Transformer, llama3_flavors
-from titanlab.models.llama3.model import apply_rotary_emb, precompute_rope_cos_sin
+from titanlab.models.common.rope import apply_rotary_emb, precompute_rope_cos_sin
 
 TINY = dataclasses.replace(
     llama3_flavors["debugmodel"],
@@ -108,7 +109,7 @@ def test_unknown_names_are_one_line_errors(bad):
     with pytest.raises(ValueError, match="valid:") as e:
         to_hf_name(bad)
     assert "\n" not in str(e.value) and repr(bad) in str(e.value)
-    with pytest.raises(ValueError, match="is not a Hugging Face Llama weight"):
+    with pytest.raises(ValueError, match="is not a Hugging Face Llama/Qwen3 weight"):
         from_hf_name("model.layers.0.self_attn.rotary_emb.inv_freq")
 
 
@@ -129,9 +130,9 @@ def test_state_dict_round_trip_and_hf_names(tied):
         assert back["output.weight"] is back["tok_embeddings.weight"]
 
     transformers = pytest.importorskip("transformers")
-    from titanlab.checkpoint.hf_config import to_hf_config
+    from titanlab.models.llama3.hf import to_config
 
-    config = transformers.LlamaConfig(**to_hf_config(args, dtype=torch.float32))
+    config = transformers.LlamaConfig(**to_config(args, torch.float32, 4096, None, None))
     hf_model = transformers.LlamaForCausalLM(config)
     want = set(hf_model.state_dict()) - ({"lm_head.weight"} if tied else set())
     assert set(hf) == want

@@ -4,14 +4,20 @@ import math
 
 import torch
 
-from titanlab.models.llama3 import TransformerModelArgs
-from titanlab.models.llama3.args import RopeScaling
-from titanlab.models.llama3.model import (
-    Attention,
+from titanlab.models.common.attention import Attention as _Attention
+from titanlab.models.common.rope import (
+    RopeScaling,
     apply_rotary_emb,
     precompute_rope_cos_sin,
     rope_frequencies,
 )
+from titanlab.models.llama3 import TransformerModelArgs
+
+
+def Attention(args: TransformerModelArgs) -> _Attention:
+    """Llama's attention (no q/k norm) of `args`."""
+    return _Attention(args.dim, args.n_heads, args.kv_heads, args.head_dim, None)
+
 
 SCALING = RopeScaling(
     factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192

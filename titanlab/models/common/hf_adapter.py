@@ -1,4 +1,5 @@
-"""The one map between titanlab's Llama 3 state dict and Hugging Face's `LlamaForCausalLM`.
+"""The one map between a titanlab decoder's state dict and Hugging Face's `LlamaForCausalLM` /
+`Qwen3ForCausalLM` (the same names; Qwen3 adds the per-head q/k norms).
 
 Used by both directions of `tools/convert_checkpoint.py`, by the trainer's
 `checkpoint.last_save_in_hf` and by the tests. Names here are the model's own state-dict names,
@@ -9,6 +10,7 @@ without the `model.` prefix that a titanlab DCP checkpoint puts in front of them
 | `tok_embeddings.weight` | `model.embed_tokens.weight` |
 | `layers.{i}.attention.wq / wk / wv / wo.weight` | `model.layers.{i}.self_attn.q_proj / k_proj / v_proj / o_proj.weight` |
 | `layers.{i}.feed_forward.w1 / w2 / w3.weight` | `model.layers.{i}.mlp.gate_proj / down_proj / up_proj.weight` |
+| `layers.{i}.attention.q_norm / k_norm.weight` (Qwen3) | `model.layers.{i}.self_attn.q_norm / k_norm.weight` |
 | `layers.{i}.attention_norm.weight` | `model.layers.{i}.input_layernorm.weight` |
 | `layers.{i}.ffn_norm.weight` | `model.layers.{i}.post_attention_layernorm.weight` |
 | `norm.weight` | `model.norm.weight` |
@@ -23,6 +25,8 @@ not touched. This is the permutation of Hugging Face's `convert_llama_weights_to
 (`view(n_heads, dim1 // n_heads // 2, 2, dim2).transpose(1, 2).reshape(dim1, dim2)`);
 `permute_from_hf` is its inverse. wk is reordered over its `n_kv_heads` heads. GQA head order
 needs no change: both models let kv head j serve query heads j*n_rep .. (j+1)*n_rep - 1.
+The per-head q/k norm weights (head_dim,) get the same reordering as one head's rows: RMSNorm
+does not change under a permutation of its inputs when its weight is permuted alike.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ import re
 
 import torch
 
-from titanlab.models.llama3.args import TransformerModelArgs
+from titanlab.models.common.decoder import DecoderArgs
 
 _GLOBAL_TO_HF = {
     "tok_embeddings.weight": "model.embed_tokens.weight",
@@ -46,6 +50,8 @@ _LAYER_TO_HF = {
     "feed_forward.w1.weight": "mlp.gate_proj.weight",
     "feed_forward.w2.weight": "mlp.down_proj.weight",
     "feed_forward.w3.weight": "mlp.up_proj.weight",
+    "attention.q_norm.weight": "self_attn.q_norm.weight",
+    "attention.k_norm.weight": "self_attn.k_norm.weight",
     "attention_norm.weight": "input_layernorm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
 }
@@ -60,7 +66,7 @@ def to_hf_name(name: str) -> str:
     → `model.layers.3.self_attn.q_proj.weight`).
 
     Raises:
-        ValueError: `name` is not a Llama 3 weight.
+        ValueError: `name` is not a decoder weight.
     """
     if name in _GLOBAL_TO_HF:
         return _GLOBAL_TO_HF[name]
@@ -68,7 +74,7 @@ def to_hf_name(name: str) -> str:
     if m and m.group(2) in _LAYER_TO_HF:
         return f"model.layers.{m.group(1)}.{_LAYER_TO_HF[m.group(2)]}"
     raise ValueError(
-        f"{name!r} is not a titanlab Llama 3 weight name; valid: "
+        f"{name!r} is not a titanlab decoder weight name; valid: "
         f"{', '.join(_GLOBAL_TO_HF)}, layers.N.{{{', '.join(_LAYER_TO_HF)}}}"
     )
 
@@ -77,7 +83,7 @@ def from_hf_name(hf_name: str) -> str:
     """titanlab state-dict key of Hugging Face weight `hf_name` (inverse of `to_hf_name`).
 
     Raises:
-        ValueError: `hf_name` is not a `LlamaForCausalLM` weight (biases, rotary buffers, ...).
+        ValueError: `hf_name` is not a Llama/Qwen3 weight (biases, rotary buffers, ...).
     """
     if hf_name in _GLOBAL_FROM_HF:
         return _GLOBAL_FROM_HF[hf_name]
@@ -85,7 +91,7 @@ def from_hf_name(hf_name: str) -> str:
     if m and m.group(2) in _LAYER_FROM_HF:
         return f"layers.{m.group(1)}.{_LAYER_FROM_HF[m.group(2)]}"
     raise ValueError(
-        f"{hf_name!r} is not a Hugging Face Llama weight name; valid: "
+        f"{hf_name!r} is not a Hugging Face Llama/Qwen3 weight name; valid: "
         f"{', '.join(_GLOBAL_FROM_HF)}, model.layers.N.{{{', '.join(_LAYER_FROM_HF)}}}"
     )
 
@@ -121,14 +127,14 @@ def permute_from_hf(w: torch.Tensor, n_heads: int) -> torch.Tensor:
 
 
 class HFStateDictAdapter:
-    """Converts one tensor, or a whole state dict, between titanlab and Hugging Face Llama.
+    """Converts one tensor, or a whole state dict, between titanlab and Hugging Face.
 
     Args:
         args: the model's shape; `n_heads` / `kv_heads` drive the RoPE permutation and
             `tie_word_embeddings` whether `output.weight` / `lm_head.weight` is written.
     """
 
-    def __init__(self, args: TransformerModelArgs) -> None:
+    def __init__(self, args: DecoderArgs) -> None:
         self.args = args
 
     def _heads(self, name: str) -> int | None:
@@ -136,11 +142,23 @@ class HFStateDictAdapter:
             return self.args.n_heads
         if name.endswith("attention.wk.weight"):
             return self.args.kv_heads
+        if name.endswith(("attention.q_norm.weight", "attention.k_norm.weight")):
+            return 1  # one head's worth of weights, shared by every head
         return None
 
     def needs_permutation(self, name: str) -> bool:
-        """True for wq/wk (titanlab names), whose rows are reordered between the layouts."""
+        """True for wq/wk and the q/k norms (titanlab names), whose rows are reordered between
+        the layouts."""
         return self._heads(name) is not None
+
+    def _permute(self, name: str, tensor: torch.Tensor, to_hf: bool) -> torch.Tensor:
+        heads = self._heads(name)
+        if heads is None:
+            return tensor
+        fn = permute_to_hf if to_hf else permute_from_hf
+        if tensor.dim() == 1:  # a q/k norm weight (head_dim,)
+            return fn(tensor.view(-1, 1), heads).view(-1)
+        return fn(tensor, heads)
 
     def skipped_in_hf(self, name: str) -> bool:
         """True when titanlab weight `name` has no tensor of its own in a Hugging Face folder
@@ -151,21 +169,18 @@ class HFStateDictAdapter:
         """(HF name, tensor in HF layout) of titanlab weight `name`; shape and dtype kept.
 
         Raises:
-            ValueError: `name` is not a Llama 3 weight.
+            ValueError: `name` is not a decoder weight.
         """
-        hf_name = to_hf_name(name)
-        heads = self._heads(name)
-        return hf_name, (permute_to_hf(tensor, heads) if heads is not None else tensor)
+        return to_hf_name(name), self._permute(name, tensor, to_hf=True)
 
     def from_hf(self, hf_name: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor]:
         """(titanlab name, tensor in titanlab layout) of HF weight `hf_name`; shape, dtype kept.
 
         Raises:
-            ValueError: `hf_name` is not a Llama weight.
+            ValueError: `hf_name` is not a Llama/Qwen3 weight.
         """
         name = from_hf_name(hf_name)
-        heads = self._heads(name)
-        return name, (permute_from_hf(tensor, heads) if heads is not None else tensor)
+        return name, self._permute(name, tensor, to_hf=False)
 
     def to_hf_state_dict(self, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """A whole titanlab model state dict in HF names and layout (tied `output.weight` left
@@ -173,7 +188,7 @@ class HFStateDictAdapter:
         return dict(self.to_hf(k, v) for k, v in state_dict.items() if not self.skipped_in_hf(k))
 
     def from_hf_state_dict(self, hf_state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """A whole HF Llama state dict in titanlab names and layout. For a tied model
+        """A whole HF state dict in titanlab names and layout. For a tied model
         `output.weight` is the embedding tensor itself (as in titanlab's own state dict), and an
         `lm_head.weight` in the input is ignored."""
         sd = dict(

@@ -1,4 +1,4 @@
-"""titanlab model args ⇄ Hugging Face config.json."""
+"""Llama 3 args ⇄ a Hugging Face `LlamaForCausalLM` config.json (titanlab.models.llama3.hf)."""
 
 import dataclasses
 import os
@@ -6,10 +6,16 @@ import os
 import pytest
 import torch
 
-from titanlab.checkpoint.hf_config import from_hf_config, to_hf_config
+from titanlab.models.common.hf_config import special_token_ids
 from titanlab.models.llama3 import llama3_flavors
+from titanlab.models.llama3.hf import from_config, to_config
+from titanlab.models.registry import get_family, matching_flavor
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # transformers loads local folders only
+
+
+def to_hf_config(args, dtype=torch.float32) -> dict:
+    return to_config(args, dtype, 131072, *special_token_ids(args.vocab_size))
 
 
 def published(flavor: str) -> dict:
@@ -69,62 +75,64 @@ def test_published_intermediate_sizes(flavor, ffn):
 
 
 @pytest.mark.parametrize("flavor", list(llama3_flavors))
-def test_flavor_is_inferred_back(flavor):
+def test_args_derived_from_a_flavor_config_build_the_same_model(flavor):
     args = dataclasses.replace(llama3_flavors[flavor], vocab_size=1000)
-    name, back = from_hf_config(to_hf_config(args, dtype=torch.float32))
-    assert name == flavor and back == args
+    back = from_config(to_hf_config(args))
+    assert to_hf_config(back) == to_hf_config(args)  # the same architecture, field by field
+    assert matching_flavor(get_family("llama3"), back) == flavor
 
 
 def test_transformers_5_rope_parameters_form_is_read():
     cfg = published("8B")
     scaling = cfg.pop("rope_scaling")
     cfg["rope_parameters"] = {**scaling, "rope_theta": cfg.pop("rope_theta")}
-    name, args = from_hf_config(cfg, "8B")
-    assert name == "8B" and args.rope_scaling == llama3_flavors["8B"].rope_scaling
+    args = from_config(cfg)
+    assert args.rope_scaling == llama3_flavors["8B"].rope_scaling and args.rope_theta == 500000.0
 
 
-@pytest.mark.parametrize(
-    "key,value,msg",
-    [
-        ("num_key_value_heads", 4, "num_key_value_heads=4 (the flavor has 8)"),
-        ("rope_theta", 10000.0, "rope_theta=10000.0 (the flavor has 500000.0)"),
-        ("tie_word_embeddings", True, "tie_word_embeddings=True (the flavor has False)"),
-        ("rope_scaling", None, "rope_scaling=None"),
-    ],
-)
-def test_mismatch_with_chosen_flavor_names_the_key(key, value, msg):
-    cfg = {**published("8B"), key: value}
-    with pytest.raises(ValueError) as e:
-        from_hf_config(cfg, "8B")
-    assert "does not match flavor '8B'" in str(e.value) and msg in str(e.value)
-    assert "\n" not in str(e.value)
-
-
-def test_no_flavor_matches_lists_the_valid_ones():
-    with pytest.raises(ValueError, match="matches no titanlab flavor; valid: debugmodel"):
-        from_hf_config({**published("8B"), "num_hidden_layers": 7})
+def test_a_config_of_no_flavor_imports_with_its_own_values():
+    """SmolLM-135M's shape: 9 heads, 3 KV heads, 30 layers, eps 1e-5, theta 10000, tied."""
+    cfg = {
+        "model_type": "llama",
+        "hidden_size": 576,
+        "intermediate_size": 1536,
+        "num_hidden_layers": 30,
+        "num_attention_heads": 9,
+        "num_key_value_heads": 3,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": True,
+        "vocab_size": 49152,
+    }
+    args = from_config(cfg)
+    assert (args.dim, args.n_layers, args.n_heads, args.kv_heads, args.head_dim) == (
+        576,
+        30,
+        9,
+        3,
+        64,
+    )
+    assert args.ffn_hidden_dim() == 1536 and args.norm_eps == 1e-6 and args.tie_word_embeddings
+    assert matching_flavor(get_family("llama3"), args) is None
 
 
 @pytest.mark.parametrize(
     "change,msg",
     [
         ({"model_type": "mistral"}, "model_type='mistral'"),
-        ({"attention_bias": True}, "attention_bias=true"),
+        ({"attention_bias": True}, "attention_bias=True is not supported by titanlab's llama3"),
+        ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
+        ({"head_dim": 256}, "head_dim=256"),
         (
             {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}},
             "rope type 'yarn' is not supported",
         ),
-        ({"vocab_size": None}, "vocab_size=None"),
+        ({"vocab_size": None}, "vocab_size=None must be a positive int"),
     ],
 )
 def test_unsupported_configs(change, msg):
     with pytest.raises(ValueError, match=msg.replace("(", r"\(").replace(")", r"\)")):
-        from_hf_config({**published("8B"), **change})
-
-
-def test_unknown_flavor():
-    with pytest.raises(ValueError, match="flavor='9B' is unknown; valid: debugmodel"):
-        from_hf_config(published("8B"), "9B")
+        from_config({**published("8B"), **change})
 
 
 def test_transformers_reads_the_config():

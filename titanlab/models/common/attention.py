@@ -1,0 +1,68 @@
+"""Causal grouped-query self-attention (Ainslie et al. 2023, "GQA") over PyTorch's SDPA."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from titanlab.models.common.init import trunc_normal_
+from titanlab.models.common.rope import apply_rotary_emb
+
+
+class Attention(nn.Module):
+    """GQA with RoPE and no biases; optionally RMSNorm on each q and k head before RoPE (Qwen3).
+
+    Args:
+        dim: model width; n_heads / kv_heads: query / key-value heads (kv_heads divides n_heads);
+        head_dim: width of one head (even, for RoPE), not necessarily dim // n_heads;
+        qk_norm_eps: None for no q/k norm (Llama), else the eps of the per-head RMSNorms
+            `q_norm` / `k_norm` over head_dim (Qwen3: Yang et al. 2025, "Qwen3 Technical Report").
+    """
+
+    def __init__(
+        self, dim: int, n_heads: int, kv_heads: int, head_dim: int, qk_norm_eps: float | None
+    ):
+        super().__init__()
+        self.head_dim = head_dim
+        self.wq = nn.Linear(dim, n_heads * head_dim, bias=False)
+        self.wk = nn.Linear(dim, kv_heads * head_dim, bias=False)
+        self.wv = nn.Linear(dim, kv_heads * head_dim, bias=False)
+        self.wo = nn.Linear(n_heads * head_dim, dim, bias=False)
+        self.q_norm: nn.RMSNorm | None = None
+        self.k_norm: nn.RMSNorm | None = None
+        if qk_norm_eps is not None:
+            self.q_norm = nn.RMSNorm(head_dim, eps=qk_norm_eps)
+            self.k_norm = nn.RMSNorm(head_dim, eps=qk_norm_eps)
+
+    def init_weights(self, out_std: float) -> None:
+        for w in (self.wq, self.wk, self.wv):
+            trunc_normal_(w.weight, 0.02)
+        trunc_normal_(self.wo.weight, out_std)
+        for norm in (self.q_norm, self.k_norm):
+            if norm is not None:
+                norm.reset_parameters()
+
+    def forward(self, x_bsd: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x_bsd: (bs, seq, dim); cos, sin: (>= seq, head_dim // 2), sliced here to seq.
+        Returns (bs, seq, dim).
+
+        Head counts come from the projections' sizes (-1), so under tensor parallelism the module
+        runs on the local heads. The RoPE tables are sliced here, to the length attention really
+        sees (under sequence parallel the block's input holds only a slice of the sequence).
+        """
+        bs, seq, _ = x_bsd.shape
+        q = self.wq(x_bsd).view(bs, seq, -1, self.head_dim)  # (bs, seq, heads, head_dim)
+        k = self.wk(x_bsd).view(bs, seq, -1, self.head_dim)  # (bs, seq, kv_heads, head_dim)
+        v = self.wv(x_bsd).view(bs, seq, -1, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary_emb(q, k, cos[:seq], sin[:seq])
+        n_rep = q.shape[2] // k.shape[2]
+        if n_rep > 1:  # kv head j serves q heads j*n_rep .. (j+1)*n_rep-1 (repeat_interleave)
+            k = k[:, :, :, None, :].expand(-1, -1, -1, n_rep, -1).flatten(2, 3)
+            v = v[:, :, :, None, :].expand(-1, -1, -1, n_rep, -1).flatten(2, 3)
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
+        )  # (bs, heads, seq, head_dim)
+        return self.wo(out.transpose(1, 2).reshape(bs, seq, -1))

@@ -1,0 +1,233 @@
+"""The decoder-only transformer every family builds: embedding → blocks → RMSNorm → output.
+
+The model knows nothing of parallelism: tensor/pipeline/data parallelism is applied from outside
+(see `titanlab/distributed/`). Two conventions make that possible:
+- `Attention` derives its number of heads from the projected tensor's size, so column-sharding
+  wq/wk/wv makes it run on the local heads;
+- `layers` is a `ModuleDict` keyed by str(layer_id), and `tok_embeddings`, `norm`, `output` may be
+  set to None, so a pipeline stage keeps only its own layers.
+
+A family's args (`DecoderArgs`) choose what differs: head_dim, the SwiGLU width, per-head q/k
+norms, RoPE base and scaling, tied embeddings.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Protocol, cast
+
+import torch
+from torch import nn
+
+from titanlab.models.common.attention import Attention
+from titanlab.models.common.feed_forward import FeedForward
+from titanlab.models.common.init import trunc_normal_
+from titanlab.models.common.rope import RopeScaling, precompute_rope_cos_sin
+
+
+class DecoderArgs(Protocol):
+    """What `Decoder` reads from a family's args dataclass."""
+
+    @property
+    def dim(self) -> int: ...
+    @property
+    def n_layers(self) -> int: ...
+    @property
+    def n_heads(self) -> int: ...
+    @property
+    def kv_heads(self) -> int: ...
+    @property
+    def head_dim(self) -> int: ...
+    @property
+    def vocab_size(self) -> int: ...
+    @property
+    def norm_eps(self) -> float: ...
+    @property
+    def rope_theta(self) -> float: ...
+    @property
+    def rope_scaling(self) -> RopeScaling | None: ...
+    @property
+    def max_seq_len(self) -> int: ...
+    @property
+    def tie_word_embeddings(self) -> bool: ...
+    @property
+    def depth_init(self) -> bool: ...
+    @property
+    def qk_norm(self) -> bool: ...
+
+    def ffn_hidden_dim(self) -> int: ...
+    def validate(self) -> None: ...
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm block: h = x + attn(norm(x)); out = h + ffn(norm(h))."""
+
+    def __init__(self, layer_id: int, args: DecoderArgs):
+        super().__init__()
+        self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.attention = Attention(
+            args.dim,
+            args.n_heads,
+            args.kv_heads,
+            args.head_dim,
+            args.norm_eps if args.qk_norm else None,
+        )
+        self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.feed_forward = FeedForward(args.dim, args.ffn_hidden_dim())
+        depth = layer_id + 1 if args.depth_init else args.n_layers
+        self.out_init_std = 0.02 / math.sqrt(2 * depth)
+
+    def init_weights(self) -> None:
+        self.attention_norm.reset_parameters()
+        self.attention.init_weights(self.out_init_std)
+        self.ffn_norm.reset_parameters()
+        self.feed_forward.init_weights(self.out_init_std)
+
+    def forward(self, x_bsd: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """(bs, seq, dim) -> (bs, seq, dim)."""
+        h = x_bsd + self.attention(self.attention_norm(x_bsd), cos, sin)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Decoder(nn.Module):
+    """Embedding -> n_layers blocks -> RMSNorm -> output projection.
+
+    With `args.tie_word_embeddings`, `output.weight` is the same Parameter as
+    `tok_embeddings.weight`; such a model cannot be split across pipeline stages (the first and
+    last stage would each hold a copy that nothing keeps in sync).
+
+    Raises:
+        ValueError: from `args.validate()` if the arguments are inconsistent.
+    """
+
+    # Declared for type checkers: a pipeline stage sets the modules it does not own to None,
+    # and the RoPE tables are (non-persistent) buffers.
+    args: DecoderArgs
+    tok_embeddings: nn.Embedding | None
+    layers: nn.ModuleDict
+    norm: nn.RMSNorm | None
+    output: nn.Linear | None
+    rope_cos: torch.Tensor
+    rope_sin: torch.Tensor
+
+    def __init__(self, args: DecoderArgs):
+        super().__init__()
+        args.validate()
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleDict(
+            {str(i): TransformerBlock(i, args) for i in range(args.n_layers)}
+        )
+        self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        if args.tie_word_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        cos, sin = precompute_rope_cos_sin(
+            args.head_dim, args.max_seq_len, args.rope_theta, args.rope_scaling
+        )
+        self.register_buffer("rope_cos", cos, persistent=False)  # (max_seq_len, head_dim/2)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    def _apply(self, fn, recurse=True):
+        # Module conversions that cannot reuse the tensor in place (meta -> cpu/cuda in
+        # `to_empty`) give each module its own new Parameter, silently untying the weights.
+        super()._apply(fn, recurse)
+        emb, out = self.tok_embeddings, self.output
+        if self.args.tie_word_embeddings and emb is not None and out is not None:
+            if out.weight is not emb.weight:
+                out.weight = emb.weight
+        return self
+
+    @torch.no_grad()
+    def init_weights(self, buffer_device: torch.device | None = None) -> None:
+        """Recompute the RoPE tables and initialise every parameter in place.
+
+        Deterministic given the global torch seed (modules are visited in a fixed order:
+        embedding, layers by id, norm, output). Works after `to_empty` from the meta device and
+        with modules set to None. Recipe (torchtitan's Llama init, itself after OLMo):
+        - tok_embeddings: normal(0, 1);
+        - wq, wk, wv, w1: truncated normal std 0.02;
+        - wo, w2, w3: std 0.02 / sqrt(2 * (layer_id + 1)) if depth_init else
+          0.02 / sqrt(2 * n_layers);
+        - RMSNorm weights (q/k norms included): ones;
+        - output: truncated normal std dim ** -0.5.
+        Every truncated normal is cut at +-3 std (torchtitan cuts at +-2 absolute, i.e. not at
+        all at std 0.02). A tied embedding/output weight gets the output recipe, so initial
+        logits stay O(1).
+
+        Args:
+            buffer_device: device for the RoPE tables; default the tables' current device.
+        """
+        device = self.rope_cos.device if buffer_device is None else buffer_device
+        cos, sin = precompute_rope_cos_sin(
+            self.args.head_dim,
+            self.args.max_seq_len,
+            self.args.rope_theta,
+            self.args.rope_scaling,
+            device=device,
+        )
+        self.rope_cos, self.rope_sin = cos, sin
+        if self.tok_embeddings is not None and not self.args.tie_word_embeddings:
+            nn.init.normal_(self.tok_embeddings.weight, mean=0.0, std=1.0)
+        for layer_id in sorted(self.layers.keys(), key=int):
+            cast(TransformerBlock, self.layers[layer_id]).init_weights()
+        if self.norm is not None:
+            self.norm.reset_parameters()
+        if self.output is not None:
+            trunc_normal_(self.output.weight, self.args.dim**-0.5)
+        elif self.args.tie_word_embeddings and self.tok_embeddings is not None:
+            trunc_normal_(self.tok_embeddings.weight, self.args.dim**-0.5)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Run the (possibly partial, per pipeline stage) model.
+
+        Args:
+            tokens: (bs, seq) int64 token ids, or (bs, seq, dim) float hidden states when
+                `tok_embeddings` is None (a middle or last pipeline stage).
+        Returns:
+            (bs, seq, vocab) logits in the compute dtype, or (bs, seq, dim) hidden states when
+            `norm` / `output` are None.
+        Raises:
+            ValueError: if seq exceeds `args.max_seq_len` (the RoPE table length).
+        """
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        seq = h.shape[1]
+        if seq > self.rope_cos.shape[0]:
+            raise ValueError(f"sequence length {seq} exceeds max_seq_len={self.rope_cos.shape[0]}")
+        for layer in self.layers.values():
+            h = layer(h, self.rope_cos, self.rope_sin)  # (bs, seq, dim)
+        if self.norm is not None:
+            h = self.norm(h)
+        return self.output(h) if self.output is not None else h
+
+
+def count_params(model: nn.Module, exclude_embedding: bool = False) -> int:
+    """Number of parameters; shared (tied) tensors are counted once. Works on the meta device.
+
+    With `exclude_embedding`, the token embedding table is left out (it is a lookup, not a
+    matmul) unless it is tied to the output projection, which is a matmul and stays counted.
+    """
+    n = sum(p.numel() for p in model.parameters())
+    emb = getattr(model, "tok_embeddings", None)
+    out = getattr(model, "output", None)
+    if exclude_embedding and emb is not None and (out is None or out.weight is not emb.weight):
+        n -= emb.weight.numel()
+    return n
+
+
+def flops_per_token(args: DecoderArgs, seq_len: int, n_params_non_embedding: int) -> int:
+    """Training (forward + backward) FLOPs per token: 6 * N + 12 * L * H * Q * T.
+
+    N: parameters without the embedding table (the output projection is counted), L: n_layers,
+    H: n_heads, Q: head_dim, T: seq_len (tokens). 6N is the dense matmul cost (2 forward +
+    4 backward per parameter, Kaplan et al. 2020); 12*L*H*Q*T is the attention score and value
+    matmuls with no causal discount (PaLM, Chowdhery et al. 2022, Appendix B). The q/k norms'
+    elementwise work is not counted (it is not a matmul).
+    """
+    return 6 * n_params_non_embedding + 12 * args.n_layers * args.n_heads * args.head_dim * seq_len
+
+
+def get_nparams_and_flops(model: nn.Module, args: DecoderArgs, seq_len: int) -> tuple[int, int]:
+    """(total parameter count, training FLOPs per token at `seq_len`); see `flops_per_token`."""
+    n_non_embedding = count_params(model, exclude_embedding=True)
+    return count_params(model), flops_per_token(args, seq_len, n_non_embedding)

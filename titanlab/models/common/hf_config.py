@@ -1,0 +1,156 @@
+"""Reading and writing Hugging Face `config.json` dicts: the parts every family shares.
+
+A family's `hf.py` builds an `HFMapping` from these helpers: `to_config(args, ...)` writes the
+keys its `*ForCausalLM` and vLLM read; `from_config(cfg)` derives the family's args from any
+config.json of that architecture (not only the published sizes), taking every field the family
+understands and refusing, with one line naming it, a field whose value it cannot honour.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from titanlab.models.common.rope import RopeScaling
+
+DEFAULT_MAX_POSITION_EMBEDDINGS = 131072
+"""`max_position_embeddings` written by default: the context length of Llama 3.1 and 3.2."""
+
+HF_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+NUM_SPECIAL_TOKENS = 256  # titanlab tokenizers put Llama 3's 256 special tokens after the BPE ranks
+
+
+@dataclass(frozen=True)
+class HFMapping:
+    """How one family's args map to and from a Hugging Face config.json.
+
+    Attributes:
+        model_type: the config's `model_type` ("llama", "qwen3").
+        architecture: the `architectures` entry ("LlamaForCausalLM", "Qwen3ForCausalLM").
+        to_config: (args, dtype, max_position_embeddings, bos, eos) → config dict.
+        from_config: config dict → args (vocab_size from the config). Raises ValueError with one
+            line naming the first field it cannot honour.
+    """
+
+    model_type: str
+    architecture: str
+    to_config: Callable[[Any, torch.dtype, int, int | None, int | None], dict[str, Any]]
+    from_config: Callable[[dict[str, Any]], Any]
+
+
+def special_token_ids(vocab_size: int) -> tuple[int, int]:
+    """(bos, eos) ids of a titanlab tiktoken vocabulary: `<|begin_of_text|>` and
+    `<|end_of_text|>` are the first two of the 256 special tokens that follow the BPE ranks
+    (128000 / 128001 for Meta's)."""
+    bos = vocab_size - NUM_SPECIAL_TOKENS
+    return bos, bos + 1
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The config's `torch_dtype` string. Raises ValueError for a dtype HF files do not use."""
+    if dtype not in HF_DTYPE_NAMES:
+        raise ValueError(f"dtype={dtype} is not supported; valid: float32, bfloat16, float16")
+    return HF_DTYPE_NAMES[dtype]
+
+
+def rope_from_config(
+    cfg: dict[str, Any], allowed: tuple[str, ...]
+) -> tuple[float, RopeScaling | None]:
+    """(rope_theta, Llama 3.1 scaling or None) from `rope_parameters` (transformers >= 5) or
+    `rope_theta` + `rope_scaling` (older files). Missing theta: 10000, transformers' default.
+
+    Raises:
+        ValueError: a rope type not in `allowed` ("default", "llama3"), or llama3 scaling lacking
+            a key.
+    """
+    params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind not in allowed:
+        raise ValueError(
+            f"config.json rope type {kind!r} is not supported; valid: {', '.join(allowed)}"
+        )
+    if kind == "default":
+        return theta, None
+    try:
+        return theta, RopeScaling(
+            factor=float(params["factor"]),
+            low_freq_factor=float(params["low_freq_factor"]),
+            high_freq_factor=float(params["high_freq_factor"]),
+            original_max_position_embeddings=int(params["original_max_position_embeddings"]),
+        )
+    except KeyError as e:
+        raise ValueError(f"config.json llama3 rope scaling lacks {e.args[0]!r}") from None
+
+
+def require_int(cfg: dict[str, Any], key: str, default: int | None = None) -> int:
+    """A positive int field of the config (or `default` when absent).
+
+    Raises:
+        ValueError: absent without a default, or not a positive int.
+    """
+    value = cfg.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"config.json {key}={value!r} must be a positive int")
+    return value
+
+
+def refuse_unsupported(cfg: dict[str, Any], honoured: dict[str, Any], family: str) -> None:
+    """Refuse a config field whose value the family cannot honour.
+
+    Args:
+        cfg: the config dict.
+        honoured: field → the only value the family supports (a missing field is fine).
+        family: name for the message.
+    Raises:
+        ValueError: "config.json KEY=VALUE is not supported by titanlab's FAMILY (needs X)".
+    """
+    for key, want in honoured.items():
+        if key not in cfg or (cfg[key] is None and want in (False, 0, 0.0, None)):
+            continue
+        have = cfg[key]
+        same = (
+            math.isclose(float(have), float(want))
+            if isinstance(want, float) and isinstance(have, (int, float))
+            else have == want
+        )
+        if not same:
+            raise ValueError(
+                f"config.json {key}={have!r} is not supported by titanlab's {family} "
+                f"(needs {want!r})"
+            )
+
+
+def common_config(
+    args: Any, dtype: torch.dtype, max_position_embeddings: int, bos: int | None, eos: int | None
+) -> dict[str, Any]:
+    """The keys Llama- and Qwen-style configs share, from a `DecoderArgs`."""
+    if args.vocab_size <= 0:
+        raise ValueError(
+            f"vocab_size={args.vocab_size} must be resolved (> 0) to write config.json"
+        )
+    return {
+        "vocab_size": args.vocab_size,
+        "hidden_size": args.dim,
+        "intermediate_size": args.ffn_hidden_dim(),
+        "num_hidden_layers": args.n_layers,
+        "num_attention_heads": args.n_heads,
+        "num_key_value_heads": args.kv_heads,
+        "head_dim": args.head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": max_position_embeddings,
+        "rms_norm_eps": args.norm_eps,
+        "rope_theta": args.rope_theta,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "tie_word_embeddings": args.tie_word_embeddings,
+        "bos_token_id": bos,
+        "eos_token_id": eos,
+        "initializer_range": 0.02,
+        "use_cache": True,
+        "torch_dtype": dtype_name(dtype),
+    }
