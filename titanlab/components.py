@@ -103,8 +103,9 @@ def build_model_args(config: JobConfig, vocab_size: int) -> Any:
     family = build_family(config)
     flavor = config.model.flavor
     stored = _stored_args(config, family)
-    if flavor == HF_FLAVOR:
-        if config.model.hf_config:
+    if flavor == HF_FLAVOR or (stored is not None and stored[0] == flavor):
+        # The stored shape keeps the checkpoint's own vocab size (e.g. Qwen3's padded 151,936).
+        if flavor == HF_FLAVOR and config.model.hf_config:
             args = _hf_config_args(config, family)
         elif stored is not None:
             args = stored[1]

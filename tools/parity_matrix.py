@@ -123,8 +123,11 @@ def read_losses(dump: str) -> dict[int, float]:
         return {rec["step"]: rec["loss"] for rec in map(json.loads, f)}
 
 
-def prepare_reference(root: str, dataset: str | None = None) -> tuple[str, str, dict[int, float]]:
-    """(dataset, seed checkpoint, 1-process losses) under `root`, made once and reused."""
+def prepare_reference(
+    root: str, dataset: str | None = None, extra: list[str] | tuple[str, ...] = ()
+) -> tuple[str, str, dict[int, float]]:
+    """(dataset, seed checkpoint, 1-process losses) under `root`, made once and reused; `extra`
+    options (e.g. `--model.name qwen3`) go to both runs and must go to every layout's too."""
     if dataset is None:
         dataset = os.path.join(root, "data")
         if not os.path.exists(os.path.join(dataset, "metadata.json")):
@@ -141,7 +144,7 @@ def prepare_reference(root: str, dataset: str | None = None) -> tuple[str, str, 
                 shard_size_mb=0.25,
                 progress=False,
             )
-    base = BASE_ARGS + ["--data.dataset_path", dataset]
+    base = BASE_ARGS + ["--data.dataset_path", dataset, *extra]
     seed = os.path.join(root, "seed", "checkpoint", "step-0")
     if not os.path.exists(os.path.join(seed, ".metadata")):
         _check(

@@ -1,6 +1,7 @@
 """The memory estimate against the peak that PyTorch's memory profiler measures on CPU.
 
-One training step (forward, loss, backward, AdamW step) of a small Llama runs under
+One training step (forward, loss, backward, AdamW step) of a small Llama, and of a small Qwen3
+(per-head q/k norms, head_dim ≠ dim / heads), runs under
 `torch.profiler` with memory profiling; the peak of the categorized memory timeline (parameters,
 optimizer state, gradients, activations, autograd temporaries) is compared with
 `estimate_memory(...).peak_tensors`, which excludes the fixed runtime overhead.
@@ -18,12 +19,15 @@ from titanlab.config.job_config import JobConfig
 from titanlab.distributed.activation_checkpoint import apply_ac
 from titanlab.loss import cross_entropy_sum
 from titanlab.memory import estimate_memory
-from titanlab.models.llama3 import Transformer, llama3_flavors
+from titanlab.models.llama3 import llama3_flavors
+from titanlab.models.qwen3 import qwen3_flavors
+from titanlab.models.registry import build_model
 from titanlab.optim import OptimizersContainer
 
-ARGS = dataclasses.replace(
-    llama3_flavors["debugmodel"], n_layers=4, vocab_size=4352, max_seq_len=256
-)
+MODELS = {
+    name: dataclasses.replace(flavors["debugmodel"], n_layers=4, vocab_size=4352, max_seq_len=256)
+    for name, flavors in (("llama3", llama3_flavors), ("qwen3", qwen3_flavors))
+}
 BATCH, SEQ = 4, 256
 
 
@@ -34,14 +38,14 @@ def config(mode: str, option: str) -> JobConfig:
     return c
 
 
-def measured_peak(cfg: JobConfig) -> int:
+def measured_peak(args, cfg: JobConfig) -> int:
     """Peak tensor bytes of the second training step (the first creates the optimizer state)."""
     torch.manual_seed(0)
-    model = Transformer(ARGS)
+    model = build_model(args)
     model.init_weights()
     apply_ac(model, cfg.activation_checkpoint.mode, cfg.activation_checkpoint.selective_ac_option)
     optimizer = OptimizersContainer([model], cfg.optimizer, torch.device("cpu"))
-    tokens = torch.randint(0, ARGS.vocab_size, (BATCH, SEQ + 1))
+    tokens = torch.randint(0, args.vocab_size, (BATCH, SEQ + 1))
 
     def step():
         cross_entropy_sum(model(tokens[:, :-1]), tokens[:, 1:]).backward()
@@ -57,14 +61,16 @@ def measured_peak(cfg: JobConfig) -> int:
     return int(np.asarray(sizes).sum(axis=1).max())
 
 
+@pytest.mark.parametrize("model", list(MODELS))
 @pytest.mark.parametrize(
     "mode, option", [("none", "op"), ("full", "op"), ("selective", "op"), ("selective", "2")]
 )
-def test_estimate_within_15_percent_of_measured_peak(mode, option):
+def test_estimate_within_15_percent_of_measured_peak(model, mode, option):
     cfg = config(mode, option)
-    predicted = estimate_memory(ARGS, cfg, 1, torch.float32).peak_tensors
-    measured = measured_peak(cfg)
+    args = MODELS[model]
+    predicted = estimate_memory(args, cfg, 1, torch.float32).peak_tensors
+    measured = measured_peak(args, cfg)
     print(
-        f"{mode}/{option}: predicted {predicted / 2**20:.1f} MiB, measured {measured / 2**20:.1f} MiB"
+        f"{model} {mode}/{option}: predicted {predicted / 2**20:.1f} MiB, measured {measured / 2**20:.1f} MiB"
     )
     assert abs(predicted - measured) / measured < 0.15, (predicted, measured)
