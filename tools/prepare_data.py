@@ -35,7 +35,8 @@ def run(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--tokenizer",
         default=default_tokenizer_path(),
-        help="Llama 3 format tokenizer.model (default: the bundled 4k stdlib BPE)",
+        help="Llama 3 format tokenizer.model, or a Hugging Face tokenizer.json or its folder "
+        "(default: the bundled 4k stdlib BPE)",
     )
     parser.add_argument("--workers", type=int, default=1, help="parallel tokenizer processes")
     parser.add_argument("--shard-size-mb", type=float, default=64.0, help="input MB per shard")

@@ -1,5 +1,6 @@
 """torch.compile (per block, fullgraph) trains to the eager losses under FSDP 2, FSDP 2 × TP 2
-and PP 2 × FSDP 2."""
+and PP 2 × FSDP 2, and for Qwen3 (q/k norms sharded on heads) under FSDP 2 × TP 2 with
+selective activation checkpointing."""
 
 import pytest
 
@@ -14,8 +15,20 @@ COMMON = ["--training.steps", "5", "--checkpoint.enable", "false"]
         (2, 2, []),
         (4, 4, ["--parallelism.tensor_parallel_degree", "2"]),
         (4, 4, ["--parallelism.pipeline_parallel_degree", "2"]),
+        (
+            4,
+            4,
+            [
+                "--model.name",
+                "qwen3",
+                "--parallelism.tensor_parallel_degree",
+                "2",
+                "--activation_checkpoint.mode",
+                "selective",
+            ],
+        ),
     ],
-    ids=["fsdp2", "fsdp2_tp2", "pp2_fsdp2"],
+    ids=["fsdp2", "fsdp2_tp2", "pp2_fsdp2", "qwen3_fsdp2_tp2_selective_ac"],
 )
 def test_compiled_matches_eager(nproc, local_batch, extra, train, tmp_path):
     eager, compiled = str(tmp_path / "eager"), str(tmp_path / "compiled")

@@ -46,7 +46,7 @@ class Checkpoint:
     """At the last step, also write the model weights alone (no optimizer) in `export_dtype`."""
 
     last_save_in_hf: bool = False
-    """With `export_at_end`, also write the final export as a Hugging Face Llama folder
+    """With `export_at_end`, also write the final export as a Hugging Face folder
     (`<folder>/hf-step-N`: safetensors in `export_dtype`, config.json, and the tokenizer files
     when the model uses the bundled tokenizer), converted on rank 0 by the same code as
     `tools/convert_checkpoint.py to-hf`. Loads with `transformers` and vLLM."""

@@ -165,7 +165,8 @@ def prepare_data(
             ``.parquet``: text column ``text_key``; anything else: one UTF-8 text document per
             file (undecodable bytes replaced).
         output_dir: created if missing.
-        tokenizer_path: a Llama 3 format ``tokenizer.model``.
+        tokenizer_path: a Llama 3 format ``tokenizer.model`` or a Hugging Face ``tokenizer.json``
+            (or its folder; see ``titanlab.data.tokenizer.load_tokenizer``).
         text_key: JSON field / Parquet column that holds the text.
         workers: parallel tokenizer processes (1 = tokenize in this process).
         shard_size_mb: target input megabytes (1e6 bytes) per shard.
