@@ -5,7 +5,7 @@ Usage::
     python tools/train_tokenizer.py [FILES_OR_DIRS ...] --output PATH [--vocab-size 4096]
 
 Without inputs it trains on the default corpus (every ``.py`` file of the running Python's
-standard library). Needs ``pip install 'titanlab[tools]'`` (Hugging Face ``tokenizers``).
+standard library), with Hugging Face ``tokenizers`` (a dependency of titanlab).
 
 The bundled ``titanlab/data/assets/stdlib_bpe_4k.model`` was made with::
 

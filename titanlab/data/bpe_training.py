@@ -118,7 +118,7 @@ def train_bpe(
         from tokenizers import Regex, Tokenizer, models, pre_tokenizers, trainers
     except ImportError:
         raise ImportError(
-            "training a tokenizer needs the 'tokenizers' package: pip install 'titanlab[tools]'"
+            "training a tokenizer needs the 'tokenizers' package: pip install tokenizers"
         ) from None
 
     hf = Tokenizer(models.BPE())
