@@ -150,6 +150,7 @@ class Trainer:
             dp_rank=dp_rank,
             family=self.family,
             model_args=self.model_args,
+            tokenizer_path=config.model.tokenizer_path,
         )
         components.init_model_weights(
             self.model_parts, self.model_args, self.device, config.debug.seed, world_size

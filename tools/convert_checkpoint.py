@@ -77,7 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
     to_hf.add_argument(
         "--tokenizer",
         default=None,
-        help="tokenizer.model to write tokenizer files from; 'none' for none "
+        help="tokenizer.model or tokenizer.json (or its folder) to write tokenizer files from; "
+        "'none' for none "
         "(default: the bundled tokenizer when the vocab size is its own)",
     )
 

@@ -177,7 +177,8 @@ def dcp_to_hf(
         max_shard_bytes: a shard holds tensors up to this many bytes (one larger tensor gets a
             shard of its own).
         max_position_embeddings: context length written to config.json.
-        tokenizer_path: tokenizer.model to write the tokenizer files from; None: the bundled
+        tokenizer_path: tokenizer.model or tokenizer.json (or its folder) to write the tokenizer
+            files from; None: the bundled
             tokenizer when the vocab size is its size, else none; "": none.
         overwrite: remove a non-empty `out_dir` first.
         progress: show a progress bar over bytes on stderr.

@@ -52,6 +52,8 @@ class Checkpointer:
         family, model_args: the model's family and args; written as `model_args.json` into
             every folder saved, so `convert_checkpoint to-hf` and `checkpoint.initial_load_path`
             know the shape (None: not written).
+        tokenizer_path: the run's `model.tokenizer_path` ("" : the bundled one), whose files go
+            into the Hugging Face export of `last_save_in_hf`.
     """
 
     def __init__(
@@ -66,9 +68,11 @@ class Checkpointer:
         dp_rank: int,
         family: ModelFamily | None = None,
         model_args: Any = None,
+        tokenizer_path: str = "",
     ) -> None:
         self.cfg = cfg
         self.family, self.model_args = family, model_args
+        self.tokenizer_path = tokenizer_path
         self.root = store.checkpoint_root(cfg.folder, dump_folder)
         self.model_parts = model_parts
         self.optimizer = optimizer
@@ -175,6 +179,7 @@ class Checkpointer:
                 hf_path,
                 model_name=self.family.name,
                 model_args=self.model_args,
+                tokenizer_path=self.tokenizer_path or None,
                 dtype=dtype,
                 overwrite=True,
                 progress=False,

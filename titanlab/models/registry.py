@@ -40,7 +40,7 @@ class ModelFamily:
         tp_block_plan: (colwise, rowwise, prepare_input style classes) → {module path in a
             block: ParallelStyle}; see `titanlab.models.common.tp_plan`.
         flops_per_token: (args, seq_len, non-embedding parameter count) → training FLOPs/token.
-        hf: the Hugging Face mapping (`titanlab.models.common.hf.HFMapping`).
+        hf: the Hugging Face mapping (`titanlab.models.common.hf_config.HFMapping`).
     """
 
     name: str

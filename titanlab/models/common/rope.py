@@ -3,7 +3,7 @@
 titanlab rotates the interleaved pairs (2i, 2i+1) of each head, like Meta's reference; Hugging
 Face rotates the halves (i, i + head_dim/2). The two agree after a fixed reordering of the q/k
 projection rows (and of a per-head q/k norm weight), which the families' HF adapters apply
-(`titanlab.models.common.hf_decoder`).
+(`titanlab.models.common.hf_adapter`).
 """
 
 from __future__ import annotations
