@@ -11,6 +11,7 @@ selective-AC cache, holds for backward.
 from __future__ import annotations
 
 import dataclasses
+import types
 import gc
 
 import torch
@@ -63,6 +64,14 @@ class ActivationBytes:
 _CACHE: dict[tuple, ActivationBytes] = {}
 
 
+def _experts_static_shapes(self, x_td: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """Stand-in for `GroupedExperts.forward` while tracing: the same (tokens·k, hidden)
+    activations as the per-expert loop, through expert 0's weights, without splitting by the
+    (data-dependent) counts."""
+    h = torch.nn.functional.silu(x_td @ self.w1[0].t()) * (x_td @ self.w3[0].t())
+    return h @ self.w2[0].t()
+
+
 def trace_activation_bytes(model_args, batch: int, seq: int, dtype: torch.dtype) -> ActivationBytes:
     """Trace forward + loss of 1- and 2-block versions of the model on fake tensors.
 
@@ -76,12 +85,15 @@ def trace_activation_bytes(model_args, batch: int, seq: int, dtype: torch.dtype)
     """
     from titanlab.distributed.activation_checkpoint import apply_ac
     from titanlab.loss import cross_entropy_sum
+    from titanlab.models.common.decoder import moe_layers
     from titanlab.models.registry import build_model
 
     def live_after_forward(n_layers: int, mode: str) -> int:
         args = dataclasses.replace(model_args, n_layers=n_layers, max_seq_len=max(seq, 1))
         with torch.device("meta"):
             model = build_model(args).to(dtype)
+        for moe in moe_layers(model):  # fake tensors cannot split by data-dependent counts
+            moe.experts.forward = types.MethodType(_experts_static_shapes, moe.experts)  # type: ignore[method-assign]
         apply_ac(model, "selective" if mode == "op" else mode, "op")
         # Fake CPU tensors rather than meta ones: SDPA then picks the fused (flash) kernel, which
         # keeps O(seq) per head as on GPUs, where meta would pick the O(seq²) math kernel.

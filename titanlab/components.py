@@ -135,11 +135,31 @@ def build_model_args(config: JobConfig, vocab_size: int) -> Any:
         args = dataclasses.replace(
             published, vocab_size=vocab_size, max_seq_len=config.training.seq_len
         )
+    args = _with_moe_options(config, args)
     try:
         args.validate()
     except ValueError as e:
         raise ConfigError(f"model.flavor={flavor}: {e}") from None
     return args
+
+
+def _with_moe_options(config: JobConfig, args: Any) -> Any:
+    """`args` with `model.moe_load_balance_coeff` / `model.moe_bias_update_speed` applied
+    (values >= 0 replace the flavor's). Raises ConfigError for a dense model given either."""
+    m = config.model
+    change = {
+        field: value
+        for field, value in (
+            ("load_balance_coeff", m.moe_load_balance_coeff),
+            ("bias_update_speed", m.moe_bias_update_speed),
+        )
+        if value >= 0
+    }
+    if not change:
+        return args
+    if not hasattr(args, "moe"):
+        raise ConfigError(f"model.moe_* options need an MoE model; model.name={m.name!r} is dense")
+    return dataclasses.replace(args, moe=dataclasses.replace(args.moe, **change))
 
 
 @dataclasses.dataclass

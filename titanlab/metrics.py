@@ -105,8 +105,19 @@ class MetricsLogger:
     def should_log(self, step: int, last_step: int) -> bool:
         return step == 1 or step % self.log_freq == 0 or step == last_step
 
-    def log(self, step: int, *, loss: float, grad_norm: float, lr: float) -> None:
-        """Log the line for `step`. Throughput is averaged since the previous logged step."""
+    def log(
+        self,
+        step: int,
+        *,
+        loss: float,
+        grad_norm: float,
+        lr: float,
+        extra: dict[str, float] | None = None,
+    ) -> None:
+        """Log the line for `step`. Throughput is averaged since the previous logged step.
+        `extra` (e.g. the MoE layers' `moe/<layer>/max_load`, `moe/aux_loss`) goes to
+        metrics.jsonl and TensorBoard whole, and its MoE summary into the log line."""
+        extra = extra or {}
         now = time.perf_counter()
         steps = max(step - self._steps_since, 1)
         elapsed = max(now - self._last_time, 1e-9)
@@ -129,6 +140,8 @@ class MetricsLogger:
                 mem,
                 kind,
             )
+            if extra:
+                logger.info("step: %d  %s", step, format_moe(extra))
             if self._jsonl is not None:  # exact values (repr round-trips), for tools and tests
                 self._jsonl.write(
                     json.dumps(
@@ -139,6 +152,7 @@ class MetricsLogger:
                             "lr": lr,
                             "tps": tps,
                             "memory_gib": mem,
+                            **extra,
                         }
                     )
                     + "\n"
@@ -152,6 +166,7 @@ class MetricsLogger:
                     ("tps", tps),
                     ("tflops", tflops),
                     ("memory_gib", mem),
+                    *extra.items(),
                 ):
                     self._tb.add_scalar(k, v, step)
 
@@ -179,3 +194,25 @@ def rss_bytes() -> int:
     """Current resident set size of this process in bytes (Linux /proc)."""
     with open(f"/proc/{os.getpid()}/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def format_moe(extra: dict[str, float]) -> str:
+    """The expert-load line: the mean aux loss, then per MoE layer max/mean token slots per
+    expert (1.00 is perfect balance) and the bias norm where auxiliary-loss-free balancing is on."""
+    parts = []
+    if "moe/aux_loss" in extra:
+        parts.append(f"moe_aux_loss: {extra['moe/aux_loss']:.5f}")
+    layers = sorted({k.split("/")[1] for k in extra if k.count("/") == 2}, key=_layer_key)
+    loads = []
+    for layer in layers:
+        mean = extra.get(f"moe/{layer}/mean_load", 0.0)
+        ratio = extra.get(f"moe/{layer}/max_load", 0.0) / mean if mean else 0.0
+        bias = extra.get(f"moe/{layer}/bias_norm")
+        loads.append(f"{layer}:{ratio:.2f}" + (f"(bias {bias:.3f})" if bias is not None else ""))
+    if loads:
+        parts.append("expert max/mean load: " + " ".join(loads))
+    return "  ".join(parts)
+
+
+def _layer_key(layer: str) -> tuple[int, str]:
+    return (int(layer), "") if layer.isdigit() else (1 << 30, layer)

@@ -21,6 +21,7 @@ from titanlab.checkpoint import Checkpointer, store
 from titanlab.config.docs import format_help
 from titanlab.config.job_config import ConfigError, JobConfig
 from titanlab.config.manager import build_config, format_config
+from titanlab.distributed import moe_stats
 from titanlab.distributed.comm_counter import count_step_comms
 from titanlab.distributed.init import destroy_distributed, init_distributed, set_train_timeout
 from titanlab.distributed.context_parallel import cp_context
@@ -42,7 +43,7 @@ from titanlab.loss import IGNORE_INDEX, ScaledLoss, build_loss_fn, local_value, 
 from titanlab.distributed.utils import clip_grad_norm_, global_sum
 from titanlab.memory import local_world_size
 from titanlab.metrics import MetricsLogger, device_peak_flops
-from titanlab.models.common.decoder import count_params
+from titanlab.models.common.decoder import count_active_params, count_params
 from titanlab.models.registry import format_families
 from titanlab.optim import LRSchedulersContainer, OptimizersContainer
 
@@ -100,15 +101,19 @@ class Trainer:
         )
 
         model = components.build_meta_model(self.model_args)
-        nparams = count_params(model)
+        nparams, active = count_params(model), count_active_params(model)
+        # An MoE token uses top_k of num_experts experts: FLOPs (and MFU) count active params.
         flops_per_token = self.family.flops_per_token(
-            self.model_args, config.training.seq_len, count_params(model, exclude_embedding=True)
+            self.model_args,
+            config.training.seq_len,
+            count_active_params(model, exclude_embedding=True),
         )
         logger.info(
-            "model: %s %s, %s parameters, %.3e training FLOPs/token; layout: %s",
+            "model: %s %s, %s parameters%s, %.3e training FLOPs/token; layout: %s",
             self.family.name,
             config.model.flavor,
             f"{nparams:,}",
+            f" ({active:,} active per token)" if active != nparams else "",
             flops_per_token,
             dims,
         )
@@ -185,6 +190,12 @@ class Trainer:
         self._loss_mesh = dims.mesh("dp_cp")
         # FSDP and DDP average gradients over these ranks; the loss is scaled up to undo it.
         self._grad_avg_ranks = self._loss_mesh.size() if self._loss_mesh is not None else 1
+        # MoE: load-balance statistics over the ranks of one global microbatch.
+        moe_stats.install_stats_reduction(self.model_parts, self._loss_mesh)
+        self.moe_metrics: dict[str, float] = {}
+        self.pp_microbatches = (
+            config.training.local_batch_size // config.parallelism.pipeline_parallel_microbatch_size
+        )
 
     def _set_determinism(self) -> None:
         torch.manual_seed(self.config.debug.seed)
@@ -214,7 +225,9 @@ class Trainer:
             if self.step == 1:
                 set_train_timeout(cfg.comm.train_timeout_seconds)
             if self.metrics.should_log(self.step, last):
-                self.metrics.log(self.step, loss=loss, grad_norm=grad_norm, lr=lr)
+                self.metrics.log(
+                    self.step, loss=loss, grad_norm=grad_norm, lr=lr, extra=self.moe_metrics
+                )
             if (
                 cfg.validation.enable
                 and self.val_set is not None
@@ -268,6 +281,12 @@ class Trainer:
         if self.scaler is not None:  # float16: backward on a dynamically scaled loss
             scale = self.scaler.scale(scale).reshape(())
         loss_sum = torch.zeros((), device=self.device)  # this rank's token-loss sum
+        microbatches = len(batches) * (self.pp_microbatches if self.schedule is not None else 1)
+        moe_stats.set_aux_grad_scale(
+            self.model_parts,
+            microbatches,
+            self._grad_avg_ranks * (self.scaler.get_scale() if self.scaler is not None else 1.0),
+        )
         with maybe_loss_parallel(self.loss_parallel), self.autocast():
             for inputs, labels in batches:
                 inputs, labels = inputs.to(self.device), labels.to(self.device)
@@ -294,6 +313,7 @@ class Trainer:
             self.optimizer.step()
         precompute_scales(self.model_parts, self.config.float8, self.parallel_dims.fsdp_enabled)
         self.lr_scheduler.step()
+        self.moe_metrics = moe_stats.end_step(self.model_parts, self._loss_mesh, microbatches)
         return loss, grad_norm.item()
 
     def _scaled_step(self) -> None:

@@ -320,7 +320,7 @@ def plain_loop(spec: dict) -> dict:
     import torch.nn.functional as F
 
     from titanlab.metrics import device_peak_flops
-    from titanlab.models.common.decoder import count_params
+    from titanlab.models.common.decoder import count_active_params
     from titanlab.models.registry import get_family
 
     torch.set_num_threads(spec["threads"])
@@ -337,7 +337,8 @@ def plain_loop(spec: dict) -> dict:
     with torch.device(device):
         model = family.model_cls(args)
     model.init_weights()
-    flops = family.flops_per_token(args, spec["seq"], count_params(model, exclude_embedding=True))
+    active = count_active_params(model, exclude_embedding=True)  # MoE: top_k of the experts
+    flops = family.flops_per_token(args, spec["seq"], active)
     if spec["precision"] == "float8":
         from torchao.float8 import convert_to_float8_training
 

@@ -124,10 +124,15 @@ def read_losses(dump: str) -> dict[int, float]:
 
 
 def prepare_reference(
-    root: str, dataset: str | None = None, extra: list[str] | tuple[str, ...] = ()
+    root: str,
+    dataset: str | None = None,
+    extra: list[str] | tuple[str, ...] = (),
+    microbatches: int = 1,
 ) -> tuple[str, str, dict[int, float]]:
     """(dataset, seed checkpoint, 1-process losses) under `root`, made once and reused; `extra`
-    options (e.g. `--model.name qwen3`) go to both runs and must go to every layout's too."""
+    options (e.g. `--model.name qwen3`) go to both runs and must go to every layout's too. The
+    reference splits the global batch into `microbatches` accumulation steps (for statistics
+    taken per global microbatch, like an MoE load-balance loss)."""
     if dataset is None:
         dataset = os.path.join(root, "data")
         if not os.path.exists(os.path.join(dataset, "metadata.json")):
@@ -169,7 +174,7 @@ def prepare_reference(
                     "--job.dump_folder",
                     ref,
                     "--training.local_batch_size",
-                    str(GLOBAL_BATCH),
+                    str(GLOBAL_BATCH // microbatches),
                     "--checkpoint.initial_load_path",
                     seed,
                 ],

@@ -42,7 +42,7 @@ from titanlab.checkpoint.streaming import (
     read_safetensors_tensor,
     write_safetensors,
 )
-from titanlab.models.common.hf_adapter import HFStateDictAdapter, from_hf_name, to_hf_name
+from titanlab.models.common.hf_adapter import HFStateDictAdapter, split_hf_name
 from titanlab.models.common.hf_config import DEFAULT_MAX_POSITION_EMBEDDINGS, special_token_ids
 from titanlab.models.registry import (
     DEFAULT_FAMILY,
@@ -218,18 +218,27 @@ def dcp_to_hf(
     # Plan the shards from the shapes alone, then stream each tensor into its place.
     shards: list[list[tuple[str, tuple[int, ...], torch.dtype]]] = [[]]
     size = 0
+    hf_to_ours: dict[str, tuple[str, int | None]] = {}
     for name in names:
-        nbytes = torch.Size(expected[name]).numel() * dtype.itemsize
-        if shards[-1] and size + nbytes > max_shard_bytes:
-            shards.append([])
-            size = 0
-        shards[-1].append((to_hf_name(name), expected[name], dtype))
-        size += nbytes
-    hf_to_ours = {to_hf_name(n): n for n in names}
+        for hf_name, expert in adapter.hf_parts(name, expected[name]):
+            shape = expected[name][1:] if expert is not None else expected[name]
+            nbytes = torch.Size(shape).numel() * dtype.itemsize
+            if shards[-1] and size + nbytes > max_shard_bytes:
+                shards.append([])
+                size = 0
+            shards[-1].append((hf_name, shape, dtype))
+            size += nbytes
+            hf_to_ours[hf_name] = (name, expert)
+    stacked: dict[str, torch.Tensor] = {}  # the one stacked expert tensor being written out
 
     def blocks_of(hf_name: str) -> Iterator[torch.Tensor]:
-        name = hf_to_ours[hf_name]
-        if adapter.needs_permutation(name):
+        name, expert = hf_to_ours[hf_name]
+        if expert is not None:  # one expert's slice; its experts are written one after another
+            if name not in stacked:
+                stacked.clear()
+                stacked[name] = reader.load(name)
+            yield stacked[name][expert]
+        elif adapter.needs_permutation(name):
             yield adapter.to_hf(name, reader.load(name))[1]
         else:
             yield from reader.row_blocks(name)
@@ -358,6 +367,7 @@ def hf_to_dcp(
     expected = expected_shapes(family, args)
 
     where: dict[str, tuple[str, str]] = {}  # titanlab name -> (file, HF name)
+    experts: dict[str, dict[int, tuple[str, str]]] = {}  # stacked name -> expert -> same
     stored: dict[str, tuple[list[int], torch.dtype]] = {}
     for file in _hf_files(hf_dir):
         path = os.path.join(hf_dir, file)
@@ -370,7 +380,7 @@ def hf_to_dcp(
                 if adapter.args.tie_word_embeddings and hf_name == "lm_head.weight":
                     continue  # tied: the embedding is the output projection
                 try:
-                    ours = from_hf_name(hf_name)
+                    ours, expert = split_hf_name(hf_name)
                 except ValueError as e:
                     raise ConversionError(str(e)) from None
                 sl = f.get_slice(hf_name)
@@ -381,24 +391,38 @@ def hf_to_dcp(
                         f"{', '.join(ST_FROM_NAME)}"
                     )
                 want = expected.get(ours)
-                if want is None:
+                if want is None or (expert is not None and not 0 <= expert < want[0]):
                     raise ConversionError(f"HF tensor {hf_name} is not a weight of flavor {name!r}")
+                if expert is not None:
+                    want = want[1:]
                 if tuple(shape) != want:
                     raise ConversionError(
                         f"HF tensor {hf_name} has shape {list(shape)} but flavor "
                         f"{name!r} expects {list(want)} ({ours})"
                     )
-                where[ours], stored[ours] = (path, hf_name), (shape, ST_FROM_NAME[st_dtype])
+                if expert is None:
+                    where[ours] = (path, hf_name)
+                else:
+                    experts.setdefault(ours, {})[expert] = (path, hf_name)
+                stored[ours] = (shape, ST_FROM_NAME[st_dtype])
     if args.tie_word_embeddings and "tok_embeddings.weight" in where:
         where["output.weight"] = where["tok_embeddings.weight"]
         stored["output.weight"] = stored["tok_embeddings.weight"]
     for ours in expected:
-        if ours not in where:
-            raise ConversionError(
-                f"Hugging Face folder {hf_dir!r} lacks tensor {to_hf_name(ours)} of flavor {name!r}"
-            )
+        if adapter.skipped_in_hf(ours):
+            continue  # the MoE expert bias: not in HF files, starts at zero
+        for hf_name, expert in adapter.hf_parts(ours, expected[ours]):
+            if (ours not in where) if expert is None else (expert not in experts.get(ours, {})):
+                raise ConversionError(
+                    f"Hugging Face folder {hf_dir!r} lacks tensor {hf_name} of flavor {name!r}"
+                )
 
     def load(ours: str) -> torch.Tensor:
+        if ours not in stored:  # the expert bias
+            return torch.zeros(expected[ours])
+        if ours in experts:
+            parts = experts[ours]
+            return torch.stack([read_safetensors_tensor(*parts[e], dtype) for e in sorted(parts)])
         path, hf_name = where[ours]
         if adapter.needs_permutation(ours):
             return adapter.from_hf(hf_name, read_safetensors_tensor(path, hf_name, None))[1].to(
@@ -407,7 +431,9 @@ def hf_to_dcp(
         return read_safetensors_tensor(path, hf_name, dtype)
 
     placeholders = {
-        ours: torch.zeros((), dtype=dtype or stored[ours][1]).expand(expected[ours])
+        ours: torch.zeros((), dtype=dtype or stored.get(ours, ([], torch.float32))[1]).expand(
+            expected[ours]
+        )
         for ours in expected
     }
     total = sum(p.numel() * p.dtype.itemsize for p in placeholders.values())

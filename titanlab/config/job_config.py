@@ -75,7 +75,21 @@ class Model:
     special tokens from `tokenizer_config.json` beside it). Empty: the bundled 4k BPE trained
     on the Python standard library."""
 
+    moe_load_balance_coeff: float = -1.0
+    """MoE models: weight of the auxiliary load-balance loss (Switch/GShard form over the global
+    microbatch; 0 turns it off). -1: the flavor's (Qwen3-MoE: 0.001)."""
+
+    moe_bias_update_speed: float = -1.0
+    """MoE models: step of the auxiliary-loss-free expert bias (DeepSeek-V3) per optimizer step
+    (0: off). -1: the flavor's (0, off)."""
+
     def validate(self) -> None:
+        for name in ("moe_load_balance_coeff", "moe_bias_update_speed"):
+            value = getattr(self, name)
+            _require(
+                value == -1.0 or value >= 0,
+                f"model.{name}={value} must be >= 0, or -1 for the flavor's value",
+            )
         # The family and flavor are checked against the model registry in the pre-flight
         # (`titanlab.components.build_model_args`): config/ stays a leaf of the package.
         _require(bool(self.name), "model.name must not be empty")

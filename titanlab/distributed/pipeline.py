@@ -17,6 +17,7 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining import schedules as S
 
 from titanlab.config.job_config import ConfigError
+from titanlab.distributed import moe_stats
 
 if TYPE_CHECKING:
     from titanlab.models.common.decoder import Decoder
@@ -29,6 +30,20 @@ LOOPED = {
 }
 V_SHAPE = {"ZBVZeroBubble": S.ScheduleZBVZeroBubble, "DualPipeV": S.ScheduleDualPipeV}
 ZERO_BUBBLE = {"InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"}
+
+
+class _Stage(PipelineStage):
+    """A `PipelineStage` whose shape-inference pass (torch 2.13 runs one real forward and
+    backward per stage before the first step) leaves the MoE layers' load statistics alone:
+    counted, it would skew step 1's expert-bias update and aux loss."""
+
+    def _forward_metadata_inference(self, *args, **kwargs):
+        with moe_stats.stats_paused(self.submod):
+            return super()._forward_metadata_inference(*args, **kwargs)
+
+    def _backward_metadata_inference(self, *args, **kwargs):
+        with moe_stats.stats_paused(self.submod):
+            return super()._backward_metadata_inference(*args, **kwargs)
 
 
 def stages_per_rank(schedule: str, looped_stages_per_rank: int) -> int:
@@ -156,13 +171,14 @@ def pipeline_model(model: Decoder, parallel_dims, config, device, parallelize_fn
         p.pipeline_parallel_module_fqns_per_stage,
     )
     ids = stage_ids(p.pipeline_parallel_schedule, pp_rank, pp, per_rank)
-    parts, stages = [], []
+    parts: list = []
+    stages: list[PipelineStage] = []
     for sid in ids:
         part = build_stage_module(model, all_fqns[sid])
         parallelize_fn(part)
         part.to_empty(device=device)
         parts.append(part)
-        stages.append(PipelineStage(part, sid, n_stages, device, group=pp_mesh.get_group()))
+        stages.append(_Stage(part, sid, n_stages, device, group=pp_mesh.get_group()))
     n_mb = config.training.local_batch_size // p.pipeline_parallel_microbatch_size
     schedule = build_schedule(p.pipeline_parallel_schedule, stages, n_mb, loss_fn)
     return schedule, parts, 0 in ids, n_stages - 1 in ids

@@ -15,6 +15,12 @@ def validate_layout(config: JobConfig, dims: ParallelDims, model_args, device_ty
     """Raise ConfigError for the first rule `config` breaks on this layout and device."""
     t = config.training
     heads, kv_heads = model_args.n_heads, model_args.kv_heads
+    if dims.tp > 1 and getattr(model_args, "moe_layer", None) is not None:
+        raise ConfigError(
+            f"parallelism.tensor_parallel_degree={dims.tp}: tensor parallel of MoE models "
+            f"(model.name={config.model.name}) is not supported yet (the MoE layers have no "
+            "TP plan); use tensor_parallel_degree=1 with FSDP, HSDP or DDP"
+        )
     if dims.tp > 1:
         if heads % dims.tp or kv_heads % dims.tp:
             raise ConfigError(

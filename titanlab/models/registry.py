@@ -20,6 +20,7 @@ from torch import nn
 FAMILIES: dict[str, str] = {
     "llama3": "titanlab.models.llama3.family",
     "qwen3": "titanlab.models.qwen3.family",
+    "qwen3_moe": "titanlab.models.qwen3_moe.family",
 }
 """Family name → module defining `FAMILY`. Imported on first use."""
 
@@ -98,14 +99,18 @@ def get_flavor(family: ModelFamily, flavor: str) -> Any:
 
 
 def matching_flavor(family: ModelFamily, args: Any) -> str | None:
-    """The published flavor whose architecture `args` has (vocab size and RoPE table length
-    aside), compared through the family's Hugging Face config; None for a custom shape."""
+    """The published flavor whose architecture `args` has (vocab size, RoPE table length and
+    MoE load-balancing options aside), compared through the family's Hugging Face config; None
+    for a custom shape."""
     import dataclasses
 
     import torch
 
     def shape(a: Any) -> dict:
         a = dataclasses.replace(a, vocab_size=max(args.vocab_size, 1), max_seq_len=1)
+        if hasattr(a, "moe"):  # the load-balancing options are training choices, not shape
+            moe = dataclasses.replace(a.moe, load_balance_coeff=0.0, bias_update_speed=0.0)
+            a = dataclasses.replace(a, moe=moe)
         return family.hf.to_config(a, torch.float32, 1, None, None)
 
     want = shape(args)

@@ -12,9 +12,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import typing
 from typing import Any
 
-from titanlab.models.common.rope import RopeScaling
 from titanlab.models.registry import ModelFamily, get_family, matching_flavor
 
 MODEL_ARGS_FILE = "model_args.json"
@@ -36,6 +36,24 @@ def write_model_args(folder: str, family: ModelFamily, args: Any) -> str:
     return path
 
 
+def _from_dict(cls: type, fields: dict[str, Any]) -> Any:
+    """`cls(**fields)` with nested dataclass fields (RoPE scaling, MoE args) rebuilt from their
+    dicts and JSON lists turned back into tuples."""
+    hints = typing.get_type_hints(cls)
+    out = {}
+    for name, value in fields.items():
+        hint = hints.get(name)
+        if isinstance(value, dict):
+            nested = [t for t in typing.get_args(hint) or (hint,) if dataclasses.is_dataclass(t)]
+            if not nested:
+                raise TypeError(f"field {name!r} is not a dataclass")
+            value = _from_dict(typing.cast(type, nested[0]), value)
+        elif isinstance(value, list):
+            value = tuple(value)
+        out[name] = value
+    return cls(**out)
+
+
 def read_model_args(folder: str) -> tuple[ModelFamily, str, Any] | None:
     """(family, flavor name or "hf", args) stored in `folder`, or None when it has no file.
 
@@ -49,10 +67,7 @@ def read_model_args(folder: str) -> tuple[ModelFamily, str, Any] | None:
         with open(path, encoding="utf-8") as f:
             record = json.load(f)
         family = get_family(record["name"])
-        fields = dict(record["args"])
-        if isinstance(fields.get("rope_scaling"), dict):
-            fields["rope_scaling"] = RopeScaling(**fields["rope_scaling"])
-        args = family.args_cls(**fields)
+        args = _from_dict(family.args_cls, dict(record["args"]))
         args.validate()
         return family, str(record.get("flavor", HF_FLAVOR)), args
     except (OSError, json.JSONDecodeError, KeyError, TypeError, ValueError) as e:

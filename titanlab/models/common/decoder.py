@@ -8,7 +8,9 @@ The model knows nothing of parallelism: tensor/pipeline/data parallelism is appl
   set to None, so a pipeline stage keeps only its own layers.
 
 A family's args (`DecoderArgs`) choose what differs: head_dim, the SwiGLU width, per-head q/k
-norms, RoPE base and scaling, tied embeddings.
+norms, RoPE base and scaling, tied embeddings, and, for Mixture-of-Experts families, which blocks
+replace the dense FFN by an `MoE` (a `moe_layer(layer_id) -> MoEArgs | None` method on the args;
+families without it are dense).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from torch import nn
 from titanlab.models.common.attention import Attention
 from titanlab.models.common.feed_forward import FeedForward
 from titanlab.models.common.init import trunc_normal_
+from titanlab.models.common.moe import MoE
 from titanlab.models.common.rope import RopeScaling, precompute_rope_cos_sin
 
 
@@ -73,7 +76,13 @@ class TransformerBlock(nn.Module):
             args.norm_eps if args.qk_norm else None,
         )
         self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
-        self.feed_forward = FeedForward(args.dim, args.ffn_hidden_dim())
+        moe_layer = getattr(args, "moe_layer", None)
+        moe_args = moe_layer(layer_id) if moe_layer is not None else None
+        self.feed_forward: FeedForward | MoE = (
+            FeedForward(args.dim, args.ffn_hidden_dim())
+            if moe_args is None
+            else MoE(args.dim, moe_args)
+        )
         depth = layer_id + 1 if args.depth_init else args.n_layers
         self.out_init_std = 0.02 / math.sqrt(2 * depth)
 
@@ -199,6 +208,21 @@ class Decoder(nn.Module):
         if self.norm is not None:
             h = self.norm(h)
         return self.output(h) if self.output is not None else h
+
+
+def moe_layers(model: nn.Module) -> list[MoE]:
+    """The MoE layers of `model` (or of a pipeline stage of it), in layer order."""
+    return [m for m in model.modules() if isinstance(m, MoE)]
+
+
+def count_active_params(model: nn.Module, exclude_embedding: bool = False) -> int:
+    """Parameters one token uses: routed experts count top_k of num_experts (the FLOPs and MFU
+    of an MoE model use this); equals `count_params` for a dense model."""
+    n = count_params(model, exclude_embedding)
+    for moe in moe_layers(model):
+        per_expert = sum(p.numel() for p in moe.experts.parameters()) // moe.args.num_experts
+        n -= per_expert * (moe.args.num_experts - moe.args.top_k)
+    return n
 
 
 def count_params(model: nn.Module, exclude_embedding: bool = False) -> int:

@@ -54,11 +54,48 @@ _LAYER_TO_HF = {
     "attention.k_norm.weight": "self_attn.k_norm.weight",
     "attention_norm.weight": "input_layernorm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
+    "feed_forward.router.gate.weight": "mlp.gate.weight",
 }
+# MoE experts: one titanlab tensor (num_experts, out, in) per projection and layer, one HF tensor
+# `model.layers.{i}.mlp.experts.{e}.{proj}.weight` (out, in) per expert.
+_EXPERT_TO_HF = {
+    "feed_forward.experts.w1": "gate_proj",
+    "feed_forward.experts.w3": "up_proj",
+    "feed_forward.experts.w2": "down_proj",
+}
+_EXPERT_FROM_HF = {v: k for k, v in _EXPERT_TO_HF.items()}
+_HF_EXPERT = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(\w+)\.weight$")
 _GLOBAL_FROM_HF = {v: k for k, v in _GLOBAL_TO_HF.items()}
 _LAYER_FROM_HF = {v: k for k, v in _LAYER_TO_HF.items()}
 _OURS_LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
 _HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+
+
+def is_stacked(name: str) -> bool:
+    """Whether titanlab tensor `name` stacks one HF tensor per expert along dim 0."""
+    m = _OURS_LAYER.match(name)
+    return m is not None and m.group(2) in _EXPERT_TO_HF
+
+
+def expert_hf_name(name: str, expert: int) -> str:
+    """HF name of expert `expert`'s slice of stacked titanlab tensor `name`
+    (`layers.3.feed_forward.experts.w1`, 5 → `model.layers.3.mlp.experts.5.gate_proj.weight`)."""
+    m = _OURS_LAYER.match(name)
+    assert m and m.group(2) in _EXPERT_TO_HF, name
+    return f"model.layers.{m.group(1)}.mlp.experts.{expert}.{_EXPERT_TO_HF[m.group(2)]}.weight"
+
+
+def split_hf_name(hf_name: str) -> tuple[str, int | None]:
+    """(titanlab name, expert index) of HF weight `hf_name`: the index of a per-expert tensor
+    within its stacked titanlab tensor, None for every other weight.
+
+    Raises:
+        ValueError: `hf_name` is not a Llama/Qwen3/Qwen3-MoE weight.
+    """
+    m = _HF_EXPERT.match(hf_name)
+    if m and m.group(3) in _EXPERT_FROM_HF:
+        return f"layers.{m.group(1)}.{_EXPERT_FROM_HF[m.group(3)]}", int(m.group(2))
+    return from_hf_name(hf_name), None
 
 
 def to_hf_name(name: str) -> str:
@@ -161,9 +198,19 @@ class HFStateDictAdapter:
         return fn(tensor, heads)
 
     def skipped_in_hf(self, name: str) -> bool:
-        """True when titanlab weight `name` has no tensor of its own in a Hugging Face folder
-        (`output.weight` of a tied model: HF ties `lm_head` to the embedding at load)."""
+        """True when titanlab tensor `name` has no tensor of its own in a Hugging Face folder:
+        `output.weight` of a tied model (HF ties `lm_head` to the embedding at load), and the
+        MoE expert bias (auxiliary-loss-free balancing state, not part of HF's model)."""
+        if name.endswith("feed_forward.expert_bias"):
+            return True
         return self.args.tie_word_embeddings and name == "output.weight"
+
+    def hf_parts(self, name: str, shape: tuple[int, ...]) -> list[tuple[str, int | None]]:
+        """(HF name, expert index or None) of each HF tensor titanlab tensor `name` of `shape`
+        becomes: one per expert for stacked expert weights, else one."""
+        if is_stacked(name):
+            return [(expert_hf_name(name, e), e) for e in range(shape[0])]
+        return [(to_hf_name(name), None)]
 
     def to_hf(self, name: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor]:
         """(HF name, tensor in HF layout) of titanlab weight `name`; shape and dtype kept.
@@ -185,17 +232,32 @@ class HFStateDictAdapter:
     def to_hf_state_dict(self, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """A whole titanlab model state dict in HF names and layout (tied `output.weight` left
         out). Holds every tensor at once: the converter streams with `to_hf` instead."""
-        return dict(self.to_hf(k, v) for k, v in state_dict.items() if not self.skipped_in_hf(k))
+        out: dict[str, torch.Tensor] = {}
+        for k, v in state_dict.items():
+            if self.skipped_in_hf(k):
+                continue
+            if is_stacked(k):
+                out.update({hf: v[e] for hf, e in self.hf_parts(k, tuple(v.shape))})
+            else:
+                out.update([self.to_hf(k, v)])
+        return out
 
     def from_hf_state_dict(self, hf_state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """A whole HF state dict in titanlab names and layout. For a tied model
         `output.weight` is the embedding tensor itself (as in titanlab's own state dict), and an
         `lm_head.weight` in the input is ignored."""
-        sd = dict(
-            self.from_hf(k, v)
-            for k, v in hf_state_dict.items()
-            if not (self.args.tie_word_embeddings and k == "lm_head.weight")
-        )
+        sd: dict[str, torch.Tensor] = {}
+        experts: dict[str, dict[int, torch.Tensor]] = {}
+        for k, v in hf_state_dict.items():
+            if self.args.tie_word_embeddings and k == "lm_head.weight":
+                continue
+            name, expert = split_hf_name(k)
+            if expert is None:
+                sd.update([self.from_hf(k, v)])
+            else:
+                experts.setdefault(name, {})[expert] = v
+        for name, parts in experts.items():
+            sd[name] = torch.stack([parts[e] for e in sorted(parts)])
         if self.args.tie_word_embeddings and "tok_embeddings.weight" in sd:
             sd["output.weight"] = sd["tok_embeddings.weight"]
         return sd

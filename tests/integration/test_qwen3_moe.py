@@ -1,0 +1,127 @@
+"""Qwen3-MoE under data and pipeline parallelism equals one process, from one seed checkpoint,
+fp32, 5 steps, within 1e-5: with the load-balance loss, and separately with the
+auxiliary-loss-free expert bias (whose values after 5 steps are equal too). The debug MoE config
+trains through run_train.sh with expert-load lines in its log.
+
+The load-balance loss is a statistic of each global microbatch (the ranks' k-th microbatches
+together), so a layout that accumulates gradients or pipelines microbatches is compared with a
+one-process run split into the same global microbatches. The expert bias depends on the step's
+total counts only: every layout is compared with the undivided run.
+"""
+
+import json
+import os
+import subprocess
+
+import pytest
+import torch
+
+from conftest import REPO
+from titanlab.checkpoint.convert import DcpModelReader
+from titanlab.distributed.layouts import Layout
+from tools import parity_matrix
+
+BALANCING = {
+    # A coefficient far above Qwen3's 0.001, so a wrongly reduced aux gradient shows in 5 steps.
+    "aux_loss": ["--model.moe_load_balance_coeff", "0.1", "--model.moe_bias_update_speed", "0"],
+    "expert_bias": ["--model.moe_load_balance_coeff", "0", "--model.moe_bias_update_speed", "0.01"],
+}
+# layout, global microbatches per step (pipeline microbatches are 1 sample)
+LAYOUTS = {
+    "fsdp2": (Layout(1, 2, 1, 1, None, 1), 1),
+    "ddp2": (Layout(2, 1, 1, 1, None, 1), 1),
+    "hsdp2x2": (Layout(2, 2, 1, 1, None, 1), 1),
+    "fsdp2-ga2": (Layout(1, 2, 1, 1, None, 2), 2),
+    "pp2": (Layout(1, 1, 1, 2, "1F1B", 1), 8),
+    "fsdp2-pp2": (Layout(1, 2, 1, 2, "1F1B", 1), 4),
+}
+CASES = [
+    (b, n)
+    for b in BALANCING
+    for n in LAYOUTS
+    if b == "aux_loss" or n in ("fsdp2", "fsdp2-ga2", "fsdp2-pp2")
+]
+
+
+def moe_options(mode: str) -> list[str]:
+    return ["--model.name", "qwen3_moe", *BALANCING[mode]]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_dataset, tmp_path_factory):
+    """(mode, microbatches) -> (dataset, seed, 1-process losses, root), made on first use."""
+    made: dict = {}
+
+    def get(mode: str, microbatches: int):
+        if (mode, microbatches) not in made:
+            root = str(tmp_path_factory.mktemp(f"moe_{mode}_mb{microbatches}"))
+            made[mode, microbatches] = (
+                *parity_matrix.prepare_reference(
+                    root, tiny_dataset, extra=moe_options(mode), microbatches=microbatches
+                ),
+                root,
+            )
+        return made[mode, microbatches]
+
+    return get
+
+
+def _biases(dump: str) -> dict[str, torch.Tensor]:
+    reader = DcpModelReader(os.path.join(dump, "checkpoint", f"step-{parity_matrix.STEPS}"))
+    return {k: reader.load(k) for k in reader.tensors if k.endswith("expert_bias")}
+
+
+@pytest.mark.parametrize("mode, name", CASES, ids=[f"{b}-{n}" for b, n in CASES])
+def test_moe_layout_matches_single_process(mode, name, reference):
+    layout, microbatches = LAYOUTS[name]
+    dataset, seed, losses, root = reference(mode, microbatches if mode == "aux_loss" else 1)
+    outcome = parity_matrix.run_layout(layout, dataset, seed, losses, root, extra=moe_options(mode))
+    assert outcome.error is None, outcome.error
+    print(f"qwen3_moe {mode} {name}: worst |Δloss| {outcome.max_abs_diff:.3g}")
+    assert outcome.max_abs_diff <= parity_matrix.TOLERANCE, (name, outcome.max_abs_diff)
+    assert losses[parity_matrix.STEPS] < losses[1]
+    if mode == "expert_bias":
+        want = _biases(os.path.join(root, "reference"))
+        got = _biases(os.path.join(root, "runs", layout.name))
+        assert want and want.keys() == got.keys()
+        assert all(torch.equal(got[k], want[k]) for k in want), "expert biases differ"
+        assert any(v.abs().sum() > 0 for v in want.values())  # the bias did move
+
+
+def test_moe_debug_config_trains_with_expert_load_lines(tiny_dataset, tmp_path):
+    proc = subprocess.run(
+        [
+            os.path.join(REPO, "run_train.sh"),
+            "train_configs/qwen3_moe_debug.toml",
+            "--data.dataset_path",
+            tiny_dataset,
+            "--training.steps",
+            "12",
+            "--training.seq_len",
+            "64",
+            "--training.local_batch_size",
+            "4",
+            "--metrics.log_freq",
+            "4",
+            "--validation.enable",
+            "false",
+            "--checkpoint.enable",
+            "false",
+            "--job.dump_folder",
+            str(tmp_path / "run"),
+        ],
+        cwd=REPO,
+        env=dict(os.environ, NGPU="2", OMP_NUM_THREADS="1"),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "active per token" in proc.stdout
+    lines = [ln for ln in proc.stdout.splitlines() if "expert max/mean load:" in ln]
+    assert len(lines) == 4 and "moe_aux_loss:" in lines[0]  # steps 1, 4, 8, 12
+    metrics = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
+    assert metrics[-1]["loss"] < metrics[0]["loss"]
+    assert {"moe/0/max_load", "moe/0/mean_load", "moe/0/aux_loss", "moe/aux_loss"} <= set(
+        metrics[0]
+    )

@@ -1,0 +1,277 @@
+"""Mixture-of-Experts feed-forward (token-choice top-k routing) in plain PyTorch.
+
+- Router: a linear gate computed in fp32, `score_func` softmax or sigmoid, top-k experts per
+  token, optionally renormalized over the k chosen (`route_norm`, Qwen3's `norm_topk_prob`) and
+  multiplied by `route_scale`. An optional per-expert bias shifts which experts are *chosen*
+  but not the weights (DeepSeek-V3's auxiliary-loss-free balancing, Wang et al. 2024).
+- Experts: SwiGLU weights stacked as (num_experts, out, in); tokens are sorted by expert and run
+  either with `torch._grouped_mm` or with an exact per-expert loop (same numbers within fp32
+  rounding). No token is dropped.
+- Shared experts (DeepSeek-MoE style): a dense SwiGLU every token goes through, added to the
+  routed output.
+- Load balance (Switch Transformer, Fedus et al. 2021; GShard): aux = E · Σ_i f_i · P_i with f_i
+  the fraction of tokens' top-k slots given to expert i (Σ f_i = k) and P_i the mean routing
+  probability of expert i, the form of transformers' `load_balancing_loss_func`. The statistics
+  are those of the whole global microbatch: `reduce_stats` (identity here; the parallelize step
+  installs an all-reduce over the data-parallel ranks) sums the token counts over the ranks, so
+  every rank's f is the global one and the gradient each rank sends through its own P equals
+  the global loss's. Computing it per rank would average a different, noisier loss and make the
+  result depend on the layout. The term enters backward through `aux_grad_scale` (set by the
+  trainer: coefficient / MoE layers / microbatches, times the ranks FSDP averages over), so it
+  works unchanged when the layers are spread over pipeline stages.
+
+The module knows nothing of parallelism: expert parallel and the statistics' reduction are
+installed from outside (`titanlab/distributed/`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from titanlab.models.common.feed_forward import FeedForward
+from titanlab.models.common.init import trunc_normal_
+
+
+@dataclass
+class MoEArgs:
+    """Shape and routing of one MoE layer."""
+
+    num_experts: int = 8
+    """Routed experts (E)."""
+    top_k: int = 2
+    """Experts each token goes to (k)."""
+    hidden_dim: int = 128
+    """SwiGLU width of one expert (HF `moe_intermediate_size`)."""
+    score_func: Literal["softmax", "sigmoid"] = "softmax"
+    """Routing scores from the gate logits: softmax over experts (Qwen3-MoE) or sigmoid (DeepSeek-V3)."""
+    route_norm: bool = True
+    """Renormalize the k chosen scores to sum to 1 (Qwen3's `norm_topk_prob`)."""
+    route_scale: float = 1.0
+    """Multiplier on the routing weights (DeepSeek-V3: 2.5)."""
+    num_shared_experts: int = 0
+    """Dense SwiGLU experts every token also goes through (width num_shared × hidden_dim)."""
+    load_balance_coeff: float = 0.0
+    """Weight of the auxiliary load-balance loss (0: off; Qwen3-MoE trains with 0.001)."""
+    bias_update_speed: float = 0.0
+    """Step of the auxiliary-loss-free expert bias per optimizer step (0: off; DeepSeek-V3:
+    0.001)."""
+
+    def validate(self) -> None:
+        """Raises ValueError naming the first bad value."""
+        if self.num_experts < 1 or not 1 <= self.top_k <= self.num_experts:
+            raise ValueError(f"top_k={self.top_k} must be in 1..num_experts ({self.num_experts})")
+        if self.hidden_dim <= 0:
+            raise ValueError(f"moe hidden_dim={self.hidden_dim} must be positive")
+        if self.score_func not in ("softmax", "sigmoid"):
+            raise ValueError(f"score_func={self.score_func!r}; valid: softmax, sigmoid")
+        if self.load_balance_coeff < 0 or self.bias_update_speed < 0:
+            raise ValueError(
+                f"load_balance_coeff={self.load_balance_coeff} and bias_update_speed="
+                f"{self.bias_update_speed} must be >= 0"
+            )
+
+
+def grouped_mm_supported(x: torch.Tensor) -> bool:
+    """Whether `torch._grouped_mm` runs for activations like `x`: bf16 on CUDA GPUs of compute
+    capability 9.0+ (Hopper), where it is a grouped GEMM kernel."""
+    return (
+        hasattr(torch, "_grouped_mm")
+        and x.is_cuda
+        and x.dtype == torch.bfloat16
+        and torch.cuda.get_device_capability(x.device) >= (9, 0)
+    )
+
+
+class Router(nn.Module):
+    """Token-choice top-k router. `gate.weight` is (num_experts, dim)."""
+
+    def __init__(self, dim: int, args: MoEArgs):
+        super().__init__()
+        self.args = args
+        self.gate = nn.Linear(dim, args.num_experts, bias=False)
+
+    def forward(
+        self, x_td: torch.Tensor, expert_bias: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x_td: (tokens, dim). Returns (weights (tokens, k) fp32, experts (tokens, k) int64,
+        scores (tokens, num_experts) fp32 of every expert, for the load-balance loss)."""
+        logits = F.linear(x_td.float(), self.gate.weight.float())  # (tokens, E) in fp32
+        scores = logits.softmax(-1) if self.args.score_func == "softmax" else logits.sigmoid()
+        choose = scores if expert_bias is None else scores + expert_bias
+        experts = choose.topk(self.args.top_k, dim=-1).indices  # (tokens, k)
+        weights = scores.gather(-1, experts)
+        if self.args.route_norm:
+            weights = weights / weights.sum(-1, keepdim=True)
+        return weights * self.args.route_scale, experts, scores
+
+
+class GroupedExperts(nn.Module):
+    """`num_experts` SwiGLU experts with stacked weights: w1, w3 (E, hidden, dim), w2 (E, dim,
+    hidden); expert e computes w2[e](silu(w1[e] x) * w3[e] x) like `FeedForward`."""
+
+    def __init__(self, dim: int, hidden_dim: int, num_experts: int):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
+        self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
+        self.w3 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
+        self.use_grouped_mm: bool | None = None
+        """None: grouped GEMM where `grouped_mm_supported`, else the loop; True/False: force."""
+
+    def init_weights(self, out_std: float) -> None:
+        trunc_normal_(self.w1, 0.02)
+        for w in (self.w2, self.w3):
+            trunc_normal_(w, out_std)
+
+    def forward(self, x_td: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """x_td: (tokens, dim) sorted by expert, `counts[e]` tokens for expert e (int64, sums to
+        tokens). Returns (tokens, dim) in the same order."""
+        grouped = self.use_grouped_mm
+        if grouped is None:
+            grouped = grouped_mm_supported(x_td)
+        if grouped:
+            offs = counts.cumsum(0).to(torch.int32)
+            h = F.silu(torch._grouped_mm(x_td, self.w1.transpose(-2, -1), offs=offs))
+            h = h * torch._grouped_mm(x_td, self.w3.transpose(-2, -1), offs=offs)
+            return torch._grouped_mm(h, self.w2.transpose(-2, -1), offs=offs)
+        outs = []
+        for e, x in enumerate(torch.split(x_td, counts.tolist())):
+            h = F.silu(x @ self.w1[e].t()) * (x @ self.w3[e].t())
+            outs.append(h @ self.w2[e].t())
+        return torch.cat(outs) if outs else x_td.new_zeros(0, self.w2.shape[1])
+
+
+class _AddAuxGrad(torch.autograd.Function):
+    """Identity on `out`; in backward, also sends d(aux)/d(aux's inputs) · `scale`."""
+
+    @staticmethod
+    def forward(ctx, out: torch.Tensor, aux: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        ctx.save_for_backward(aux)
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        (aux,) = ctx.saved_tensors
+        return grad_out, torch.full_like(aux, ctx.scale), None
+
+
+class MoE(nn.Module):
+    """Routed experts (+ shared experts) replacing a block's dense FFN.
+
+    Args:
+        dim: model width.
+        args: the layer's `MoEArgs`.
+    Attributes:
+        reduce_stats: (tensor) -> tensor summed over the ranks that share a global microbatch;
+            identity until the parallelize step installs an all-reduce.
+        aux_grad_scale: factor on the load-balance gradient (the trainer sets it per step; 0:
+            the loss is computed for logging only).
+        last_aux: this rank's share of the layer's load-balance loss in the last forward
+            (detached; the shares of the ranks sum to the global value), or None when off.
+        step_aux: sum of `last_aux` over the step's microbatches (reset by `end_step`).
+        tokens_per_expert: (E,) fp32 token-slot counts of this rank since the last `end_step`.
+        step_load: (E,) token-slot counts of the last step over all ranks (set by `end_step`).
+    """
+
+    tokens_per_expert: torch.Tensor
+    step_aux: torch.Tensor
+    expert_bias: torch.Tensor | None
+
+    def __init__(self, dim: int, args: MoEArgs):
+        super().__init__()
+        args.validate()
+        self.args = args
+        self.router = Router(dim, args)
+        self.experts = GroupedExperts(dim, args.hidden_dim, args.num_experts)
+        self.shared_experts = (
+            FeedForward(dim, args.hidden_dim * args.num_shared_experts)
+            if args.num_shared_experts > 0
+            else None
+        )
+        if args.bias_update_speed > 0:
+            self.register_buffer("expert_bias", torch.zeros(args.num_experts), persistent=True)
+        else:
+            self.expert_bias = None
+        self.register_buffer("tokens_per_expert", torch.zeros(args.num_experts), persistent=False)
+        self.register_buffer("step_aux", torch.zeros(()), persistent=False)
+        self.reduce_stats: Callable[[torch.Tensor], torch.Tensor] = lambda t: t
+        self.aux_grad_scale = 0.0
+        self.last_aux: torch.Tensor | None = None
+        self.step_load: torch.Tensor | None = None
+        self.record_stats = True
+        """False while a forward must leave no trace (the pipeline's shape-inference pass)."""
+
+    def init_weights(self, out_std: float) -> None:
+        trunc_normal_(self.router.gate.weight, 0.02)
+        self.experts.init_weights(out_std)
+        if self.shared_experts is not None:
+            self.shared_experts.init_weights(out_std)
+        if self.expert_bias is not None:
+            self.expert_bias.zero_()
+        self.tokens_per_expert.zero_()
+        self.step_aux.zero_()
+
+    def forward(self, x_bsd: torch.Tensor) -> torch.Tensor:
+        """(bs, seq, dim) -> (bs, seq, dim)."""
+        bs, seq, dim = x_bsd.shape
+        x = x_bsd.reshape(-1, dim)
+        weights, experts, scores = self.router(x, self.expert_bias)
+        num_experts, k = self.args.num_experts, self.args.top_k
+        flat = experts.flatten()  # (tokens * k,), token t's slots at t*k .. t*k+k-1
+        # Static-shape count (bincount's output size depends on the data).
+        counts = torch.zeros(num_experts, dtype=torch.long, device=x.device).scatter_add_(
+            0, flat, torch.ones_like(flat)
+        )
+        if self.record_stats:
+            with torch.no_grad():
+                self.tokens_per_expert += counts.float()
+        order = flat.argsort(stable=True)
+        routed = self.experts(x[order // k], counts)  # (tokens * k, dim), grouped by expert
+        routed = routed.float() * weights.flatten()[order, None]
+        out = torch.zeros(x.shape[0], dim, dtype=torch.float32, device=x.device)
+        out.index_add_(0, order // k, routed)
+        out = out.to(x.dtype)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        out = self._load_balance(out, counts, scores)
+        return out.view(bs, seq, dim)
+
+    def _load_balance(
+        self, out: torch.Tensor, counts: torch.Tensor, scores: torch.Tensor
+    ) -> torch.Tensor:
+        """Record the global aux loss of this microbatch; attach its gradient when training."""
+        if self.args.load_balance_coeff <= 0 or not self.record_stats:
+            self.last_aux = None
+            return out
+        stats = self.reduce_stats(
+            torch.cat([counts.float(), scores.new_tensor([scores.shape[0]])]).detach()
+        )
+        global_counts, global_tokens = stats[:-1], stats[-1]
+        f = global_counts / global_tokens  # token-slot fraction per expert; sums to k
+        # This rank's share of E · Σ f_i · P_i (P over the global tokens): the shares sum to the
+        # global loss, and the gradient through this rank's scores is the global one.
+        share = self.args.num_experts * (f * scores.sum(0)).sum() / global_tokens
+        self.last_aux = share.detach()
+        with torch.no_grad():
+            self.step_aux += self.last_aux
+        if self.training and self.aux_grad_scale and torch.is_grad_enabled():
+            out = _AddAuxGrad.apply(out, share, self.aux_grad_scale)
+        return out
+
+    @torch.no_grad()
+    def end_step(self, load: torch.Tensor) -> None:
+        """After an optimizer step, with `load` (E,) the step's token-slot counts summed over
+        the ranks: keep it as `step_load`; with auxiliary-loss-free balancing (DeepSeek-V3) move
+        each expert's bias by `bias_update_speed` toward the mean load (up when under-loaded,
+        down when over-loaded); reset the step's counters."""
+        self.step_load = load.clone()
+        if self.expert_bias is not None:
+            self.expert_bias += self.args.bias_update_speed * torch.sign(load.mean() - load)
+        self.tokens_per_expert.zero_()
+        self.step_aux.zero_()
