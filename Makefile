@@ -47,9 +47,11 @@ format: setup
 benchmark: setup
 	OMP_NUM_THREADS=1 $(PY) tools/benchmark.py --matrix quick
 
-# Every valid layout of 1, 2, 4, 8 ranks against 1 process; the table goes to docs/parallelism.md.
+# Every valid layout of 1, 2, 4, 8 ranks against 1 process (the table goes to
+# docs/parallelism.md), then every MoE balancing × layout case.
 test-parity-full: setup
 	OMP_NUM_THREADS=1 $(PY) tools/parity_matrix.py
+	OMP_NUM_THREADS=1 TITANLAB_PARITY_FULL=1 $(PY) -m pytest -q -rs tests/integration/test_qwen3_moe.py
 
 clean:
 	rm -rf $(VENV) outputs .pytest_cache
