@@ -308,27 +308,33 @@ class Trainer:
                 f"{last or 'none'} (lower optimizer.lr or check the data)"
             )
         if self.scaler is not None:
-            self._scaled_step()
+            stepped = self._scaled_step()
         else:
             self.optimizer.step()
+            stepped = True
         precompute_scales(self.model_parts, self.config.float8, self.parallel_dims.fsdp_enabled)
         self.lr_scheduler.step()
-        self.moe_metrics = moe_stats.end_step(self.model_parts, self._loss_mesh, microbatches)
+        self.moe_metrics = moe_stats.end_step(
+            self.model_parts, self._loss_mesh, microbatches, stepped
+        )
         return loss, grad_norm.item()
 
-    def _scaled_step(self) -> None:
-        """float16: step each optimizer unless a gradient overflowed, then adapt the scale."""
+    def _scaled_step(self) -> bool:
+        """float16: step each optimizer unless a gradient overflowed, then adapt the scale.
+        Returns whether the step was taken."""
         before = self.scaler.get_scale()
         for opt in self.optimizer.optimizers:
             self.scaler.step(opt)
         self.scaler.update()
-        if self.scaler.get_scale() < before and self.rank == 0:
+        skipped = self.scaler.get_scale() < before
+        if skipped and self.rank == 0:
             logger.warning(
                 "step %d skipped: float16 gradients overflowed; loss scale %g → %g",
                 self.step,
                 before,
                 self.scaler.get_scale(),
             )
+        return not skipped
 
     def _forward_backward(
         self, inputs: torch.Tensor, labels: torch.Tensor, scale: torch.Tensor
@@ -358,7 +364,8 @@ class Trainer:
         total = torch.zeros((), device=self.device)
         tokens = torch.zeros((), device=self.device)
         model = self.model_parts[0]
-        with maybe_loss_parallel(self.loss_parallel):
+        # Validation batches are not training microbatches: the MoE load statistics skip them.
+        with maybe_loss_parallel(self.loss_parallel), moe_stats.stats_paused(model):
             for _, (inputs, labels) in zip(range(self.config.validation.steps), loader):
                 inputs, labels = inputs.to(self.device), labels.to(self.device)
                 tokens += (labels != IGNORE_INDEX).sum() / self.parallel_dims.cp

@@ -98,27 +98,39 @@ def test_moe_layout_matches_single_process(mode, name, reference):
         assert any(v.abs().sum() > 0 for v in want.values())  # the bias did move
 
 
-def test_moe_debug_config_trains_with_expert_load_lines(tiny_dataset, tmp_path):
-    proc = subprocess.run(
+def _run_debug_config(tiny_dataset, dump, steps: int) -> subprocess.CompletedProcess:
+    return subprocess.run(
         [
             os.path.join(REPO, "run_train.sh"),
             "train_configs/qwen3_moe_debug.toml",
             "--data.dataset_path",
             tiny_dataset,
             "--training.steps",
-            "12",
+            str(steps),
             "--training.seq_len",
             "64",
             "--training.local_batch_size",
             "4",
             "--metrics.log_freq",
-            "4",
+            "1",
             "--validation.enable",
             "false",
-            "--checkpoint.enable",
+            "--debug.deterministic",
+            "true",
+            "--lr_scheduler.warmup_steps",
+            "2",
+            "--lr_scheduler.decay_ratio",
+            "0",
+            "--model.moe_bias_update_speed",
+            "0.01",  # both balancing methods on: the bias is checkpointed state
+            "--checkpoint.interval",
+            "6",
+            "--checkpoint.keep_latest_k",
+            "0",
+            "--checkpoint.export_at_end",
             "false",
             "--job.dump_folder",
-            str(tmp_path / "run"),
+            str(dump),
         ],
         cwd=REPO,
         env=dict(os.environ, NGPU="2", OMP_NUM_THREADS="1"),
@@ -126,12 +138,23 @@ def test_moe_debug_config_trains_with_expert_load_lines(tiny_dataset, tmp_path):
         text=True,
         timeout=600,
     )
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    assert "active per token" in proc.stdout
+
+
+def test_moe_debug_config_trains_logs_expert_load_and_resumes_exactly(tiny_dataset, tmp_path):
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    for steps, dump in ((12, straight), (6, resumed), (12, resumed)):
+        proc = _run_debug_config(tiny_dataset, dump, steps)
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "active per token" in proc.stdout and "step-6" in proc.stdout
     lines = [ln for ln in proc.stdout.splitlines() if "expert max/mean load:" in ln]
-    assert len(lines) == 4 and "moe_aux_loss:" in lines[0]  # steps 1, 4, 8, 12
-    metrics = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
-    assert metrics[-1]["loss"] < metrics[0]["loss"]
-    assert {"moe/0/max_load", "moe/0/mean_load", "moe/0/aux_loss", "moe/aux_loss"} <= set(
-        metrics[0]
-    )
+    assert len(lines) == 6 and "moe_aux_loss:" in lines[0] and "(bias " in lines[0]  # 7..12
+
+    def records(dump):
+        with open(dump / "metrics.jsonl", encoding="utf-8") as f:
+            return {r["step"]: r for r in map(json.loads, f)}
+
+    want, got = records(straight), records(resumed)
+    assert [got[s]["loss"] for s in range(1, 13)] == [want[s]["loss"] for s in range(1, 13)]
+    assert got[12]["moe/0/bias_norm"] == want[12]["moe/0/bias_norm"] > 0
+    assert want[12]["loss"] < want[1]["loss"]
+    assert {"moe/0/max_load", "moe/0/mean_load", "moe/0/aux_loss", "moe/aux_loss"} <= set(want[1])

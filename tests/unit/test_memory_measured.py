@@ -1,7 +1,8 @@
 """The memory estimate against the peak that PyTorch's memory profiler measures on CPU.
 
-One training step (forward, loss, backward, AdamW step) of a small Llama, and of a small Qwen3
-(per-head q/k norms, head_dim ≠ dim / heads), runs under
+One training step (forward, loss, backward, AdamW step) of a small Llama, of a small Qwen3
+(per-head q/k norms, head_dim ≠ dim / heads) and of a small Qwen3-MoE (8 experts, top-2), runs
+under
 `torch.profiler` with memory profiling; the peak of the categorized memory timeline (parameters,
 optimizer state, gradients, activations, autograd temporaries) is compared with
 `estimate_memory(...).peak_tensors`, which excludes the fixed runtime overhead.
@@ -21,12 +22,17 @@ from titanlab.loss import cross_entropy_sum
 from titanlab.memory import estimate_memory
 from titanlab.models.llama3 import llama3_flavors
 from titanlab.models.qwen3 import qwen3_flavors
+from titanlab.models.qwen3_moe import qwen3_moe_flavors
 from titanlab.models.registry import build_model
 from titanlab.optim import OptimizersContainer
 
 MODELS = {
     name: dataclasses.replace(flavors["debugmodel"], n_layers=4, vocab_size=4352, max_seq_len=256)
-    for name, flavors in (("llama3", llama3_flavors), ("qwen3", qwen3_flavors))
+    for name, flavors in (
+        ("llama3", llama3_flavors),
+        ("qwen3", qwen3_flavors),
+        ("qwen3_moe", qwen3_moe_flavors),
+    )
 }
 BATCH, SEQ = 4, 256
 

@@ -1,5 +1,6 @@
 """Streamed conversion between titanlab DCP checkpoints and Hugging Face folders (any family of
-the model registry: `LlamaForCausalLM`, `Qwen3ForCausalLM`).
+the model registry: `LlamaForCausalLM`, `Qwen3ForCausalLM`, `Qwen3MoeForCausalLM`, whose
+per-expert tensors are stacked into one titanlab tensor per projection and layer).
 
 `dcp_to_hf` reads the model weights of a DCP checkpoint of any parallel layout (the `model.*`
 keys; optimizer and the rest are ignored) one stored chunk at a time, and writes

@@ -74,13 +74,17 @@ def _count_moe_layers(model_parts: list[nn.Module]) -> int:
 
 
 def end_step(
-    model_parts: list[nn.Module], mesh: DeviceMesh | None, microbatches: int
+    model_parts: list[nn.Module],
+    mesh: DeviceMesh | None,
+    microbatches: int,
+    stepped: bool = True,
 ) -> dict[str, float]:
     """After the optimizer step: sum the step's expert loads and aux shares over `mesh` (one
     all-reduce for every layer), update the expert biases, and return the metrics of the MoE
     layers this rank holds: for each layer `moe/<layer>/max_load`, `mean_load` (token slots per
     expert), `aux_loss` (mean over the microbatches) and `bias_norm`; plus `moe/aux_loss`, the
-    mean over those layers. Empty for a dense model."""
+    mean over those layers. Empty for a dense model. `stepped=False` (float16 skipped the
+    optimizer step) leaves the expert biases as they are."""
     named = [
         (name.split(".")[1] if name.startswith("layers.") else name, m)
         for part in model_parts
@@ -97,13 +101,13 @@ def end_step(
         n = moe.args.num_experts
         load, aux = stats[offset : offset + n], stats[offset + n] / microbatches
         offset += n + 1
-        moe.end_step(load)
+        moe.end_step(load, update_bias=stepped)
         out[f"moe/{layer}/max_load"] = load.max().item()
         out[f"moe/{layer}/mean_load"] = load.mean().item()
         if moe.args.load_balance_coeff > 0:
             out[f"moe/{layer}/aux_loss"] = aux.item()
             auxes.append(aux.item())
-        if moe.expert_bias is not None:
+        if moe.args.bias_update_speed > 0:
             out[f"moe/{layer}/bias_norm"] = moe.expert_bias.norm().item()
     if auxes:
         out["moe/aux_loss"] = sum(auxes) / len(auxes)

@@ -21,6 +21,13 @@ def validate_layout(config: JobConfig, dims: ParallelDims, model_args, device_ty
             f"(model.name={config.model.name}) is not supported yet (the MoE layers have no "
             "TP plan); use tensor_parallel_degree=1 with FSDP, HSDP or DDP"
         )
+    c = config.compile
+    if c.enable and "model" in c.components and getattr(model_args, "moe_layer", None):
+        raise ConfigError(
+            f"compile.components={list(c.components)}: compiling the blocks of an MoE model "
+            f"(model.name={config.model.name}) is not supported yet (the per-expert loop splits "
+            "by data-dependent counts); use compile.components=['loss'] or compile.enable=false"
+        )
     if dims.tp > 1:
         if heads % dims.tp or kv_heads % dims.tp:
             raise ConfigError(

@@ -361,6 +361,10 @@ def test_train_config_parses(path):
     for section, table in load_toml(path).items():  # every value in the file reached the config
         for key, value in table.items():
             assert getattr(getattr(config, section), key) == value, f"{section}.{key}"
+    from titanlab import components
+
+    args = components.build_model_args(config, 4352)  # the family and flavor are registered
+    assert args.vocab_size == 4352 and args.max_seq_len == config.training.seq_len
 
 
 @pytest.mark.parametrize("name", ["llama_8b", "llama_70b", "llama_405b"])

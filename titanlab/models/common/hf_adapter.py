@@ -1,5 +1,6 @@
 """The one map between a titanlab decoder's state dict and Hugging Face's `LlamaForCausalLM` /
-`Qwen3ForCausalLM` (the same names; Qwen3 adds the per-head q/k norms).
+`Qwen3ForCausalLM` / `Qwen3MoeForCausalLM` (the same names; Qwen3 adds the per-head q/k norms,
+Qwen3-MoE the router and per-expert weights, stacked here).
 
 Used by both directions of `tools/convert_checkpoint.py`, by the trainer's
 `checkpoint.last_save_in_hf` and by the tests. Names here are the model's own state-dict names,

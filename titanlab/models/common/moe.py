@@ -20,8 +20,10 @@
   trainer: coefficient / MoE layers / microbatches, times the ranks FSDP averages over), so it
   works unchanged when the layers are spread over pipeline stages.
 
-The module knows nothing of parallelism: expert parallel and the statistics' reduction are
-installed from outside (`titanlab/distributed/`).
+The module knows nothing of parallelism: the statistics' reduction is installed from outside
+(`titanlab/distributed/moe_stats.py`). Forwards that are not training microbatches (validation,
+the pipeline's shape inference) and the recomputation of an activation-checkpointed block record
+no statistics.
 """
 
 from __future__ import annotations
@@ -101,7 +103,8 @@ class Router(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x_td: (tokens, dim). Returns (weights (tokens, k) fp32, experts (tokens, k) int64,
         scores (tokens, num_experts) fp32 of every expert, for the load-balance loss)."""
-        logits = F.linear(x_td.float(), self.gate.weight.float())  # (tokens, E) in fp32
+        with torch.autocast(x_td.device.type, enabled=False):  # fp32 even under autocast
+            logits = F.linear(x_td.float(), self.gate.weight.float())  # (tokens, E)
         scores = logits.softmax(-1) if self.args.score_func == "softmax" else logits.sigmoid()
         choose = scores if expert_bias is None else scores + expert_bias
         experts = choose.topk(self.args.top_k, dim=-1).indices  # (tokens, k)
@@ -146,6 +149,12 @@ class GroupedExperts(nn.Module):
         return torch.cat(outs) if outs else x_td.new_zeros(0, self.w2.shape[1])
 
 
+def _in_backward() -> bool:
+    """Whether autograd is running a backward pass: an activation-checkpointed block recomputes
+    its forward there, and the recomputation must not count tokens or aux loss twice."""
+    return torch._C._current_graph_task_id() != -1
+
+
 class _AddAuxGrad(torch.autograd.Function):
     """Identity on `out`; in backward, also sends d(aux)/d(aux's inputs) · `scale`."""
 
@@ -181,7 +190,7 @@ class MoE(nn.Module):
 
     tokens_per_expert: torch.Tensor
     step_aux: torch.Tensor
-    expert_bias: torch.Tensor | None
+    expert_bias: torch.Tensor
 
     def __init__(self, dim: int, args: MoEArgs):
         super().__init__()
@@ -194,10 +203,9 @@ class MoE(nn.Module):
             if args.num_shared_experts > 0
             else None
         )
-        if args.bias_update_speed > 0:
-            self.register_buffer("expert_bias", torch.zeros(args.num_experts), persistent=True)
-        else:
-            self.expert_bias = None
+        # Always a checkpointed buffer (zeros unless auxiliary-loss-free balancing is on), so
+        # checkpoints and imports have the same keys whichever balancing a run uses.
+        self.register_buffer("expert_bias", torch.zeros(args.num_experts), persistent=True)
         self.register_buffer("tokens_per_expert", torch.zeros(args.num_experts), persistent=False)
         self.register_buffer("step_aux", torch.zeros(()), persistent=False)
         self.reduce_stats: Callable[[torch.Tensor], torch.Tensor] = lambda t: t
@@ -212,8 +220,7 @@ class MoE(nn.Module):
         self.experts.init_weights(out_std)
         if self.shared_experts is not None:
             self.shared_experts.init_weights(out_std)
-        if self.expert_bias is not None:
-            self.expert_bias.zero_()
+        self.expert_bias.zero_()
         self.tokens_per_expert.zero_()
         self.step_aux.zero_()
 
@@ -221,14 +228,18 @@ class MoE(nn.Module):
         """(bs, seq, dim) -> (bs, seq, dim)."""
         bs, seq, dim = x_bsd.shape
         x = x_bsd.reshape(-1, dim)
-        weights, experts, scores = self.router(x, self.expert_bias)
+        bias = self.expert_bias if self.args.bias_update_speed > 0 else None
+        weights, experts, scores = self.router(x, bias)
         num_experts, k = self.args.num_experts, self.args.top_k
         flat = experts.flatten()  # (tokens * k,), token t's slots at t*k .. t*k+k-1
         # Static-shape count (bincount's output size depends on the data).
         counts = torch.zeros(num_experts, dtype=torch.long, device=x.device).scatter_add_(
             0, flat, torch.ones_like(flat)
         )
-        if self.record_stats:
+        # Counted once per microbatch: not in paused forwards, not when an activation-
+        # checkpointed block recomputes this forward in backward.
+        count = self.record_stats and not _in_backward()
+        if count:
             with torch.no_grad():
                 self.tokens_per_expert += counts.float()
         order = flat.argsort(stable=True)
@@ -239,14 +250,15 @@ class MoE(nn.Module):
         out = out.to(x.dtype)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
-        out = self._load_balance(out, counts, scores)
+        if self.record_stats:  # the recomputation reruns it too: the same saved tensors
+            out = self._load_balance(out, counts, scores, count)
         return out.view(bs, seq, dim)
 
     def _load_balance(
-        self, out: torch.Tensor, counts: torch.Tensor, scores: torch.Tensor
+        self, out: torch.Tensor, counts: torch.Tensor, scores: torch.Tensor, count: bool
     ) -> torch.Tensor:
         """Record the global aux loss of this microbatch; attach its gradient when training."""
-        if self.args.load_balance_coeff <= 0 or not self.record_stats:
+        if self.args.load_balance_coeff <= 0:
             self.last_aux = None
             return out
         stats = self.reduce_stats(
@@ -257,21 +269,23 @@ class MoE(nn.Module):
         # This rank's share of E · Σ f_i · P_i (P over the global tokens): the shares sum to the
         # global loss, and the gradient through this rank's scores is the global one.
         share = self.args.num_experts * (f * scores.sum(0)).sum() / global_tokens
-        self.last_aux = share.detach()
-        with torch.no_grad():
-            self.step_aux += self.last_aux
+        if count:
+            self.last_aux = share.detach()
+            with torch.no_grad():
+                self.step_aux += self.last_aux
         if self.training and self.aux_grad_scale and torch.is_grad_enabled():
             out = _AddAuxGrad.apply(out, share, self.aux_grad_scale)
         return out
 
     @torch.no_grad()
-    def end_step(self, load: torch.Tensor) -> None:
+    def end_step(self, load: torch.Tensor, update_bias: bool = True) -> None:
         """After an optimizer step, with `load` (E,) the step's token-slot counts summed over
         the ranks: keep it as `step_load`; with auxiliary-loss-free balancing (DeepSeek-V3) move
         each expert's bias by `bias_update_speed` toward the mean load (up when under-loaded,
-        down when over-loaded); reset the step's counters."""
+        down when over-loaded) unless `update_bias` is False (a skipped optimizer step); reset
+        the step's counters."""
         self.step_load = load.clone()
-        if self.expert_bias is not None:
+        if self.args.bias_update_speed > 0 and update_bias:
             self.expert_bias += self.args.bias_update_speed * torch.sign(load.mean() - load)
         self.tokens_per_expert.zero_()
         self.step_aux.zero_()

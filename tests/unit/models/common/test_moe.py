@@ -135,3 +135,26 @@ def test_expert_bias_moves_toward_the_mean_load():
 def test_bad_args_are_one_line():
     with pytest.raises(ValueError, match=r"top_k=9 must be in 1..num_experts \(6\)"):
         MoEArgs(num_experts=6, top_k=9).validate()
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_activation_checkpoint_recompute_counts_tokens_once(reentrant):
+    from torch.utils.checkpoint import checkpoint
+
+    moe = make(load_balance_coeff=0.01)
+    x = torch.randn(2, 5, DIM, requires_grad=True)
+    checkpoint(moe, x, use_reentrant=reentrant).sum().backward()
+    assert moe.tokens_per_expert.sum().item() == 10 * moe.args.top_k  # not twice
+    once = moe.step_aux.item()
+    plain = make(load_balance_coeff=0.01)
+    plain(x.detach())
+    assert once == pytest.approx(plain.step_aux.item(), abs=1e-7)
+
+
+def test_paused_forwards_record_nothing():
+    from titanlab.distributed.moe_stats import stats_paused
+
+    moe = make(load_balance_coeff=0.01)
+    with stats_paused(moe):
+        moe(torch.randn(1, 4, DIM))
+    assert moe.tokens_per_expert.sum() == 0 and moe.step_aux == 0 and moe.record_stats
