@@ -122,8 +122,12 @@ class SlurmTestCluster:
             if ns.startswith("tlslurm_"):
                 self._kill(_run("ip", "netns", "pids", ns, check=False).stdout.split())
                 _run("ip", "netns", "del", ns, check=False)
-        if _run("ip", "link", "show", BRIDGE, check=False).returncode == 0:
-            _run("ip", "link", "del", BRIDGE)
+        # Links left in this namespace: the bridge, and veth pairs made before their node end
+        # moved into a namespace (a kill between the two steps).
+        for line in _run("ip", "-o", "link", "show").stdout.splitlines():
+            name = line.split(":")[1].strip().split("@")[0] if line.count(":") >= 2 else ""
+            if name.startswith("tlslurm"):
+                _run("ip", "link", "del", name, check=False)
         self._hosts_added = True  # drop any of our lines still in /etc/hosts
         self._restore_hosts()
 
