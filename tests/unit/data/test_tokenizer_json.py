@@ -86,6 +86,7 @@ def test_ids_equal_autotokenizer_on_50kb_of_real_text(qwen_style):
     assert len(text.encode()) >= 50_000
     want = theirs(text)["input_ids"]
     got = ours.encode(text, bos=True, eos=False)  # no BOS configured: none added, like HF
+    print(f"{len(text.encode())} bytes of text, {len(got)} ids, equal to AutoTokenizer's")
     assert got == want and len(got) > 10_000
     assert got.count(ours.eos_id) == 1 and theirs.convert_tokens_to_ids("<|im_end|>") in got
     assert (ours.bos_id, ours.eos_id, ours.pad_id) == (
