@@ -25,7 +25,6 @@ from titanlab.config.job_config import JobConfig
 from titanlab.distributed.activation_checkpoint import apply_ac
 from titanlab.distributed.parallel_dims import ParallelDims
 from titanlab.distributed.tensor_parallel import apply_tp
-from titanlab.models.registry import family_of_args
 
 if TYPE_CHECKING:
     from titanlab.models.common.decoder import Decoder
@@ -54,7 +53,6 @@ def parallelize_model(
         apply_tp(
             model,
             tp_mesh,
-            block_plan_fn=family_of_args(model.args).tp_block_plan,
             loss_parallel=not config.parallelism.disable_loss_parallel,
             float8_comm=f8.enable and f8.recipe_name == "tensorwise" and device.type == "cuda",
         )

@@ -2,8 +2,8 @@
 
 Plan (Shoeybi et al. 2019, "Megatron-LM"; Korthikanti et al. 2022 for sequence parallel):
 - tok_embeddings: row-wise (vocab sharded); output sharded on the sequence dim for the norms.
-- each block: the family's plan (`ModelFamily.tp_block_plan`, from
-  `titanlab.models.common.tp_plan`): attention wq/wk/wv and FFN w1/w3 column-wise (heads / hidden
+- each block: `titanlab.distributed.tp_plan.decoder_block_plan` (the per-head q/k norms
+  included when the model's args have them): attention wq/wk/wv and FFN w1/w3 column-wise (heads / hidden
   units sharded), so attention runs on local heads; wo and w2 row-wise, their outputs
   reduce-scattered onto sequence shards; Qwen3's per-head q/k norms on the sharded heads dim.
 - attention_norm, ffn_norm, norm: sequence parallel (each rank normalizes its own tokens), so
@@ -25,7 +25,6 @@ Plan (Shoeybi et al. 2019, "Megatron-LM"; Korthikanti et al. 2022 for sequence p
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from torch.distributed.device_mesh import DeviceMesh
@@ -38,6 +37,8 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
     parallelize_module,
 )
+
+from titanlab.distributed.tp_plan import decoder_block_plan
 
 if TYPE_CHECKING:
     from torch.distributed.tensor.parallel import ParallelStyle
@@ -63,7 +64,6 @@ def apply_tp(
     model: Decoder,
     tp_mesh: DeviceMesh,
     *,
-    block_plan_fn: Callable[[type, type, type], dict[str, ParallelStyle]],
     loss_parallel: bool,
     float8_comm: bool = False,
 ) -> None:
@@ -72,8 +72,6 @@ def apply_tp(
     Input tokens (bs, seq) must be identical on every tp rank; the output is logits (bs, seq,
     vocab) as a DTensor sharded on vocab when `loss_parallel`, else a plain replicated tensor.
     A middle pipeline stage takes and returns (bs, seq, dim) hidden states sharded on seq.
-    `block_plan_fn`: the family's block plan from the (colwise, rowwise, prepare-input) style
-    classes (`ModelFamily.tp_block_plan`; see `titanlab.models.common.tp_plan`).
     `float8_comm`: all-gather the blocks' activations in float8 (torchao tensorwise recipe).
     """
     top: dict[str, ParallelStyle] = {}
@@ -93,7 +91,7 @@ def apply_tp(
         parallelize_module(model, tp_mesh, top)
 
     colwise, rowwise, prepare_input = block_styles(float8_comm)
-    block_plan = block_plan_fn(colwise, rowwise, prepare_input)
+    block_plan = decoder_block_plan(colwise, rowwise, prepare_input, qk_norm=model.args.qk_norm)
     # Between blocks (and between pipeline stages) activations are plain local (bs, seq/tp, dim)
     # tensors; the sequence-parallel norms read them as Shard(1).
     blocks = list(model.layers.values())

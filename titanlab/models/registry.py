@@ -38,8 +38,6 @@ class ModelFamily:
         args_cls: the args dataclass (fields are the architecture's hyper-parameters).
         flavors: published sizes, name → args with vocab_size set or -1 (from the tokenizer).
         model_cls: builds the plain-PyTorch model from args (meta device friendly).
-        tp_block_plan: (colwise, rowwise, prepare_input style classes) → {module path in a
-            block: ParallelStyle}; see `titanlab.models.common.tp_plan`.
         flops_per_token: (args, seq_len, non-embedding parameter count) → training FLOPs/token.
         hf: the Hugging Face mapping (`titanlab.models.common.hf_config.HFMapping`).
     """
@@ -49,7 +47,6 @@ class ModelFamily:
     args_cls: type
     flavors: Mapping[str, Any]
     model_cls: Callable[[Any], nn.Module]
-    tp_block_plan: Callable[[type, type, type], dict]
     flops_per_token: Callable[[Any, int, int], int]
     hf: Any
 

@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import functools
-
 from titanlab.models.common.decoder import flops_per_token
-from titanlab.models.common.tp_plan import decoder_block_plan
 from titanlab.models.llama3.args import TransformerModelArgs, llama3_flavors
 from titanlab.models.llama3.hf import HF
 from titanlab.models.llama3.model import Transformer
@@ -17,7 +14,6 @@ FAMILY = ModelFamily(
     args_cls=TransformerModelArgs,
     flavors=llama3_flavors,
     model_cls=Transformer,
-    tp_block_plan=functools.partial(decoder_block_plan, qk_norm=False),
     flops_per_token=flops_per_token,
     hf=HF,
 )

@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import functools
-
 from titanlab.models.common.decoder import flops_per_token
-from titanlab.models.common.tp_plan import decoder_block_plan
 from titanlab.models.qwen3.args import Qwen3ModelArgs, qwen3_flavors
 from titanlab.models.qwen3.hf import HF
 from titanlab.models.qwen3.model import Qwen3Transformer
@@ -17,7 +14,6 @@ FAMILY = ModelFamily(
     args_cls=Qwen3ModelArgs,
     flavors=qwen3_flavors,
     model_cls=Qwen3Transformer,
-    tp_block_plan=functools.partial(decoder_block_plan, qk_norm=True),
     flops_per_token=flops_per_token,
     hf=HF,
 )

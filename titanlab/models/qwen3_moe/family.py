@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import functools
-
 from titanlab.models.common.decoder import flops_per_token
-from titanlab.models.common.tp_plan import decoder_block_plan
 from titanlab.models.qwen3_moe.args import Qwen3MoEModelArgs, qwen3_moe_flavors
 from titanlab.models.qwen3_moe.hf import HF
 from titanlab.models.qwen3_moe.model import Qwen3MoETransformer
@@ -17,7 +14,6 @@ FAMILY = ModelFamily(
     args_cls=Qwen3MoEModelArgs,
     flavors=qwen3_moe_flavors,
     model_cls=Qwen3MoETransformer,
-    tp_block_plan=functools.partial(decoder_block_plan, qk_norm=True),
     flops_per_token=flops_per_token,
     hf=HF,
 )

@@ -1,4 +1,5 @@
-"""The tensor-parallel plan of one decoder block (`titanlab.models.common.decoder`).
+"""The tensor-parallel plan of one decoder block (`titanlab.models.common.decoder`), applied from
+outside the model by `titanlab.distributed.tensor_parallel.apply_tp`.
 
 Megatron-LM style (Shoeybi et al. 2019) with sequence parallel (Korthikanti et al. 2022): wq/wk/
 wv and w1/w3 column-wise, so attention runs on the local heads; wo and w2 row-wise, their outputs
