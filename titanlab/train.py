@@ -190,8 +190,10 @@ class Trainer:
         self._loss_mesh = dims.mesh("dp_cp")
         # FSDP and DDP average gradients over these ranks; the loss is scaled up to undo it.
         self._grad_avg_ranks = self._loss_mesh.size() if self._loss_mesh is not None else 1
-        # MoE: load-balance statistics over the ranks of one global microbatch.
-        moe_stats.install_stats_reduction(self.model_parts, self._loss_mesh)
+        # MoE: load-balance statistics over the ranks of one global microbatch (with tensor
+        # parallel, each tp rank's MoE layers route their own sequence shard).
+        self._moe_stats_mesh = dims.mesh("dp_cp_tp")
+        moe_stats.install_stats_reduction(self.model_parts, self._moe_stats_mesh)
         self.moe_metrics: dict[str, float] = {}
         self.pp_microbatches = (
             config.training.local_batch_size // config.parallelism.pipeline_parallel_microbatch_size
@@ -315,7 +317,7 @@ class Trainer:
         precompute_scales(self.model_parts, self.config.float8, self.parallel_dims.fsdp_enabled)
         self.lr_scheduler.step()
         self.moe_metrics = moe_stats.end_step(
-            self.model_parts, self._loss_mesh, microbatches, stepped
+            self.model_parts, self._moe_stats_mesh, microbatches, stepped
         )
         return loss, grad_norm.item()
 

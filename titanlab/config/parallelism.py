@@ -62,6 +62,14 @@ class Parallelism:
     """cp: context parallel degree: each sample's sequence is split over cp ranks (ring
     attention through SDPA; CUDA only)."""
 
+    expert_parallel_degree: int = 1
+    """ep: MoE models only. The routed experts are split over ep ranks (each holds
+    num_experts / ep of them) and tokens travel to their experts by all-to-all. ep is taken
+    from the ranks that hold different tokens, innermost first: it must be a multiple of
+    cp × tp and divide dp_shard × cp × tp. The expert weights are FSDP-sharded over the
+    dp_shard ranks ep leaves (efsdp = dp_shard × cp × tp / ep); the dense weights keep the
+    usual FSDP mesh."""
+
     def validate(self) -> None:
         _require(
             self.data_parallel_replicate_degree >= 1,
@@ -77,6 +85,7 @@ class Parallelism:
             "tensor_parallel_degree",
             "pipeline_parallel_degree",
             "context_parallel_degree",
+            "expert_parallel_degree",
             "pipeline_parallel_microbatch_size",
             "pipeline_parallel_stages_per_rank",
         ):

@@ -41,6 +41,9 @@ class Layout:
     schedule: str | None  # None when pp == 1
     grad_accum: int
     cp: int = 1
+    ep: int = 1
+    """Expert parallel (MoE models): ranks borrowed from dp_shard × cp × tp, not a factor of
+    the world size."""
 
     @property
     def world_size(self) -> int:
@@ -62,7 +65,7 @@ class Layout:
             parts.append(f"ddp{self.dp_replicate}")
         elif self.dp_shard > 1:
             parts.append(f"fsdp{self.dp_shard}")
-        for label, degree in (("cp", self.cp), ("tp", self.tp)):
+        for label, degree in (("cp", self.cp), ("tp", self.tp), ("ep", self.ep)):
             if degree > 1:
                 parts.append(f"{label}{degree}")
         if self.pp > 1:
@@ -81,6 +84,8 @@ class Layout:
             out.add("tp")
         if self.cp > 1:
             out.add("cp")
+        if self.ep > 1:
+            out.add("ep")
         if self.pp > 1:
             out.add(f"pp:{self.schedule}")
             if self.pp >= 4:
@@ -114,6 +119,8 @@ class Layout:
             str(self.cp),
             "--parallelism.pipeline_parallel_degree",
             str(self.pp),
+            "--parallelism.expert_parallel_degree",
+            str(self.ep),
             "--training.global_batch_size",
             str(global_batch_size),
             "--training.local_batch_size",
@@ -137,17 +144,28 @@ def _factorizations(n: int, parts: int) -> list[tuple[int, ...]]:
 
 
 def enumerate_layouts(
-    world_size: int, *, with_cp: bool = False, grad_accum: tuple[int, ...] = (1, 2)
+    world_size: int,
+    *,
+    with_cp: bool = False,
+    grad_accum: tuple[int, ...] = (1, 2),
+    with_ep: bool = False,
+    schedules: tuple[str, ...] = SCHEDULES,
 ) -> list[Layout]:
     """Every candidate layout of `world_size` ranks: each ordered factorization into
-    (dp_replicate, dp_shard, cp, tp, pp) (cp only when `with_cp`), each schedule when pp > 1,
-    each gradient-accumulation count. Validity is not checked here (see `check_layout`)."""
+    (dp_replicate, dp_shard, cp, tp, pp) (cp only when `with_cp`), each of `schedules` when
+    pp > 1, each gradient-accumulation count, and with `with_ep` each expert-parallel degree
+    that divides dp_shard × cp × tp (1 included). Validity is not checked here (see
+    `check_layout`)."""
     out = []
     for rep, shard, cp, tp, pp in _factorizations(world_size, 5):
         if cp > 1 and not with_cp:
             continue
-        for schedule, ga in itertools.product(SCHEDULES if pp > 1 else (None,), grad_accum):
-            out.append(Layout(rep, shard, tp, pp, schedule, ga, cp))
+        borrowable = shard * cp * tp
+        eps = [e for e in range(1, borrowable + 1) if borrowable % e == 0] if with_ep else [1]
+        for schedule, ga, ep in itertools.product(
+            schedules if pp > 1 else (None,), grad_accum, eps
+        ):
+            out.append(Layout(rep, shard, tp, pp, schedule, ga, cp, ep))
     return out
 
 
@@ -167,6 +185,7 @@ def apply_layout(config: JobConfig, layout: Layout, global_batch_size: int) -> J
         tensor_parallel_degree=layout.tp,
         context_parallel_degree=layout.cp,
         pipeline_parallel_degree=layout.pp,
+        expert_parallel_degree=layout.ep,
         # layout.schedule is one of SCHEDULES, the keys of the pipeline's schedule tables
         pipeline_parallel_schedule=cast(
             "PipelineSchedule", layout.schedule or config.parallelism.pipeline_parallel_schedule

@@ -3,11 +3,20 @@
 Mesh dimension order, outermost first: pp, dp_replicate, dp_shard, cp, tp. Innermost dims get the
 ranks that are closest together (tp inside a node), as in torchtitan and Megatron-LM. Only dims
 with degree > 1 are created; the flattened views the parts need are built once and kept:
-`dp` (dp_replicate × dp_shard: the data loader), `dp_shard_cp` (FSDP) and `dp_cp` (the loss).
+`dp` (dp_replicate × dp_shard: the data loader), `dp_shard_cp` (FSDP), `dp_cp` (the loss) and
+`dp_cp_tp` (every rank of a pipeline stage: the ranks that hold different tokens at an MoE
+layer, whose load statistics are summed).
+
+Expert parallel (ep > 1) splits dp_shard into two root dims, `efsdp` (outer) and
+`dp_shard_in_ep` (inner), so that `ep` = dp_shard_in_ep × cp × tp is a contiguous block of
+ranks and `efsdp` (always built, size 1 included) holds the ranks that keep the same experts:
+the expert weights are Shard(0) over ep and FSDP-sharded over efsdp (replicated over
+dp_replicate under HSDP). `dp_shard` is then the flattened (efsdp, dp_shard_in_ep).
 """
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -15,6 +24,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from titanlab.config.job_config import ConfigError
 
 MESH_ORDER = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+EP_MESH_ORDER = ("pp", "dp_replicate", "efsdp", "dp_shard_in_ep", "cp", "tp")
 
 
 @dataclass
@@ -32,10 +42,12 @@ class ParallelDims:
     tp: int
     pp: int
     world_size: int
+    ep: int = 1
     _meshes: dict[str, DeviceMesh] = field(default_factory=dict, repr=False)
+    _root_names: dict[str, str] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
-        for name in ("dp_replicate", "cp", "tp", "pp"):
+        for name in ("dp_replicate", "cp", "tp", "pp", "ep"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}={getattr(self, name)} must be >= 1")
         others = self.dp_replicate * self.cp * self.tp * self.pp
@@ -54,6 +66,14 @@ class ParallelDims:
                 f"dp_replicate*dp_shard*cp*tp*pp = {self.dp_replicate}*{self.dp_shard}*{self.cp}*"
                 f"{self.tp}*{self.pp} = {product} does not equal the world size {self.world_size}"
             )
+        if self.ep > 1:
+            inner = self.cp * self.tp
+            if self.ep % inner or (self.dp_shard * inner) % self.ep:
+                raise ConfigError(
+                    f"parallelism.expert_parallel_degree={self.ep} must be a multiple of cp*tp = "
+                    f"{inner} and divide dp_shard*cp*tp = {self.dp_shard * inner} (ep is taken "
+                    "from the ranks that hold different tokens)"
+                )
 
     @classmethod
     def from_config(cls, parallelism, world_size: int) -> ParallelDims:
@@ -65,6 +85,7 @@ class ParallelDims:
             tp=parallelism.tensor_parallel_degree,
             pp=parallelism.pipeline_parallel_degree,
             world_size=world_size,
+            ep=parallelism.expert_parallel_degree,
         )
 
     # --- which parallelisms are on -------------------------------------------------------
@@ -104,6 +125,20 @@ class ParallelDims:
         return self.cp > 1
 
     @property
+    def ep_enabled(self) -> bool:
+        return self.ep > 1
+
+    @property
+    def dp_shard_in_ep(self) -> int:
+        """The part of ep taken from dp_shard (ep / (cp × tp)); 1 without ep."""
+        return self.ep // (self.cp * self.tp) if self.ep_enabled else 1
+
+    @property
+    def efsdp(self) -> int:
+        """Ranks that hold the same experts and FSDP-shard them: dp_shard / dp_shard_in_ep."""
+        return self.dp_shard // self.dp_shard_in_ep
+
+    @property
     def dp_degree(self) -> int:
         """Number of distinct data streams (dp_replicate × dp_shard)."""
         return self.dp_replicate * self.dp_shard
@@ -118,31 +153,63 @@ class ParallelDims:
             "pp": self.pp,
             "dp_replicate": self.dp_replicate,
             "dp_shard": self.dp_shard,
+            "efsdp": self.efsdp,
+            "dp_shard_in_ep": self.dp_shard_in_ep,
             "cp": self.cp,
             "tp": self.tp,
         }
-        names = [n for n in MESH_ORDER if degrees[n] > 1] or ["dp_shard"]
+        if self.ep_enabled:
+            names = [n for n in EP_MESH_ORDER if degrees[n] > 1 or n == "efsdp"]
+            shard = [n for n in ("efsdp", "dp_shard_in_ep") if degrees[n] > 1]
+        else:
+            names = [n for n in MESH_ORDER if degrees[n] > 1] or ["dp_shard"]
+            shard = [n for n in ("dp_shard",) if n in names]
         shape = tuple(degrees[n] for n in names)
         root = init_device_mesh(device_type, shape, mesh_dim_names=tuple(names))
         self._meshes = {"root": root}
+        self._root_names = {}
         for n in names:
             self._meshes[n] = root[n]
-        self._flatten(root, "dp", [n for n in ("dp_replicate", "dp_shard") if n in names])
-        self._flatten(root, "dp_shard_cp", [n for n in ("dp_shard", "cp") if n in names])
-        self._flatten(root, "dp_cp", [n for n in ("dp_replicate", "dp_shard", "cp") if n in names])
+        rep = [n for n in ("dp_replicate",) if n in names]
+        cp = [n for n in ("cp",) if n in names]
+        tp = [n for n in ("tp",) if n in names]
+        self._flatten(root, "dp_shard", shard)
+        self._flatten(root, "dp", rep + shard)
+        self._flatten(root, "dp_shard_cp", shard + cp)
+        self._flatten(root, "dp_cp", rep + shard + cp)
+        self._flatten(root, "dp_cp_tp", rep + shard + cp + tp)
+        if self.ep_enabled:
+            self._flatten(root, "ep", [n for n in ("dp_shard_in_ep", "cp", "tp") if n in names])
         return root
 
     def _flatten(self, root: DeviceMesh, name: str, dims: list[str]) -> None:
         # Only the private `_flatten` exists in torch 2.13 (see the project notes); keep the
         # returned mesh ourselves instead of slicing it back out of the root later.
+        if name in self._meshes:  # a root dim already
+            self._root_names[name] = name
+            return
         if len(dims) > 1:
             self._meshes[name] = root[tuple(dims)]._flatten(name)
+            self._root_names[name] = name
         elif len(dims) == 1:
             self._meshes[name] = root[dims[0]]
+            self._root_names[name] = dims[0]
+
+    def root_slice(self, *names: str) -> DeviceMesh:
+        """The root mesh sliced to the (possibly flattened) dims `names`, e.g. (dp_replicate,
+        dp_shard_cp) for HSDP: a multi-dim sub-mesh sharing the root with every other mesh."""
+        root = self._meshes["root"]
+        dims = tuple(self._root_names.get(n, n) for n in names)
+        with warnings.catch_warnings():
+            # torch 2.13 warns that slicing a flattened dim from the root "will be deprecated";
+            # it offers no other way to build a 2-D mesh with a flattened dim.
+            warnings.filterwarnings("ignore", message="Slicing a flattened dim")
+            return root[dims]
 
     def mesh(self, name: str) -> DeviceMesh | None:
-        """The sub-mesh `name` (pp, dp_replicate, dp_shard, cp, tp, dp, dp_shard_cp, dp_cp, root),
-        or None when that parallelism is off (degree 1)."""
+        """The sub-mesh `name` (pp, dp_replicate, dp_shard, cp, tp, ep, efsdp, dp, dp_shard_cp,
+        dp_cp, dp_cp_tp, root), or None when that parallelism is off (degree 1; `efsdp` exists
+        whenever ep > 1)."""
         return self._meshes.get(name)
 
     def dp_rank(self) -> int:

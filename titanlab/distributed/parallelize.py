@@ -1,13 +1,15 @@
 """`parallelize_model`: apply parallelisms and training features to a decoder from outside.
 
 The order is fixed and each step is a small `apply_*` helper taking the model, a mesh and its
-own config: tensor parallel → activation checkpointing → torch.compile → FSDP2/HSDP. The model
+own config: tensor parallel → expert parallel → activation checkpointing → torch.compile →
+FSDP2/HSDP/DDP. The model
 arrives on the meta device and leaves on the meta device; the caller materializes it afterwards
 with `to_empty` + `init_weights` (or a checkpoint load).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -23,13 +25,17 @@ from torch.distributed.fsdp import (
 
 from titanlab.config.job_config import JobConfig
 from titanlab.distributed.activation_checkpoint import apply_ac
+from titanlab.distributed.expert_parallel import apply_ep
 from titanlab.distributed.parallel_dims import ParallelDims
 from titanlab.distributed.tensor_parallel import apply_tp
+from titanlab.models.common.decoder import moe_layers
 
 if TYPE_CHECKING:
     from titanlab.models.common.decoder import Decoder
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+ROUTER_MP = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
+"""MoE routers keep fp32 weights under mixed precision (the router computes in fp32)."""
 
 
 def param_dtype(config: JobConfig, device: torch.device) -> torch.dtype:
@@ -43,8 +49,8 @@ def param_dtype(config: JobConfig, device: torch.device) -> torch.dtype:
 def parallelize_model(
     model: Decoder, parallel_dims: ParallelDims, config: JobConfig, device: torch.device
 ) -> Decoder:
-    """Apply, in order, TP → AC → compile → FSDP2/HSDP/DDP to `model` (the whole model, or one
-    pipeline stage of it) in place. Returns the same model object.
+    """Apply, in order, TP → EP → AC → compile → FSDP2/HSDP/DDP to `model` (the whole model, or
+    one pipeline stage of it) in place. Returns the same model object.
     """
     if parallel_dims.tp_enabled:
         f8 = config.float8
@@ -56,6 +62,10 @@ def parallelize_model(
             loss_parallel=not config.parallelism.disable_loss_parallel,
             float8_comm=f8.enable and f8.recipe_name == "tensorwise" and device.type == "cuda",
         )
+    if parallel_dims.ep_enabled:
+        ep_mesh = parallel_dims.mesh("ep")
+        assert ep_mesh is not None  # built whenever ep > 1
+        apply_ep(model, ep_mesh)
     apply_ac(
         model, config.activation_checkpoint.mode, config.activation_checkpoint.selective_ac_option
     )
@@ -81,19 +91,49 @@ def parallelize_model(
             reshard_after_forward=reshard_policy(
                 config.parallelism.fsdp_reshard_after_forward, pp_enabled=parallel_dims.pp_enabled
             ),
+            experts=expert_fsdp(parallel_dims, device),
         )
     return model
+
+
+def expert_fsdp(parallel_dims: ParallelDims, device: torch.device) -> ExpertSharding | None:
+    """How FSDP shards expert-parallel experts (None without ep): over efsdp, replicated over
+    dp_replicate under HSDP."""
+    if not parallel_dims.ep_enabled:
+        return None
+    efsdp = parallel_dims.mesh("efsdp")
+    assert efsdp is not None  # built whenever ep > 1
+    mesh = (
+        parallel_dims.root_slice("dp_replicate", "efsdp")
+        if parallel_dims.dp_replicate_enabled
+        else efsdp
+    )
+    # The dense gradients are averaged over every data-parallel rank (dp_replicate × dp_shard
+    # × cp); an expert's gradient already sums the tokens of its ep ranks (the all-to-all's
+    # backward), so FSDP must divide it by the same count, not by its own mesh's size.
+    dp_ranks = parallel_dims.dp_replicate * parallel_dims.dp_shard * parallel_dims.cp
+    # Without a reduce-scatter (efsdp of 1 rank) FSDP divides while copying, then again after
+    # the reduction when told to sum (torch 2.13): sum only when efsdp really reduce-scatters.
+    sum_reduce = device.type != "cuda" and efsdp.size() > 1
+    return ExpertSharding(mesh, float(dp_ranks), sum_reduce=sum_reduce)
+
+
+@dataclass
+class ExpertSharding:
+    """FSDP of expert-parallel experts: their own mesh and gradient divide factor."""
+
+    mesh: DeviceMesh
+    grad_divide_factor: float
+    sum_reduce: bool
+    """Reduce with SUM then divide (gloo has no PREMUL_SUM, which FSDP uses for a custom divide
+    factor)."""
 
 
 def fsdp_mesh(parallel_dims: ParallelDims) -> DeviceMesh:
     """The mesh FSDP shards over: 1D `dp_shard_cp`, or 2D (dp_replicate, dp_shard_cp) for HSDP
     (parameters replicated on dim 0, sharded on dim 1)."""
-    root = parallel_dims.mesh("root")
     if parallel_dims.dp_replicate_enabled:
-        assert root is not None  # set by build_mesh
-        shard_dims = [n for n in ("dp_shard", "cp") if parallel_dims.mesh(n) is not None]
-        inner = "dp_shard_cp" if len(shard_dims) > 1 else shard_dims[0]
-        return root["dp_replicate", inner]
+        return parallel_dims.root_slice("dp_replicate", "dp_shard_cp")
     mesh = parallel_dims.mesh("dp_shard_cp")
     assert mesh is not None
     return mesh
@@ -114,6 +154,8 @@ def apply_ddp(
     """
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     for block in model.layers.values():
+        for moe in moe_layers(block):
+            replicate(moe.router, mesh=dp_mesh, mp_policy=ROUTER_MP)
         replicate(block, mesh=dp_mesh, mp_policy=mp)
     replicate(model, mesh=dp_mesh, mp_policy=mp)
 
@@ -147,15 +189,36 @@ def apply_fsdp(
     cpu_offload: bool,
     pin_memory: bool,
     reshard_after_forward: bool,
+    experts: ExpertSharding | None = None,
 ) -> None:
     """FSDP2 `fully_shard` each block, the final norm + output together, then the root.
 
     The final norm and output run last in forward and first in backward, so they are never
     resharded after forward. With tied embeddings the shared weight stays with the root.
+    An MoE layer's router is its own group with fp32 weights (`ROUTER_MP`); expert-parallel
+    experts (`experts` given) are their own group on the expert mesh.
     """
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     offload = CPUOffloadPolicy(pin_memory=pin_memory) if cpu_offload else OffloadPolicy()
     for block in model.layers.values():
+        for moe in moe_layers(block):
+            fully_shard(
+                moe.router,
+                reshard_after_forward=reshard_after_forward,
+                mesh=mesh,
+                mp_policy=ROUTER_MP,
+                offload_policy=offload,
+            )
+            if experts is not None:
+                fully_shard(
+                    moe.experts,
+                    reshard_after_forward=reshard_after_forward,
+                    mesh=experts.mesh,
+                    mp_policy=mp,
+                    offload_policy=offload,
+                )
+                moe.experts.set_gradient_divide_factor(experts.grad_divide_factor)  # type: ignore[operator]
+                moe.experts.set_force_sum_reduction_for_comms(experts.sum_reduce)  # type: ignore[operator]
         fully_shard(
             block,
             reshard_after_forward=reshard_after_forward,

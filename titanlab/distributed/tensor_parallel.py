@@ -3,7 +3,7 @@
 Plan (Shoeybi et al. 2019, "Megatron-LM"; Korthikanti et al. 2022 for sequence parallel):
 - tok_embeddings: row-wise (vocab sharded); output sharded on the sequence dim for the norms.
 - each block: `titanlab.distributed.tp_plan.decoder_block_plan` (the per-head q/k norms
-  included when the model's args have them): attention wq/wk/wv and FFN w1/w3 column-wise (heads / hidden
+  included when the model's args have them; an MoE layer runs on each rank's local tokens): attention wq/wk/wv and FFN w1/w3 column-wise (heads / hidden
   units sharded), so attention runs on local heads; wo and w2 row-wise, their outputs
   reduce-scattered onto sequence shards; Qwen3's per-head q/k norms on the sharded heads dim.
 - attention_norm, ffn_norm, norm: sequence parallel (each rank normalizes its own tokens), so
@@ -39,6 +39,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from titanlab.distributed.tp_plan import decoder_block_plan
+from titanlab.models.common.decoder import moe_layers
 
 if TYPE_CHECKING:
     from torch.distributed.tensor.parallel import ParallelStyle
@@ -91,12 +92,20 @@ def apply_tp(
         parallelize_module(model, tp_mesh, top)
 
     colwise, rowwise, prepare_input = block_styles(float8_comm)
-    block_plan = decoder_block_plan(colwise, rowwise, prepare_input, qk_norm=model.args.qk_norm)
     # Between blocks (and between pipeline stages) activations are plain local (bs, seq/tp, dim)
     # tensors; the sequence-parallel norms read them as Shard(1).
     blocks = list(model.layers.values())
     for block in blocks:
-        parallelize_module(block, tp_mesh, block_plan)
+        moes = moe_layers(block)
+        plan = decoder_block_plan(
+            colwise,
+            rowwise,
+            prepare_input,
+            qk_norm=model.args.qk_norm,
+            moe=bool(moes),
+            shared_experts=bool(moes) and moes[0].shared_experts is not None,
+        )
+        parallelize_module(block, tp_mesh, plan)
     # Pipeline stages exchange plain tensors (this rank's sequence shard): convert at the edges.
     if blocks and model.tok_embeddings is None:
         parallelize_module(

@@ -7,22 +7,40 @@ reduce-scattered onto sequence shards; the block norms normalize each rank's own
 per-head q/k norms (Qwen3) see (bs, seq, local heads, head_dim): the heads dim (2) is the sharded
 one, their weight (head_dim,) is replicated, and their output goes back to a plain tensor for
 RoPE. `titanlab.distributed.tensor_parallel.apply_tp` applies this plan to every block.
+
+An MoE block's experts are not tensor-parallel: its MoE layer runs on each tp rank's own sequence
+shard (local tokens in, local outputs out, declared `Shard(1)` again), and expert parallel, whose
+ep ranks include the tp ranks, carries the tokens to their experts. The router's gate and the
+shared experts are replicated over tp and see each rank's tokens as a `Shard(0)` DTensor (torch's
+`SequenceParallel` on dim 0), so their weight gradients are summed over the tp ranks like the
+norms'.
 """
 
 from __future__ import annotations
 
 from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.parallel import ParallelStyle, SequenceParallel
+from torch.distributed.tensor.parallel import (
+    ParallelStyle,
+    PrepareModuleInputOutput,
+    SequenceParallel,
+)
 
 
 def decoder_block_plan(
-    colwise: type, rowwise: type, prepare_input: type, *, qk_norm: bool
+    colwise: type,
+    rowwise: type,
+    prepare_input: type,
+    *,
+    qk_norm: bool,
+    moe: bool = False,
+    shared_experts: bool = False,
 ) -> dict[str, ParallelStyle]:
     """Module path within a block → parallel style.
 
     Args:
         colwise, rowwise, prepare_input: the style classes (torch's, or torchao's float8 ones).
         qk_norm: the block's attention has `q_norm` / `k_norm`.
+        moe: the block's `feed_forward` is an MoE layer; `shared_experts`: it has shared experts.
     """
     plan: dict[str, ParallelStyle] = {
         "attention_norm": SequenceParallel(),
@@ -42,6 +60,22 @@ def decoder_block_plan(
         "feed_forward.w3": colwise(),
         "feed_forward.w2": rowwise(output_layouts=Shard(1), use_local_output=False),
     }
+    if moe:
+        for name in ("feed_forward", "feed_forward.w1", "feed_forward.w3", "feed_forward.w2"):
+            del plan[name]
+        plan["feed_forward"] = PrepareModuleInputOutput(
+            input_layouts=(Shard(1),),
+            desired_input_layouts=(Shard(1),),
+            use_local_input=True,
+            output_layouts=(Shard(1),),
+            desired_output_layouts=(Shard(1),),
+            use_local_output=False,
+        )
+        plan["feed_forward.router.gate"] = SequenceParallel(sequence_dim=0, use_local_output=True)
+        if shared_experts:
+            plan["feed_forward.shared_experts"] = SequenceParallel(
+                sequence_dim=0, use_local_output=True
+            )
     if qk_norm:
         for name in ("attention.q_norm", "attention.k_norm"):
             plan[name] = SequenceParallel(sequence_dim=2, use_local_output=True)

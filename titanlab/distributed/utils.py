@@ -14,21 +14,30 @@ def clip_grad_norm_(
 ) -> torch.Tensor:
     """Clip gradients in place to a global L2 norm of at most `max_norm`; return the norm.
 
-    The norm covers every shard of every parameter: DTensor gradients (FSDP, TP) are reduced
-    over their own mesh by `full_tensor()`, and under pipeline parallel the squared norms of the
+    The norm covers every shard of every parameter: DTensor gradients (FSDP, TP, EP) are reduced
+    over their own mesh by `full_tensor()` (one norm per mesh: expert-parallel experts live on
+    another mesh than the dense weights), and under pipeline parallel the squared norms of the
     stages are summed over `pp_mesh`. `max_norm <= 0` only measures. Returns a 0-dim float32
     tensor on the gradients' device (the same value on every rank).
     """
-    grads = [p.grad for p in parameters if p.grad is not None]
-    total = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
-    if isinstance(total, DTensor):
-        total = total.full_tensor()
+    by_mesh: dict[object, list[torch.nn.Parameter]] = {}
+    for p in parameters:
+        if p.grad is not None:
+            key = p.grad.device_mesh if isinstance(p.grad, DTensor) else None
+            by_mesh.setdefault(key, []).append(p)
+    norms = []
+    for params in by_mesh.values() or [[]]:
+        grads = [p.grad for p in params if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
+        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    total = norms[0] if len(norms) == 1 else torch.stack([n.float() for n in norms]).norm()
     if pp_mesh is not None:
         total = total.float() ** 2
         dist.all_reduce(total, op=dist.ReduceOp.SUM, group=pp_mesh.get_group())
         total = total.sqrt()
-    if max_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total, foreach=True)
+    if max_norm > 0:  # foreach ops take the DTensors of one mesh at a time
+        for params in by_mesh.values():
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=True)
     return total.float()
 
 

@@ -15,12 +15,7 @@ def validate_layout(config: JobConfig, dims: ParallelDims, model_args, device_ty
     """Raise ConfigError for the first rule `config` breaks on this layout and device."""
     t = config.training
     heads, kv_heads = model_args.n_heads, model_args.kv_heads
-    if dims.tp > 1 and getattr(model_args, "moe_layer", None) is not None:
-        raise ConfigError(
-            f"parallelism.tensor_parallel_degree={dims.tp}: tensor parallel of MoE models "
-            f"(model.name={config.model.name}) is not supported yet (the MoE layers have no "
-            "TP plan); use tensor_parallel_degree=1 with FSDP, HSDP or DDP"
-        )
+    _validate_experts(config, dims, model_args)
     c = config.compile
     if c.enable and "model" in c.components and getattr(model_args, "moe_layer", None):
         raise ConfigError(
@@ -112,4 +107,34 @@ def _validate_pipeline(config: JobConfig, dims: ParallelDims, model_args) -> Non
         raise ConfigError(
             f"{name} with FSDP and fsdp_reshard_after_forward=always gives wrong "
             "gradients in torch 2.13; use 'default' (no resharding under pipeline parallel)"
+        )
+
+
+def _moe_args(model_args):
+    """The MoEArgs of the model's first MoE layer, or None for a dense model."""
+    moe_layer = getattr(model_args, "moe_layer", None)
+    if moe_layer is None:
+        return None
+    return next((a for i in range(model_args.n_layers) if (a := moe_layer(i)) is not None), None)
+
+
+def _validate_experts(config: JobConfig, dims: ParallelDims, model_args) -> None:
+    moe = _moe_args(model_args)
+    if dims.ep > 1 and moe is None:
+        raise ConfigError(
+            f"parallelism.expert_parallel_degree={dims.ep} needs an MoE model; "
+            f"model.name={config.model.name} has no experts (use expert_parallel_degree=1)"
+        )
+    if moe is None:
+        return
+    if moe.num_experts % dims.ep:
+        raise ConfigError(
+            f"parallelism.expert_parallel_degree={dims.ep} must divide the number of experts "
+            f"({moe.num_experts}) of {config.model.flavor}"
+        )
+    if dims.tp > 1 and dims.ep % dims.tp:
+        raise ConfigError(
+            f"parallelism.tensor_parallel_degree={dims.tp} with an MoE model needs "
+            f"expert_parallel_degree a multiple of tp (got {dims.ep}): the experts are not "
+            "tensor-parallel, each tp rank's tokens reach their experts by all-to-all over ep"
         )

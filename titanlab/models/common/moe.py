@@ -104,7 +104,9 @@ class Router(nn.Module):
         """x_td: (tokens, dim). Returns (weights (tokens, k) fp32, experts (tokens, k) int64,
         scores (tokens, num_experts) fp32 of every expert, for the load-balance loss)."""
         with torch.autocast(x_td.device.type, enabled=False):  # fp32 even under autocast
-            logits = F.linear(x_td.float(), self.gate.weight.float())  # (tokens, E)
+            # The gate weight is fp32 (mixed precision keeps it so): a module call, so that a
+            # parallel style applied from outside can wrap it.
+            logits = self.gate(x_td.float())  # (tokens, E)
         scores = logits.softmax(-1) if self.args.score_func == "softmax" else logits.sigmoid()
         choose = scores if expert_bias is None else scores + expert_bias
         experts = choose.topk(self.args.top_k, dim=-1).indices  # (tokens, k)
@@ -114,9 +116,21 @@ class Router(nn.Module):
         return weights * self.args.route_scale, experts, scores
 
 
+def _local(w: torch.Tensor) -> torch.Tensor:
+    """The rank-local block of a weight that a parallelism applied from outside has wrapped in a
+    sharded tensor subclass (a DTensor's `to_local()`: under expert parallel, the experts this
+    rank holds), else the weight itself."""
+    to_local = getattr(w, "to_local", None)
+    return to_local() if to_local is not None else w
+
+
 class GroupedExperts(nn.Module):
     """`num_experts` SwiGLU experts with stacked weights: w1, w3 (E, hidden, dim), w2 (E, dim,
-    hidden); expert e computes w2[e](silu(w1[e] x) * w3[e] x) like `FeedForward`."""
+    hidden); expert e computes w2[e](silu(w1[e] x) * w3[e] x) like `FeedForward`.
+
+    Under expert parallel (applied from outside) the weights hold a block of E/ep experts and
+    `forward` receives the slots of those experts only, with their counts.
+    """
 
     def __init__(self, dim: int, hidden_dim: int, num_experts: int):
         super().__init__()
@@ -134,19 +148,20 @@ class GroupedExperts(nn.Module):
     def forward(self, x_td: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x_td: (tokens, dim) sorted by expert, `counts[e]` tokens for expert e (int64, sums to
         tokens). Returns (tokens, dim) in the same order."""
+        w1, w2, w3 = _local(self.w1), _local(self.w2), _local(self.w3)
         grouped = self.use_grouped_mm
         if grouped is None:
             grouped = grouped_mm_supported(x_td)
         if grouped:
             offs = counts.cumsum(0).to(torch.int32)
-            h = F.silu(torch._grouped_mm(x_td, self.w1.transpose(-2, -1), offs=offs))
-            h = h * torch._grouped_mm(x_td, self.w3.transpose(-2, -1), offs=offs)
-            return torch._grouped_mm(h, self.w2.transpose(-2, -1), offs=offs)
+            h = F.silu(torch._grouped_mm(x_td, w1.transpose(-2, -1), offs=offs))
+            h = h * torch._grouped_mm(x_td, w3.transpose(-2, -1), offs=offs)
+            return torch._grouped_mm(h, w2.transpose(-2, -1), offs=offs)
         outs = []
         for e, x in enumerate(torch.split(x_td, counts.tolist())):
-            h = F.silu(x @ self.w1[e].t()) * (x @ self.w3[e].t())
-            outs.append(h @ self.w2[e].t())
-        return torch.cat(outs) if outs else x_td.new_zeros(0, self.w2.shape[1])
+            h = F.silu(x @ w1[e].t()) * (x @ w3[e].t())
+            outs.append(h @ w2[e].t())
+        return torch.cat(outs) if outs else x_td.new_zeros(0, w2.shape[1])
 
 
 def _in_backward() -> bool:

@@ -39,20 +39,26 @@ def test_sparse_step_and_dense_layers_follow_hf_rule():
     assert len(moe_layers(model)) == 2
 
 
-def test_compiling_moe_blocks_and_tp_are_refused_with_one_line():
+def test_moe_layouts_that_cannot_run_are_refused_with_one_line():
     from titanlab import components
     from titanlab.config.job_config import ConfigError
     from titanlab.config.manager import build_config
     from titanlab.distributed.parallel_dims import ParallelDims
     from titanlab.distributed.validate import validate_layout
 
-    for argv, message in (
-        (["--compile.enable", "true"], "compiling the blocks of an MoE model"),
-        (["--parallelism.tensor_parallel_degree", "2"], "tensor parallel of MoE models"),
+    for world, argv, message in (
+        (2, ["--compile.enable", "true"], "compiling the blocks of an MoE model"),
+        (2, ["--parallelism.tensor_parallel_degree", "2"], "expert_parallel_degree a multiple of tp"),
+        (6, ["--parallelism.expert_parallel_degree", "3"], "must divide the number of experts"),
+        (
+            2,
+            ["--model.name", "llama3", "--parallelism.expert_parallel_degree", "2"],
+            "needs an MoE model",
+        ),
     ):
         config = build_config(["--model.name", "qwen3_moe", "--training.seq_len", "64", *argv])
         args = components.build_model_args(config, 300)
-        dims = ParallelDims.from_config(config.parallelism, 2)
+        dims = ParallelDims.from_config(config.parallelism, world)
         with pytest.raises(ConfigError, match=message) as e:
             validate_layout(config, dims, args, "cpu")
         assert "\n" not in str(e.value)

@@ -1,0 +1,114 @@
+"""Expert parallel (ep): each MoE layer's routed experts split over the ep ranks, every token slot
+sent to the rank that holds its expert by all-to-all and its output sent back.
+
+Applied from outside the model, like tensor parallel, as a `ParallelStyle` on each MoE layer's
+`experts` module (`titanlab.models.common.moe.GroupedExperts`):
+
+- the stacked weights w1, w2, w3 (E, out, in) become DTensors `Shard(0)` over ep, so ep rank i
+  holds experts [i·E/ep, (i+1)·E/ep) and a checkpoint holds the global (E, out, in) tensors
+  (it loads into any ep degree);
+- dispatch, before the experts run: the MoE layer hands over its token slots sorted by expert
+  with the per-expert counts (E,). The counts go first (`all_to_all_single`, E/ep to each peer),
+  so every rank knows how many slots it sends and receives; then the slots themselves with
+  those split sizes (`all_to_all_single_autograd`, whose backward is the reverse exchange).
+  Received slots arrive grouped by source rank, then local expert; a permutation regroups them
+  by local expert, then source rank, the order the grouped experts need;
+- combine, after: the inverse permutation and the reverse all-to-all hand every slot's output
+  back to the rank and position it came from, so the MoE layer weights and sums them as on one
+  rank. No slot is dropped.
+
+The dispatch/combine pattern is GShard's (Lepikhin et al. 2020, "GShard: Scaling Giant Models
+with Conditional Computation and Automatic Sharding", section 2.2); the ParallelStyle hooks are
+torch's `distribute_module` (torch.distributed.tensor documentation).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed._functional_collectives import all_to_all_single_autograd
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
+
+from titanlab.models.common.decoder import moe_layers
+
+
+@dataclass
+class _Exchange:
+    """How one forward's slots were exchanged, kept for the combine."""
+
+    send_splits: list[int]
+    """Slots this rank sent to each ep peer."""
+    recv_splits: list[int]
+    """Slots this rank received from each ep peer."""
+    order: torch.Tensor
+    """(received slots,) int64: received position of the i-th slot in local-expert order."""
+
+
+class ExpertParallel(ParallelStyle):
+    """Shard a `GroupedExperts` module's experts over a 1-D ep mesh and route its inputs.
+
+    The module's forward takes (x (slots, dim) sorted by expert, counts (E,) int64) and returns
+    (slots, dim) in the same order; under this style it runs on the slots of its E/ep experts
+    gathered from every ep rank. E must be divisible by the ep degree.
+    """
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        # torch annotates the hook functions as returning None; their results replace the
+        # module's inputs and outputs.
+        return distribute_module(
+            module,
+            device_mesh,
+            partition_fn=_shard_experts,
+            input_fn=_dispatch,  # type: ignore[arg-type]
+            output_fn=_combine,  # type: ignore[arg-type]
+        )
+
+
+def _shard_experts(name: str, module: nn.Module, mesh: DeviceMesh) -> None:
+    for pname, param in list(module.named_parameters(recurse=False)):
+        sharded = nn.Parameter(distribute_tensor(param, mesh, [Shard(0)]), param.requires_grad)
+        module.register_parameter(pname, sharded)
+
+
+def _dispatch(module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
+    x, counts = inputs
+    ep, group = mesh.size(), mesh.get_group()
+    local_experts = counts.numel() // ep
+    recv_counts = torch.empty_like(counts)
+    dist.all_to_all_single(recv_counts, counts, group=group)  # [source rank][local expert]
+    per_peer = recv_counts.view(ep, local_experts)
+    send_splits = counts.view(ep, local_experts).sum(1).tolist()
+    recv_splits = per_peer.sum(1).tolist()
+    received = all_to_all_single_autograd(x, recv_splits, send_splits, group)
+    # Segment (source s, expert e) of the received slots sorts to position e·ep + s.
+    segment_key = torch.arange(ep * local_experts, device=counts.device).view(ep, local_experts)
+    segment_key = (segment_key % local_experts) * ep + segment_key // local_experts
+    key = torch.repeat_interleave(segment_key.flatten(), per_peer.flatten())
+    order = key.argsort(stable=True)
+    module._ep_exchange = _Exchange(send_splits, recv_splits, order)  # type: ignore[assignment]
+    return received[order], per_peer.sum(0)
+
+
+def _combine(module: nn.Module, out: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    ex: _Exchange = module._ep_exchange  # type: ignore[assignment]
+    del module._ep_exchange
+    back = torch.empty_like(ex.order).scatter_(
+        0, ex.order, torch.arange(ex.order.numel(), device=ex.order.device)
+    )
+    return all_to_all_single_autograd(out[back], ex.send_splits, ex.recv_splits, mesh.get_group())
+
+
+def apply_ep(model: nn.Module, ep_mesh: DeviceMesh) -> None:
+    """Shard the routed experts of every MoE layer of `model` (a decoder or a pipeline stage)
+    over `ep_mesh` in place. Raises ValueError when the expert count is not divisible by ep."""
+    for moe in moe_layers(model):
+        if moe.args.num_experts % ep_mesh.size():
+            raise ValueError(
+                f"num_experts={moe.args.num_experts} is not divisible by ep={ep_mesh.size()}"
+            )
+        parallelize_module(moe.experts, ep_mesh, ExpertParallel())
