@@ -48,7 +48,11 @@ def test_moe_layouts_that_cannot_run_are_refused_with_one_line():
 
     for world, argv, message in (
         (2, ["--compile.enable", "true"], "compiling the blocks of an MoE model"),
-        (2, ["--parallelism.tensor_parallel_degree", "2"], "expert_parallel_degree a multiple of tp"),
+        (
+            2,
+            ["--parallelism.tensor_parallel_degree", "2"],
+            "expert_parallel_degree a multiple of tp",
+        ),
         (6, ["--parallelism.expert_parallel_degree", "3"], "must divide the number of experts"),
         (
             2,
