@@ -10,7 +10,7 @@ CONFIG ?= train_configs/debug_model.toml
 PYTEST_ARGS ?=
 TESTS ?= tests
 
-.PHONY: train test setup clean check format benchmark test-parity-full
+.PHONY: train test setup clean check lint format benchmark test-parity-full
 
 setup: $(VENV)/.installed
 
@@ -32,11 +32,14 @@ train: setup
 test: setup
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -rs --durations=10 --cov=titanlab --cov-report=term:skip-covered $(PYTEST_ARGS) $(TESTS)
 
-# Quality gates: lint, format check, types, then the unit tests (CI runs this before `make test`).
-check: setup
+# Quality gates: lint, format check and types (CI runs `make lint` before `make test`, which
+# runs the unit tests with the rest); `make check` adds the unit tests alone, for a quick local run.
+lint: setup
 	$(PY) -m ruff check titanlab tools tests
 	$(PY) -m ruff format --check titanlab tools tests
 	$(PY) -m mypy
+
+check: lint
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -x tests/unit
 
 format: setup
@@ -48,10 +51,11 @@ benchmark: setup
 	OMP_NUM_THREADS=1 $(PY) tools/benchmark.py --matrix quick
 
 # Every valid layout of 1, 2, 4, 8 ranks against 1 process (the table goes to
-# docs/parallelism.md), then every MoE balancing × layout case.
+# docs/parallelism.md), then every MoE balancing × layout case (expert parallel included) and
+# the compile cases CI leaves out.
 test-parity-full: setup
 	OMP_NUM_THREADS=1 $(PY) tools/parity_matrix.py
-	OMP_NUM_THREADS=1 TITANLAB_PARITY_FULL=1 $(PY) -m pytest -q -rs tests/integration/test_qwen3_moe.py
+	OMP_NUM_THREADS=1 TITANLAB_PARITY_FULL=1 $(PY) -m pytest -q -rs tests/integration/test_qwen3_moe.py tests/integration/test_compile.py
 
 clean:
 	rm -rf $(VENV) outputs .pytest_cache

@@ -4,7 +4,12 @@ Per-rank bytes, predicted from the config and world size without allocating anyt
 - parameters (fp32 master weights), gradients (fp32) and AdamW state (two fp32 moments), each
   divided by the number of ranks that shard them (dp_shard × cp × tp × pp);
 - under FSDP, the gathered parameters of the two blocks in flight (current + prefetched) in
-  the compute dtype;
+  the compute dtype; under expert parallel a rank gathers only its num_experts / ep experts
+  (the expert weights are sharded over ep × efsdp = dp_shard × cp × tp ranks, as many as the
+  dense ones);
+- under expert parallel, the all-to-all buffers each MoE layer keeps for backward: the token
+  slots received from the ep peers and their copy regrouped by expert (tokens × top_k × dim
+  each, balanced loads assumed);
 - activations kept for backward by the blocks, for the chosen activation-checkpointing mode,
   measured by tracing the real model code on fake tensors (`titanlab.activation_memory`); under
   full or per-layer AC, one block's activations are recomputed at a time in backward;
@@ -44,6 +49,7 @@ class MemoryEstimate:
     activations: int
     logits: int
     overhead: int
+    a2a_buffers: int = 0
     recompute: int = 0  # one block's activations, recomputed in backward under full/per-layer AC
     grads_during_forward: bool = False  # gradient accumulation keeps them through forwards
 
@@ -53,6 +59,7 @@ class MemoryEstimate:
         # The logits' gradients are freed before the last block is recomputed: never both at once.
         backward = (
             self.activations
+            + self.a2a_buffers
             + max(self.logits, self.recompute)
             + (self.grads if self.grads_during_forward else 0)
         )
@@ -71,6 +78,7 @@ class MemoryEstimate:
                 "optimizer",
                 "gathered_params",
                 "activations",
+                "a2a_buffers",
                 "logits",
                 "overhead",
             )
@@ -90,13 +98,12 @@ def estimate_memory(
         bytes per rank by category; `total` is the predicted peak including overhead.
     """
     from titanlab.activation_memory import trace_activation_bytes
-    from titanlab.models.common.decoder import count_params
+    from titanlab.models.common.decoder import count_params, moe_layers
     from titanlab.models.registry import build_model
 
     with torch.device("meta"):
         model = build_model(model_args)
     n_params = count_params(model)
-    block_params = count_params(cast(nn.ModuleDict, model.layers)["0"])
     p = config.parallelism
     tp, pp, cp = p.tensor_parallel_degree, p.pipeline_parallel_degree, p.context_parallel_degree
     dp_shard = p.data_parallel_shard_degree
@@ -126,16 +133,32 @@ def estimate_memory(
         acts = layers * block["none"]
     logits_grads = 2 * b * s_local * model_args.vocab_size * 4
     dp = world_size // (tp * pp * cp)
+    ep = p.expert_parallel_degree
+    moes = moe_layers(model)
+
+    def gathered(block: nn.Module) -> int:
+        """A block's weights gathered by FSDP: the dense ones tp-sharded, the experts (not
+        tensor-parallel) all of them, or this rank's num_experts / ep under expert parallel."""
+        experts = sum(count_params(m.experts) for m in moe_layers(block))
+        return (count_params(block) - experts) // tp + experts // ep
+
+    gathered_block = max(gathered(block) for block in cast(nn.ModuleDict, model.layers).values())
+    a2a = 0
+    if moes and ep > 1:
+        tokens = b * s_local // tp  # an MoE layer under TP routes its rank's sequence shard
+        per_layer = 2 * tokens * moes[0].args.top_k * model_args.dim * elem
+        a2a = per_layer * len(moes) // pp
     accumulating = config.training.global_batch_size > max(dp, 1) * b  # -1: no accumulation
     on_gpu = torch.cuda.is_available()
     return MemoryEstimate(
         params=4 * n_params // shard,
         grads=4 * n_params // shard,
         optimizer=8 * n_params // shard,
-        gathered_params=2 * block_params * elem // tp if dp_shard * cp > 1 else 0,
+        gathered_params=2 * gathered_block * elem if dp_shard * cp > 1 else 0,
         activations=acts,
         logits=(traced.head + logits_grads) // tp,
         overhead=(2 if on_gpu else 1) * GIB // 2,
+        a2a_buffers=a2a,
         recompute=block["none"]
         if mode == "full" or (mode == "selective" and option != "op")
         else 0,

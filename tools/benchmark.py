@@ -250,10 +250,16 @@ def failure(log: str) -> str:
 
 
 def run_trainer(
-    run: Run, steps: int, warmup: int, threads: int, data_dir: str, model: str = DEFAULT_FAMILY
+    run: Run,
+    steps: int,
+    warmup: int,
+    threads: int,
+    data_dir: str,
+    model: str = DEFAULT_FAMILY,
+    extra: tuple[str, ...] = (),
 ) -> Result:
-    """Train `warmup + steps` steps of `model`'s debugmodel under torchrun; summarize rank 0's
-    metrics.jsonl."""
+    """Train `warmup + steps` steps of `model`'s debugmodel (plus `extra` options) under
+    torchrun; summarize rank 0's metrics.jsonl."""
     local = GLOBAL_BS // run.ranks
     threads = threads if run.ranks == 1 else 1
     with tempfile.TemporaryDirectory(prefix="titanlab_bench_") as dump:
@@ -295,6 +301,7 @@ def run_trainer(
             "bfloat16" if run.precision == "bf16" else "float32",
             "--training.mixed_precision_on_cpu",
             str(run.precision == "bf16").lower(),
+            *extra,
         ]
         env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1")
         proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)

@@ -75,13 +75,37 @@ class Outcome:
         )
 
 
-def _base_config():
+def _base_config(extra: list[str] | tuple[str, ...] = ()):
     from titanlab import components
     from titanlab.config.manager import build_config
 
-    config = build_config(BASE_ARGS)
+    config = build_config([*BASE_ARGS, *extra])
     tokenizer = components.build_tokenizer(config)
     return config, components.build_model_args(config, tokenizer.vocab_size)
+
+
+def valid_layouts(
+    world_sizes=WORLD_SIZES,
+    extra: list[str] | tuple[str, ...] = (),
+    device_type: str = "cpu",
+    **enumerate_options,
+) -> list[Layout]:
+    """The layouts of `world_sizes` the trainer accepts for the base run plus `extra` options
+    (e.g. an MoE model: `with_ep=True` then adds every expert-parallel degree)."""
+    config, model_args = _base_config(extra)
+    return [
+        lay
+        for ws in world_sizes
+        for lay in enumerate_layouts(ws, **enumerate_options)
+        if check_layout(config, lay, GLOBAL_BATCH, model_args, device_type) is None
+    ]
+
+
+def global_microbatches(layout: Layout) -> int:
+    """Forward passes per rank per step (accumulation steps × pipeline microbatches of 1
+    sample): the global microbatches a per-microbatch statistic is taken over."""
+    local = layout.local_batch_size(GLOBAL_BATCH) or 1
+    return layout.grad_accum * (local if layout.pp > 1 else 1)
 
 
 def matrix(world_sizes=WORLD_SIZES, device_type: str = "cpu") -> list[tuple[Layout, str | None]]:
@@ -132,7 +156,8 @@ def prepare_reference(
     """(dataset, seed checkpoint, 1-process losses) under `root`, made once and reused; `extra`
     options (e.g. `--model.name qwen3`) go to both runs and must go to every layout's too. The
     reference splits the global batch into `microbatches` accumulation steps (for statistics
-    taken per global microbatch, like an MoE load-balance loss)."""
+    taken per global microbatch, like an MoE load-balance loss); each count has its own reference
+    run (`reference`, `reference-mb<N>`) next to the one seed checkpoint."""
     if dataset is None:
         dataset = os.path.join(root, "data")
         if not os.path.exists(os.path.join(dataset, "metadata.json")):
@@ -164,7 +189,7 @@ def prepare_reference(
                 ],
             )
         )
-    ref = os.path.join(root, "reference")
+    ref = os.path.join(root, "reference" if microbatches == 1 else f"reference-mb{microbatches}")
     if not os.path.exists(os.path.join(ref, "metrics.jsonl")):
         _check(
             launch(

@@ -1,6 +1,9 @@
 """torch.compile (per block, fullgraph) trains to the eager losses under FSDP 2, FSDP 2 × TP 2
 and PP 2 × FSDP 2, and for Qwen3 (q/k norms sharded on heads) under FSDP 2 × TP 2 with
-selective activation checkpointing."""
+selective activation checkpointing. CI leaves out the Llama FSDP 2 × TP 2 case, which the Qwen3
+one contains (`make test-parity-full`, TITANLAB_PARITY_FULL=1, runs it)."""
+
+import os
 
 import pytest
 
@@ -13,7 +16,15 @@ COMMON = ["--training.steps", "5", "--checkpoint.enable", "false"]
     "nproc, local_batch, extra",
     [
         (2, 2, []),
-        (4, 4, ["--parallelism.tensor_parallel_degree", "2"]),
+        pytest.param(
+            4,
+            4,
+            ["--parallelism.tensor_parallel_degree", "2"],
+            marks=pytest.mark.skipif(
+                os.environ.get("TITANLAB_PARITY_FULL") != "1",
+                reason="in the Qwen3 FSDP 2 × TP 2 case; make test-parity-full runs it",
+            ),
+        ),
         (4, 4, ["--parallelism.pipeline_parallel_degree", "2"]),
         (
             4,

@@ -1,7 +1,15 @@
-"""Qwen3-MoE under data and pipeline parallelism equals one process, from one seed checkpoint,
-fp32, 5 steps, within 1e-5: with the load-balance loss, and separately with the
+"""Qwen3-MoE under data, tensor, pipeline and expert parallelism equals one process, from one
+seed checkpoint, fp32, 5 steps, within 1e-5: with the load-balance loss, and separately with the
 auxiliary-loss-free expert bias (whose values after 5 steps are equal too). The debug MoE config
-trains through run_train.sh with expert-load lines in its log.
+trains with EP 2 through run_train.sh with expert-load lines in its log, resumes exactly, and
+one checkpoint reshards EP 2 → EP 1 → EP 2 × FSDP 2 with equal losses.
+
+The cases are generated: every layout of 2 and 4 ranks (1F1B when pipelined, with and without
+gradient accumulation, every expert-parallel degree) that the trainer's validator accepts for the
+MoE model. CI runs, for the aux loss, the layouts the issue names (EP 2, EP 4, EP 2 × FSDP 2,
+EP 2 × TP 2, EP 2 × PP 2, EP 2 with accumulation) plus a pairwise cover of the expert-parallel
+rest, and for the expert bias those of the named ones with EP 4, pipelining or accumulation; `make test-parity-full` (TITANLAB_PARITY_FULL=1) runs every accepted layout of 2
+and 4 ranks, every pipeline schedule included, in both modes.
 
 The load-balance loss is a statistic of each global microbatch (the ranks' k-th microbatches
 together), so a layout that accumulates gradients or pipelines microbatches is compared with a
@@ -11,6 +19,7 @@ total counts only: every layout is compared with the undivided run.
 
 import json
 import os
+import shutil
 import subprocess
 
 import pytest
@@ -18,7 +27,7 @@ import torch
 
 from conftest import REPO
 from titanlab.checkpoint.convert import DcpModelReader
-from titanlab.distributed.layouts import Layout
+from titanlab.distributed.layouts import SCHEDULES, pairwise_subset
 from tools import parity_matrix
 
 BALANCING = {
@@ -26,52 +35,66 @@ BALANCING = {
     "aux_loss": ["--model.moe_load_balance_coeff", "0.1", "--model.moe_bias_update_speed", "0"],
     "expert_bias": ["--model.moe_load_balance_coeff", "0", "--model.moe_bias_update_speed", "0.01"],
 }
-# layout, global microbatches per step (pipeline microbatches are 1 sample)
-LAYOUTS = {
-    "fsdp2": (Layout(1, 2, 1, 1, None, 1), 1),
-    "ddp2": (Layout(2, 1, 1, 1, None, 1), 1),
-    "hsdp2x2": (Layout(2, 2, 1, 1, None, 1), 1),
-    "fsdp2-ga2": (Layout(1, 2, 1, 1, None, 2), 2),
-    "pp2": (Layout(1, 1, 1, 2, "1F1B", 1), 8),
-    "fsdp2-pp2": (Layout(1, 2, 1, 2, "1F1B", 1), 4),
-}
-ALL_CASES = [
-    (b, n)
-    for b in BALANCING
-    for n in LAYOUTS
-    if b == "aux_loss" or n in ("fsdp2", "fsdp2-ga2", "fsdp2-pp2")
-]
-# CI: each balancing mode meets sharding, replication, accumulation and pipelining once (HSDP
-# is replicate × shard); `make test-parity-full` (TITANLAB_PARITY_FULL=1) runs every case.
-CI_CASES = [
-    ("aux_loss", "hsdp2x2"),
-    ("aux_loss", "fsdp2-ga2"),
-    ("aux_loss", "fsdp2-pp2"),
-    ("expert_bias", "fsdp2-ga2"),
-    ("expert_bias", "fsdp2-pp2"),
-]
-CASES = ALL_CASES if os.environ.get("TITANLAB_PARITY_FULL") == "1" else CI_CASES
+FULL = os.environ.get("TITANLAB_PARITY_FULL") == "1"
+# The layouts the issue names, as feature sets; each picks the smallest layout that has them.
+NAMED = tuple(
+    map(
+        frozenset,
+        [
+            {"ep", "fsdp"},
+            {"ep4"},
+            {"ep", "efsdp"},
+            {"ep", "tp"},
+            {"ep", "pp:1F1B"},
+            {"ep", "grad_accum"},
+        ],
+    )
+)
 
 
 def moe_options(mode: str) -> list[str]:
     return ["--model.name", "qwen3_moe", *BALANCING[mode]]
 
 
+def _cases() -> list[tuple[str, parity_matrix.Layout]]:
+    schedules = SCHEDULES if FULL else ("1F1B",)
+    pool = parity_matrix.valid_layouts(
+        (2, 4), moe_options("aux_loss"), with_ep=True, schedules=schedules
+    )
+    if FULL:
+        return [(mode, lay) for mode in BALANCING for lay in pool]
+    named = list(
+        dict.fromkeys(
+            min(
+                (lay for lay in pool if need <= lay.tags),
+                key=lambda lay: (lay.world_size, len(lay.features)),
+            )
+            for need in NAMED
+        )
+    )
+    cover = pairwise_subset([lay for lay in pool if lay.ep > 1], must=NAMED)
+    # The bias depends on the step's total counts only: EP 4, EP × TP × PP and accumulation.
+    bias = [lay for lay in named if lay.features & {"ep4", "pp:1F1B", "grad_accum"}]
+    return [("aux_loss", lay) for lay in cover] + [("expert_bias", lay) for lay in bias]
+
+
+CASES = _cases()
+
+
 @pytest.fixture(scope="module")
 def reference(tiny_dataset, tmp_path_factory):
-    """(mode, microbatches) -> (dataset, seed, 1-process losses, root), made on first use."""
-    made: dict = {}
+    """(mode, microbatches) -> (dataset, seed, 1-process losses, root); one seed checkpoint per
+    balancing mode, one reference run per microbatch count, made on first use."""
+    roots: dict[str, str] = {}
 
     def get(mode: str, microbatches: int):
-        if (mode, microbatches) not in made:
-            root = str(tmp_path_factory.mktemp(f"moe_{mode}_mb{microbatches}"))
-            made[mode, microbatches] = (
-                *parity_matrix.prepare_reference(
-                    root, tiny_dataset, extra=moe_options(mode), microbatches=microbatches
-                ),
-                root,
-            )
-        return made[mode, microbatches]
+        if mode not in roots:
+            roots[mode] = str(tmp_path_factory.mktemp(f"moe_{mode}"))
+        root = roots[mode]
+        prepared = parity_matrix.prepare_reference(
+            root, tiny_dataset, extra=moe_options(mode), microbatches=microbatches
+        )
+        return (*prepared, root)
 
     return get
 
@@ -81,14 +104,14 @@ def _biases(dump: str) -> dict[str, torch.Tensor]:
     return {k: reader.load(k) for k in reader.tensors if k.endswith("expert_bias")}
 
 
-@pytest.mark.parametrize("mode, name", CASES, ids=[f"{b}-{n}" for b, n in CASES])
-def test_moe_layout_matches_single_process(mode, name, reference):
-    layout, microbatches = LAYOUTS[name]
-    dataset, seed, losses, root = reference(mode, microbatches if mode == "aux_loss" else 1)
+@pytest.mark.parametrize("mode, layout", CASES, ids=[f"{m}-{lay.name}" for m, lay in CASES])
+def test_moe_layout_matches_single_process(mode, layout, reference):
+    microbatches = parity_matrix.global_microbatches(layout) if mode == "aux_loss" else 1
+    dataset, seed, losses, root = reference(mode, microbatches)
     outcome = parity_matrix.run_layout(layout, dataset, seed, losses, root, extra=moe_options(mode))
     assert outcome.error is None, outcome.error
-    print(f"qwen3_moe {mode} {name}: worst |Δloss| {outcome.max_abs_diff:.3g}")
-    assert outcome.max_abs_diff <= parity_matrix.TOLERANCE, (name, outcome.max_abs_diff)
+    print(f"qwen3_moe {mode} {layout.name}: worst |Δloss| {outcome.max_abs_diff:.3g}")
+    assert outcome.max_abs_diff <= parity_matrix.TOLERANCE, (layout.name, outcome.max_abs_diff)
     assert losses[parity_matrix.STEPS] < losses[1]
     if mode == "expert_bias":
         want = _biases(os.path.join(root, "reference"))
@@ -98,7 +121,9 @@ def test_moe_layout_matches_single_process(mode, name, reference):
         assert any(v.abs().sum() > 0 for v in want.values())  # the bias did move
 
 
-def _run_debug_config(tiny_dataset, dump, steps: int) -> subprocess.CompletedProcess:
+def _run_debug_config(
+    tiny_dataset, dump, steps: int, *extra: str, nproc: int = 2, interval: int = 6
+) -> subprocess.CompletedProcess:
     return subprocess.run(
         [
             os.path.join(REPO, "run_train.sh"),
@@ -124,37 +149,70 @@ def _run_debug_config(tiny_dataset, dump, steps: int) -> subprocess.CompletedPro
             "--model.moe_bias_update_speed",
             "0.01",  # both balancing methods on: the bias is checkpointed state
             "--checkpoint.interval",
-            "6",
+            str(interval),
             "--checkpoint.keep_latest_k",
             "0",
             "--checkpoint.export_at_end",
             "false",
+            # No clipping: the gradient norm under FSDP differs from 1 process and DDP by
+            # 3.5e-5 (2 ranks) to 5e-5 (4 ranks) relative, dense models too (open finding in
+            # docs/parallelism.md); with clipping on, the resharded run would follow that difference.
+            "--training.max_norm",
+            "0",
             "--job.dump_folder",
             str(dump),
+            *extra,
         ],
         cwd=REPO,
-        env=dict(os.environ, NGPU="2", OMP_NUM_THREADS="1"),
+        env=dict(os.environ, NGPU=str(nproc), OMP_NUM_THREADS="1"),
         capture_output=True,
         text=True,
         timeout=600,
     )
 
 
-def test_moe_debug_config_trains_logs_expert_load_and_resumes_exactly(tiny_dataset, tmp_path):
-    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+def _records(dump) -> dict[int, dict]:
+    with open(dump / "metrics.jsonl", encoding="utf-8") as f:
+        return {r["step"]: r for r in map(json.loads, f)}
+
+
+def test_moe_debug_config_trains_with_ep2_resumes_exactly_and_reshards(tiny_dataset, tmp_path):
+    straight, resumed, chain = tmp_path / "straight", tmp_path / "resumed", tmp_path / "chain"
     for steps, dump in ((12, straight), (6, resumed), (12, resumed)):
         proc = _run_debug_config(tiny_dataset, dump, steps)
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    assert "active per token" in proc.stdout and "step-6" in proc.stdout
+        if steps == 6:  # the EP 2 checkpoint the resharding chain starts from
+            shutil.copytree(dump / "checkpoint" / "step-6", chain / "checkpoint" / "step-6")
+    assert "ep=2" in proc.stdout and "active per token" in proc.stdout and "step-6" in proc.stdout
     lines = [ln for ln in proc.stdout.splitlines() if "expert max/mean load:" in ln]
     assert len(lines) == 6 and "moe_aux_loss:" in lines[0] and "(bias " in lines[0]  # 7..12
 
-    def records(dump):
-        with open(dump / "metrics.jsonl", encoding="utf-8") as f:
-            return {r["step"]: r for r in map(json.loads, f)}
-
-    want, got = records(straight), records(resumed)
+    want, got = _records(straight), _records(resumed)
     assert [got[s]["loss"] for s in range(1, 13)] == [want[s]["loss"] for s in range(1, 13)]
     assert got[12]["moe/0/bias_norm"] == want[12]["moe/0/bias_norm"] > 0
     assert want[12]["loss"] < want[1]["loss"]
     assert {"moe/0/max_load", "moe/0/mean_load", "moe/0/aux_loss", "moe/aux_loss"} <= set(want[1])
+
+    # EP 2 (steps 1-6) → EP 1, FSDP 2 (7-9) → EP 2 × FSDP 2 on 4 ranks (10-12), same global batch.
+    ep1 = _run_debug_config(
+        tiny_dataset, chain, 9, "--parallelism.expert_parallel_degree", "1", interval=3
+    )
+    assert ep1.returncode == 0, ep1.stdout[-2000:] + ep1.stderr[-2000:]
+    ep2_fsdp2 = _run_debug_config(
+        tiny_dataset,
+        chain,
+        12,
+        "--training.local_batch_size",
+        "2",
+        "--training.global_batch_size",
+        "8",
+        nproc=4,
+        interval=3,
+    )
+    assert ep2_fsdp2.returncode == 0, ep2_fsdp2.stdout[-2000:] + ep2_fsdp2.stderr[-2000:]
+    assert "dp_shard=4" in ep2_fsdp2.stdout and "ep=2" in ep2_fsdp2.stdout
+    resharded = _records(chain)
+    diffs = [abs(resharded[s]["loss"] - want[s]["loss"]) for s in range(7, 13)]
+    print(f"resharded EP 2 → EP 1 → EP 2 × FSDP 2: worst |Δloss| over steps 7-12 {max(diffs):.3g}")
+    assert max(diffs) <= parity_matrix.TOLERANCE
+    assert abs(resharded[12]["moe/0/bias_norm"] - want[12]["moe/0/bias_norm"]) <= 1e-6

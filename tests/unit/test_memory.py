@@ -133,3 +133,25 @@ def test_estimate_memory_tool_prints_table_and_verdict(capsys):
     assert "activations" in out and "total" in out and "→ fits" in out
     assert tool.main(["--nproc", "1", "--model.flavor", "405B", "--training.seq_len", "8192"]) == 1
     assert "does NOT fit" in capsys.readouterr().out
+
+
+def test_expert_parallel_gathers_fewer_experts_and_keeps_all_to_all_buffers():
+    from titanlab.models.qwen3_moe import qwen3_moe_flavors
+
+    args = dataclasses.replace(qwen3_moe_flavors["30B-A3B"], vocab_size=151936, max_seq_len=4096)
+    config = job(flavor="30B-A3B", seq=4096)
+    config.model.name = "qwen3_moe"
+    by_ep = {}
+    for ep in (1, 2, 8):
+        config.parallelism.expert_parallel_degree = ep
+        by_ep[ep] = estimate_memory(args, config, 8, torch.bfloat16)
+    one, two, eight = by_ep[1], by_ep[2], by_ep[8]
+    # The experts are sharded over ep × efsdp = the same 8 ranks: states do not change.
+    assert one.params == two.params == eight.params and one.optimizer == eight.optimizer
+    # 128 experts of 3 · 2048 · 768 weights per layer; FSDP gathers E / ep of them (bf16, 2 blocks).
+    experts = 128 * 3 * 2048 * 768
+    assert one.gathered_params - two.gathered_params == 2 * 2 * (experts - experts // 2)
+    assert one.gathered_params - eight.gathered_params == 2 * 2 * (experts - experts // 8)
+    # all-to-all: received slots + their regrouped copy, 4096 tokens × top-8 × 2048 bf16, 48 layers.
+    assert one.a2a_buffers == 0
+    assert two.a2a_buffers == eight.a2a_buffers == 48 * 2 * 4096 * 8 * 2048 * 2

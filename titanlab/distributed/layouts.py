@@ -86,6 +86,10 @@ class Layout:
             out.add("cp")
         if self.ep > 1:
             out.add("ep")
+            if self.ep >= 4:
+                out.add("ep4")
+            if self.dp_shard * self.cp * self.tp > self.ep:  # experts FSDP-sharded (efsdp > 1)
+                out.add("efsdp")
         if self.pp > 1:
             out.add(f"pp:{self.schedule}")
             if self.pp >= 4:

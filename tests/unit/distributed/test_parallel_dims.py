@@ -86,3 +86,70 @@ def test_replicate_without_shard_is_plain_ddp(dp_shard):
         False,
         True,
     )
+
+
+@pytest.mark.parametrize(
+    "world, degrees, ep, in_ep, efsdp",
+    [
+        (4, {}, 2, 2, 2),  # EP 2 × FSDP 2: experts sharded over efsdp
+        (4, {}, 4, 4, 1),
+        (4, {"tp": 2}, 2, 1, 2),  # ep = tp: nothing borrowed from dp_shard
+        (8, {"tp": 2}, 4, 2, 2),
+        (8, {"dp_replicate": 2}, 2, 2, 2),
+    ],
+)
+def test_ep_borrows_from_dp_shard_cp_tp(world, degrees, ep, in_ep, efsdp):
+    d = ParallelDims(
+        **{"dp_replicate": 1, "dp_shard": -1, "cp": 1, "tp": 1, "pp": 1, **degrees},
+        world_size=world,
+        ep=ep,
+    )
+    assert (d.dp_shard_in_ep, d.efsdp, d.ep_enabled) == (in_ep, efsdp, True)
+
+
+@pytest.mark.parametrize(
+    "world, degrees, ep",
+    [(4, {"tp": 2}, 1 * 3), (4, {"tp": 4}, 2), (8, {"tp": 2}, 8 * 2)],
+)
+def test_ep_that_does_not_fit_is_one_line(world, degrees, ep):
+    with pytest.raises(ConfigError, match="expert_parallel_degree=") as info:
+        ParallelDims(
+            **{"dp_replicate": 1, "dp_shard": -1, "cp": 1, "tp": 1, "pp": 1, **degrees},
+            world_size=world,
+            ep=ep,
+        )
+    assert "\n" not in str(info.value)
+
+
+def _groups(world: int, name: str, **degrees) -> set[tuple[int, ...]]:
+    """The rank groups of sub-mesh `name` over every rank (a fake process group per rank)."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from titanlab.distributed.init import destroy_distributed
+
+    groups = set()
+    for rank in range(world):
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+        try:
+            d = ParallelDims(
+                **{"dp_replicate": 1, "dp_shard": -1, "cp": 1, "tp": 1, "pp": 1, **degrees},
+                world_size=world,
+            )
+            d.build_mesh("cpu")
+            mesh = d.mesh(name)
+            assert mesh is not None
+            groups.add(tuple(mesh.mesh.flatten().tolist()))
+        finally:
+            destroy_distributed(barrier=False)  # a fake group: no peers to wait for
+    return groups
+
+
+def test_ep_and_efsdp_meshes_hold_the_expected_ranks():
+    # 8 ranks, tp 2, ep 4: ep = 2 dp_shard ranks × the 2 tp ranks, contiguous; efsdp strides.
+    assert _groups(8, "ep", tp=2, ep=4) == {(0, 1, 2, 3), (4, 5, 6, 7)}
+    assert _groups(8, "efsdp", tp=2, ep=4) == {(0, 4), (1, 5), (2, 6), (3, 7)}
+    assert _groups(8, "dp_shard", tp=2, ep=4) == {(0, 2, 4, 6), (1, 3, 5, 7)}
+    assert _groups(8, "dp_cp_tp", pp=2, ep=2) == {(0, 1, 2, 3), (4, 5, 6, 7)}
+    # HSDP × EP: ep inside each replica.
+    assert _groups(8, "ep", dp_replicate=2, ep=2) == {(0, 1), (2, 3), (4, 5), (6, 7)}
