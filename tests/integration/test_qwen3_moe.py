@@ -154,11 +154,6 @@ def _run_debug_config(
             "0",
             "--checkpoint.export_at_end",
             "false",
-            # No clipping: the gradient norm under FSDP differs from 1 process and DDP by
-            # 3.5e-5 (2 ranks) to 5e-5 (4 ranks) relative, dense models too (open finding in
-            # docs/parallelism.md); with clipping on, the resharded run would follow that difference.
-            "--training.max_norm",
-            "0",
             "--job.dump_folder",
             str(dump),
             *extra,
