@@ -30,6 +30,7 @@ DOC = os.path.join(REPO, "docs", "parallelism.md")
 BEGIN, END = "<!-- comm-table:begin (tools/comm_bytes.py) -->", "<!-- comm-table:end -->"
 FLAVOR, SEQ, LOCAL_BS, MICROBATCH, STEPS = "debugmodel_deep", 64, 2, 1, 2
 F32 = 4  # bytes per element: parameters, gradients and activations are fp32 on CPU
+F64 = 8  # the grad norm accumulates in float64 on CPU
 
 
 @dataclass(frozen=True)
@@ -211,17 +212,19 @@ def predict(lay: Layout, args, rank: int) -> list[Term]:
         terms.append(
             Term("all_reduce", "SP RMSNorm weight grads (Partial)", norms * again, d * F32, tp)
         )
-    # Grad norm: the vector of per-parameter norms is all-reduced over each sharding mesh dim.
+    # Grad norm: the vector of per-parameter norms (float64 on CPU) is all-reduced over each
+    # sharding mesh dim.
     for dim_size in (n_shard if fsdp else 1, tp):
         if dim_size > 1:
             terms.append(
-                Term("all_reduce", "grad-norm: per-parameter norms", 1, params * F32, dim_size)
+                Term("all_reduce", "grad-norm: per-parameter norms", 1, params * F64, dim_size)
             )
     dp = lay.dp_replicate * lay.dp_shard
     if dp > 1:
         terms.append(Term("all_reduce", "token count and loss sum over dp", 2, F32, dp))
     if lay.pp > 1:
-        terms.append(Term("all_reduce", "loss sum and grad-norm² over pp", 2, F32, lay.pp))
+        terms.append(Term("all_reduce", "loss sum over pp", 1, F32, lay.pp))
+        terms.append(Term("all_reduce", "grad-norm² over pp (float64 on CPU)", 1, F64, lay.pp))
         msg = MICROBATCH * (s // tp) * d * F32
         m = b // MICROBATCH
         if not last:
