@@ -212,13 +212,13 @@ def predict(lay: Layout, args, rank: int) -> list[Term]:
         terms.append(
             Term("all_reduce", "SP RMSNorm weight grads (Partial)", norms * again, d * F32, tp)
         )
-    # Grad norm: the vector of per-parameter norms (float64 on CPU) is all-reduced over each
-    # sharding mesh dim.
-    for dim_size in (n_shard if fsdp else 1, tp):
-        if dim_size > 1:
-            terms.append(
-                Term("all_reduce", "grad-norm: per-parameter norms", 1, params * F64, dim_size)
-            )
+    # Grad norm: the vector of per-parameter norms (float64 on CPU) is all-reduced once over
+    # the ranks that shard the gradients (dp_shard × tp together under FSDP × TP).
+    shard_ranks = (n_shard if fsdp else 1) * tp
+    if shard_ranks > 1:
+        terms.append(
+            Term("all_reduce", "grad-norm: per-parameter norms", 1, params * F64, shard_ranks)
+        )
     dp = lay.dp_replicate * lay.dp_shard
     if dp > 1:
         terms.append(Term("all_reduce", "token count and loss sum over dp", 2, F32, dp))
