@@ -21,8 +21,8 @@ LAYOUTS = {
     ],
 }
 EXPECTED = {
-    "hsdp": "ParallelDims(dp_replicate=2, dp_shard=2, cp=1, tp=1, pp=1, world_size=4)",
-    "pp_tp": "ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=2, pp=2, world_size=4)",
+    "hsdp": "ParallelDims(dp_replicate=2, dp_shard=2, cp=1, tp=1, pp=1, world_size=4, ep=1)",
+    "pp_tp": "ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=2, pp=2, world_size=4, ep=1)",
 }
 
 
