@@ -352,7 +352,13 @@ class Trainer:
                 return torch.zeros((), device=self.device)
             return sum(local_value(l) for l in losses) / scale
         model = self.model_parts[0]
-        with cp_context(self.parallel_dims.mesh("cp"), inputs, labels, self.model_parts):
+        with cp_context(
+            self.parallel_dims.mesh("cp"),
+            inputs,
+            labels,
+            self.model_parts,
+            self.config.parallelism.context_parallel_rotate_method,
+        ):
             token_loss = self.loss_fn(model(inputs), labels)
             (token_loss * scale).backward()
         return local_value(token_loss)
@@ -371,7 +377,13 @@ class Trainer:
             for _, (inputs, labels) in zip(range(self.config.validation.steps), loader):
                 inputs, labels = inputs.to(self.device), labels.to(self.device)
                 tokens += (labels != IGNORE_INDEX).sum() / self.parallel_dims.cp
-                with cp_context(self.parallel_dims.mesh("cp"), inputs, labels, self.model_parts):
+                with cp_context(
+                    self.parallel_dims.mesh("cp"),
+                    inputs,
+                    labels,
+                    self.model_parts,
+                    self.config.parallelism.context_parallel_rotate_method,
+                ):
                     total += local_value(self.loss_fn(model(inputs), labels))
         self.metrics.reset_timer(self.step)
         return (global_sum(total, self._loss_mesh) / global_sum(tokens, self._loss_mesh)).item()

@@ -60,7 +60,11 @@ class Parallelism:
 
     context_parallel_degree: int = 1
     """cp: context parallel degree: each sample's sequence is split over cp ranks (ring
-    attention through SDPA; CUDA only)."""
+    attention through SDPA; on CPU through the CPU flash kernel)."""
+
+    context_parallel_rotate_method: Literal["allgather", "alltoall"] = "allgather"
+    """How the ring passes key/value shards between the cp ranks: all-gather them once per
+    attention call, or pass them round the ring with all-to-all steps."""
 
     expert_parallel_degree: int = 1
     """ep: MoE models only. The routed experts are split over ep ranks (each holds

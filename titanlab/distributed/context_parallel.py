@@ -1,7 +1,8 @@
 """Context parallel: each sample's sequence is split over the cp ranks and attention exchanges
 keys/values between them (ring attention, Liu et al. 2023), through PyTorch's experimental
 `context_parallel` on SDPA. The sequence is split load-balanced (head-tail chunks) so causal
-attention costs the same on every rank. CUDA only in torch 2.13 (validated up front).
+attention costs the same on every rank. On CPU the ring runs the CPU flash kernel through
+`titanlab.distributed.cp_cpu`, which supplies what torch 2.13 lacks for it.
 """
 
 from __future__ import annotations
@@ -23,12 +24,21 @@ def cp_context(
     inputs: torch.Tensor,
     labels: torch.Tensor,
     model_parts: list[nn.Module],
+    rotate_method: str = "allgather",
 ):
     """A context inside which `inputs`/`labels` (bs, seq) and every part's RoPE tables
-    (seq, head_dim/2) hold only this rank's share of the sequence; a no-op without cp."""
+    (seq, head_dim/2) hold only this rank's share of the sequence; a no-op without cp.
+    `rotate_method`: allgather or alltoall (how key/value shards travel round the ring)."""
     if cp_mesh is None:
         return contextlib.nullcontext()
     from torch.distributed.tensor.experimental import context_parallel
+    from torch.distributed.tensor.experimental._attention import set_rotate_method
+
+    if inputs.device.type == "cpu":
+        from titanlab.distributed import cp_cpu
+
+        cp_cpu.install()
+    set_rotate_method(rotate_method)
 
     buffers, dims = [inputs, labels], [1, 1]
     for part in model_parts:

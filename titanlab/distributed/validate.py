@@ -37,10 +37,15 @@ def validate_layout(config: JobConfig, dims: ParallelDims, model_args, device_ty
         )
     if dims.cp > 1:
         if device_type != "cuda":
-            raise ConfigError(
-                f"parallelism.context_parallel_degree={dims.cp} needs CUDA: on CPU torch 2.13's SDPA "
-                "kernels have no context-parallel sharding rule; use context_parallel_degree=1"
-            )
+            from titanlab.distributed.cp_cpu import PrivateNameMissing, check_private_names
+
+            try:
+                check_private_names()
+            except PrivateNameMissing as e:
+                raise ConfigError(
+                    f"parallelism.context_parallel_degree={dims.cp} on CPU: {e}; use "
+                    "context_parallel_degree=1"
+                ) from None
         if dims.pp > 1:
             raise ConfigError(
                 "context parallel with pipeline parallel is not supported yet; use one of them"
