@@ -114,7 +114,7 @@ def matrix(world_sizes=WORLD_SIZES, device_type: str = "cpu") -> list[tuple[Layo
     return [
         (lay, check_layout(config, lay, GLOBAL_BATCH, model_args, device_type))
         for ws in world_sizes
-        for lay in enumerate_layouts(ws, with_cp=device_type == "cuda")
+        for lay in enumerate_layouts(ws, with_cp=True)
     ]
 
 
