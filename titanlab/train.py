@@ -343,22 +343,24 @@ class Trainer:
     ) -> torch.Tensor:
         """Forward and backward of one (bs, seq) batch; returns its detached token-loss sum
         (0 on pipeline ranks without the last stage)."""
-        if self.schedule is not None:
-            self.pp_loss.scale = scale
-            losses: list[torch.Tensor] = []
-            args = (inputs,) if self.has_first else ()
-            self.schedule.step(*args, target=labels if self.has_last else None, losses=losses)
-            if not self.has_last:
-                return torch.zeros((), device=self.device)
-            return sum(local_value(l) for l in losses) / scale
-        model = self.model_parts[0]
-        with cp_context(
+        context = cp_context(
             self.parallel_dims.mesh("cp"),
             inputs,
             labels,
             self.model_parts,
             self.config.parallelism.context_parallel_rotate_method,
-        ):
+        )
+        if self.schedule is not None:
+            self.pp_loss.scale = scale
+            losses: list[torch.Tensor] = []
+            args = (inputs,) if self.has_first else ()
+            with context:  # every stage's ranks hold their sequence shard of each microbatch
+                self.schedule.step(*args, target=labels if self.has_last else None, losses=losses)
+            if not self.has_last:
+                return torch.zeros((), device=self.device)
+            return sum(local_value(l) for l in losses) / scale
+        model = self.model_parts[0]
+        with context:
             token_loss = self.loss_fn(model(inputs), labels)
             (token_loss * scale).backward()
         return local_value(token_loss)

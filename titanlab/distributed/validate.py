@@ -46,10 +46,6 @@ def validate_layout(config: JobConfig, dims: ParallelDims, model_args, device_ty
                     f"parallelism.context_parallel_degree={dims.cp} on CPU: {e}; use "
                     "context_parallel_degree=1"
                 ) from None
-        if dims.pp > 1:
-            raise ConfigError(
-                "context parallel with pipeline parallel is not supported yet; use one of them"
-            )
     if dims.pp > 1:
         _validate_pipeline(config, dims, model_args)
 

@@ -62,12 +62,10 @@ def test_seq_len_divisible_by_tp_and_2cp():
     )
 
 
-def test_cp_runs_on_cpu_and_cuda_but_not_with_pp():
+def test_cp_runs_on_cpu_and_cuda_and_with_pp():
     assert error(world=2, context_parallel_degree=2) is None
     assert error(world=2, device="cuda", context_parallel_degree=2) is None
-    assert error(world=4, context_parallel_degree=2, pipeline_parallel_degree=2) == (
-        "context parallel with pipeline parallel is not supported yet; use one of them"
-    )
+    assert error(world=4, context_parallel_degree=2, pipeline_parallel_degree=2) is None
 
 
 def test_layers_must_cover_the_stages():
