@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-from datetime import timedelta
 
 import pytest
 import torch
@@ -14,20 +13,14 @@ import torch.multiprocessing as mp
 
 from titanlab.distributed import comm_counter
 from titanlab.distributed.comm_counter import CommCounter, count_step_comms
+from gloo_group import init_gloo
 from titanlab.distributed.init import destroy_distributed
 
 F32 = 4  # bytes per float32 element
 
 
 def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{init_file}",
-        rank=rank,
-        world_size=world,
-        timeout=timedelta(seconds=60),
-    )
+    init_gloo(rank, world, init_file)
     ok = False
     try:
         from torch.distributed.device_mesh import init_device_mesh

@@ -8,15 +8,14 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from datetime import timedelta
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from titanlab.distributed import cp_cpu
+from gloo_group import init_gloo
 from titanlab.distributed.init import destroy_distributed
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
@@ -30,14 +29,7 @@ def _attention(q, k, v, grad):
 
 
 def _worker(rank: int, world: int, rotate: str, init_file: str, out_dir: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{init_file}",
-        rank=rank,
-        world_size=world,
-        timeout=timedelta(seconds=60),
-    )
+    init_gloo(rank, world, init_file)
     ok = False
     try:
         from torch.distributed.device_mesh import init_device_mesh

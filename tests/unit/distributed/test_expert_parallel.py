@@ -6,13 +6,13 @@ an expert nobody routes to."""
 from __future__ import annotations
 
 import os
-from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from gloo_group import init_gloo
 from titanlab.distributed.init import destroy_distributed
 from titanlab.models.common.moe import MoE, MoEArgs
 
@@ -31,14 +31,7 @@ def _layer() -> MoE:
 
 
 def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{init_file}",
-        rank=rank,
-        world_size=world,
-        timeout=timedelta(seconds=60),
-    )
+    init_gloo(rank, world, init_file)
     ok = False
     try:
         from torch.distributed.device_mesh import init_device_mesh

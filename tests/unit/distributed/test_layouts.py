@@ -48,7 +48,7 @@ def test_overrides_keep_the_global_batch():
 
 
 def test_every_candidate_is_accepted_or_refused_with_one_line(verdicts):
-    assert len(verdicts) == sum(len(enumerate_layouts(ws)) for ws in (1, 2, 4, 8))
+    assert len(verdicts) == sum(len(enumerate_layouts(ws, with_cp=True)) for ws in (1, 2, 4, 8))
     refusals = [why for _, why in verdicts if why is not None]
     assert refusals and all("\n" not in why and why for why in refusals)
     valid = {lay.name for lay, why in verdicts if why is None}
