@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from titanlab.models.common.decoder import moe_layers
+from titanlab.models.common.decoder import moe_layer_args, moe_layers
 from titanlab.models.common.moe import MoE
 
 
@@ -67,10 +67,7 @@ def set_aux_grad_scale(model_parts: list[nn.Module], microbatches: int, avg_rank
 def _count_moe_layers(model_parts: list[nn.Module]) -> int:
     """MoE layers of the whole model (all pipeline stages): from the args every part holds."""
     args: Any = getattr(model_parts[0], "args")  # noqa: B009 (nn.Module's __getattr__ types)
-    moe_layer = getattr(args, "moe_layer", None)
-    if moe_layer is None:
-        return 0
-    return sum(moe_layer(i) is not None for i in range(args.n_layers))
+    return len(moe_layer_args(args))
 
 
 def end_step(

@@ -9,6 +9,7 @@ from __future__ import annotations
 from titanlab.config.job_config import ConfigError, JobConfig
 from titanlab.distributed import pipeline
 from titanlab.distributed.parallel_dims import ParallelDims
+from titanlab.models.common.decoder import moe_layer_args
 
 
 def validate_layout(config: JobConfig, dims: ParallelDims, model_args, device_type: str) -> None:
@@ -111,16 +112,8 @@ def _validate_pipeline(config: JobConfig, dims: ParallelDims, model_args) -> Non
         )
 
 
-def _moe_args(model_args):
-    """The MoEArgs of the model's first MoE layer, or None for a dense model."""
-    moe_layer = getattr(model_args, "moe_layer", None)
-    if moe_layer is None:
-        return None
-    return next((a for i in range(model_args.n_layers) if (a := moe_layer(i)) is not None), None)
-
-
 def _validate_experts(config: JobConfig, dims: ParallelDims, model_args) -> None:
-    moe = _moe_args(model_args)
+    moe = next(iter(moe_layer_args(model_args)), None)  # every MoE block has the same shape
     if dims.ep > 1 and moe is None:
         raise ConfigError(
             f"parallelism.expert_parallel_degree={dims.ep} needs an MoE model; "

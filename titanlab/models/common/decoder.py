@@ -24,7 +24,7 @@ from torch import nn
 from titanlab.models.common.attention import Attention
 from titanlab.models.common.feed_forward import FeedForward
 from titanlab.models.common.init import trunc_normal_
-from titanlab.models.common.moe import MoE
+from titanlab.models.common.moe import MoE, MoEArgs
 from titanlab.models.common.rope import RopeScaling, precompute_rope_cos_sin
 
 
@@ -213,6 +213,15 @@ class Decoder(nn.Module):
 def moe_layers(model: nn.Module) -> list[MoE]:
     """The MoE layers of `model` (or of a pipeline stage of it), in layer order."""
     return [m for m in model.modules() if isinstance(m, MoE)]
+
+
+def moe_layer_args(args) -> list[MoEArgs]:
+    """The MoEArgs of every MoE block of the whole model, from its args alone (no module built):
+    empty for a dense family (args without `moe_layer`)."""
+    moe_layer = getattr(args, "moe_layer", None)
+    if moe_layer is None:
+        return []
+    return [a for i in range(args.n_layers) if (a := moe_layer(i)) is not None]
 
 
 def count_active_params(model: nn.Module, exclude_embedding: bool = False) -> int:
