@@ -10,7 +10,7 @@ CONFIG ?= train_configs/debug_model.toml
 PYTEST_ARGS ?=
 TESTS ?= tests
 
-.PHONY: train test setup clean check lint format benchmark test-parity-full
+.PHONY: train test setup clean check lint format benchmark test-parity-full gpu-check
 
 setup: $(VENV)/.installed
 
@@ -56,6 +56,14 @@ benchmark: setup
 test-parity-full: setup
 	OMP_NUM_THREADS=1 $(PY) tools/parity_matrix.py
 	OMP_NUM_THREADS=1 TITANLAB_PARITY_FULL=1 $(PY) -m pytest -q -rs tests/integration/test_qwen3_moe.py tests/integration/test_compile.py
+
+# On a machine with a CUDA GPU: every GPU test (`pytest -m gpu`), then the 8B-shaped benchmark
+# rows, into docs/gpu_check.md and the gpu-check block of docs/performance.md
+# (tools/gpu_check.py). It uses the machine's own torch and installs nothing; GPU_PYTHON chooses
+# the interpreter (default: .venv's when present, else python3).
+GPU_PYTHON ?= $(if $(wildcard $(PY)),$(PY),python3)
+gpu-check:
+	$(GPU_PYTHON) tools/gpu_check.py $(GPU_CHECK_ARGS)
 
 clean:
 	rm -rf $(VENV) outputs .pytest_cache

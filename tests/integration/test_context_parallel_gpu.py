@@ -10,6 +10,7 @@ import torch
 
 from conftest import read_metrics
 
+pytestmark = pytest.mark.gpu
 needs_two_gpus = pytest.mark.skipif(
     torch.cuda.device_count() < 2, reason="context parallel needs 2 CUDA GPUs"
 )

@@ -7,10 +7,13 @@ import torch
 
 from conftest import read_metrics
 
-pytestmark = pytest.mark.skipif(
-    torch.cuda.device_count() < 2 or torch.cuda.get_device_capability(0) < (8, 9),
-    reason="needs 2 CUDA GPUs with float8 (compute capability >= 8.9)",
-)
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(
+        torch.cuda.device_count() < 2 or torch.cuda.get_device_capability(0) < (8, 9),
+        reason="needs 2 CUDA GPUs with float8 (compute capability >= 8.9)",
+    ),
+]
 
 pytest.importorskip("torchao")
 

@@ -1,0 +1,182 @@
+"""One GPU benchmark row: the real trainer (`titanlab.train.Trainer`) in this process, timed.
+
+    python tools/gpu_bench_row.py --out ROW.json [--warmup 3] [--profile-step K]
+        [--trace TRACE.json.gz] -- TRAINER_ARGS...
+
+Runs one rank (world size 1, NCCL + gloo process group on this machine) for
+`--training.steps` steps of the trainer's own loop and writes a JSON object: the seconds of
+each `Trainer.train_step` (forward, backward, clip, optimizer step; the step ends with the
+loss's `.item()`, so the GPU work is done), tokens/s and TFLOP/s of the median step after
+`--warmup` steps, MFU against the device's dense bf16 peak (`titanlab.metrics`), the last
+loss, `torch.cuda.max_memory_allocated` / `max_memory_reserved` (bytes) against the estimator
+(`titanlab.memory.estimate_memory`: `peak_tensors` is what the allocator holds, `total` adds
+the CUDA context), and, from a `torch.profiler` trace of step `--profile-step`: the SDPA
+operators that ran (flash, cuDNN, memory-efficient or math), the GPU-time share of each kind
+of kernel and the 15 operators with the most GPU time. An out-of-memory error is written as
+`{"error": ...}` with the bytes asked for. `tools/gpu_check.py` runs one child per row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import sys
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+KERNEL_KINDS = (  # (kind, substrings of a CUDA kernel's name), first match wins
+    ("attention", ("flash", "fmha", "attention", "cudnn_sdpa")),
+    ("gemm", ("gemm", "sm90_xmma", "cutlass", "nvjet", "_scaled_mm", "matmul")),
+    ("nccl", ("nccl",)),
+    ("triton (fused)", ("triton",)),
+    ("copy/cast", ("copy", "cast", "convert")),
+    ("optimizer", ("adam", "multi_tensor", "foreach")),
+)
+
+
+def single_rank_env() -> None:
+    """The variables torchrun would set for a one-process job."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for key, value in {
+        "RANK": "0",
+        "LOCAL_RANK": "0",
+        "WORLD_SIZE": "1",
+        "LOCAL_WORLD_SIZE": "1",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+    }.items():
+        os.environ.setdefault(key, value)
+
+
+def kernel_kind(name: str) -> str:
+    low = name.lower()
+    for kind, keys in KERNEL_KINDS:
+        if any(k in low for k in keys):
+            return kind
+    return "other"
+
+
+def summarize_profile(prof) -> dict:
+    """SDPA operators seen, GPU time by kernel kind (ms), and the top operators by GPU time."""
+    sdpa = sorted({e.name for e in prof.events() if "scaled_dot_product" in e.name})
+    by_kind: dict[str, float] = {}
+    kernels: dict[str, float] = {}
+    for e in prof.events():
+        if e.device_type.name != "CUDA":
+            continue
+        ms = e.device_time / 1e3 if hasattr(e, "device_time") else e.cuda_time / 1e3
+        by_kind[kernel_kind(e.name)] = by_kind.get(kernel_kind(e.name), 0.0) + ms
+        kernels[e.name] = kernels.get(e.name, 0.0) + ms
+    top = sorted(kernels.items(), key=lambda kv: -kv[1])[:15]
+    return {
+        "sdpa_ops": sdpa,
+        "flash_kernel": any("flash" in k.lower() for k in kernels),
+        "gpu_ms_by_kind": {
+            k: round(v, 3) for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])
+        },
+        "gpu_ms_total": round(sum(by_kind.values()), 3),
+        "top_kernels_ms": [[k[:120], round(v, 3)] for k, v in top],
+    }
+
+
+def run(args: argparse.Namespace, trainer_args: list[str]) -> dict:
+    import torch
+
+    from titanlab.config.manager import build_config
+    from titanlab.distributed.init import destroy_distributed
+    from titanlab.distributed.parallelize import param_dtype
+    from titanlab.memory import estimate_memory
+    from titanlab.train import Trainer
+
+    config = build_config(trainer_args)
+    trainer = Trainer(config)
+    step_s: list[float] = []
+    losses: list[float] = []
+    profile: dict = {}
+    inner = trainer.train_step
+
+    def timed_step(batches):
+        start = time.perf_counter()
+        if trainer.step == args.profile_step:
+            from torch.profiler import ProfilerActivity, profile as torch_profile
+
+            acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+            with torch_profile(activities=acts) as prof:
+                out = inner(batches)
+            step_s.append(time.perf_counter() - start)
+            profile.update(summarize_profile(prof))
+            if args.trace:
+                prof.export_chrome_trace(args.trace)
+        else:
+            out = inner(batches)
+            step_s.append(time.perf_counter() - start)
+        losses.append(out[0])
+        return out
+
+    trainer.train_step = timed_step  # type: ignore[method-assign]
+    cuda = trainer.device.type == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
+    est = estimate_memory(trainer.model_args, config, 1, param_dtype(config, trainer.device))
+    timed = [t for i, t in enumerate(step_s, 1) if i > args.warmup and i != args.profile_step]
+    median = statistics.median(timed)
+    tokens = config.training.local_batch_size * config.training.seq_len
+    tps = tokens / median
+    flops = trainer.metrics.flops_per_token
+    peak = trainer.metrics.peak_flops
+    result = {
+        "step_s": [round(t, 4) for t in step_s],
+        "median_step_s": round(median, 4),
+        "tps": round(tps, 1),
+        "tflops": round(tps * flops / 1e12, 1),
+        "mfu": round(tps * flops / peak, 4) if peak else None,
+        "peak_flops": peak,
+        "flops_per_token": flops,
+        "loss_first": losses[0],
+        "loss_last": losses[-1],
+        "max_allocated": torch.cuda.max_memory_allocated() if cuda else None,
+        "max_reserved": torch.cuda.max_memory_reserved() if cuda else None,
+        "estimate_peak_tensors": est.peak_tensors,
+        "estimate_total": est.total,
+        "estimate_summary": est.summary(),
+        "params": sum(p.numel() for part in trainer.model_parts for p in part.parameters()),
+        "profile": profile,
+    }
+    destroy_distributed(barrier=False)
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    split = argv.index("--") if "--" in argv else len(argv)
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", required=True, help="where the row's JSON goes")
+    p.add_argument("--warmup", type=int, default=3, help="steps left out of the timing")
+    p.add_argument("--profile-step", type=int, default=0, help="step to profile (0: none)")
+    p.add_argument("--trace", default="", help="Chrome trace of the profiled step (.json.gz)")
+    args = p.parse_args(argv[:split])
+    single_rank_env()
+    import torch
+
+    try:
+        result = run(args, argv[split + 1 :])
+    except torch.OutOfMemoryError as e:
+        result = {"error": "CUDA out of memory: " + str(e).split("\n")[0][:300]}
+    with open(args.out, "w", encoding="utf-8") as f:
+        json.dump(result, f, indent=1)
+    return 0 if "error" not in result else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
