@@ -10,11 +10,14 @@ selective-AC cache, holds for backward.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-import types
 import gc
+import types
+from typing import Any, cast
 
 import torch
+from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -72,44 +75,109 @@ def _experts_static_shapes(self, x_td: torch.Tensor, counts: torch.Tensor) -> to
     return h @ self.w2[0].t()
 
 
-def trace_activation_bytes(model_args, batch: int, seq: int, dtype: torch.dtype) -> ActivationBytes:
+def trace_activation_bytes(
+    model_args,
+    batch: int,
+    seq: int,
+    dtype: torch.dtype,
+    autocast: bool = False,
+    compiled_blocks: bool = False,
+    compiled_loss: bool = False,
+    float8: Any = None,
+) -> ActivationBytes:
     """Trace forward + loss of 1- and 2-block versions of the model on fake tensors.
 
     Args:
         model_args: a registered family's args (vocab_size set).
         batch, seq: local batch size and sequence length (tokens per sample) of one rank.
         dtype: compute dtype of activations (fp32, or bf16/fp16 under mixed precision).
+        autocast: fp32 weights and `torch.autocast` to `dtype` (mixed precision without FSDP):
+            the compute-dtype copies of the weights that autocast keeps for backward count too.
+        compiled_blocks / compiled_loss: the blocks / the loss run under torch.compile; their
+            saved bytes are read from the compiled forward graph (`titanlab.compiled_saved`).
+        float8: the run's `Float8` config when float8 training is on (its Linear layers then
+            keep float8 copies of their inputs and weights), traced in torchao's emulate mode.
     Returns:
         bytes per block for each AC mode and for the head; cached per arguments (a trace takes
-        about a second for the 8B shapes, whatever seq is).
+        about a second for the 8B shapes, whatever seq is; a compiled one a few seconds).
     """
+    from titanlab.compiled_saved import saved_bytes_compiled
     from titanlab.distributed.activation_checkpoint import apply_ac
     from titanlab.loss import cross_entropy_sum
     from titanlab.models.common.decoder import moe_layers
     from titanlab.models.registry import build_model
 
-    def live_after_forward(n_layers: int, mode: str) -> int:
+    weight_dtype = torch.float32 if autocast else dtype
+
+    def build(n_layers: int, mode: str):
         args = dataclasses.replace(model_args, n_layers=n_layers, max_seq_len=max(seq, 1))
         with torch.device("meta"):
-            model = build_model(args).to(dtype)
+            model = build_model(args).to(weight_dtype)
         for moe in moe_layers(model):  # fake tensors cannot split by data-dependent counts
             moe.experts.forward = types.MethodType(_experts_static_shapes, moe.experts)  # type: ignore[method-assign]
+        if float8 is not None:
+            from titanlab.float8 import apply_float8
+
+            emulated = dataclasses.replace(
+                float8, emulate=True, enable_fsdp_float8_all_gather=False
+            )
+            apply_float8(model, emulated, torch.device("cpu"), fsdp_enabled=False)
         apply_ac(model, "selective" if mode == "op" else mode, "op")
+        return model
+
+    def precision():
+        return torch.autocast("cpu", dtype=dtype) if autocast else contextlib.nullcontext()
+
+    def live_after_forward(n_layers: int, mode: str, with_loss: bool = True) -> int:
+        model = build(n_layers, mode)
         # Fake CPU tensors rather than meta ones: SDPA then picks the fused (flash) kernel, which
         # keeps O(seq) per head as on GPUs, where meta would pick the O(seq²) math kernel.
         with FakeTensorMode(allow_non_fake_inputs=True):
             model.to_empty(device="cpu")
             tokens = torch.zeros(batch, seq, dtype=torch.long)
             counter = LiveTensorBytes()
-            with counter:
-                loss = cross_entropy_sum(model(tokens), tokens)
-            held = counter.live() - loss.untyped_storage().nbytes()
-            del loss
+            with counter, precision():
+                out = model(tokens)
+                if with_loss:
+                    out = cross_entropy_sum(out, tokens)
+            held = counter.live() - (out.untyped_storage().nbytes() if with_loss else 0)
+            del out
         return held
 
-    key = (repr(model_args), batch, seq, dtype)
+    def compiled_block(mode: str) -> int:
+        model = build(1, mode)
+        block = cast(nn.ModuleDict, model.layers)["0"]
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            model.to_empty(device="cpu")
+            x_dtype = torch.float32 if autocast else dtype  # autocast: an fp32 residual stream
+            x = torch.zeros(batch, seq, model_args.dim, dtype=x_dtype, requires_grad=True)
+            cos, sin = model.rope_cos, model.rope_sin
+            with precision():
+                return saved_bytes_compiled(block, x, cos, sin)
+
+    def compiled_loss_bytes() -> int:
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            logits = torch.zeros(batch, seq, model_args.vocab_size, dtype=dtype, requires_grad=True)
+            labels = torch.zeros(batch, seq, dtype=torch.long)
+            return saved_bytes_compiled(cross_entropy_sum, logits, labels)
+
+    key = (
+        repr(model_args),
+        batch,
+        seq,
+        dtype,
+        autocast,
+        compiled_blocks,
+        compiled_loss,
+        repr(float8),
+    )
     if key not in _CACHE:
         one = {mode: live_after_forward(1, mode) for mode in ("none", "full", "op")}
-        per_block = {mode: live_after_forward(2, mode) - one[mode] for mode in one}
-        _CACHE[key] = ActivationBytes(per_block=per_block, head=one["none"] - per_block["none"])
+        eager = {mode: live_after_forward(2, mode) - one[mode] for mode in one}
+        head = one["none"] - eager["none"]
+        if compiled_loss:  # the head up to the logits, run eagerly, then the compiled loss
+            head = live_after_forward(1, "none", with_loss=False) - eager["none"]
+            head += compiled_loss_bytes()
+        per_block = {m: compiled_block(m) for m in one} if compiled_blocks else eager
+        _CACHE[key] = ActivationBytes(per_block=per_block, head=head)
     return _CACHE[key]

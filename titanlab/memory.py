@@ -11,17 +11,24 @@ Per-rank bytes, predicted from the config and world size without allocating anyt
   slots received from the ep peers and their copy regrouped by expert (tokens × top_k × dim
   each, balanced loads assumed);
 - activations kept for backward by the blocks, for the chosen activation-checkpointing mode,
-  measured by tracing the real model code on fake tensors (`titanlab.activation_memory`); under
-  full or per-layer AC, one block's activations are recomputed at a time in backward;
+  measured by tracing the real model code on fake tensors (`titanlab.activation_memory`) the
+  way the run executes it: under torch.compile from the compiled forward graph (the
+  partitioner recomputes pointwise ops instead of saving them), under autocast (mixed precision
+  without FSDP) with the compute-dtype weight copies autocast keeps, with float8 Linears their
+  float8 copies; under full or per-layer AC, one block's activations are recomputed at a time
+  in backward;
 - the "head": embedding output, final norm, the output projection's input, the loss's fp32
-  log-softmax, and in backward the two fp32 gradients of the logits;
+  log-softmax (a compiled loss keeps none), and in backward the gradients of the logits (two
+  fp32 tensors eagerly, one in the compute dtype from a compiled loss);
 - a fixed runtime overhead (CUDA context and allocator slack on GPU, the interpreter on CPU).
 
 The peak comes at the start of backward, when all activations and the logits' gradients are
 alive but gradients are not (they are created during backward, as activations are freed), or at
 the optimizer step (parameters, gradients and optimizer state). With gradient accumulation the
 gradients also live through the later forwards. `tests/unit/test_memory_measured.py` checks the
-prediction against the peak measured by PyTorch's memory profiler.
+prediction against the peak measured by PyTorch's memory profiler on CPU; `make gpu-check`
+against `torch.cuda.max_memory_allocated` of the 8B-shaped rows on a GPU
+(docs/performance.md).
 """
 
 from __future__ import annotations
@@ -115,7 +122,21 @@ def estimate_memory(
     b, s = config.training.local_batch_size, config.training.seq_len
     s_local = s // cp
     layers = model_args.n_layers // pp
-    traced = trace_activation_bytes(model_args, b, s_local, compute_dtype)
+    # Without FSDP2 (one device, pure TP/PP) mixed precision is torch.autocast over fp32 weights.
+    fsdp2_managed = dp_shard * cp > 1 or p.data_parallel_replicate_degree > 1
+    autocast = compute_dtype != torch.float32 and not fsdp2_managed
+    compiled = config.compile.enable
+    compiled_loss = compiled and "loss" in config.compile.components and tp == 1
+    traced = trace_activation_bytes(
+        model_args,
+        b,
+        s_local,
+        compute_dtype,
+        autocast=autocast,
+        compiled_blocks=compiled and "model" in config.compile.components,
+        compiled_loss=compiled_loss,
+        float8=config.float8 if config.float8.enable else None,
+    )
     block = {mode: n // tp for mode, n in traced.per_block.items()}
     mode, option = (
         config.activation_checkpoint.mode,
@@ -131,7 +152,13 @@ def estimate_memory(
         acts = checkpointed * block["full"] + (layers - checkpointed) * block["none"]
     else:
         acts = layers * block["none"]
-    logits_grads = 2 * b * s_local * model_args.vocab_size * 4
+    # Eager: the gradients of the fp32 log-softmax and of the fp32 upcast; a compiled loss
+    # writes the logits' gradient in their own dtype in one fused kernel.
+    logits_grads = (
+        b * s_local * model_args.vocab_size * elem
+        if compiled_loss
+        else 2 * b * s_local * model_args.vocab_size * 4
+    )
     dp = world_size // (tp * pp * cp)
     ep = p.expert_parallel_degree
     moes = moe_layers(model)

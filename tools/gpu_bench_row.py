@@ -65,11 +65,12 @@ def kernel_kind(name: str) -> str:
 
 def summarize_profile(prof) -> dict:
     """SDPA operators seen, GPU time by kernel kind (ms), and the top operators by GPU time."""
-    sdpa = sorted({e.name for e in prof.events() if "scaled_dot_product" in e.name})
+    sdpa = sorted({e.name for e in prof.events() if e.name.startswith("aten::_scaled_dot_product")})
     by_kind: dict[str, float] = {}
     kernels: dict[str, float] = {}
     for e in prof.events():
-        if e.device_type.name != "CUDA":
+        # GPU-side ranges of annotations (e.g. "Optimizer.step#AdamW.step") are not kernels.
+        if e.device_type.name != "CUDA" or getattr(e, "is_user_annotation", False):
             continue
         ms = e.device_time / 1e3 if hasattr(e, "device_time") else e.cuda_time / 1e3
         by_kind[kernel_kind(e.name)] = by_kind.get(kernel_kind(e.name), 0.0) + ms
@@ -77,7 +78,7 @@ def summarize_profile(prof) -> dict:
     top = sorted(kernels.items(), key=lambda kv: -kv[1])[:15]
     return {
         "sdpa_ops": sdpa,
-        "flash_kernel": any("flash" in k.lower() for k in kernels),
+        "flash_kernel": sorted({k[:80] for k in kernels if "flash" in k.lower()}),
         "gpu_ms_by_kind": {
             k: round(v, 3) for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])
         },
@@ -165,9 +166,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=3, help="steps left out of the timing")
     p.add_argument("--profile-step", type=int, default=0, help="step to profile (0: none)")
     p.add_argument("--trace", default="", help="Chrome trace of the profiled step (.json.gz)")
+    p.add_argument(
+        "--no-cudnn-sdpa",
+        action="store_true",
+        help="turn SDPA's cuDNN backend off (torch then picks its own flash kernel, FA2)",
+    )
     args = p.parse_args(argv[:split])
     single_rank_env()
     import torch
+
+    if args.no_cudnn_sdpa:
+        torch.backends.cuda.enable_cudnn_sdp(False)
 
     try:
         result = run(args, argv[split + 1 :])

@@ -57,11 +57,13 @@ class Row:
     recipe: str = ""  # float8: tensorwise | rowwise
     compile: bool = True
     ac: str = "none"
+    cudnn_sdpa: bool = True  # False: SDPA's cuDNN backend off, torch's flash (FA2) kernel
 
     @property
     def name(self) -> str:
         prec = f"float8 {self.recipe}" if self.precision == "float8" else "bf16"
-        return f"{prec} · {'compile' if self.compile else 'eager'} · AC {self.ac}"
+        sdpa = "" if self.cudnn_sdpa else " · FA2 (cuDNN SDPA off)"
+        return f"{prec} · {'compile' if self.compile else 'eager'} · AC {self.ac}{sdpa}"
 
     def args(self) -> list[str]:
         out = [
@@ -77,6 +79,7 @@ class Row:
 
 ROWS = (
     Row("bf16", compile=True, ac="none"),
+    Row("bf16", compile=True, ac="none", cudnn_sdpa=False),
     Row("float8", "tensorwise", compile=True, ac="none"),
     Row("float8", "rowwise", compile=True, ac="none"),
     Row("bf16", compile=True, ac="selective"),
@@ -237,6 +240,7 @@ def run_row(row: Row, layers_dir: str, steps: int, warmup: int, out_dir: str, tr
         "--profile-step",
         str(warmup + 1),
         *(["--trace", trace] if trace else []),
+        *([] if row.cudnn_sdpa else ["--no-cudnn-sdpa"]),
         "--",
         *trainer_args(layers_dir, dump, steps),
         *row.args(),

@@ -58,7 +58,7 @@ def _rows(layers: int, rows: list) -> list[str]:
     ]
     base = {}
     for row, d in rows:
-        if "error" not in d and row.precision == "bf16" and row.compile:
+        if "error" not in d and row.precision == "bf16" and row.compile and row.cudnn_sdpa:
             base.setdefault(row.ac, d["tps"])
     for row, d in rows:
         if "error" in d:
@@ -66,7 +66,11 @@ def _rows(layers: int, rows: list) -> list[str]:
             continue
         ref = base.get(row.ac)
         ratio = f"{d['tps'] / ref:.2f}×" if ref else "n/a"
-        ops = ", ".join(o.replace("aten::", "") for o in d["profile"].get("sdpa_ops", []))
+        ops = ", ".join(
+            o.replace("aten::_scaled_dot_product_", "")
+            for o in d["profile"].get("sdpa_ops", [])
+            if not o.endswith("_backward")
+        )
         err = d["max_allocated"] / d["estimate_peak_tensors"] - 1
         mfu = f"{100 * d['mfu']:.1f}%" if d.get("mfu") else "n/a"
         out.append(
