@@ -13,7 +13,7 @@ Inductor uses by default.
 from __future__ import annotations
 
 from typing import Any
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -36,7 +36,7 @@ def saved_bytes_compiled(fn: Callable[..., Any], *inputs: Any) -> int:
 
     found: list[int] = []
 
-    def forward_compiler(gm: torch.fx.GraphModule, _inputs):
+    def forward_compiler(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Any:
         inputs = {
             StorageWeakRef(n.meta["val"].untyped_storage()).cdata
             for n in gm.graph.nodes
@@ -54,7 +54,7 @@ def saved_bytes_compiled(fn: Callable[..., Any], *inputs: Any) -> int:
         found.append(sum(seen.values()))
         return make_boxed_func(gm.forward)
 
-    def backward_compiler(gm: torch.fx.GraphModule, _inputs):
+    def backward_compiler(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Any:
         return make_boxed_func(gm.forward)
 
     def backend(gm: torch.fx.GraphModule, example_inputs):

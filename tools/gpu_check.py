@@ -83,7 +83,7 @@ ROWS = (
     Row("float8", "tensorwise", compile=True, ac="none"),
     Row("float8", "rowwise", compile=True, ac="none"),
     Row("bf16", compile=True, ac="selective"),
-    Row("float8", "rowwise", compile=True, ac="selective"),
+    Row("float8", "tensorwise", compile=True, ac="selective"),
     Row("bf16", compile=False, ac="none"),
 )
 
