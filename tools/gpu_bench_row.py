@@ -177,6 +177,13 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.no_cudnn_sdpa:
         torch.backends.cuda.enable_cudnn_sdp(False)
+        # The SDPA flags are not in torch.compile's on-disk cache keys: compile afresh, or a
+        # graph compiled with cuDNN attention by an earlier row would be reused.
+        import torch._functorch.config
+        import torch._inductor.config
+
+        torch._inductor.config.fx_graph_cache = False
+        torch._functorch.config.enable_autograd_cache = False
 
     try:
         result = run(args, argv[split + 1 :])

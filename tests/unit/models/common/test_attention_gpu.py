@@ -5,6 +5,9 @@ attention; with that backend off, torch's own flash kernel (FlashAttention-2) ru
 
 import copy
 
+import torch._functorch.config
+import torch._inductor.config
+
 import pytest
 import torch
 
@@ -47,7 +50,14 @@ def test_bf16_attention_runs_flash_and_matches_float64(compiled, cudnn):
 
     was = torch.backends.cuda.cudnn_sdp_enabled()
     torch.backends.cuda.enable_cudnn_sdp(cudnn)
+    # The SDPA backend flags are not part of torch.compile's on-disk cache keys: without this,
+    # the cudnn-off case would reuse the graph compiled (with cuDNN attention) by the other.
+    no_cache = (
+        torch._inductor.config.patch(fx_graph_cache=False),
+        torch._functorch.config.patch(enable_autograd_cache=False),
+    )
     try:
+        no_cache[0].__enter__(), no_cache[1].__enter__()
         torch._dynamo.reset()
         xg = x.to("cuda", torch.bfloat16).requires_grad_()
         run = torch.compile(attn, fullgraph=True) if compiled else attn
@@ -61,6 +71,7 @@ def test_bf16_attention_runs_flash_and_matches_float64(compiled, cudnn):
 
         ops, kernels = profiled(step)
     finally:
+        no_cache[1].__exit__(None, None, None), no_cache[0].__exit__(None, None, None)
         torch.backends.cuda.enable_cudnn_sdp(was)
     forward = {o for o in ops if not o.endswith("_backward")}
     assert forward and forward <= FLASH_OPS, ops
