@@ -2,7 +2,7 @@
 
     python tools/gpu_check.py [--out docs/gpu_check.md] [--perf docs/performance.md]
                               [--layers N] [--steps 12] [--skip-tests] [--skip-bench]
-                              [--rows SUBSTRING] [--json FILE] [--trace-dir DIR] [--budget-s 570]
+                              [--rows A,B] [--json FILE] [--trace-dir DIR] [--budget-s 570]
 
 1. The machine: GPU name, memory, compute capability, driver, torch and CUDA versions; each
    package the tests or rows need that is missing is named in one line (its tests skip).
@@ -271,7 +271,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--skip-bench", action="store_true")
     p.add_argument("--tests-timeout-s", type=int, default=240)
     p.add_argument("--budget-s", type=int, default=570, help="no row starts after this")
-    p.add_argument("--rows", default="", help="only the rows whose name contains this")
+    p.add_argument(
+        "--rows",
+        default="",
+        help="only the rows whose name contains one of these (comma-separated)",
+    )
     p.add_argument("--json", default="", help="also write every figure here")
     p.add_argument("--trace-dir", default="", help="Chrome trace of the first row's step here")
     a = p.parse_args(argv)
@@ -291,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
         with tempfile.TemporaryDirectory() as tmp:
             folder = model_config(layers, os.path.join(tmp, "model"))
             for k, row in enumerate(ROWS):
-                if a.rows and a.rows not in row.name:
+                if a.rows and not any(part in row.name for part in a.rows.split(",")):
                     continue
                 if time.time() - start > a.budget_s:
                     rows.append((row, {"error": f"not run: past the {a.budget_s} s budget"}))
