@@ -44,17 +44,26 @@ def config(mode: str, option: str) -> JobConfig:
     return c
 
 
-def measured_peak(args, cfg: JobConfig) -> int:
-    """Peak tensor bytes of the second training step (the first creates the optimizer state)."""
+def measured_peak(args, cfg: JobConfig, autocast: bool = False) -> int:
+    """Peak tensor bytes of the second training step (the first creates the optimizer state).
+    With `cfg.compile.enable`, the blocks and the loss are compiled as the trainer does; with
+    `autocast`, the step runs under bf16 autocast (mixed precision without FSDP)."""
     torch.manual_seed(0)
     model = build_model(args)
     model.init_weights()
     apply_ac(model, cfg.activation_checkpoint.mode, cfg.activation_checkpoint.selective_ac_option)
+    loss_fn = cross_entropy_sum
+    if cfg.compile.enable:
+        torch._dynamo.reset()
+        for block in model.layers.values():
+            block.compile(fullgraph=True)
+        loss_fn = torch.compile(cross_entropy_sum)
     optimizer = OptimizersContainer([model], cfg.optimizer, torch.device("cpu"))
     tokens = torch.randint(0, args.vocab_size, (BATCH, SEQ + 1))
 
     def step():
-        cross_entropy_sum(model(tokens[:, :-1]), tokens[:, 1:]).backward()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            loss_fn(model(tokens[:, :-1]), tokens[:, 1:]).backward()
         optimizer.step()
         optimizer.zero_grad()
 
@@ -80,3 +89,21 @@ def test_estimate_within_15_percent_of_measured_peak(model, mode, option):
         f"{model} {mode}/{option}: predicted {predicted / 2**20:.1f} MiB, measured {measured / 2**20:.1f} MiB"
     )
     assert abs(predicted - measured) / measured < 0.15, (predicted, measured)
+
+
+@pytest.mark.parametrize("precision", ["fp32 compiled", "bf16 autocast"])
+def test_compiled_and_autocast_estimates_within_15_percent(precision):
+    """Compiled blocks and loss (the estimate reads the compiled forward graph), and bf16
+    autocast over fp32 weights (the estimate counts autocast's bf16 weight copies)."""
+    cfg = config("none", "op")
+    cfg.compile.enable = precision == "fp32 compiled"
+    dtype = torch.bfloat16 if precision == "bf16 autocast" else torch.float32
+    args = MODELS["llama3"]
+    predicted = estimate_memory(args, cfg, 1, dtype).peak_tensors
+    measured = measured_peak(args, cfg, autocast=dtype == torch.bfloat16)
+    eager = estimate_memory(args, config("none", "op"), 1, torch.float32).peak_tensors
+    print(
+        f"{precision}: predicted {predicted / 2**20:.1f} MiB, measured {measured / 2**20:.1f} MiB"
+    )
+    assert abs(predicted - measured) / measured < 0.15, (predicted, measured)
+    assert predicted != eager  # the estimate did change with the way the run executes
