@@ -318,7 +318,8 @@ def main(argv: list[str] | None = None) -> int:
         f.write(report)
     from tools.benchmark import write_block
 
-    write_block(a.perf, "gpu-check", report.split("\n", 2)[2].strip())
+    # Inside docs/performance.md the report sits under a section: its headings go one level down.
+    write_block(a.perf, "gpu-check", report.split("\n", 2)[2].strip().replace("\n## ", "\n### "))
     if a.json:
         with open(a.json, "w", encoding="utf-8") as f:
             json.dump(
