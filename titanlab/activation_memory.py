@@ -178,6 +178,11 @@ def trace_activation_bytes(
         if compiled_loss:  # the head up to the logits, run eagerly, then the compiled loss
             head = live_after_forward(1, "none", with_loss=False) - eager["none"]
             head += compiled_loss_bytes()
-        per_block = {m: compiled_block(m) for m in one} if compiled_blocks else eager
+        per_block = eager
+        if compiled_blocks:
+            try:
+                per_block = {m: compiled_block(m) for m in one}
+            except Exception:  # a block compile cannot capture whole: estimated as eager code
+                per_block = eager
         _CACHE[key] = ActivationBytes(per_block=per_block, head=head)
     return _CACHE[key]
