@@ -12,6 +12,8 @@ Inductor uses by default.
 
 from __future__ import annotations
 
+import logging
+
 from typing import Any
 from collections.abc import Callable, Sequence
 
@@ -66,12 +68,18 @@ def saved_bytes_compiled(fn: Callable[..., Any], *inputs: Any) -> int:
             partition_fn=min_cut_rematerialization_partition,
         )
 
+    # Selective AC under compile makes torch warn about in-place ops once; the trainer's own
+    # compile warns for real, a pre-flight estimate should not.
+    sac_log = logging.getLogger("torch._higher_order_ops.wrap")
+    level = sac_log.level
+    sac_log.setLevel(logging.ERROR)
     torch._dynamo.reset()
     try:
         out = torch.compile(fn, backend=backend, fullgraph=True)(*inputs)
         del out
     finally:
         torch._dynamo.reset()
+        sac_log.setLevel(level)
     # The user outputs are counted too: a block's output is the next block's input, which that
     # block saves (its own input is a graph input, left out above).
     return sum(found)

@@ -213,6 +213,14 @@ def _check(proc: subprocess.CompletedProcess) -> None:
         raise RuntimeError(f"reference run failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
 
 
+def failure_line(output: str) -> str:
+    """The line of a failed run that says why: the last one naming an error, else the last
+    line that is not a banner of `=` or `-` (torchrun frames its report with them)."""
+    lines = [l.strip() for l in output.splitlines() if l.strip() and set(l.strip()) - set("=-")]
+    errors = [l for l in lines if "Error" in l or "error:" in l]
+    return ((errors or lines or ["(no output)"])[-1])[:300]
+
+
 def run_layout(
     layout: Layout,
     dataset: str,
@@ -241,7 +249,7 @@ def run_layout(
     )
     seconds = time.time() - start
     if proc.returncode != 0:
-        tail = (proc.stderr.strip().splitlines() or ["(no stderr)"])[-1][:300]
+        tail = failure_line(proc.stdout + "\n" + proc.stderr)
         return Outcome(
             layout.name,
             layout.world_size,
