@@ -1,0 +1,145 @@
+"""Per-rank activation memory of context parallel on CPU against the estimator; into the docs.
+
+    python tools/measure_cp_memory.py [--seq 8192] [--short-seq 256] [--cps 1,2,4] [--no-write]
+
+For each CP degree the debug model trains 2 steps under torchrun (cp ranks, dp_shard 1, local
+batch 1, fp32, no AC, no checkpoint) at `--seq` and at `--short-seq` tokens. Rank 0's peak
+resident set size comes from its `metrics.jsonl` (`memory_gib`, peak RSS on CPU). The
+activation memory of the long sequence is the difference of the two peaks: parameters,
+optimizer state, the interpreter and torch itself are the same in both runs and cancel. The
+estimate is the same difference of `estimate_memory(...).peak_tensors`. The table (with the
+ratio to one process) replaces the block between the markers in docs/parallelism.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+from titanlab.hostinfo import cpu_model, ram_gib
+
+DOC = os.path.join(REPO, "docs", "parallelism.md")
+BEGIN = "<!-- measured:cp-memory:begin (tools/measure_cp_memory.py) -->"
+END = "<!-- measured:cp-memory:end -->"
+MIB = 2**20
+
+
+def overrides(seq: int, cp: int, dump: str) -> list[str]:
+    return [
+        "--job.config_file",
+        os.path.join(REPO, "train_configs", "debug_model.toml"),
+        "--job.dump_folder",
+        dump,
+        "--training.seq_len",
+        str(seq),
+        "--training.local_batch_size",
+        "1",
+        "--training.steps",
+        "2",
+        "--parallelism.context_parallel_degree",
+        str(cp),
+        "--parallelism.data_parallel_shard_degree",
+        "1",
+        "--checkpoint.enable",
+        "false",
+        "--validation.enable",
+        "false",
+        "--metrics.log_freq",
+        "1",
+        "--comm.init_timeout_seconds",
+        "300",
+        "--comm.train_timeout_seconds",
+        "300",
+    ]
+
+
+def peak_rss_mib(seq: int, cp: int, tmp: str) -> float:
+    """Rank 0's peak RSS (MiB) over a 2-step run of `cp` ranks at `seq` tokens."""
+    dump = os.path.join(tmp, f"cp{cp}_seq{seq}")
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={cp}",
+        "-m",
+        "titanlab.train",
+        *overrides(seq, cp, dump),
+    ]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1200)
+    if proc.returncode != 0:
+        raise SystemExit(f"cp {cp} seq {seq} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    with open(os.path.join(dump, "metrics.jsonl"), encoding="utf-8") as f:
+        return max(json.loads(line)["memory_gib"] for line in f) * 1024
+
+
+def estimated_mib(seq: int, cp: int) -> float:
+    import torch
+
+    from titanlab import components
+    from titanlab.config.manager import build_config
+    from titanlab.memory import estimate_memory
+
+    config = build_config(overrides(seq, cp, "/tmp/unused"))
+    tokenizer = components.build_tokenizer(config)
+    args = components.build_model_args(config, tokenizer.vocab_size)
+    return estimate_memory(args, config, cp, torch.float32).peak_tensors / MIB
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--seq", type=int, default=8192)
+    p.add_argument("--short-seq", type=int, default=256)
+    p.add_argument("--cps", default="1,2,4")
+    p.add_argument("--no-write", action="store_true")
+    a = p.parse_args(argv)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for cp in (int(c) for c in a.cps.split(",")):
+            measured = peak_rss_mib(a.seq, cp, tmp) - peak_rss_mib(a.short_seq, cp, tmp)
+            predicted = estimated_mib(a.seq, cp) - estimated_mib(a.short_seq, cp)
+            rows.append((cp, measured, predicted))
+            print(
+                f"cp {cp}: measured {measured:.0f} MiB, estimated {predicted:.0f} MiB", flush=True
+            )
+    one = rows[0][1] if rows[0][0] == 1 else None
+    lines = [
+        f"Measured with `python tools/measure_cp_memory.py` on {cpu_model()}, {os.cpu_count()} "
+        f"cores, {ram_gib():.0f} GiB RAM; Python {platform.python_version()}; "
+        f"{datetime.date.today()}. Debug model, seq_len {a.seq}, local batch 1, fp32, AC none; "
+        f"activation memory = rank 0's peak RSS at seq_len {a.seq} minus at {a.short_seq}.",
+        "",
+        "| CP | measured activation MiB per rank | vs 1 process | estimated MiB | estimate error |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for cp, measured, predicted in rows:
+        ratio = f"{measured / one:.2f}×" if one else "n/a"
+        err = 100 * (predicted / measured - 1)
+        lines.append(f"| {cp} | {measured:.0f} | {ratio} | {predicted:.0f} | {err:+.1f}% |")
+    table = "\n".join(lines)
+    print(table)
+    if not a.no_write:
+        with open(DOC, encoding="utf-8") as f:
+            text = f.read()
+        block = f"{BEGIN}\n{table}\n{END}"
+        if BEGIN in text:
+            head, rest = text.split(BEGIN, 1)
+            text = head + block + rest.split(END, 1)[1]
+        else:
+            text = text.rstrip() + "\n\n" + block + "\n"
+        with open(DOC, "w", encoding="utf-8") as f:
+            f.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
