@@ -54,6 +54,14 @@ def validate_layout(config: JobConfig, dims: ParallelDims, model_args, device_ty
 def _validate_pipeline(config: JobConfig, dims: ParallelDims, model_args) -> None:
     p, t = config.parallelism, config.training
     name, pp = p.pipeline_parallel_schedule, dims.pp
+    if name == "LoopedBFS" and dims.cp > 1:
+        # Two full CI runs (2026-11-23) each lost one CP × LoopedBFS layout after step 1 (exit 1);
+        # isolated reruns pass. Refused until the cause is found (issue 17).
+        raise ConfigError(
+            f"parallelism.pipeline_parallel_schedule=LoopedBFS with context_parallel_degree="
+            f"{dims.cp} fails intermittently after the first step; use 1F1B, GPipe, "
+            "Interleaved1F1B or InterleavedZeroBubble, or context_parallel_degree=1"
+        )
     if model_args.tie_word_embeddings:
         raise ConfigError(
             f"model.flavor={config.model.flavor} ties the output to the embedding, "
