@@ -172,14 +172,12 @@ def parse_junit(path: str) -> list[dict]:
 
 def model_config(layers: int, folder: str) -> str:
     """A Hugging Face config.json of Llama 3.1 8B's dims with `layers` blocks; its folder."""
-    import dataclasses as dc
-
     import torch
 
     from titanlab.models.llama3 import llama3_flavors
     from titanlab.models.llama3.hf import to_config
 
-    args = dc.replace(llama3_flavors["8B"], n_layers=layers, vocab_size=128256)
+    args = dataclasses.replace(llama3_flavors["8B"], n_layers=layers, vocab_size=128256)
     cfg = to_config(args, torch.bfloat16, 8192, None, None)
     os.makedirs(folder, exist_ok=True)
     with open(os.path.join(folder, "config.json"), "w", encoding="utf-8") as f:
@@ -214,13 +212,13 @@ def fit_layers(memory: int, fraction: float = 0.85) -> int:
     from titanlab.memory import estimate_memory
     from titanlab.models.llama3 import llama3_flavors
 
-    import dataclasses as dc
-
     config = build_config(["--job.config_file", os.path.join(REPO, "train_configs/llama_8b.toml")])
     config.activation_checkpoint.mode = "none"
 
     def total(n: int) -> int:
-        args = dc.replace(llama3_flavors["8B"], n_layers=n, vocab_size=128256, max_seq_len=8192)
+        args = dataclasses.replace(
+            llama3_flavors["8B"], n_layers=n, vocab_size=128256, max_seq_len=8192
+        )
         return estimate_memory(args, config, 1, torch.bfloat16).total
 
     base, per_layer = total(1), total(2) - total(1)
@@ -334,7 +332,12 @@ def main(argv: list[str] | None = None) -> int:
             )
     print(report)
     failed = [t for t in tests if t["outcome"] in ("failed", "error")]
-    return 1 if failed or any("error" in d for _, d in rows) else 0
+    from tools.gpu_report import estimate_error
+
+    off = [r.name for r, d in rows if "error" not in d and abs(estimate_error(d)) > 0.10]
+    for name in off:
+        print(f"gpu-check: the memory estimate of row {name} is more than 10% off")
+    return 1 if failed or off or any("error" in d for _, d in rows) else 0
 
 
 if __name__ == "__main__":

@@ -7,6 +7,11 @@ import datetime
 GIB = 2**30
 
 
+def estimate_error(row: dict) -> float:
+    """Relative error of `max_memory_allocated` against the estimate (0.05 = 5% above)."""
+    return row["max_allocated"] / row["estimate_peak_tensors"] - 1
+
+
 def render_report(
     info: dict, tests: list[dict], summary: str, layers: int, rows: list, seconds: float
 ) -> str:
@@ -71,7 +76,7 @@ def _rows(layers: int, rows: list) -> list[str]:
             for o in d["profile"].get("sdpa_ops", [])
             if not o.endswith("_backward")
         )
-        err = d["max_allocated"] / d["estimate_peak_tensors"] - 1
+        err = estimate_error(d)
         mfu = f"{100 * d['mfu']:.1f}%" if d.get("mfu") else "n/a"
         out.append(
             f"| {row.name} | {d['median_step_s']:.3f} | {d['tps']:,.0f} | {d['tflops']:.0f} | "

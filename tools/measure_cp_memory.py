@@ -8,7 +8,7 @@ resident set size comes from its `metrics.jsonl` (`memory_gib`, peak RSS on CPU)
 activation memory of the long sequence is the difference of the two peaks: parameters,
 optimizer state, the interpreter and torch itself are the same in both runs and cancel. The
 estimate is the same difference of `estimate_memory(...).peak_tensors`. The table (with the
-ratio to one process) replaces the block between the markers in docs/parallelism.md.
+ratio to one process) replaces the `cp-memory` block of docs/parallelism.md.
 """
 
 from __future__ import annotations
@@ -27,8 +27,6 @@ sys.path.insert(0, REPO)
 from titanlab.hostinfo import cpu_model, ram_gib
 
 DOC = os.path.join(REPO, "docs", "parallelism.md")
-BEGIN = "<!-- measured:cp-memory:begin (tools/measure_cp_memory.py) -->"
-END = "<!-- measured:cp-memory:end -->"
 MIB = 2**20
 
 
@@ -128,16 +126,9 @@ def main(argv: list[str] | None = None) -> int:
     table = "\n".join(lines)
     print(table)
     if not a.no_write:
-        with open(DOC, encoding="utf-8") as f:
-            text = f.read()
-        block = f"{BEGIN}\n{table}\n{END}"
-        if BEGIN in text:
-            head, rest = text.split(BEGIN, 1)
-            text = head + block + rest.split(END, 1)[1]
-        else:
-            text = text.rstrip() + "\n\n" + block + "\n"
-        with open(DOC, "w", encoding="utf-8") as f:
-            f.write(text)
+        from tools.benchmark import write_block
+
+        write_block(DOC, "cp-memory", table)
     return 0
 
 

@@ -107,3 +107,11 @@ def test_bench_row_runs_the_trainer_on_cpu(tmp_path):
     assert row["tps"] == pytest.approx(16 * 64 / row["median_step_s"], rel=0.01)
     assert row["loss_last"] < row["loss_first"] and row["max_allocated"] is None
     assert "aten::_scaled_dot_product_flash_attention_for_cpu" in row["profile"]["sdpa_ops"]
+
+
+def test_estimate_error_is_measured_over_estimated():
+    from tools.gpu_report import estimate_error
+
+    assert estimate_error({"max_allocated": 110, "estimate_peak_tensors": 100}) == pytest.approx(
+        0.1
+    )
