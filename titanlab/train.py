@@ -38,6 +38,7 @@ from titanlab.failures import (
 )
 from titanlab.float8 import apply_float8, precompute_scales
 from titanlab.preemption import REQUEUE_EXIT_CODE, Preempted, PreemptionHandler
+from titanlab.profiling import StepProfiler
 from titanlab.precision import autocast_context, build_grad_scaler
 from titanlab.loss import IGNORE_INDEX, ScaledLoss, build_loss_fn, local_value, maybe_loss_parallel
 from titanlab.distributed.utils import clip_grad_norm_, global_sum
@@ -218,31 +219,38 @@ class Trainer:
         last = cfg.training.steps
         logger.info("training: steps %d → %d", self.step + 1, last)
         self.metrics.reset_timer(self.step)
-        while self.step < last:
-            self.step += 1
-            batches = [next(data) for _ in range(self.batch.grad_accum_steps)]
-            lr = self.lr_scheduler.get_last_lr()[0]  # the lr this step uses
-            with count_step_comms(self.step):  # only when TITANLAB_COMM_COUNT is set
-                loss, grad_norm = self.train_step(batches)
-            if self.step == 1:
-                set_train_timeout(cfg.comm.train_timeout_seconds)
-            if self.metrics.should_log(self.step, last):
-                self.metrics.log(
-                    self.step, loss=loss, grad_norm=grad_norm, lr=lr, extra=self.moe_metrics
-                )
-            if (
-                cfg.validation.enable
-                and self.val_set is not None
-                and self.step % cfg.validation.freq == 0
-            ):
-                logger.info("validation: step: %d  val_loss: %.6f", self.step, self.validate())
-            self.checkpointer.maybe_save(self.step, last)
-            if cfg.training.gc_freq and self.step % cfg.training.gc_freq == 0:
-                gc.collect(1)
-            if self.step < last and preemption.should_stop():
-                self._stop_for_preemption(preemption)
+        with StepProfiler(cfg.profiling, cfg.job.dump_folder, self.rank, self.device) as prof:
+            while self.step < last:
+                self._loop_step(data, last, preemption)
+                prof.step(self.step)
         preemption.restore()
         logger.info("training: done at step %d", self.step)
+
+    def _loop_step(self, data, last: int, preemption: PreemptionHandler) -> None:
+        """One iteration of the loop: train, log, validate, checkpoint, maybe stop."""
+        cfg = self.config
+        self.step += 1
+        batches = [next(data) for _ in range(self.batch.grad_accum_steps)]
+        lr = self.lr_scheduler.get_last_lr()[0]  # the lr this step uses
+        with count_step_comms(self.step):  # only when TITANLAB_COMM_COUNT is set
+            loss, grad_norm = self.train_step(batches)
+        if self.step == 1:
+            set_train_timeout(cfg.comm.train_timeout_seconds)
+        if self.metrics.should_log(self.step, last):
+            self.metrics.log(
+                self.step, loss=loss, grad_norm=grad_norm, lr=lr, extra=self.moe_metrics
+            )
+        if (
+            cfg.validation.enable
+            and self.val_set is not None
+            and self.step % cfg.validation.freq == 0
+        ):
+            logger.info("validation: step: %d  val_loss: %.6f", self.step, self.validate())
+        self.checkpointer.maybe_save(self.step, last)
+        if cfg.training.gc_freq and self.step % cfg.training.gc_freq == 0:
+            gc.collect(1)
+        if self.step < last and preemption.should_stop():
+            self._stop_for_preemption(preemption)
 
     def _stop_for_preemption(self, preemption: PreemptionHandler) -> None:
         """Save the state of the step just finished (unless already saved) and leave the loop."""

@@ -1,12 +1,15 @@
 """Per-rank activation memory of context parallel on CPU against the estimator; into the docs.
 
-    python tools/measure_cp_memory.py [--seq 8192] [--short-seq 256] [--cps 1,2,4] [--no-write]
+    python tools/measure_cp_memory.py [--seq 8192] [--short-seq 256] [--cps 1,2,4]
+        [--rotates allgather,alltoall] [--no-write]
 
-For each CP degree the debug model trains 2 steps under torchrun (cp ranks, dp_shard 1, local
-batch 1, fp32, no AC, no checkpoint) at `--seq` and at `--short-seq` tokens. Rank 0's peak
-resident set size comes from its `metrics.jsonl` (`memory_gib`, peak RSS on CPU). The
-activation memory of the long sequence is the difference of the two peaks: parameters,
-optimizer state, the interpreter and torch itself are the same in both runs and cancel. The
+For each CP degree (and each rotate method when cp > 1) the debug model trains 2 steps under torchrun (cp ranks, dp_shard 1, local
+batch 1, fp32, no AC, no checkpoint) at `--seq` and at `--short-seq` tokens, with
+`profiling.enable_memory_snapshot` on: step 2 runs under torch.profiler's memory profiler and
+rank 0 writes the peak bytes of the tensors step 2 allocated (`memory_snapshot/rank0_step2_peak.json`). The activation
+memory of the long sequence is the difference of the two peaks: parameters, gradients and
+optimizer state are the same in both runs and cancel. (Peak RSS would add the allocator's
+slack, which the estimator does not model.) The
 estimate is the same difference of `estimate_memory(...).peak_tensors`. The table (with the
 ratio to one process) replaces the `cp-memory` block of docs/parallelism.md.
 """
@@ -30,7 +33,7 @@ DOC = os.path.join(REPO, "docs", "parallelism.md")
 MIB = 2**20
 
 
-def overrides(seq: int, cp: int, dump: str) -> list[str]:
+def overrides(seq: int, cp: int, dump: str, rotate: str = "allgather") -> list[str]:
     return [
         "--job.config_file",
         os.path.join(REPO, "train_configs", "debug_model.toml"),
@@ -44,6 +47,8 @@ def overrides(seq: int, cp: int, dump: str) -> list[str]:
         "2",
         "--parallelism.context_parallel_degree",
         str(cp),
+        "--parallelism.context_parallel_rotate_method",
+        rotate,
         "--parallelism.data_parallel_shard_degree",
         "1",
         "--checkpoint.enable",
@@ -52,6 +57,12 @@ def overrides(seq: int, cp: int, dump: str) -> list[str]:
         "false",
         "--metrics.log_freq",
         "1",
+        "--profiling.enable_memory_snapshot",
+        "true",
+        "--profiling.profile_freq",
+        "2",
+        "--profiling.profiler_warmup",
+        "0",
         "--comm.init_timeout_seconds",
         "300",
         "--comm.train_timeout_seconds",
@@ -59,9 +70,9 @@ def overrides(seq: int, cp: int, dump: str) -> list[str]:
     ]
 
 
-def peak_rss_mib(seq: int, cp: int, tmp: str) -> float:
-    """Rank 0's peak RSS (MiB) over a 2-step run of `cp` ranks at `seq` tokens."""
-    dump = os.path.join(tmp, f"cp{cp}_seq{seq}")
+def peak_mib(seq: int, cp: int, rotate: str, tmp: str) -> float:
+    """Rank 0's peak MiB of the tensors step 2 allocated, `cp` ranks at `seq` tokens."""
+    dump = os.path.join(tmp, f"cp{cp}_{rotate}_seq{seq}")
     cmd = [
         sys.executable,
         "-m",
@@ -70,14 +81,16 @@ def peak_rss_mib(seq: int, cp: int, tmp: str) -> float:
         f"--nproc_per_node={cp}",
         "-m",
         "titanlab.train",
-        *overrides(seq, cp, dump),
+        *overrides(seq, cp, dump, rotate),
     ]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1200)
     if proc.returncode != 0:
         raise SystemExit(f"cp {cp} seq {seq} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-    with open(os.path.join(dump, "metrics.jsonl"), encoding="utf-8") as f:
-        return max(json.loads(line)["memory_gib"] for line in f) * 1024
+    with open(
+        os.path.join(dump, "memory_snapshot", "rank0_step2_peak.json"), encoding="utf-8"
+    ) as f:
+        return json.load(f)["window_peak_bytes"] / MIB
 
 
 def estimated_mib(seq: int, cp: int) -> float:
@@ -98,31 +111,43 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seq", type=int, default=8192)
     p.add_argument("--short-seq", type=int, default=256)
     p.add_argument("--cps", default="1,2,4")
+    p.add_argument("--rotates", default="allgather,alltoall")
     p.add_argument("--no-write", action="store_true")
     a = p.parse_args(argv)
+    runs = [
+        (cp, rotate)
+        for cp in (int(c) for c in a.cps.split(","))
+        for rotate in (a.rotates.split(",") if cp > 1 else ["allgather"])
+    ]
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        for cp in (int(c) for c in a.cps.split(",")):
-            measured = peak_rss_mib(a.seq, cp, tmp) - peak_rss_mib(a.short_seq, cp, tmp)
+        for cp, rotate in runs:
+            measured = peak_mib(a.seq, cp, rotate, tmp) - peak_mib(a.short_seq, cp, rotate, tmp)
             predicted = estimated_mib(a.seq, cp) - estimated_mib(a.short_seq, cp)
-            rows.append((cp, measured, predicted))
+            rows.append((cp, rotate, measured, predicted))
             print(
-                f"cp {cp}: measured {measured:.0f} MiB, estimated {predicted:.0f} MiB", flush=True
+                f"cp {cp} {rotate}: measured {measured:.0f} MiB, estimated {predicted:.0f} MiB",
+                flush=True,
             )
-    one = rows[0][1] if rows[0][0] == 1 else None
+    one = next((m for cp, _, m, _ in rows if cp == 1), None)
     lines = [
         f"Measured with `python tools/measure_cp_memory.py` on {cpu_model()}, {os.cpu_count()} "
         f"cores, {ram_gib():.0f} GiB RAM; Python {platform.python_version()}; "
         f"{datetime.date.today()}. Debug model, seq_len {a.seq}, local batch 1, fp32, AC none; "
-        f"activation memory = rank 0's peak RSS at seq_len {a.seq} minus at {a.short_seq}.",
+        f"activation memory = rank 0's peak bytes of the tensors allocated in step 2 "
+        f"(torch.profiler's memory timeline) at seq_len {a.seq} minus at {a.short_seq}.",
         "",
-        "| CP | measured activation MiB per rank | vs 1 process | estimated MiB | estimate error |",
-        "| --- | --- | --- | --- | --- |",
+        "| CP | rotate method | measured activation MiB per rank | vs 1 process | estimated MiB "
+        "| estimate error |",
+        "| --- | --- | --- | --- | --- | --- |",
     ]
-    for cp, measured, predicted in rows:
+    for cp, rotate, measured, predicted in rows:
         ratio = f"{measured / one:.2f}×" if one else "n/a"
         err = 100 * (predicted / measured - 1)
-        lines.append(f"| {cp} | {measured:.0f} | {ratio} | {predicted:.0f} | {err:+.1f}% |")
+        method = rotate if cp > 1 else "—"
+        lines.append(
+            f"| {cp} | {method} | {measured:.0f} | {ratio} | {predicted:.0f} | {err:+.1f}% |"
+        )
     table = "\n".join(lines)
     print(table)
     if not a.no_write:

@@ -33,8 +33,14 @@ STEPS = 5
 GLOBAL_BATCH = 8
 TOLERANCE = 1e-5
 WORLD_SIZES = (1, 2, 4, 8)
-# PP × TP × FSDP on 8 ranks must be in the CI subset even though pairs alone do not force it.
-MUST = (frozenset({"pp:1F1B", "tp", "fsdp", "8ranks"}),)
+# PP × TP × FSDP on 8 ranks must be in the CI subset even though pairs alone do not force it;
+# so must CP's second rotate method with each other parallelism and with gradient accumulation.
+MUST = (
+    frozenset({"pp:1F1B", "tp", "fsdp", "8ranks"}),
+    frozenset({"cp:alltoall", "fsdp", "grad_accum"}),
+    frozenset({"cp:alltoall", "hsdp"}),
+    frozenset({"cp:alltoall", "tp", "pp:1F1B"}),
+)
 BASE_ARGS = [
     *TINY_RUN,
     "--model.flavor",

@@ -17,6 +17,7 @@ from titanlab.config.checkpointing import Checkpoint
 from titanlab.config.errors import ConfigError, _require
 from titanlab.config.parallelism import Parallelism
 from titanlab.config.performance import ActivationCheckpoint, Compile, Float8
+from titanlab.config.profiling import Profiling
 
 __all__ = [
     "ActivationCheckpoint",
@@ -34,6 +35,7 @@ __all__ = [
     "Model",
     "Optimizer",
     "Parallelism",
+    "Profiling",
     "Training",
     "Validation",
 ]
@@ -321,6 +323,7 @@ class JobConfig:
     compile: Compile = field(default_factory=Compile)
     float8: Float8 = field(default_factory=Float8)
     metrics: Metrics = field(default_factory=Metrics)
+    profiling: Profiling = field(default_factory=Profiling)
     data: Data = field(default_factory=Data)
     validation: Validation = field(default_factory=Validation)
     debug: Debug = field(default_factory=Debug)

@@ -7,6 +7,7 @@ from typing import Literal
 
 from titanlab.config.errors import ConfigError, _require  # noqa: F401
 
+CPRotateMethod = Literal["allgather", "alltoall"]
 PipelineSchedule = Literal[
     "GPipe",
     "1F1B",
@@ -62,7 +63,7 @@ class Parallelism:
     """cp: context parallel degree: each sample's sequence is split over cp ranks (ring
     attention through SDPA; on CPU through the CPU flash kernel)."""
 
-    context_parallel_rotate_method: Literal["allgather", "alltoall"] = "allgather"
+    context_parallel_rotate_method: CPRotateMethod = "allgather"
     """How the ring passes key/value shards between the cp ranks: all-gather them once per
     attention call, or pass them round the ring with all-to-all steps."""
 

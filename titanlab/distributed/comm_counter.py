@@ -20,8 +20,10 @@ full logical tensor the operation is about, on this rank, whatever the algorithm
 - gather, scatter, reduce (unused by titanlab): the tensors of the op's first argument.
 `wire_bytes` is what this rank itself sends under a bandwidth-optimal ring with group size n
 (Patarasuk & Yuan 2009; the NCCL performance notes): all_gather and reduce_scatter
-bytes·(n−1)/n, all_reduce 2·bytes·(n−1)/n, all_to_all bytes·(n−1)/n, send bytes, recv 0,
-broadcast bytes·(n−1)/n (a chain, averaged over its ranks).
+bytes·(n−1)/n, all_reduce 2·bytes·(n−1)/n, all_to_all the input minus the split it keeps
+(bytes·(n−1)/n with equal splits; all of it for the `permute_tensor` of context parallel's
+ring, which sends the whole buffer to the next rank), send bytes, recv 0, broadcast
+bytes·(n−1)/n (a chain, averaged over its ranks).
 
 Set `TITANLAB_COMM_COUNT=<path>` and the trainer counts step 2 (`count_step_comms`) and writes
 `<path>.rank<r>.json` on every rank.
@@ -120,6 +122,24 @@ def _group_size(group: Any) -> int | None:
     return None
 
 
+def _all_to_all_kept(ns: str, args: tuple) -> float | None:
+    """The fraction of an all_to_all's input this rank sends to itself, from its input split
+    sizes; None when the splits are not given (equal splits)."""
+    # functional: (input, output_split_sizes, input_split_sizes, group_name);
+    # c10d alltoall_base_: (output, input, output_split_sizes, input_split_sizes, group, ...).
+    splits, group = (args[2], args[3]) if ns != "c10d" else (args[3], args[4])
+    if not isinstance(splits, (list, tuple)) or not splits or not sum(splits):
+        return None
+    try:
+        if isinstance(group, torch.ScriptObject):
+            rank = dist.ProcessGroup.unbox(group).rank()
+        else:
+            rank = _resolve_process_group(cast("GroupName", group)).rank()
+    except (RuntimeError, TypeError, ValueError, KeyError):
+        return None
+    return splits[rank] / sum(splits)
+
+
 def _measure(ns: str, kind: str, args: tuple) -> tuple[int, int]:
     """(bytes, group size) of one call, with `bytes` as defined in the module docstring."""
     # c10d ops take (outputs, inputs, group, ...) or (tensors, group, ...); functional
@@ -162,10 +182,13 @@ class CommCounter(TorchDispatchMode):
         if ns in _NAMESPACES:
             kind = _KINDS.get(func._overloadpacket.__name__)
             if kind is not None:
-                nbytes, n = _measure(ns, kind, tuple(args) + tuple(kwargs.values()))
+                allargs = tuple(args) + tuple(kwargs.values())
+                nbytes, n = _measure(ns, kind, allargs)
                 self._calls[kind] += 1
                 self._bytes[kind] += nbytes
-                self._wire[kind] += nbytes * _WIRE.get(kind, lambda n: 0.0)(n)
+                kept = _all_to_all_kept(ns, allargs) if kind == "all_to_all" else None
+                sent = 1 - kept if kept is not None else _WIRE.get(kind, lambda n: 0.0)(n)
+                self._wire[kind] += nbytes * sent
                 self._sizes[kind][f"{nbytes}x{n}"] += 1
         return func(*args, **kwargs)
 

@@ -25,9 +25,10 @@ from titanlab.distributed.parallel_dims import ParallelDims
 from titanlab.distributed.validate import validate_layout
 
 if TYPE_CHECKING:
-    from titanlab.config.parallelism import PipelineSchedule
+    from titanlab.config.parallelism import CPRotateMethod, PipelineSchedule
 
 SCHEDULES = (*pipeline.SINGLE, *pipeline.LOOPED, *pipeline.V_SHAPE)
+CP_ROTATE_METHODS = ("allgather", "alltoall")
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,9 @@ class Layout:
     ep: int = 1
     """Expert parallel (MoE models): ranks borrowed from dp_shard × cp × tp, not a factor of
     the world size."""
+    cp_rotate: str = "allgather"
+    """How context parallel's ring passes the KV shards (`parallelism.
+    context_parallel_rotate_method`); meaningful only when cp > 1."""
 
     @property
     def world_size(self) -> int:
@@ -68,6 +72,8 @@ class Layout:
         for label, degree in (("cp", self.cp), ("tp", self.tp), ("ep", self.ep)):
             if degree > 1:
                 parts.append(f"{label}{degree}")
+                if label == "cp" and self.cp_rotate != "allgather":
+                    parts.append(self.cp_rotate)
         if self.pp > 1:
             parts.append(f"pp{self.pp}-{self.schedule}")
         if self.grad_accum > 1:
@@ -100,9 +106,13 @@ class Layout:
 
     @property
     def tags(self) -> frozenset[str]:
-        """`features` plus the world size (`8ranks`), which `pairwise_subset`'s `must` may ask
-        for but which is not paired with every other feature."""
-        return self.features | ({"8ranks"} if self.world_size >= 8 else set())
+        """`features` plus the world size (`8ranks`) and CP's rotate method (`cp:alltoall`),
+        which `pairwise_subset`'s `must` may ask for but which are not paired with every other
+        feature."""
+        extra = {"8ranks"} if self.world_size >= 8 else set()
+        if self.cp > 1:
+            extra.add(f"cp:{self.cp_rotate}")
+        return self.features | extra
 
     def local_batch_size(self, global_batch_size: int) -> int | None:
         """Samples per rank per microbatch step, or None when the global batch does not split."""
@@ -132,6 +142,8 @@ class Layout:
         ]
         if self.schedule:
             out += ["--parallelism.pipeline_parallel_schedule", self.schedule]
+        if self.cp > 1:
+            out += ["--parallelism.context_parallel_rotate_method", self.cp_rotate]
         return out
 
 
@@ -157,19 +169,20 @@ def enumerate_layouts(
 ) -> list[Layout]:
     """Every candidate layout of `world_size` ranks: each ordered factorization into
     (dp_replicate, dp_shard, cp, tp, pp) (cp only when `with_cp`), each of `schedules` when
-    pp > 1, each gradient-accumulation count, and with `with_ep` each expert-parallel degree
-    that divides dp_shard × cp × tp (1 included). Validity is not checked here (see
-    `check_layout`)."""
+    pp > 1, each gradient-accumulation count, each of CP's rotate methods when cp > 1, and
+    with `with_ep` each expert-parallel degree that divides dp_shard × cp × tp (1 included).
+    Validity is not checked here (see `check_layout`)."""
     out = []
     for rep, shard, cp, tp, pp in _factorizations(world_size, 5):
         if cp > 1 and not with_cp:
             continue
         borrowable = shard * cp * tp
         eps = [e for e in range(1, borrowable + 1) if borrowable % e == 0] if with_ep else [1]
-        for schedule, ga, ep in itertools.product(
-            schedules if pp > 1 else (None,), grad_accum, eps
+        rotates = CP_ROTATE_METHODS if cp > 1 else ("allgather",)
+        for schedule, ga, ep, rotate in itertools.product(
+            schedules if pp > 1 else (None,), grad_accum, eps, rotates
         ):
-            out.append(Layout(rep, shard, tp, pp, schedule, ga, cp, ep))
+            out.append(Layout(rep, shard, tp, pp, schedule, ga, cp, ep, rotate))
     return out
 
 
@@ -190,6 +203,7 @@ def apply_layout(config: JobConfig, layout: Layout, global_batch_size: int) -> J
         context_parallel_degree=layout.cp,
         pipeline_parallel_degree=layout.pp,
         expert_parallel_degree=layout.ep,
+        context_parallel_rotate_method=cast("CPRotateMethod", layout.cp_rotate),
         # layout.schedule is one of SCHEDULES, the keys of the pipeline's schedule tables
         pipeline_parallel_schedule=cast(
             "PipelineSchedule", layout.schedule or config.parallelism.pipeline_parallel_schedule
