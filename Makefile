@@ -52,10 +52,10 @@ benchmark: setup
 
 # Every valid layout of 1, 2, 4, 8 ranks against 1 process (the table goes to
 # docs/parallelism.md), then every MoE balancing × layout case (expert parallel included) and
-# the compile cases CI leaves out.
+# the compile cases CI leaves out (context parallel's included).
 test-parity-full: setup
 	OMP_NUM_THREADS=1 $(PY) tools/parity_matrix.py
-	OMP_NUM_THREADS=1 TITANLAB_PARITY_FULL=1 $(PY) -m pytest -q -rs tests/integration/test_qwen3_moe.py tests/integration/test_compile.py
+	OMP_NUM_THREADS=1 TITANLAB_PARITY_FULL=1 $(PY) -m pytest -q -rs tests/integration/test_qwen3_moe.py tests/integration/test_compile.py "tests/integration/test_parallel_parity.py::test_option_matches_single_process"
 
 # On a machine with a CUDA GPU: every GPU test (`pytest -m gpu`), then the 8B-shaped benchmark
 # rows, into docs/gpu_check.md and the gpu-check block of docs/performance.md

@@ -23,15 +23,46 @@ from tools import parity_matrix  # noqa: E402
 REGRESSIONS = [Layout(2, 1, 1, 2, s, 1) for s in ("GPipe", "1F1B", "Interleaved1F1B")]
 LAYOUTS = {lay.name: lay for lay in parity_matrix.ci_layouts() + REGRESSIONS}
 
-# Options that are not layouts, each on the layout it changes.
+# Options that are not layouts, each on the layout it changes. Context parallel's ring runs
+# inside each activation-checkpointing mode's recomputation and under torch.compile; the
+# compiled runs without AC are left to `make test-parity-full` (CI's compiled CP run has
+# selective AC on, which covers compile × CP too).
+CP2 = Layout(1, 1, 1, 1, None, 1, cp=2)
+FULL_ONLY = pytest.mark.skipif(
+    os.environ.get("TITANLAB_PARITY_FULL") != "1", reason="make test-parity-full runs it"
+)
 OPTIONS = {
     "tp2_no_loss_parallel": Layout(1, 1, 2, 1, None, 1),
     "fsdp2_cpu_offload": Layout(1, 2, 1, 1, None, 1),
+    "cp2_ac_full": CP2,
+    "cp2_ac_selective_op": CP2,
+    "cp2_ac_selective_2": CP2,
+    "cp2_compile_ac_selective_op": CP2,
+    "cp2_alltoall_compile": Layout(1, 1, 1, 1, None, 1, cp=2, cp_rotate="alltoall"),
 }
 OPTION_ARGS = {
     "tp2_no_loss_parallel": ["--parallelism.disable_loss_parallel", "true"],
     "fsdp2_cpu_offload": ["--training.enable_cpu_offload", "true"],
+    "cp2_ac_full": ["--activation_checkpoint.mode", "full"],
+    "cp2_ac_selective_op": ["--activation_checkpoint.mode", "selective"],
+    "cp2_ac_selective_2": [
+        "--activation_checkpoint.mode",
+        "selective",
+        "--activation_checkpoint.selective_ac_option",
+        "2",
+    ],
+    "cp2_compile_ac_selective_op": [
+        "--compile.enable",
+        "true",
+        "--activation_checkpoint.mode",
+        "selective",
+    ],
+    "cp2_alltoall_compile": ["--compile.enable", "true"],
 }
+OPTION_PARAMS = [
+    pytest.param(name, marks=FULL_ONLY) if name == "cp2_alltoall_compile" else name
+    for name in OPTIONS
+]
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +84,7 @@ def test_layout_matches_single_process(name, reference):
     _assert_matches(parity_matrix.run_layout(LAYOUTS[name], dataset, seed, losses, root), losses)
 
 
-@pytest.mark.parametrize("name", list(OPTIONS))
+@pytest.mark.parametrize("name", OPTION_PARAMS)
 def test_option_matches_single_process(name, reference):
     dataset, seed, losses, root = reference
     outcome = parity_matrix.run_layout(
