@@ -9,9 +9,10 @@
   `failed (exitcode: N)` lines) out of the terminal, in `<job.dump_folder>/logs/launcher-*.log`;
 - when a rank failed with a titanlab error, prints the path of that log, then the failing rank's
   `titanlab: error: ...` line as the last line on stderr, and exits with that rank's exit code
-  (2 config, 3 diverged, 4 hang; 75 requeue is handled by `run_train.sh`). Each rank writes its
-  line and code to `$TITANLAB_ERROR_DIR/rank<N>` (see `write_error_file`), so the line is found
-  even when `--local-ranks-filter` hides that rank's output.
+  (2 config, 3 diverged, 4 hang, 5 out of memory; 75 requeue is handled by `run_train.sh`).
+  Each rank writes its line and code to `$TITANLAB_ERROR_DIR/rank<N>` (see
+  `write_error_file`), so the line is found even when `--local-ranks-filter` hides that
+  rank's output.
 Any other failure (a crash with a Python traceback from a rank) keeps the rank's traceback on
 the terminal and ends with one line naming the exit code and the log.
 

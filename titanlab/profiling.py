@@ -119,10 +119,20 @@ class StepProfiler(contextlib.AbstractContextManager):
             self._dump_cuda(f"rank{self.rank}_step{train_step}.pickle")
 
     def oom_snapshot(self) -> str | None:
-        """After an out-of-memory error: the CUDA snapshot's path, or None (CPU, or off)."""
-        if not self.cuda_history:
+        """After an out-of-memory error in step `last_step + 1`: write the memory history and
+        return its path. CUDA: the allocator history since the start. CPU: the memory timeline
+        of the window being recorded, up to the failure; None when the failure fell outside a
+        recorded window (or snapshots are off)."""
+        step = self.last_step + 1
+        if self.cuda_history:
+            return self._dump_cuda(f"rank{self.rank}_oom_step{step}.pickle")
+        prof = self.prof
+        if not self.cpu_timeline or prof is None or not _recording(prof):
             return None
-        return self._dump_cuda(f"rank{self.rank}_oom_step{self.last_step + 1}.pickle")
+        prof.on_trace_ready = None
+        prof.stop()
+        self.prof = None
+        return self._write_cpu_timeline(prof, step, f"rank{self.rank}_oom_step{step}")
 
     # --- writers -------------------------------------------------------------------------------
     def _dump_cuda(self, name: str) -> str:
@@ -143,9 +153,12 @@ class StepProfiler(contextlib.AbstractContextManager):
         if self.cpu_timeline:
             self._write_cpu_timeline(prof, step)
 
-    def _write_cpu_timeline(self, prof: torch.profiler.profile, step: int) -> None:
+    def _write_cpu_timeline(
+        self, prof: torch.profiler.profile, step: int, name: str | None = None
+    ) -> str:
+        """Write the window's timeline and `<name>_peak.json`; return the timeline's path."""
         os.makedirs(self.snapshots, exist_ok=True)
-        base = os.path.join(self.snapshots, f"rank{self.rank}_step{step}")
+        base = os.path.join(self.snapshots, name or f"rank{self.rank}_step{step}")
         times, window = allocation_timeline(prof)
         peak: dict[str, Any] = {"window_peak_bytes": max(window, default=0)}
         try:
@@ -178,6 +191,14 @@ class StepProfiler(contextlib.AbstractContextManager):
             path,
             peak["window_peak_bytes"] / 2**20,
         )
+        return path
+
+
+def _recording(prof: torch.profiler.profile) -> bool:
+    """Whether `prof` is inside the recorded steps of its schedule."""
+    from torch.profiler import ProfilerAction
+
+    return prof.current_action in (ProfilerAction.RECORD, ProfilerAction.RECORD_AND_SAVE)
 
 
 def allocation_timeline(prof: torch.profiler.profile, device: str = "cpu") -> tuple[list, list]:
@@ -187,7 +208,10 @@ def allocation_timeline(prof: torch.profiler.profile, device: str = "cpu") -> tu
     from torch._C._profiler import _EventType
 
     events: list[tuple[int, int]] = []
-    stack = list(prof.profiler.kineto_results.experimental_event_tree())
+    results = prof.profiler.kineto_results if prof.profiler is not None else None
+    if results is None:
+        return [], []
+    stack = list(results.experimental_event_tree())
     while stack:
         node = stack.pop()
         if node.typed[0] == _EventType.Allocation and str(node.typed[1].device) == device:

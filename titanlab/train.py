@@ -31,9 +31,13 @@ from titanlab.failures import (
     CONFIG_ERROR_EXIT_CODE,
     DIVERGED_EXIT_CODE,
     HANG_EXIT_CODE,
+    OOM_EXIT_CODE,
+    OutOfMemory,
     TrainingDiverged,
     fail,
     is_collective_timeout,
+    is_out_of_memory,
+    oom_line,
     timeout_line,
 )
 from titanlab.float8 import apply_float8, precompute_scales
@@ -221,7 +225,13 @@ class Trainer:
         self.metrics.reset_timer(self.step)
         with StepProfiler(cfg.profiling, cfg.job.dump_folder, self.rank, self.device) as prof:
             while self.step < last:
-                self._loop_step(data, last, preemption)
+                try:
+                    self._loop_step(data, last, preemption)
+                except Exception as e:
+                    if not is_out_of_memory(e):
+                        raise
+                    line = oom_line(self.rank, self.step, prof.oom_snapshot())
+                    raise OutOfMemory(line) from e
                 prof.step(self.step)
         preemption.restore()
         logger.info("training: done at step %d", self.step)
@@ -440,6 +450,8 @@ def main(argv: list[str] | None = None) -> int:
         return fail(f"titanlab: error: {e}", CONFIG_ERROR_EXIT_CODE)
     except TrainingDiverged as e:
         return fail(f"titanlab: error: {e}", DIVERGED_EXIT_CODE)
+    except OutOfMemory as e:
+        return fail(str(e), OOM_EXIT_CODE)
     except Exception as e:
         if trainer is None or not is_collective_timeout(e):
             raise

@@ -175,6 +175,7 @@ The exit code tells the kind of failure:
 | 2 | A configuration or input error: the line names the option or file. | `ConfigError` |
 | 3 | The loss became NaN or infinite. | `TrainingDiverged` (titanlab/failures.py) |
 | 4 | A collective timed out: some rank stopped responding. | a process-group timeout |
+| 5 | A rank ran out of memory. With `profiling.enable_memory_snapshot` the line names the snapshot written for it (CUDA: the allocator history; CPU: the recorded window's memory timeline up to the failure). | `OutOfMemory` (titanlab/failures.py) |
 | 75 | Preempted (SIGTERM or SIGUSR1) after saving a checkpoint. Run the same command to resume. | `Preempted` |
 
 Exit code 75 is not an error: there is no `titanlab: error:` line, and `run_train.sh` prints

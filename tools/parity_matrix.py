@@ -56,8 +56,6 @@ BASE_ARGS = [
     "--checkpoint.interval",
     "1000",
 ]
-DOC_BEGIN = "<!-- parity-matrix:begin -->"
-DOC_END = "<!-- parity-matrix:end -->"
 
 
 @dataclass
@@ -290,25 +288,28 @@ def format_table(outcomes: list[Outcome]) -> str:
     return "\n".join(rows)
 
 
-def write_doc(path: str, outcomes: list[Outcome], command: str, host: str) -> None:
+def write_doc(
+    path: str, outcomes: list[Outcome], command: str, host: str, block_name: str = "parity-matrix"
+) -> None:
     """Replace the table between the markers in `path` (appended when the markers are absent)."""
     ran = [o for o in outcomes if not o.refused]
     passed = sum(o.passed for o in ran)
     block = "\n".join(
         [
-            DOC_BEGIN,
+            f"<!-- {block_name}:begin -->",
             f"Command: `{command}` on {host}. {len(outcomes)} candidate layouts, {len(ran)} valid, "
             f"{passed} within {TOLERANCE:g} of the 1-process losses over {STEPS} steps, "
             f"{len(outcomes) - len(ran)} refused by the validator.",
             "",
             format_table(outcomes),
-            DOC_END,
+            f"<!-- {block_name}:end -->",
         ]
     )
     text = open(path, encoding="utf-8").read() if os.path.exists(path) else ""
-    if DOC_BEGIN in text and DOC_END in text:
-        head, rest = text.split(DOC_BEGIN, 1)
-        text = head + block + rest.split(DOC_END, 1)[1]
+    begin, end = f"<!-- {block_name}:begin -->", f"<!-- {block_name}:end -->"
+    if begin in text and end in text:
+        head, rest = text.split(begin, 1)
+        text = head + block + rest.split(end, 1)[1]
     else:
         text = text.rstrip("\n") + "\n\n" + block + "\n"
     with open(path, "w", encoding="utf-8") as f:
@@ -325,6 +326,11 @@ def main(argv: list[str] | None = None) -> int:
         "--output",
         default=os.path.join(REPO, "docs", "parallelism.md"),
         help="Markdown file to write the table into ('' to skip)",
+    )
+    ap.add_argument(
+        "--block",
+        default="parity-matrix",
+        help="name of the marked block the table replaces (a partial run writes its own block)",
     )
     args = ap.parse_args(argv)
 
@@ -363,7 +369,7 @@ def main(argv: list[str] | None = None) -> int:
             argv if argv is not None else sys.argv[1:]
         )
         host = f"{cpu_model()}, {os.cpu_count()} cores, {ram_gib():.0f} GiB, no GPU (gloo)"
-        write_doc(args.output, outcomes, command.strip(), host)
+        write_doc(args.output, outcomes, command.strip(), host, args.block)
     failed = [o for o in outcomes if not o.refused and not o.passed]
     print(
         f"parity matrix: {len(outcomes) - len(failed)} of {len(outcomes)} ok"

@@ -5,6 +5,8 @@ its window's memory timeline and peak."""
 import json
 import os
 
+from conftest import TINY
+
 
 def trace_names(path: str) -> set[str]:
     with open(path, encoding="utf-8") as f:
@@ -44,3 +46,43 @@ def test_two_ranks_write_one_trace_per_window_with_fsdp_collectives(train, tmp_p
             peak = json.load(f)
         assert peak["step"] == 4 and peak["rank"] == rank
         assert peak["window_peak_bytes"] > 0
+
+
+def test_out_of_memory_in_a_recorded_step_ends_with_one_line_naming_its_snapshot(
+    tiny_dataset, tmp_path, monkeypatch, capsys
+):
+    """A forced allocation failure (an 32 TiB tensor) in step 2, inside a recorded window:
+    the run exits with 5 and its last line names the memory timeline written for it."""
+    import torch
+
+    from titanlab import train
+
+    real_step = train.Trainer.train_step
+
+    def failing_step(self, batches):
+        if self.step == 2:
+            torch.empty(2**45, dtype=torch.uint8)
+        return real_step(self, batches)
+
+    monkeypatch.setattr(train.Trainer, "train_step", failing_step)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    code = train.main(
+        [
+            *TINY,
+            "--data.dataset_path", tiny_dataset,
+            "--job.dump_folder", str(tmp_path / "run"),
+            "--training.steps", "3",
+            "--profiling.enable_memory_snapshot", "true",
+            "--profiling.profile_freq", "2",
+            "--profiling.profiler_warmup", "0",
+            "--profiling.profiler_active", "2",
+        ]
+    )  # fmt: skip
+    assert code == 5
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    prefix = "titanlab: error: rank 0 ran out of memory in step 2; memory snapshot: "
+    assert last.startswith(prefix), last
+    path = last[len(prefix) :].split(";")[0]
+    assert os.path.basename(path).startswith("rank0_oom_step2") and os.path.exists(path)
+    with open(path.rsplit(".", 2)[0] + "_peak.json", encoding="utf-8") as f:
+        assert json.load(f)["window_peak_bytes"] > 0  # step 1 of the window was recorded
