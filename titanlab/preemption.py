@@ -2,7 +2,9 @@
 `REQUEUE_EXIT_CODE` so the launcher (run_train.sh, the SLURM script) requeues the job.
 
 Signals reach the ranks at slightly different times, so after every step the ranks agree with
-one tiny all-reduce (max of "a signal arrived here") and all stop at the same step.
+one tiny all-reduce (max of "a signal arrived here") and all stop at the same step. The flag is a
+host tensor reduced over a gloo group, whatever the training backend, so the check never makes
+the host wait for the accelerator's queue.
 """
 
 from __future__ import annotations
@@ -31,6 +33,10 @@ class PreemptionHandler:
         self.device = device
         self.received: int | None = None
         self._previous = {s: signal.signal(s, self._on_signal) for s in self.SIGNALS}
+        # A collective: every rank constructs the handler at the same point.
+        self._group = None
+        if dist.is_initialized() and dist.get_world_size() > 1 and dist.get_backend() != "gloo":
+            self._group = dist.new_group(backend="gloo")
 
     def _on_signal(self, signum, frame) -> None:
         self.received = signum
@@ -38,9 +44,9 @@ class PreemptionHandler:
     def should_stop(self) -> bool:
         """True on every rank once any rank has received a signal (a collective: call it on
         all ranks at the same point of every step)."""
-        flag = torch.tensor([1.0 if self.received is not None else 0.0], device=self.device)
+        flag = torch.tensor([1.0 if self.received is not None else 0.0])  # on the host
         if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
         return bool(flag.item())
 
     def signal_name(self) -> str:

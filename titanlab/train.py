@@ -9,10 +9,10 @@ from __future__ import annotations
 import functools
 import gc
 import logging
-import math
 import os
 import socket
 import sys
+import time
 
 import torch
 
@@ -20,7 +20,8 @@ from titanlab import components, preflight
 from titanlab.checkpoint import Checkpointer, store
 from titanlab.config.docs import format_help
 from titanlab.config.job_config import ConfigError, JobConfig
-from titanlab.config.manager import build_config, format_config
+from titanlab.config.dump import compact_config, write_config_toml
+from titanlab.config.manager import build_config
 from titanlab.distributed import moe_stats
 from titanlab.distributed.comm_counter import count_step_comms
 from titanlab.distributed.init import destroy_distributed, init_distributed, set_train_timeout
@@ -48,6 +49,10 @@ from titanlab.loss import IGNORE_INDEX, ScaledLoss, build_loss_fn, local_value, 
 from titanlab.distributed.utils import clip_grad_norm_, global_sum
 from titanlab.memory import local_world_size
 from titanlab.metrics import MetricsLogger, device_peak_flops
+from titanlab.metrics.build import build_sinks
+from titanlab.metrics.system import memory_kind
+from titanlab.run_summary import format_summary
+from titanlab import warning_filters
 from titanlab.models.common.decoder import count_active_params, count_params
 from titanlab.models.registry import format_families
 from titanlab.optim import LRSchedulersContainer, OptimizersContainer
@@ -59,6 +64,7 @@ class Trainer:
     """Owns the model parts, optimizer, data and checkpointer of one run; `train()` runs the loop."""
 
     def __init__(self, config: JobConfig) -> None:
+        warning_filters.install()
         self.config = config
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
         # Everything that can be checked without a process group is checked first.
@@ -69,7 +75,8 @@ class Trainer:
         self.device, self.rank, _ = init_distributed(config.comm.init_timeout_seconds)
         if self.rank != 0:
             logging.getLogger().setLevel(logging.WARNING)
-        logger.info("config:\n%s", format_config(config))
+        if self.rank == 0:
+            logger.info("%s", compact_config(config, write_config_toml(config)))
         logger.info(
             "distributed: world size %d = %d node(s) × %d rank(s), backend %s, rank 0 on %s, "
             "restart %s",
@@ -168,23 +175,16 @@ class Trainer:
         resume = config.checkpoint.enable and not config.checkpoint.create_seed_checkpoint
         self.step = self.checkpointer.load() if resume else 0
 
-        tokens_per_step = (
-            self.batch.local_batch_size * self.batch.grad_accum_steps * config.training.seq_len
-        )
-        tb = (
-            os.path.join(config.job.dump_folder, config.metrics.save_tb_folder)
-            if config.metrics.enable_tensorboard
-            else None
-        )
         self.metrics = MetricsLogger(
             device=self.device,
             rank=self.rank,
             log_freq=config.metrics.log_freq,
+            tokens_per_step=self.batch.global_batch_size * config.training.seq_len,
+            samples_per_step=self.batch.global_batch_size,
+            world_size=world_size,
             flops_per_token=flops_per_token,
-            tokens_per_step=tokens_per_step,
             peak_flops=device_peak_flops(self.device, config.metrics.peak_flops),
-            tb_dir=tb,
-            jsonl_path=os.path.join(config.job.dump_folder, "metrics.jsonl"),
+            sinks=build_sinks(config, self.step) if self.rank == 0 else [],
         )
         self.autocast = functools.partial(
             autocast_context, self.device, compute_dtype, dims.fsdp2_managed
@@ -199,7 +199,7 @@ class Trainer:
         # parallel, each tp rank's MoE layers route their own sequence shard).
         self._moe_stats_mesh = dims.mesh("dp_cp_tp")
         moe_stats.install_stats_reduction(self.model_parts, self._moe_stats_mesh)
-        self.moe_metrics: dict[str, float] = {}
+        self.moe_metrics: dict[str, torch.Tensor] = {}
         self.pp_microbatches = (
             config.training.local_batch_size // config.parallelism.pipeline_parallel_microbatch_size
         )
@@ -222,7 +222,7 @@ class Trainer:
         data = iter(self.loader)
         last = cfg.training.steps
         logger.info("training: steps %d → %d", self.step + 1, last)
-        self.metrics.reset_timer(self.step)
+        first, begin = self.step, time.perf_counter()
         with StepProfiler(cfg.profiling, cfg.job.dump_folder, self.rank, self.device) as prof:
             while self.step < last:
                 try:
@@ -235,32 +235,89 @@ class Trainer:
                 prof.step(self.step)
         preemption.restore()
         logger.info("training: done at step %d", self.step)
+        if self.rank == 0:
+            self._finish_run(first, time.perf_counter() - begin)
 
     def _loop_step(self, data, last: int, preemption: PreemptionHandler) -> None:
         """One iteration of the loop: train, log, validate, checkpoint, maybe stop."""
         cfg = self.config
         self.step += 1
+        self.metrics.begin_step()
         batches = [next(data) for _ in range(self.batch.grad_accum_steps)]
+        self.metrics.data_ready()
         lr = self.lr_scheduler.get_last_lr()[0]  # the lr this step uses
         with count_step_comms(self.step):  # only when TITANLAB_COMM_COUNT is set
             loss, grad_norm = self.train_step(batches)
         if self.step == 1:
             set_train_timeout(cfg.comm.train_timeout_seconds)
-        if self.metrics.should_log(self.step, last):
-            self.metrics.log(
-                self.step, loss=loss, grad_norm=grad_norm, lr=lr, extra=self.moe_metrics
-            )
-        if (
+        validate = (
             cfg.validation.enable
             and self.val_set is not None
             and self.step % cfg.validation.freq == 0
-        ):
-            logger.info("validation: step: %d  val_loss: %.6f", self.step, self.validate())
+        )
+        log = validate or self.metrics.should_log(self.step, last)
+        stop = self.step < last and preemption.should_stop()
+        # The host waits for the device only when it needs the values: to log, or before
+        # anything that must not happen after a non-finite loss (a checkpoint, the end).
+        fetch = log or stop or self.step == last or self.checkpointer.due(self.step, last)
+        diverged = self.metrics.end_step(
+            self.step,
+            loss=loss,
+            grad_norm=grad_norm,
+            lr=lr,
+            extra=self.moe_metrics,
+            loss_scale=self.scaler.get_scale() if self.scaler is not None and fetch else None,
+            fetch=fetch,
+        )
+        if diverged is not None:
+            self._diverged(diverged.step, diverged.values["loss"])
+        if log:
+            self.metrics.log(self.step, val_loss=self.validate() if validate else None)
         self.checkpointer.maybe_save(self.step, last)
         if cfg.training.gc_freq and self.step % cfg.training.gc_freq == 0:
             gc.collect(1)
-        if self.step < last and preemption.should_stop():
+        if stop:
             self._stop_for_preemption(preemption)
+
+    def _finish_run(self, first: int, wall_s: float) -> None:
+        """Rank 0: draw the curves (metrics.save_plot) and print the run summary."""
+        cfg = self.config
+        plot = "off (metrics.save_plot=false)"
+        if cfg.metrics.save_plot:
+            from titanlab.plotting import plot_runs
+
+            path = os.path.join(cfg.job.dump_folder, "loss.png")
+            try:
+                plot_runs([cfg.job.dump_folder], path)
+                plot = path
+            except ValueError as e:  # matplotlib missing
+                plot = f"none ({e})"
+        self.checkpointer.wait()
+        self.metrics.close()  # trackers flush and finish before the summary is printed
+        prof = cfg.profiling
+        traces = (
+            os.path.join(cfg.job.dump_folder, prof.save_traces_folder)
+            if prof.enable_profiling
+            else None
+        )
+        summary = format_summary(
+            first_step=first,
+            last_step=self.step,
+            wall_s=wall_s,
+            metrics=self.metrics,
+            memory_kind=memory_kind(self.device),
+            checkpoint=self.checkpointer.last_complete() if cfg.checkpoint.enable else None,
+            plot=plot,
+            traces=traces,
+        )
+        logger.info("%s", summary)
+
+    def _diverged(self, step: int, loss: float) -> None:
+        last = self.checkpointer.last_complete()
+        raise TrainingDiverged(
+            f"loss is {loss} at step {step}; last complete checkpoint: "
+            f"{last or 'none'} (lower optimizer.lr or check the data)"
+        )
 
     def _stop_for_preemption(self, preemption: PreemptionHandler) -> None:
         """Save the state of the step just finished (unless already saved) and leave the loop."""
@@ -282,21 +339,27 @@ class Trainer:
         )
         raise Preempted()
 
-    def train_step(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[float, float]:
+    def train_step(
+        self, batches: list[tuple[torch.Tensor, torch.Tensor]]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """One optimizer step over `batches` (the grad-accumulation microbatches of this rank).
 
         The loss is the mean over every valid token of the global batch: each token-sum is
         divided by the global token count (over dp and cp ranks) and multiplied by the number
         of ranks FSDP/DDP average gradients over, so the gradient is that of the global mean
-        whatever the layout. Returns (loss, grad_norm) as floats, equal on every rank.
+        whatever the layout. Returns (loss, grad_norm) as 0-d float32 device tensors, equal on
+        every rank; nothing here waits for the device (no host sync), except float16's loss
+        scaler, which must read the overflow flag.
         """
         self.optimizer.zero_grad()
+        # Pinned batches (CUDA) copy without making the host wait for the device.
+        batches = [
+            (i.to(self.device, non_blocking=True), t.to(self.device, non_blocking=True))
+            for i, t in batches
+        ]
         # Every cp rank counts the full sequence, hence the division by cp.
-        local_tokens = sum(int((labels != IGNORE_INDEX).sum()) for _, labels in batches)
-        global_tokens = (
-            global_sum(torch.tensor(float(local_tokens), device=self.device), self._loss_mesh)
-            / self.parallel_dims.cp
-        )
+        local_tokens = torch.stack([(labels != IGNORE_INDEX).sum() for _, labels in batches]).sum()
+        global_tokens = global_sum(local_tokens.float(), self._loss_mesh) / self.parallel_dims.cp
         scale = self._grad_avg_ranks / global_tokens
         if self.scaler is not None:  # float16: backward on a dynamically scaled loss
             scale = self.scaler.scale(scale).reshape(())
@@ -309,7 +372,6 @@ class Trainer:
         )
         with maybe_loss_parallel(self.loss_parallel), self.autocast():
             for inputs, labels in batches:
-                inputs, labels = inputs.to(self.device), labels.to(self.device)
                 loss_sum += self._forward_backward(inputs, labels, scale)
         if self.scaler is not None:
             for opt in self.optimizer.optimizers:
@@ -320,13 +382,7 @@ class Trainer:
             pp_mesh=self.parallel_dims.mesh("pp"),
         )
         total = global_sum(global_sum(loss_sum, self._loss_mesh), self.parallel_dims.mesh("pp"))
-        loss = (total / global_tokens).item()
-        if not math.isfinite(loss):
-            last = self.checkpointer.last_complete()
-            raise TrainingDiverged(
-                f"loss is {loss} at step {self.step}; last complete checkpoint: "
-                f"{last or 'none'} (lower optimizer.lr or check the data)"
-            )
+        loss = total / global_tokens
         if self.scaler is not None:
             stepped = self._scaled_step()
         else:
@@ -337,7 +393,7 @@ class Trainer:
         self.moe_metrics = moe_stats.end_step(
             self.model_parts, self._moe_stats_mesh, microbatches, stepped
         )
-        return loss, grad_norm.item()
+        return loss.detach(), grad_norm.detach().float()
 
     def _scaled_step(self) -> bool:
         """float16: step each optimizer unless a gradient overflowed, then adapt the scale.
@@ -405,7 +461,6 @@ class Trainer:
                     self.config.parallelism.context_parallel_rotate_method,
                 ):
                     total += local_value(self.loss_fn(model(inputs), labels))
-        self.metrics.reset_timer(self.step)
         return (global_sum(total, self._loss_mesh) / global_sum(tokens, self._loss_mesh)).item()
 
     def _write_seed_checkpoint(self) -> None:

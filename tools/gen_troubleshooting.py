@@ -252,10 +252,12 @@ not writable; choose a folder you can write`. Checkpoints, metrics and the launc
 Choose a folder you can write, on a filesystem every node sees for multi-node runs.
 
 **The loss diverged (exit 3).** `loss is nan at step 412; last complete checkpoint:
-outputs/x/checkpoint/step-400 (lower optimizer.lr or check the data)`. `Trainer.train_step` in
-titanlab/train.py raises `TrainingDiverged` (titanlab/failures.py) when the global loss is NaN or infinite. It checks
-after the gradient clip and before the optimizer step, so the bad step's update is not applied.
-Lower `optimizer.lr`, lengthen `lr_scheduler.warmup_steps` or lower `training.max_norm`, then
+outputs/x/checkpoint/step-400 (lower optimizer.lr or check the data)`. The loss stays on the
+device between logging steps (no host sync); on every step that logs, validates or checkpoints,
+and on the last, the loop (titanlab/train.py) fetches the window's losses at once and raises
+`TrainingDiverged` (titanlab/failures.py) naming the first step whose global loss is NaN or
+infinite. At most `metrics.log_freq - 1` later steps have run by then, and no checkpoint is
+written after a non-finite loss. Lower `optimizer.lr`, lengthen `lr_scheduler.warmup_steps` or lower `training.max_norm`, then
 run again. With `checkpoint.enable` it resumes from the last complete checkpoint. If it diverges
 at the same step again, look at the data of that step.
 

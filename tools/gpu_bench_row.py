@@ -111,14 +111,15 @@ def run(args: argparse.Namespace, trainer_args: list[str]) -> dict:
             acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
             with torch_profile(activities=acts) as prof:
                 out = inner(batches)
+                losses.append(float(out[0]))  # waits for the step to finish on the device
             step_s.append(time.perf_counter() - start)
             profile.update(summarize_profile(prof))
             if args.trace:
                 prof.export_chrome_trace(args.trace)
         else:
             out = inner(batches)
+            losses.append(float(out[0]))  # waits for the step to finish on the device
             step_s.append(time.perf_counter() - start)
-        losses.append(out[0])
         return out
 
     trainer.train_step = timed_step  # type: ignore[method-assign]
@@ -146,8 +147,10 @@ def run(args: argparse.Namespace, trainer_args: list[str]) -> dict:
         "flops_per_token": flops,
         "loss_first": losses[0],
         "loss_last": losses[-1],
-        "max_allocated": torch.cuda.max_memory_allocated() if cuda else None,
-        "max_reserved": torch.cuda.max_memory_reserved() if cuda else None,
+        # The trainer restarts the allocator's peak counters at every log line; its run peaks
+        # are the maxima over those windows.
+        "max_allocated": run_peak(trainer, "mem_peak_allocated_gib") if cuda else None,
+        "max_reserved": run_peak(trainer, "mem_peak_reserved_gib") if cuda else None,
         "estimate_peak_tensors": est.peak_tensors,
         "estimate_total": est.total,
         "estimate_summary": est.summary(),
@@ -156,6 +159,11 @@ def run(args: argparse.Namespace, trainer_args: list[str]) -> dict:
     }
     destroy_distributed(barrier=False)
     return result
+
+
+def run_peak(trainer, key: str) -> int:
+    """Bytes: the largest per-window CUDA peak `key` the trainer's metrics logged in this run."""
+    return round(trainer.metrics.run_peaks.get(key, 0.0) * 2**30)
 
 
 def main(argv: list[str] | None = None) -> int:

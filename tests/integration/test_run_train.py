@@ -53,7 +53,9 @@ def test_8b_config_runs_with_debugmodel(tmp_path, tiny_dataset):
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "step: 1  loss:" in proc.stdout
-    assert "selective_ac_option = 'op'" in proc.stdout  # the config's own settings were used
+    # The config's own settings were used: the compact config names them.
+    assert 'activation_checkpoint: mode="selective"' in proc.stdout
+    assert 'checkpoint: keep_latest_k=3, async_mode="async"' in proc.stdout
 
 
 def test_bad_option_is_one_line_before_launch(tmp_path):

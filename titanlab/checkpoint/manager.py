@@ -114,9 +114,14 @@ class Checkpointer:
         }
 
     # --- saving --------------------------------------------------------------------------
+    def due(self, step: int, last_step: int) -> bool:
+        """Whether `maybe_save(step, last_step)` will save: checkpointing is on and `step` is a
+        multiple of the interval or the last."""
+        return self.cfg.enable and (step % self.cfg.interval == 0 or step == last_step)
+
     def maybe_save(self, step: int, last_step: int) -> None:
         """Save when checkpointing is on and `step` is a multiple of the interval or the last."""
-        if self.cfg.enable and (step % self.cfg.interval == 0 or step == last_step):
+        if self.due(step, last_step):
             self.save(step)
             if step == last_step and self.cfg.export_at_end:
                 self.export(step)

@@ -233,6 +233,28 @@ class Metrics:
     """Peak dense FLOP/s of one device for MFU. 0: look the accelerator up in the built-in table
     (CPU: MFU printed as n/a)."""
 
+    enable_wandb: bool = False
+    """Also send the metrics to Weights & Biases (rank 0; needs `pip install 'titanlab[wandb]'`).
+    A resumed run continues the same W&B run; its files go under `<dump_folder>/wandb`."""
+
+    wandb_project: str = "titanlab"
+    """W&B project."""
+
+    wandb_run_name: str = ""
+    """W&B run name. Empty: the dump folder's name."""
+
+    wandb_tags: list[str] = field(default_factory=list)
+    """W&B run tags (on the command line: comma-separated)."""
+
+    wandb_mode: Literal["auto", "online", "offline"] = "auto"
+    """auto: $WANDB_MODE when set, else online when an API key is configured and api.wandb.ai
+    answers, else offline (upload later with `wandb sync <dump_folder>/wandb/offline-run-*`)."""
+
+    save_plot: bool = True
+    """At the end of the run, rank 0 draws loss, validation loss, tokens/s, memory and grad norm
+    against step to `<dump_folder>/loss.png` (needs matplotlib: `pip install 'titanlab[plot]'`;
+    without it the run summary says so)."""
+
     def validate(self) -> None:
         _require(self.log_freq >= 1, f"metrics.log_freq={self.log_freq} must be >= 1")
         _require(self.peak_flops >= 0, f"metrics.peak_flops={self.peak_flops} must be >= 0")

@@ -163,12 +163,3 @@ def build_config(argv: list[str]) -> JobConfig:
 def to_dict(config: JobConfig) -> dict[str, dict[str, Any]]:
     """The config as {section: {key: value}}, e.g. for logging or saving next to a checkpoint."""
     return dataclasses.asdict(config)
-
-
-def format_config(config: JobConfig) -> str:
-    """The resolved config as TOML-like text, one `key = value` per line."""
-    lines = []
-    for section, table in to_dict(config).items():
-        lines.append(f"[{section}]")
-        lines += [f"  {k} = {v!r}" for k, v in table.items()]
-    return "\n".join(lines)

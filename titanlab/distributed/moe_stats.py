@@ -75,13 +75,14 @@ def end_step(
     mesh: DeviceMesh | None,
     microbatches: int,
     stepped: bool = True,
-) -> dict[str, float]:
+) -> dict[str, torch.Tensor]:
     """After the optimizer step: sum the step's expert loads and aux shares over `mesh` (one
     all-reduce for every layer), update the expert biases, and return the metrics of the MoE
-    layers this rank holds: for each layer `moe/<layer>/max_load`, `mean_load` (token slots per
-    expert), `aux_loss` (mean over the microbatches) and `bias_norm`; plus `moe/aux_loss`, the
-    mean over those layers. Empty for a dense model. `stepped=False` (float16 skipped the
-    optimizer step) leaves the expert biases as they are."""
+    layers this rank holds as 0-d device tensors (the host fetches them on logging steps only):
+    for each layer `moe/<layer>/max_load`, `mean_load` (token slots per expert), `aux_loss`
+    (mean over the microbatches) and `bias_norm`; plus `moe/aux_loss`, the mean over those
+    layers. Empty for a dense model. `stepped=False` (float16 skipped the optimizer step) leaves
+    the expert biases as they are."""
     named = [
         (name.split(".")[1] if name.startswith("layers.") else name, m)
         for part in model_parts
@@ -92,20 +93,20 @@ def end_step(
         return {}
     stats = torch.cat([torch.cat([m.tokens_per_expert, m.step_aux.reshape(1)]) for _, m in named])
     stats = _all_reduce_sum(mesh)(stats)
-    out: dict[str, float] = {}
+    out: dict[str, torch.Tensor] = {}
     offset, auxes = 0, []
     for layer, moe in named:
         n = moe.args.num_experts
         load, aux = stats[offset : offset + n], stats[offset + n] / microbatches
         offset += n + 1
         moe.end_step(load, update_bias=stepped)
-        out[f"moe/{layer}/max_load"] = load.max().item()
-        out[f"moe/{layer}/mean_load"] = load.mean().item()
+        out[f"moe/{layer}/max_load"] = load.max()
+        out[f"moe/{layer}/mean_load"] = load.float().mean()
         if moe.args.load_balance_coeff > 0:
-            out[f"moe/{layer}/aux_loss"] = aux.item()
-            auxes.append(aux.item())
+            out[f"moe/{layer}/aux_loss"] = aux
+            auxes.append(aux)
         if moe.args.bias_update_speed > 0:
-            out[f"moe/{layer}/bias_norm"] = moe.expert_bias.norm().item()
+            out[f"moe/{layer}/bias_norm"] = moe.expert_bias.detach().norm()
     if auxes:
-        out["moe/aux_loss"] = sum(auxes) / len(auxes)
+        out["moe/aux_loss"] = torch.stack(auxes).mean()
     return out

@@ -1,0 +1,59 @@
+"""The metrics line: writing it and parsing it back.
+
+The line reads `step: N  loss: X  grad_norm: G  lr: L  tps: T  tflops: F  mfu: M%  memory: ...`
+followed by the step-time spread and CPU use, so tools and tests can parse the first fields
+(`parse_log_line`).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+_LINE = re.compile(r"step:\s*(\d+)\s+loss:\s*([-+]?(?:\d+\.?\d*(?:[eE][-+]?\d+)?|nan|inf))")
+
+
+def parse_log_line(line: str) -> tuple[int, float] | None:
+    """(step, loss) from a metrics line, or None when the line is not one."""
+    m = _LINE.search(line)
+    return (int(m.group(1)), float(m.group(2))) if m else None
+
+
+def format_line(rec: dict[str, Any], memory_kind: str) -> str:
+    """The log line of one metrics record (see `MetricsLogger.log` for its keys)."""
+    mfu = f"{rec['mfu_pct']:.2f}%" if "mfu_pct" in rec else "n/a"
+    line = (
+        f"step: {rec['step']}  loss: {rec['loss']:.6f}  grad_norm: {rec['grad_norm']:.4f}  "
+        f"lr: {rec['lr']:.3e}  tps: {rec['tps']:.0f}  tflops: {rec['tflops']:.3f}  mfu: {mfu}  "
+        f"memory: {rec['memory_gib']:.2f}GiB({memory_kind})  "
+        f"step_ms: {rec['step_time_ms']:.1f} ({rec['step_time_ms_min']:.1f}–"
+        f"{rec['step_time_ms_max']:.1f})  data_ms: {rec['data_wait_ms']:.1f}  "
+        f"cpu: {rec['cpu_util_pct']:.0f}%"
+    )
+    if "loss_scale" in rec:
+        line += f"  loss_scale: {rec['loss_scale']:g}"
+    if rec.get("alloc_retries"):
+        line += f"  alloc_retries: {rec['alloc_retries']:.0f}"
+    return line
+
+
+def format_moe(extra: dict[str, float]) -> str:
+    """The expert-load line: the mean aux loss, then per MoE layer max/mean token slots per
+    expert (1.00 is perfect balance) and the bias norm where auxiliary-loss-free balancing is on."""
+    parts = []
+    if "moe/aux_loss" in extra:
+        parts.append(f"moe_aux_loss: {extra['moe/aux_loss']:.5f}")
+    layers = sorted({k.split("/")[1] for k in extra if k.count("/") == 2}, key=_layer_key)
+    loads = []
+    for layer in layers:
+        mean = extra.get(f"moe/{layer}/mean_load", 0.0)
+        ratio = extra.get(f"moe/{layer}/max_load", 0.0) / mean if mean else 0.0
+        bias = extra.get(f"moe/{layer}/bias_norm")
+        loads.append(f"{layer}:{ratio:.2f}" + (f"(bias {bias:.3f})" if bias is not None else ""))
+    if loads:
+        parts.append("expert max/mean load: " + " ".join(loads))
+    return "  ".join(parts)
+
+
+def _layer_key(layer: str) -> tuple[int, str]:
+    return (int(layer), "") if layer.isdigit() else (1 << 30, layer)
