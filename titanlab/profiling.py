@@ -109,6 +109,13 @@ class StepProfiler(contextlib.AbstractContextManager):
             torch.cuda.memory._record_memory_history(enabled=None)
 
     # --- per step ----------------------------------------------------------------------------
+    def annotate(self, train_step: int) -> contextlib.AbstractContextManager:
+        """Wrap training step `train_step` so the trace names it (`train_step#N`, the global
+        step; torch's own `ProfilerStep#k` counts the profiler's steps since this run began)."""
+        if self.prof is None:
+            return contextlib.nullcontext()
+        return torch.profiler.record_function(f"train_step#{train_step}")
+
     def step(self, train_step: int) -> None:
         """Call after training step `train_step` finished."""
         self.last_step = train_step

@@ -226,7 +226,8 @@ class Trainer:
         with StepProfiler(cfg.profiling, cfg.job.dump_folder, self.rank, self.device) as prof:
             while self.step < last:
                 try:
-                    self._loop_step(data, last, preemption)
+                    with prof.annotate(self.step + 1):
+                        self._loop_step(data, last, preemption)
                 except Exception as e:
                     if not is_out_of_memory(e):
                         raise

@@ -1,9 +1,12 @@
 """A 2-rank FSDP run with profiling on writes one trace per rank per window, and each trace holds
 the step's forward, backward and FSDP collectives; with memory snapshots on, each rank writes
-its window's memory timeline and peak."""
+its window's memory timeline and peak. Tensor parallel with compile, pipeline and context
+parallel write their traces too."""
 
 import json
 import os
+
+import pytest
 
 from conftest import TINY
 
@@ -35,6 +38,7 @@ def test_two_ranks_write_one_trace_per_window_with_fsdp_collectives(train, tmp_p
         for rank in (0, 1):
             names = trace_names(os.path.join(traces, window, f"rank{rank}_trace.json"))
             assert any(n.startswith("ProfilerStep#") for n in names)
+            assert f"train_step#{window[5:]}" in names  # the trace names the global step
             assert "aten::_scaled_dot_product_flash_attention_for_cpu" in names  # forward
             assert "aten::_scaled_dot_product_flash_attention_for_cpu_backward" in names
             assert any(n.startswith("FSDP::all_gather") for n in names), sorted(names)[:50]
@@ -86,3 +90,37 @@ def test_out_of_memory_in_a_recorded_step_ends_with_one_line_naming_its_snapshot
     assert os.path.basename(path).startswith("rank0_oom_step2") and os.path.exists(path)
     with open(path.rsplit(".", 2)[0] + "_peak.json", encoding="utf-8") as f:
         assert json.load(f)["window_peak_bytes"] > 0  # step 1 of the window was recorded
+
+
+# One 2-rank layout per parallelism the FSDP test above does not cover, compile included: the
+# profiler wraps the whole loop, so each must still write a trace per rank naming the step.
+LAYOUTS = {
+    "tp2-compile": ["--parallelism.tensor_parallel_degree", "2", "--compile.enable", "true"],
+    "pp2": ["--parallelism.pipeline_parallel_degree", "2", "--training.local_batch_size", "4"],
+    "cp2": ["--parallelism.context_parallel_degree", "2"],
+}
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_traces_under_each_parallelism_and_compile(train, tmp_path, layout):
+    dump = str(tmp_path / layout)
+    train(
+        2,
+        "--training.steps", "2",
+        "--parallelism.data_parallel_shard_degree", "1",
+        *LAYOUTS[layout],
+        "--profiling.enable_profiling", "true",
+        "--profiling.profile_freq", "2",
+        "--profiling.profiler_warmup", "0",
+        "--profiling.profiler_active", "1",
+        dump=dump,
+    ).check()  # fmt: skip
+    window = os.path.join(dump, "profile_traces", "step-2")
+    assert sorted(os.listdir(window)) == ["rank0_trace.json", "rank1_trace.json"]
+    for rank in (0, 1):
+        names = trace_names(os.path.join(window, f"rank{rank}_trace.json"))
+        assert "train_step#2" in names
+        assert "Optimizer.step#AdamW.step" in names
+        assert any(n.startswith("gloo:") for n in names), sorted(names)[:80]  # collectives
+        if layout == "tp2-compile":
+            assert any("Compiled" in n for n in names), sorted(names)[:80]

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from titanlab.models.common.init import trunc_normal_
+from titanlab.models.common.kv_cache import LayerCache
 from titanlab.models.common.rope import apply_rotary_emb
 
 
@@ -43,9 +44,19 @@ class Attention(nn.Module):
             if norm is not None:
                 norm.reset_parameters()
 
-    def forward(self, x_bsd: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        x_bsd: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv: LayerCache | None = None,
+    ) -> torch.Tensor:
         """x_bsd: (bs, seq, dim); cos, sin: (>= seq, head_dim // 2), sliced here to seq.
         Returns (bs, seq, dim).
+
+        With `kv` (generation only): cos and sin are (bs, seq, head_dim // 2), each sequence's
+        own positions; the new keys and values join the cache and attention runs over all cached
+        slots under its mask.
 
         Head counts come from the projections' sizes (-1), so under tensor parallelism the module
         runs on the local heads. The RoPE tables are sliced here, to the length attention really
@@ -57,12 +68,22 @@ class Attention(nn.Module):
         v = self.wv(x_bsd).view(bs, seq, -1, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary_emb(q, k, cos[:seq], sin[:seq])
+        mask = None
+        if kv is None:
+            q, k = apply_rotary_emb(q, k, cos[:seq], sin[:seq])
+        else:
+            q, k = apply_rotary_emb(q, k, cos, sin)
+            k, v, mask = kv.update(k, v)  # (bs, kv_len, kv_heads, head_dim), (bs, 1, seq, kv_len)
         n_rep = q.shape[2] // k.shape[2]
         if n_rep > 1:  # kv head j serves q heads j*n_rep .. (j+1)*n_rep-1 (repeat_interleave)
             k = k[:, :, :, None, :].expand(-1, -1, -1, n_rep, -1).flatten(2, 3)
             v = v[:, :, :, None, :].expand(-1, -1, -1, n_rep, -1).flatten(2, 3)
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
-        )  # (bs, heads, seq, head_dim)
+        if mask is None:
+            out = F.scaled_dot_product_attention(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
+            )  # (bs, heads, seq, head_dim)
+        else:
+            out = F.scaled_dot_product_attention(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask
+            )
         return self.wo(out.transpose(1, 2).reshape(bs, seq, -1))

@@ -24,6 +24,7 @@ from torch import nn
 from titanlab.models.common.attention import Attention
 from titanlab.models.common.feed_forward import FeedForward
 from titanlab.models.common.init import trunc_normal_
+from titanlab.models.common.kv_cache import KVCache, LayerCache
 from titanlab.models.common.moe import MoE, MoEArgs
 from titanlab.models.common.rope import RopeScaling, precompute_rope_cos_sin
 
@@ -92,9 +93,20 @@ class TransformerBlock(nn.Module):
         self.ffn_norm.reset_parameters()
         self.feed_forward.init_weights(self.out_init_std)
 
-    def forward(self, x_bsd: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """(bs, seq, dim) -> (bs, seq, dim)."""
-        h = x_bsd + self.attention(self.attention_norm(x_bsd), cos, sin)
+    def forward(
+        self,
+        x_bsd: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv: LayerCache | None = None,
+    ) -> torch.Tensor:
+        """(bs, seq, dim) -> (bs, seq, dim); `kv` only when generating (see `Attention`)."""
+        x = self.attention_norm(x_bsd)
+        # Training calls attention with exactly (x, cos, sin): the tensor-parallel plan
+        # prepares those three inputs; the cache goes as a keyword, which it leaves alone.
+        h = x_bsd + (
+            self.attention(x, cos, sin) if kv is None else self.attention(x, cos, sin, kv=kv)
+        )
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -187,12 +199,14 @@ class Decoder(nn.Module):
         elif self.args.tie_word_embeddings and self.tok_embeddings is not None:
             trunc_normal_(self.tok_embeddings.weight, self.args.dim**-0.5)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
         """Run the (possibly partial, per pipeline stage) model.
 
         Args:
             tokens: (bs, seq) int64 token ids, or (bs, seq, dim) float hidden states when
                 `tok_embeddings` is None (a middle or last pipeline stage).
+            cache: generation only: the tokens continue the sequences held in `cache`, at
+                each sequence's own RoPE positions (`KVCache`); training never passes one.
         Returns:
             (bs, seq, vocab) logits in the compute dtype, or (bs, seq, dim) hidden states when
             `norm` / `output` are None.
@@ -203,8 +217,15 @@ class Decoder(nn.Module):
         seq = h.shape[1]
         if seq > self.rope_cos.shape[0]:
             raise ValueError(f"sequence length {seq} exceeds max_seq_len={self.rope_cos.shape[0]}")
-        for layer in self.layers.values():
-            h = layer(h, self.rope_cos, self.rope_sin)  # (bs, seq, dim)
+        if cache is None:
+            for layer in self.layers.values():
+                h = layer(h, self.rope_cos, self.rope_sin)  # (bs, seq, dim)
+        else:
+            positions = cache.begin(seq)  # (bs, seq)
+            cos, sin = self.rope_cos[positions], self.rope_sin[positions]  # (bs, seq, hd/2)
+            for key, layer in self.layers.items():
+                h = layer(h, cos, sin, cache.layer(int(key)))
+            cache.end()
         if self.norm is not None:
             h = self.norm(h)
         return self.output(h) if self.output is not None else h

@@ -84,12 +84,15 @@ def apply_rotary_emb(
 
     Args:
         xq: (bs, seq, n_heads, head_dim); xk: (bs, seq, n_kv_heads, head_dim), any float dtype.
-        cos, sin: (seq, head_dim // 2), from `precompute_rope_cos_sin` sliced to seq.
+        cos, sin: (seq, head_dim // 2), from `precompute_rope_cos_sin` sliced to seq; or
+            (bs, seq, head_dim // 2), each sequence at its own positions (generation).
     Returns:
         (xq, xk) rotated, same shapes and dtypes as the inputs.
     """
-    cos = cos[None, :, None, :].float()  # (1, seq, 1, head_dim/2)
-    sin = sin[None, :, None, :].float()
+    if cos.dim() == 2:
+        cos, sin = cos[None], sin[None]
+    cos = cos[:, :, None, :].float()  # (1 or bs, seq, 1, head_dim/2)
+    sin = sin[:, :, None, :].float()
 
     def rotate(x: torch.Tensor) -> torch.Tensor:
         pairs = x.float().unflatten(-1, (-1, 2))  # (bs, seq, heads, head_dim/2, 2)

@@ -1,0 +1,88 @@
+"""The decode loop: left-pad a batch of prompts, prefill the KV cache, then one token per step."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import cast
+
+import torch
+from torch import nn
+
+from titanlab.generation.sampling import SamplingParams, sample_next
+from titanlab.models.common.kv_cache import KVCache
+
+GREEDY = SamplingParams()
+
+
+@torch.no_grad()
+def generate(
+    model: nn.Module,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    *,
+    params: SamplingParams = GREEDY,
+    eos_ids: Sequence[int] = (),
+    seed: int = 0,
+    max_seq_len: int | None = None,
+    on_step: Callable[[list[int | None]], None] | None = None,
+    step_logits: list[torch.Tensor] | None = None,
+) -> list[list[int]]:
+    """Continue each prompt by up to `max_new_tokens` tokens; returns the new tokens per prompt
+    (ending with the EOS token when one was produced).
+
+    Args:
+        model: a `Decoder` of any family (plain, or tensor-parallel with the same inputs on
+            every rank), in eval mode.
+        prompts: token ids, of different lengths (left-padded internally).
+        eos_ids: tokens that end a sequence (EOS, the chat template's end of turn).
+        seed: seeds the sampling generator (same seed, same output; unused when greedy).
+        max_seq_len: slots per sequence; default the model's RoPE length (`args.max_seq_len`).
+        on_step: called after each decode step with each sequence's new token (None once the
+            sequence has ended), for streaming.
+        step_logits: when given, receives each step's next-token logits, (bs, vocab) float32.
+
+    Raises:
+        ValueError: an empty prompt, `max_new_tokens < 1`, bad sampling parameters, or a prompt
+            longer than `max_seq_len - max_new_tokens` (one line naming the lengths).
+    """
+    params.validate()
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("every prompt needs at least one token")
+    rope_cos = cast(torch.Tensor, model.rope_cos)
+    limit = max_seq_len or int(rope_cos.shape[0])
+    longest = max(len(p) for p in prompts)
+    if longest + max_new_tokens > limit:
+        raise ValueError(
+            f"a prompt of {longest} tokens + max_new_tokens={max_new_tokens} exceeds "
+            f"max_seq_len={limit}; shorten the prompt or lower max_new_tokens"
+        )
+    device = rope_cos.device
+    bs = len(prompts)
+    pad = torch.tensor([longest - len(p) for p in prompts], device=device)
+    tokens = torch.zeros(bs, longest, dtype=torch.long, device=device)
+    for b, p in enumerate(prompts):
+        tokens[b, longest - len(p) :] = torch.tensor(list(p), dtype=torch.long)
+    cache = KVCache(pad, longest + max_new_tokens)
+    generator = torch.Generator(device=device).manual_seed(seed)
+    eos = set(eos_ids)
+    out: list[list[int]] = [[] for _ in range(bs)]
+    done = [False] * bs
+    logits = model(tokens, cache)[:, -1].float()  # (bs, vocab)
+    for step in range(max_new_tokens):
+        if step_logits is not None:
+            step_logits.append(logits)
+        nxt = sample_next(logits, params, generator)  # (bs,)
+        new: list[int | None] = []
+        for b, t in enumerate(nxt.tolist()):
+            new.append(None if done[b] else t)
+            if not done[b]:
+                out[b].append(t)
+                done[b] = t in eos
+        if on_step is not None:
+            on_step(new)
+        if all(done) or step == max_new_tokens - 1:
+            break
+        logits = model(nxt[:, None], cache)[:, -1].float()
+    return out

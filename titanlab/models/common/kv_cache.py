@@ -1,0 +1,92 @@
+"""Key/value cache for generation: prefill a batch of prompts, then decode one token per step.
+
+Used only by generation (`titanlab.generation`); training never passes a cache, and its code
+path is unchanged. Prompts of different lengths are left-padded to a common length: sequence b's
+prompt fills slots `[pad[b], prompt_len)` of the first `prompt_len` slots, and its RoPE
+positions count from its first real token, so each sequence sees exactly the positions and
+attention it would see alone (as Hugging Face's `generate` does with an attention mask).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class KVCache:
+    """The keys and values of every layer for `bs` sequences of at most `max_seq_len` slots.
+
+    Buffers are allocated on a layer's first update with the shape of its keys, so under tensor
+    parallel each rank caches its own heads: k and v are (bs, max_seq_len, kv_heads, head_dim).
+
+    Args:
+        pad: (bs,) int64, the number of left-padding slots of each sequence.
+        max_seq_len: slots per sequence (prompt + new tokens); at most the model's RoPE length.
+    """
+
+    def __init__(self, pad: torch.Tensor, max_seq_len: int) -> None:
+        self.pad = pad.long()
+        self.max_seq_len = max_seq_len
+        self.length = 0  # slots filled by the forwards so far
+        self._k: dict[int, torch.Tensor] = {}
+        self._v: dict[int, torch.Tensor] = {}
+        self._mask: torch.Tensor | None = None
+        self._seq = 0
+
+    def begin(self, seq: int) -> torch.Tensor:
+        """Start a forward of `seq` new slots; returns their RoPE positions, (bs, seq) int64.
+
+        Raises:
+            ValueError: the cache would hold more than `max_seq_len` slots.
+        """
+        if self.length + seq > self.max_seq_len:
+            raise ValueError(
+                f"{self.length + seq} tokens exceed max_seq_len={self.max_seq_len}; "
+                "shorten the prompt or lower max_new_tokens"
+            )
+        device = self.pad.device
+        slots = torch.arange(self.length, self.length + seq, device=device)  # (seq,)
+        keys = torch.arange(self.length + seq, device=device)  # (kv_len,)
+        # Query slot i sees key slot j when j <= i and j is not padding; a padding query sees
+        # itself only (a row with nothing visible would turn into NaN).
+        causal = keys[None, :] <= slots[:, None]  # (seq, kv_len)
+        real = keys[None, None, :] >= self.pad[:, None, None]  # (bs, 1, kv_len)
+        itself = keys[None, :] == slots[:, None]
+        self._mask = (causal[None] & real) | itself[None]  # (bs, seq, kv_len)
+        self._seq = seq
+        return (slots[None, :] - self.pad[:, None]).clamp(min=0)
+
+    def update(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Store this forward's keys/values of `layer` ((bs, seq, kv_heads, head_dim), after
+        RoPE); returns every cached key and value so far and the attention mask,
+        (bs, 1, seq, kv_len) bool (True: attend)."""
+        assert self._mask is not None and k.shape[1] == self._seq, "call begin(seq) first"
+        if layer not in self._k:
+            shape = (k.shape[0], self.max_seq_len, *k.shape[2:])
+            self._k[layer] = k.new_zeros(shape)
+            self._v[layer] = v.new_zeros(shape)
+        end = self.length + self._seq
+        self._k[layer][:, self.length : end] = k
+        self._v[layer][:, self.length : end] = v
+        return self._k[layer][:, :end], self._v[layer][:, :end], self._mask[:, None]
+
+    def end(self) -> None:
+        """Finish the forward started by `begin`: its slots are now part of the cache."""
+        self.length += self._seq
+        self._mask, self._seq = None, 0
+
+    def layer(self, index: int) -> LayerCache:
+        return LayerCache(self, index)
+
+
+class LayerCache:
+    """One layer's view of a `KVCache`, handed to its attention."""
+
+    def __init__(self, cache: KVCache, index: int) -> None:
+        self.cache, self.index = cache, index
+
+    def update(
+        self, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.cache.update(self.index, k, v)
