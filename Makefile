@@ -9,6 +9,9 @@ TORCH_CPU_PIP_ARGS ?=
 CONFIG ?= train_configs/debug_model.toml
 PYTEST_ARGS ?=
 TESTS ?= tests
+# The unit tests run on UNIT_WORKERS processes (pytest-xdist: they are independent and mostly
+# single-process); the integration tests one at a time (each run already uses 2-8 ranks).
+UNIT_WORKERS ?= 2
 
 .PHONY: train test setup clean check lint format benchmark test-parity-full gpu-check
 
@@ -30,7 +33,12 @@ train: setup
 	./run_train.sh $(CONFIG)
 
 test: setup
+ifeq ($(TESTS),tests)
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -rs -n $(UNIT_WORKERS) --cov=titanlab --cov-report= $(PYTEST_ARGS) tests/unit
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -rs --durations=10 --cov=titanlab --cov-append --cov-report=term:skip-covered $(PYTEST_ARGS) tests/integration
+else
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -rs --durations=10 --cov=titanlab --cov-report=term:skip-covered $(PYTEST_ARGS) $(TESTS)
+endif
 
 # Quality gates: lint, format check and types (CI runs `make lint` before `make test`, which
 # runs the unit tests with the rest); `make check` adds the unit tests alone, for a quick local run.
@@ -40,7 +48,7 @@ lint: setup
 	$(PY) -m mypy
 
 check: lint
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -x tests/unit
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -x -n $(UNIT_WORKERS) tests/unit
 
 format: setup
 	$(PY) -m ruff check --fix titanlab tools tests
@@ -52,10 +60,10 @@ benchmark: setup
 
 # Every valid layout of 1, 2, 4, 8 ranks against 1 process (the table goes to
 # docs/parallelism.md), then every MoE balancing × layout case (expert parallel included) and
-# the compile cases CI leaves out (context parallel's included).
+# the compile, profiler-trace and option cases CI leaves out (context parallel's included).
 test-parity-full: setup
 	OMP_NUM_THREADS=1 $(PY) tools/parity_matrix.py
-	OMP_NUM_THREADS=1 TITANLAB_PARITY_FULL=1 $(PY) -m pytest -q -rs tests/integration/test_qwen3_moe.py tests/integration/test_compile.py "tests/integration/test_parallel_parity.py::test_option_matches_single_process"
+	OMP_NUM_THREADS=1 TITANLAB_PARITY_FULL=1 $(PY) -m pytest -q -rs tests/integration/test_qwen3_moe.py tests/integration/test_compile.py tests/integration/test_profiling_traces.py "tests/integration/test_parallel_parity.py::test_option_matches_single_process"
 
 # On a machine with a CUDA GPU: every GPU test (`pytest -m gpu`), then the 8B-shaped benchmark
 # rows, into docs/gpu_check.md and the gpu-check block of docs/performance.md

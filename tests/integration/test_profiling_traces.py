@@ -101,7 +101,19 @@ LAYOUTS = {
 }
 
 
-@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+@pytest.mark.parametrize(
+    "layout",
+    [
+        pytest.param(
+            name,
+            marks=pytest.mark.skipif(
+                name == "cp2" and os.environ.get("TITANLAB_PARITY_FULL") != "1",
+                reason="make test-parity-full runs it",
+            ),
+        )
+        for name in sorted(LAYOUTS)
+    ],
+)
 def test_traces_under_each_parallelism_and_compile(train, tmp_path, layout):
     dump = str(tmp_path / layout)
     train(

@@ -160,6 +160,18 @@ class Decoder(nn.Module):
         return self
 
     @torch.no_grad()
+    def reset_rope(self, device: torch.device | None = None) -> None:
+        """Recompute the RoPE tables (non-persistent buffers, e.g. after `to_empty`) on `device`
+        (default: the tables' current device)."""
+        device = self.rope_cos.device if device is None else device
+        self.rope_cos, self.rope_sin = precompute_rope_cos_sin(
+            self.args.head_dim,
+            self.args.max_seq_len,
+            self.args.rope_theta,
+            self.args.rope_scaling,
+            device=device,
+        )
+
     def init_weights(self, buffer_device: torch.device | None = None) -> None:
         """Recompute the RoPE tables and initialise every parameter in place.
 
@@ -179,15 +191,7 @@ class Decoder(nn.Module):
         Args:
             buffer_device: device for the RoPE tables; default the tables' current device.
         """
-        device = self.rope_cos.device if buffer_device is None else buffer_device
-        cos, sin = precompute_rope_cos_sin(
-            self.args.head_dim,
-            self.args.max_seq_len,
-            self.args.rope_theta,
-            self.args.rope_scaling,
-            device=device,
-        )
-        self.rope_cos, self.rope_sin = cos, sin
+        self.reset_rope(buffer_device)
         if self.tok_embeddings is not None and not self.args.tie_word_embeddings:
             nn.init.normal_(self.tok_embeddings.weight, mean=0.0, std=1.0)
         for layer_id in sorted(self.layers.keys(), key=int):
