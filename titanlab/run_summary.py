@@ -7,7 +7,13 @@ import math
 import os
 import shlex
 
-from titanlab.metrics.logger import MetricsLogger
+from typing import Any
+
+import torch
+
+from titanlab.config.job_config import JobConfig
+from titanlab.metrics.logger import MetricsLogger, perplexity
+from titanlab.metrics.system import memory_kind
 
 
 def format_summary(
@@ -29,11 +35,11 @@ def format_summary(
         "run summary:",
         f"  steps:       {first_step + 1} → {last_step} ({last_step - first_step} done) in "
         f"{datetime.timedelta(seconds=round(wall_s))} wall",
-        f"  train loss:  {loss:.4f} (perplexity {_ppl(loss):.2f}) at step {rec.get('step', '-')}",
+        f"  train loss:  {loss:.4f} (perplexity {perplexity(loss):.2f}) at step {rec.get('step', '-')}",
     ]
     if metrics.last_val is not None:
         step, val = metrics.last_val
-        lines.append(f"  val loss:    {val:.4f} (perplexity {_ppl(val):.2f}) at step {step}")
+        lines.append(f"  val loss:    {val:.4f} (perplexity {perplexity(val):.2f}) at step {step}")
     tps = metrics.mean_tps()
     mfu = "n/a"
     if metrics.peak_flops:
@@ -57,5 +63,37 @@ def format_summary(
     return "\n".join(lines)
 
 
-def _ppl(loss: float) -> float:
-    return math.exp(loss) if loss < 700 else math.inf
+def end_of_run(
+    config: JobConfig,
+    metrics: MetricsLogger,
+    checkpointer: Any,
+    device: torch.device,
+    first_step: int,
+    last_step: int,
+    wall_s: float,
+) -> str:
+    """Draw `<dump_folder>/loss.png` (when `metrics.save_plot`; a missing matplotlib is named in
+    the summary instead) and return the summary of the run. `checkpointer`: the run's
+    `Checkpointer` (its newest complete checkpoint is named)."""
+    dump = config.job.dump_folder
+    plot = "off (metrics.save_plot=false)"
+    if config.metrics.save_plot:
+        from titanlab.plotting import plot_runs
+
+        path = os.path.join(dump, "loss.png")
+        try:
+            plot_runs([dump], path)
+            plot = path
+        except ValueError as e:  # matplotlib missing
+            plot = f"none ({e})"
+    prof = config.profiling
+    return format_summary(
+        first_step=first_step,
+        last_step=last_step,
+        wall_s=wall_s,
+        metrics=metrics,
+        memory_kind=memory_kind(device),
+        checkpoint=checkpointer.last_complete() if config.checkpoint.enable else None,
+        plot=plot,
+        traces=os.path.join(dump, prof.save_traces_folder) if prof.enable_profiling else None,
+    )

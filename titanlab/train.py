@@ -50,8 +50,7 @@ from titanlab.distributed.utils import clip_grad_norm_, global_sum
 from titanlab.memory import local_world_size
 from titanlab.metrics import MetricsLogger, device_peak_flops
 from titanlab.metrics.build import build_sinks
-from titanlab.metrics.system import memory_kind
-from titanlab.run_summary import format_summary
+from titanlab.run_summary import end_of_run
 from titanlab import warning_filters
 from titanlab.models.common.decoder import count_active_params, count_params
 from titanlab.models.registry import format_families
@@ -282,36 +281,10 @@ class Trainer:
 
     def _finish_run(self, first: int, wall_s: float) -> None:
         """Rank 0: draw the curves (metrics.save_plot) and print the run summary."""
-        cfg = self.config
-        plot = "off (metrics.save_plot=false)"
-        if cfg.metrics.save_plot:
-            from titanlab.plotting import plot_runs
-
-            path = os.path.join(cfg.job.dump_folder, "loss.png")
-            try:
-                plot_runs([cfg.job.dump_folder], path)
-                plot = path
-            except ValueError as e:  # matplotlib missing
-                plot = f"none ({e})"
         self.checkpointer.wait()
         self.metrics.close()  # trackers flush and finish before the summary is printed
-        prof = cfg.profiling
-        traces = (
-            os.path.join(cfg.job.dump_folder, prof.save_traces_folder)
-            if prof.enable_profiling
-            else None
-        )
-        summary = format_summary(
-            first_step=first,
-            last_step=self.step,
-            wall_s=wall_s,
-            metrics=self.metrics,
-            memory_kind=memory_kind(self.device),
-            checkpoint=self.checkpointer.last_complete() if cfg.checkpoint.enable else None,
-            plot=plot,
-            traces=traces,
-        )
-        logger.info("%s", summary)
+        logger.info("%s", end_of_run(self.config, self.metrics, self.checkpointer, self.device,
+                                     first, self.step, wall_s))  # fmt: skip
 
     def _diverged(self, step: int, loss: float) -> None:
         last = self.checkpointer.last_complete()

@@ -143,7 +143,7 @@ class MetricsLogger:
             rec["loss_scale"] = last.loss_scale
         if val_loss is not None:
             rec["val_loss"] = val_loss
-            rec["val_ppl"] = _perplexity(val_loss)
+            rec["val_ppl"] = perplexity(val_loss)
             self.last_val = (step, val_loss)
         rec.update(extras)
         self.run_steps += n
@@ -177,5 +177,6 @@ class MetricsLogger:
         self.sinks = []
 
 
-def _perplexity(loss: float) -> float:
+def perplexity(loss: float) -> float:
+    """exp(mean token cross-entropy), inf where exp would overflow."""
     return math.exp(loss) if loss < 700 else math.inf

@@ -18,6 +18,8 @@ import secrets
 import socket
 from typing import Any, Literal
 
+from titanlab.data.prepare import write_json_atomic
+
 logger = logging.getLogger(__name__)
 
 _HOST = "api.wandb.ai"
@@ -114,10 +116,7 @@ class WandbSink:
         return {"id": secrets.token_hex(4), "last_step": 0}
 
     def _write_state(self) -> None:
-        tmp = self._state_path + ".tmp"
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(self._state, f)
-        os.replace(tmp, self._state_path)
+        write_json_atomic(self._state_path, self._state)
 
     def write(self, rec: dict[str, Any]) -> None:
         step = rec["step"]
