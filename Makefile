@@ -13,7 +13,7 @@ TESTS ?= tests
 # single-process); the integration tests one at a time (each run already uses 2-8 ranks).
 UNIT_WORKERS ?= 2
 
-.PHONY: train test setup clean check lint format benchmark test-parity-full gpu-check
+.PHONY: train test setup clean check lint format benchmark test-parity-full gpu-check llama-cpp
 
 setup: $(VENV)/.installed
 
@@ -39,6 +39,14 @@ ifeq ($(TESTS),tests)
 else
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -rs --durations=10 --cov=titanlab --cov-report=term:skip-covered $(PYTEST_ARGS) $(TESTS)
 endif
+
+# llama-cpp-python (llama.cpp built from source, ~3-4 min on 2 cores), for the tests that run
+# GGUF exports in llama.cpp (TITANLAB_LLAMA_CPP_TESTS=1; .ci/run does both). Portable x86-64
+# kernels (GGML_NATIVE=OFF): the AMX int8 kernels a native build picks on some Xeons crashed in a
+# sandbox here; the vision library (LLAVA_BUILD) is not needed.
+LLAMA_CPP_PYTHON ?= 0.3.36
+llama-cpp: setup
+	CMAKE_ARGS="-DGGML_NATIVE=OFF -DLLAVA_BUILD=OFF" $(PY) -m pip install -q "llama-cpp-python==$(LLAMA_CPP_PYTHON)"
 
 # Quality gates: lint, format check and types (CI runs `make lint` before `make test`, which
 # runs the unit tests with the rest); `make check` adds the unit tests alone, for a quick local run.

@@ -1,8 +1,10 @@
 """Sample from a checkpoint: `python -m titanlab.generate CHECKPOINT --prompt TEXT [...]`.
 
 CHECKPOINT is a titanlab DCP folder (`checkpoint/step-N`, `export-step-N`, any parallel layout)
-or a Hugging Face folder. Prompts come from `--prompt` (repeatable) or `--prompt-file` (one per
-line); several prompts run as one left-padded batch. Under torchrun
+or a Hugging Face folder. Prompts come from `--prompt` (repeatable), `--prompt-file` (one per
+line) or `--chat` (a JSONL file of `{"messages": [...]}` conversations, rendered with the chat
+template and answered as the assistant; `titanlab.data.chat`); several prompts run as one
+left-padded batch. Under torchrun
 (`torchrun --nproc_per_node N -m titanlab.generate ...`) the model runs tensor parallel over the
 N ranks (`titanlab.generation.tensor_parallel`) and rank 0 prints. Greedy by default; `--temperature`,
 `--top-k`, `--top-p` and `--seed` sample. A single prompt streams its tokens to the terminal; the
@@ -18,6 +20,7 @@ import time
 import torch
 
 from titanlab.cli import OneLineParser
+from titanlab.data.chat import read_chat_jsonl, render_chat_prompt
 from titanlab.data.tokenizer import default_tokenizer_path, load_tokenizer
 from titanlab.generation import SamplingParams, generate
 from titanlab.distributed.init import destroy_distributed, init_distributed
@@ -32,6 +35,7 @@ def build_parser() -> OneLineParser:
     p.add_argument("checkpoint", help="DCP folder (step-N, export-step-N) or Hugging Face folder")
     p.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
     p.add_argument("--prompt-file", default="", help="a text file, one prompt per line")
+    p.add_argument("--chat", default="", help='a JSONL file, one {"messages": [...]} per line')
     p.add_argument("--tokenizer", default="", help="tokenizer.model / tokenizer.json (default: "
                    "the Hugging Face folder's, else titanlab's bundled one)")  # fmt: skip
     p.add_argument("--max-new-tokens", type=int, default=64)
@@ -45,6 +49,10 @@ def build_parser() -> OneLineParser:
 
 
 def _prompts(args) -> list[str]:
+    if args.chat and (args.prompt or args.prompt_file):
+        raise ValueError(
+            "--chat takes the conversations from its file; drop --prompt / --prompt-file"
+        )
     prompts = list(args.prompt)
     if args.prompt_file:
         try:
@@ -52,8 +60,8 @@ def _prompts(args) -> list[str]:
                 prompts += [line.rstrip("\n") for line in f if line.strip()]
         except OSError as e:
             raise ValueError(f"--prompt-file {args.prompt_file!r}: {e.strerror}") from None
-    if not prompts:
-        raise ValueError("no prompt; give --prompt TEXT or --prompt-file FILE")
+    if not prompts and not args.chat:
+        raise ValueError("no prompt; give --prompt TEXT, --prompt-file FILE or --chat FILE")
     return prompts
 
 
@@ -86,7 +94,14 @@ def run(argv: list[str]) -> int:
             f"tokenizer {tokenizer.path!r} has {tokenizer.vocab_size} tokens but the model only "
             f"{model_args.vocab_size}; give the tokenizer it was trained with (--tokenizer)"
         )
-    ids = [tokenizer.encode(p, bos=not args.no_bos, eos=False) for p in prompts]
+    eos_ids = [tokenizer.eos_id]
+    if args.chat:
+        chats = [render_chat_prompt(tokenizer, m) for m in read_chat_jsonl(args.chat)]
+        ids = [c.ids for c in chats]
+        prompts = [tokenizer.decode(i) for i in ids]
+        eos_ids += [e for c in chats[:1] for e in c.stop_ids if e not in eos_ids]
+    else:
+        ids = [tokenizer.encode(p, bos=not args.no_bos, eos=False) for p in prompts]
     stream = len(prompts) == 1 and rank == 0
     shown: list[int] = []
 
@@ -100,7 +115,7 @@ def run(argv: list[str]) -> int:
         print(prompts[0], end="", flush=True)
     begin = time.perf_counter()
     out = generate(
-        model, ids, args.max_new_tokens, params=params, eos_ids=[tokenizer.eos_id],
+        model, ids, args.max_new_tokens, params=params, eos_ids=eos_ids,
         seed=args.seed, on_step=on_step,
     )  # fmt: skip
     seconds = time.perf_counter() - begin

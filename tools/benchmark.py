@@ -1,6 +1,6 @@
 """Speed and memory of the real trainer against a plain PyTorch loop of the same model and batch.
 
-    python tools/benchmark.py [--matrix full|quick|overhead|none] [--steps 20] [--warmup 5]
+    python tools/benchmark.py [--matrix full|quick|overhead|none] [--steps 20] [--warmup 5] [--decode]
                               [--repeats 1] [--threads 1] [--out docs/performance.md]
                               [--gpu-8b [--gpu-layers 4]]
 
@@ -462,6 +462,12 @@ def main(argv: list[str] | None = None) -> int:
         choices=list(FAMILIES),
         help=f"model family of the debugmodel runs (default: {DEFAULT_FAMILY})",
     )
+    p.add_argument(
+        "--decode",
+        action="store_true",
+        help="also the decode rows (generation tokens/s, batch 1 and 8, eager and compiled; "
+        "tools/benchmark_decode.py) into the decode block of --out",
+    )
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.child:
@@ -529,6 +535,11 @@ def main(argv: list[str] | None = None) -> int:
             f"but {a.gpu_layers} layers (vocab 128256, seq 8192, batch 1, random tokens); MFU "
             f"against the device's dense bf16 peak.\n\n{render_table(rows, mfu=True)}",
         )
+    if a.decode:
+        from tools import benchmark_decode  # imports this module: loaded only when asked
+
+        print("running the decode rows ...", flush=True)
+        benchmark_decode.main(["--out", a.out])
     return 0
 
 

@@ -5,6 +5,8 @@
         [--tokenizer PATH|none] [--overwrite] [--quiet]
     python -m tools.convert_checkpoint from-hf HF_DIR DCP_DIR [--flavor F] [--dtype auto|bf16|...]
         [--overwrite] [--quiet]
+    python -m tools.convert_checkpoint to-gguf DCP_DIR OUT.gguf [--dtype f16|bf16|q8_0|f32]
+        [--model NAME] [--flavor F] [--max-seq-len N] [--tokenizer PATH] [--overwrite] [--quiet]
 
 Any family of the model registry (Llama 3 as `LlamaForCausalLM`, Qwen3 as `Qwen3ForCausalLM`).
 `to-hf` reads the model weights of a titanlab DCP checkpoint (`step-N` of any parallel layout, or
@@ -13,7 +15,9 @@ Any family of the model registry (Llama 3 as `LlamaForCausalLM`, Qwen3 as `Qwen3
 (titanlab writes it with every checkpoint); `--model` / `--flavor` name them for an older folder
 (the vocab size comes from the embedding). `from-hf` derives the args from config.json (any
 shape of the architecture) and writes a model-only DCP folder with them, to start training from
-with `--checkpoint.initial_load_path` and `--model.flavor hf`. A bad input
+with `--checkpoint.initial_load_path` and `--model.flavor hf`. `to-gguf` writes one GGUF file for
+llama.cpp (Llama 3 and Qwen3; `titanlab.checkpoint.gguf_export`) with the tokenizer embedded; it
+needs the `gguf` package (`pip install 'titanlab[gguf]'`). A bad input
 ends with one line `convert_checkpoint: error: ...` and exit status 2. Also runnable as
 `python tools/convert_checkpoint.py`.
 """
@@ -30,6 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from titanlab.cli import OneLineParser
 from titanlab.checkpoint.convert import DTYPES, dcp_to_hf, hf_to_dcp, parse_size
+from titanlab.checkpoint.gguf_export import GGUF_DTYPES, dcp_to_gguf
 from titanlab.models.common.hf_config import DEFAULT_MAX_POSITION_EMBEDDINGS
 from titanlab.models.registry import DEFAULT_FAMILY, FAMILIES, get_family
 
@@ -44,17 +49,14 @@ def build_parser() -> argparse.ArgumentParser:
     to_hf = sub.add_parser("to-hf", help="titanlab DCP checkpoint -> Hugging Face folder")
     to_hf.add_argument("dcp_dir", help="DCP checkpoint folder (step-N or export-step-N)")
     to_hf.add_argument("out_dir", help="Hugging Face folder to create")
-    to_hf.add_argument(
-        "--model",
-        default=None,
-        choices=list(FAMILIES),
-        help="model family (default: the one in model_args.json, else " + DEFAULT_FAMILY + ")",
-    )
-    to_hf.add_argument(
-        "--flavor",
-        default=None,
-        help=f"flavor the checkpoint was trained as ({flavors}; default: the args in the "
-        "folder's model_args.json, else debugmodel)",
+    to_gguf = sub.add_parser("to-gguf", help="titanlab DCP checkpoint -> GGUF file (llama.cpp)")
+    to_gguf.add_argument("dcp_dir", help="DCP checkpoint folder (step-N or export-step-N)")
+    to_gguf.add_argument("out_path", help="the .gguf file to create")
+    to_gguf.add_argument(
+        "--dtype",
+        choices=list(GGUF_DTYPES),
+        default="f16",
+        help="type of the matrices (default: f16; q8_0: llama.cpp's 8-bit blocks; norms stay f32)",
     )
     to_hf.add_argument(
         "--dtype",
@@ -62,24 +64,37 @@ def build_parser() -> argparse.ArgumentParser:
         default="bf16",
         help="dtype of the written weights (default: bf16)",
     )
+    for p in (to_hf, to_gguf):
+        p.add_argument(
+            "--model",
+            default=None,
+            choices=list(FAMILIES),
+            help="model family (default: the one in model_args.json, else " + DEFAULT_FAMILY + ")",
+        )
+        p.add_argument(
+            "--flavor",
+            default=None,
+            help=f"flavor the checkpoint was trained as ({flavors}; default: the args in the "
+            "folder's model_args.json, else debugmodel)",
+        )
+        p.add_argument(
+            "--max-seq-len",
+            type=int,
+            default=DEFAULT_MAX_POSITION_EMBEDDINGS,
+            help="context length written (config.json's max_position_embeddings, GGUF's "
+            f"context_length; default: {DEFAULT_MAX_POSITION_EMBEDDINGS}, Llama 3.1/3.2's)",
+        )
+        p.add_argument(
+            "--tokenizer",
+            default=None,
+            help="tokenizer.model or tokenizer.json (or its folder) to write the tokenizer from; "
+            "'none' for none (to-hf only; default: the bundled tokenizer when the vocab size is "
+            "its own)",
+        )
     to_hf.add_argument(
         "--max-shard-size",
         default="5GB",
         help="largest safetensors shard, e.g. 5GB, 500MB, 2GiB (default: 5GB)",
-    )
-    to_hf.add_argument(
-        "--max-seq-len",
-        type=int,
-        default=DEFAULT_MAX_POSITION_EMBEDDINGS,
-        help="max_position_embeddings written to config.json "
-        f"(default: {DEFAULT_MAX_POSITION_EMBEDDINGS}, Llama 3.1/3.2's context)",
-    )
-    to_hf.add_argument(
-        "--tokenizer",
-        default=None,
-        help="tokenizer.model or tokenizer.json (or its folder) to write tokenizer files from; "
-        "'none' for none "
-        "(default: the bundled tokenizer when the vocab size is its own)",
     )
 
     from_hf = sub.add_parser("from-hf", help="Hugging Face folder -> titanlab DCP checkpoint")
@@ -96,8 +111,8 @@ def build_parser() -> argparse.ArgumentParser:
         default="auto",
         help="dtype to store (default: auto, as in the Hugging Face files)",
     )
-    for p in (to_hf, from_hf):
-        p.add_argument("--overwrite", action="store_true", help="replace a non-empty output folder")
+    for p in (to_hf, from_hf, to_gguf):
+        p.add_argument("--overwrite", action="store_true", help="replace a non-empty output")
         p.add_argument("--quiet", action="store_true", help="no progress bar")
     return parser
 
@@ -121,6 +136,19 @@ def run(argv: list[str] | None = None) -> str:
             progress=not args.quiet,
         )
         dest = args.out_dir
+    elif args.command == "to-gguf":
+        model = dcp_to_gguf(
+            args.dcp_dir,
+            args.out_path,
+            dtype=args.dtype,
+            model_name=args.model,
+            flavor=args.flavor,
+            tokenizer_path=args.tokenizer,
+            max_position_embeddings=args.max_seq_len,
+            overwrite=args.overwrite,
+            progress=not args.quiet,
+        )
+        dest = args.out_path
     else:
         dtype = None if args.dtype == "auto" else DTYPES[args.dtype]
         model = hf_to_dcp(

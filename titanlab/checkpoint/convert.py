@@ -113,7 +113,7 @@ def expected_shapes(family: ModelFamily, args: Any) -> dict[str, tuple[int, ...]
     return {k: tuple(v.shape) for k, v in model.state_dict().items()}
 
 
-def _resolve_dcp_model(
+def resolve_dcp_model(
     dcp_dir: str, model_name: str | None, flavor: str | None, model_args: Any, vocab: int
 ) -> tuple[ModelFamily, Any, str]:
     """(family, args with `vocab`, label for messages) of a DCP checkpoint: explicit
@@ -194,7 +194,7 @@ def dcp_to_hf(
         raise ConversionError(
             f"DCP checkpoint {dcp_dir!r} has no {MODEL_PREFIX}tok_embeddings.weight"
         )
-    family, args, label = _resolve_dcp_model(
+    family, args, label = resolve_dcp_model(
         dcp_dir, model_name, flavor, model_args, reader.tensors["tok_embeddings.weight"].shape[0]
     )
     adapter = HFStateDictAdapter(args)

@@ -31,7 +31,7 @@ from titanlab.data.tokenizer_json import TOKENIZER_FILES, HFTokenizer
 logger = logging.getLogger(__name__)
 
 
-def _byte_to_unicode() -> dict[int, str]:
+def byte_to_unicode() -> dict[int, str]:
     """GPT-2's reversible map of the 256 byte values to printable characters: printable Latin-1
     bytes map to themselves, the others to code points 256, 257, ... in byte order."""
     keep = [
@@ -49,9 +49,11 @@ def _byte_to_unicode() -> dict[int, str]:
     return table
 
 
-def _vocab_and_merges(ranks: dict[bytes, int]) -> tuple[dict[str, int], list[tuple[str, str]]]:
+def byte_level_vocab_and_merges(
+    ranks: dict[bytes, int],
+) -> tuple[dict[str, int], list[tuple[str, str]]]:
     """Byte-level vocab (string → id) and BPE merges ordered by the rank of their result."""
-    to_str = _byte_to_unicode()
+    to_str = byte_to_unicode()
 
     def text(token: bytes) -> str:
         return "".join(to_str[b] for b in token)
@@ -74,7 +76,7 @@ def _build_tokenizer_json(tok: Tokenizer) -> str:
 
     with open(tok.path, "rb") as f:
         ranks = _parse_bpe_file(tok.path, f.read())
-    vocab, merges = _vocab_and_merges(ranks)
+    vocab, merges = byte_level_vocab_and_merges(ranks)
     hf = HFTokenizer(
         models.BPE(vocab, merges, ignore_merges=True)
     )  # whole words first, as tiktoken

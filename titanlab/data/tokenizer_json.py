@@ -70,6 +70,9 @@ class HFTokenizer:
             )
         self._eos = eos
         self._pad = self._id_of(config, "pad_token")
+        template = config.get("chat_template")
+        self.chat_template: str | None = template if isinstance(template, str) else None
+        """The Jinja chat template of tokenizer_config.json, or None."""
 
     def _special_token_config(self) -> dict[str, Any]:
         for name in ("tokenizer_config.json", "special_tokens_map.json"):
@@ -131,6 +134,11 @@ class HFTokenizer:
         if eos:
             ids.append(self._eos)
         return ids
+
+    def token_id(self, text: str) -> int | None:
+        """Id of the token whose text is `text` (e.g. a special token), or None."""
+        found = self._tok.token_to_id(text)
+        return None if found is None else int(found)
 
     def decode(self, ids: Sequence[int]) -> str:
         """Decode ids into text (special tokens kept as text)."""

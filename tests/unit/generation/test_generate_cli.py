@@ -2,6 +2,7 @@
 imported from it, the same greedy continuation as `generate` on the model; bad input is one line."""
 
 import dataclasses
+import json
 import os
 
 import pytest
@@ -70,12 +71,13 @@ def test_single_prompt_streams_the_same_text(folders, capsys):
     [
         (["--top-p", "0"], "top_p=0.0 must be in (0, 1]"),
         (["--max-new-tokens", "1000000"], "+ max_new_tokens=1000000 exceeds max_seq_len="),
-        ([], "no prompt; give --prompt TEXT or --prompt-file FILE"),
+        ([], "no prompt; give --prompt TEXT, --prompt-file FILE or --chat FILE"),
+        (["--chat", "/nonexistent.jsonl"], "chat file '/nonexistent.jsonl': No such file"),
     ],
 )
 def test_bad_input_is_one_line(folders, capsys, extra, message):
     _, hf, _ = folders
-    prompt = [] if not extra else ["--prompt", "x"]
+    prompt = [] if not extra or extra[0] == "--chat" else ["--prompt", "x"]
     assert cli.main([hf, *prompt, *extra]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("titanlab.generate: error: ") and message in err[0]
@@ -105,3 +107,24 @@ def test_under_torchrun_two_ranks_print_what_one_process_prints(folders, capsys)
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout == want
+
+
+def test_chat_file_is_rendered_with_the_template_and_answered(folders, capsys, tmp_path):
+    from titanlab.data.chat import render_chat
+
+    model, hf, _ = folders
+    messages = [{"role": "user", "content": "Write a loop."}]
+    path = tmp_path / "chat.jsonl"
+    path.write_text(
+        json.dumps({"messages": messages}) + "\n" + json.dumps({"messages": messages * 2}) + "\n"
+    )
+    assert cli.main([hf, "--chat", str(path), "--max-new-tokens", "8"]) == 0
+    out = capsys.readouterr().out
+    ids = [
+        render_chat(TOKENIZER, m, add_generation_prompt=True).ids for m in (messages, messages * 2)
+    ]
+    want = generate(model, ids, 8, eos_ids=[TOKENIZER.eos_id, TOKENIZER.eot_id])
+    assert out == "".join(
+        TOKENIZER.decode(i) + TOKENIZER.decode(w) + "\n---\n" for i, w in zip(ids, want)
+    )
+    assert out.count("<|start_header_id|>assistant<|end_header_id|>") == 2
