@@ -22,6 +22,7 @@ from torch.distributed.checkpoint.state_dict import (
 from titanlab.config.job_config import ConfigError, JobConfig
 from titanlab.data.dataset import MemmapTokenDataset
 from titanlab.data.default_corpus import default_cache_dir, ensure_default_corpus
+from titanlab.data.document_masking import DocumentMasking, first_eos_offset
 from titanlab.data.loader import build_dataloader
 from titanlab.data.tokenizer import AnyTokenizer, default_tokenizer_path, load_tokenizer
 from titanlab.models.common.decoder import Decoder
@@ -231,7 +232,27 @@ def build_datasets(config: JobConfig, tokenizer: AnyTokenizer, data_dir: str):
             f" more than the tokenizer's {tokenizer.vocab_size}; prepare it again "
             "with model.tokenizer_path"
         )
+    masking = document_masking(config, train, tokenizer)
+    if masking is not None and first_eos_offset(train, masking.eos_id) is None:
+        raise ConfigError(
+            f"data.document_mask=true but data.dataset_path={data_dir!r} has no EOS token "
+            f"(id {masking.eos_id}) in its first {min(train.total_tokens, 1 << 24):,} tokens, "
+            "so no document boundaries; prepare it with tools/prepare_data.py (which ends "
+            "every document with EOS) or set data.document_mask=false"
+        )
     return train, val
+
+
+def document_masking(config: JobConfig, train, tokenizer: AnyTokenizer) -> DocumentMasking | None:
+    """The run's document masking (the data's EOS id, else the tokenizer's), or None when
+    `data.document_mask` is off."""
+    if not config.data.document_mask:
+        return None
+    eos = train.metadata.get("eos_id")
+    return DocumentMasking(
+        eos_id=int(eos) if eos is not None else tokenizer.eos_id,
+        reset_positions=config.data.reset_positions,
+    )
 
 
 def build_loader(dataset, config: JobConfig, dp_rank: int, dp_degree: int):

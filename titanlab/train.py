@@ -94,6 +94,7 @@ class Trainer:
         data_dir = components.dataset_dir(config, self.tokenizer.path)
         train_set, self.val_set = components.build_datasets(config, self.tokenizer, data_dir)
         self.loader = components.build_loader(train_set, config, dp_rank, dp)
+        self.masking = components.document_masking(config, train_set, self.tokenizer)
         if self.val_set is not None and (len(self.val_set) < dp or dims.pp_enabled):
             logger.warning(
                 "validation: off (%s)",
@@ -331,6 +332,8 @@ class Trainer:
             (i.to(self.device, non_blocking=True), t.to(self.device, non_blocking=True))
             for i, t in batches
         ]
+        prepared = [self._model_inputs(i, t) for i, t in batches]
+        batches = [(i, t) for i, t, _ in prepared]
         # Every cp rank counts the full sequence, hence the division by cp.
         local_tokens = torch.stack([(labels != IGNORE_INDEX).sum() for _, labels in batches]).sum()
         global_tokens = global_sum(local_tokens.float(), self._loss_mesh) / self.parallel_dims.cp
@@ -345,8 +348,8 @@ class Trainer:
             self._grad_avg_ranks * (self.scaler.get_scale() if self.scaler is not None else 1.0),
         )
         with maybe_loss_parallel(self.loss_parallel), self.autocast():
-            for inputs, labels in batches:
-                loss_sum += self._forward_backward(inputs, labels, scale)
+            for inputs, labels, kwargs in prepared:
+                loss_sum += self._forward_backward(inputs, labels, scale, kwargs)
         if self.scaler is not None:
             for opt in self.optimizer.optimizers:
                 self.scaler.unscale_(opt)
@@ -386,11 +389,22 @@ class Trainer:
             )
         return not skipped
 
+    def _model_inputs(
+        self, inputs: torch.Tensor, labels: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, dict]:
+        """(inputs, labels, model keyword arguments) of a batch: with document masking, labels
+        without cross-document targets and the `segments` / `positions` the model takes."""
+        if self.masking is None:
+            return inputs, labels, {}
+        labels, kwargs = self.masking.apply(inputs, labels)
+        return inputs, labels, kwargs
+
     def _forward_backward(
-        self, inputs: torch.Tensor, labels: torch.Tensor, scale: torch.Tensor
+        self, inputs: torch.Tensor, labels: torch.Tensor, scale: torch.Tensor, kwargs: dict
     ) -> torch.Tensor:
-        """Forward and backward of one (bs, seq) batch; returns its detached token-loss sum
-        (0 on pipeline ranks without the last stage)."""
+        """Forward and backward of one (bs, seq) batch (`kwargs`: the model's document-mask
+        keywords, passed to every pipeline stage); returns its detached token-loss sum (0 on
+        pipeline ranks without the last stage)."""
         context = cp_context(
             self.parallel_dims.mesh("cp"),
             inputs,
@@ -403,13 +417,15 @@ class Trainer:
             losses: list[torch.Tensor] = []
             args = (inputs,) if self.has_first else ()
             with context:  # every stage's ranks hold their sequence shard of each microbatch
-                self.schedule.step(*args, target=labels if self.has_last else None, losses=losses)
+                self.schedule.step(
+                    *args, target=labels if self.has_last else None, losses=losses, **kwargs
+                )
             if not self.has_last:
                 return torch.zeros((), device=self.device)
             return sum(local_value(l) for l in losses) / scale
         model = self.model_parts[0]
         with context:
-            token_loss = self.loss_fn(model(inputs), labels)
+            token_loss = self.loss_fn(model(inputs, **kwargs), labels)
             (token_loss * scale).backward()
         return local_value(token_loss)
 
@@ -425,7 +441,9 @@ class Trainer:
         # Validation batches are not training microbatches: the MoE load statistics skip them.
         with maybe_loss_parallel(self.loss_parallel), moe_stats.stats_paused(model):
             for _, (inputs, labels) in zip(range(self.config.validation.steps), loader):
-                inputs, labels = inputs.to(self.device), labels.to(self.device)
+                inputs, labels, kwargs = self._model_inputs(
+                    inputs.to(self.device), labels.to(self.device)
+                )
                 tokens += (labels != IGNORE_INDEX).sum() / self.parallel_dims.cp
                 with cp_context(
                     self.parallel_dims.mesh("cp"),
@@ -434,7 +452,7 @@ class Trainer:
                     self.model_parts,
                     self.config.parallelism.context_parallel_rotate_method,
                 ):
-                    total += local_value(self.loss_fn(model(inputs), labels))
+                    total += local_value(self.loss_fn(model(inputs, **kwargs), labels))
         return (global_sum(total, self._loss_mesh) / global_sum(tokens, self._loss_mesh)).item()
 
     def _write_seed_checkpoint(self) -> None:

@@ -6,6 +6,7 @@ checkpoint whose loader state is a pickle), which `titanlab.launcher` reports la
 torchrun's traceback kept in `<dump_folder>/logs/launcher-*.log` and the rank's exit code.
 """
 
+import json
 import os
 import pickle
 import shutil
@@ -137,3 +138,20 @@ def test_pickled_loader_state_is_refused_in_the_rank_without_running_it(tiny_dat
     proc = run_script(1, *data, "--training.steps", "4", "--job.dump_folder", str(forged))
     assert_last_line(proc, 2, "is not plain data")
     assert not os.path.exists(marker)  # the pickle never ran
+
+
+def test_document_mask_on_data_without_eos_is_one_line(tiny_dataset, tmp_path):
+    """A dataset whose EOS id never occurs (the tiny dataset's shards under a metadata.json
+    naming an id the text never contains) cannot be document-masked."""
+    with open(os.path.join(tiny_dataset, "metadata.json")) as f:
+        meta = json.load(f)
+    fake = tmp_path / "no_eos"
+    fake.mkdir()
+    for shard in meta["shards"]:
+        os.symlink(os.path.join(tiny_dataset, shard["file"]), fake / shard["file"])
+    meta["eos_id"] = 4351  # the last reserved special token: never in prepared text
+    (fake / "metadata.json").write_text(json.dumps(meta))
+    proc = run_script(1, "--data.dataset_path", str(fake), "--data.document_mask", "true",
+                      "--job.dump_folder", str(tmp_path / "run"))  # fmt: skip
+    assert_last_line(proc, 2, "data.document_mask=true but data.dataset_path=")
+    assert "has no EOS token (id 4351)" in proc.stderr.strip().splitlines()[-1]

@@ -41,7 +41,10 @@ def type_name(tp: Any) -> str:
     if typing.get_origin(tp) is typing.Literal:
         return " | ".join(str(a) for a in typing.get_args(tp))
     if typing.get_origin(tp) is list:
-        return f"list[{typing.get_args(tp)[0].__name__}]"
+        item = typing.get_args(tp)[0]
+        if dataclasses.is_dataclass(item):
+            return "array of tables"
+        return f"list[{item.__name__}]"
     return getattr(tp, "__name__", str(tp))
 
 
@@ -74,7 +77,23 @@ def format_help() -> str:
             )
             for chunk in textwrap.wrap(docs.get(f.name, ""), 92):
                 lines.append("      " + chunk)
+            for sub, sub_type, sub_doc in table_fields(hints[f.name]):
+                lines.append(f"      {sub} ({sub_type}): {sub_doc}")
     return "\n".join(lines)
+
+
+def table_fields(tp: Any) -> list[tuple[str, str, str]]:
+    """(key, type, doc) of each key of the tables of an array-of-tables option; [] for any
+    other type."""
+    if typing.get_origin(tp) is not list:
+        return []
+    item = typing.get_args(tp)[0]
+    if not (isinstance(item, type) and dataclasses.is_dataclass(item)):
+        return []
+    hints, docs = typing.get_type_hints(item), field_docs(item)
+    return [
+        (f.name, type_name(hints[f.name]), docs.get(f.name, "")) for f in dataclasses.fields(item)
+    ]
 
 
 def markdown_reference() -> str:
@@ -95,5 +114,8 @@ def markdown_reference() -> str:
             out.append(
                 f"| `{sec_name}.{f.name}` | {typ} | `{_default(sec_cls, f.name)!r}` | {doc} |"
             )
+            for sub, sub_type, sub_doc in table_fields(hints[f.name]):
+                sub_type, sub_doc = sub_type.replace("|", "\\|"), sub_doc.replace("|", "\\|")
+                out.append(f"| `{sec_name}.{f.name}[].{sub}` | {sub_type} | | {sub_doc} |")
         out.append("")
     return "\n".join(out)

@@ -12,7 +12,8 @@ from titanlab.config.manager import to_dict
 
 
 def toml_value(v: Any) -> str:
-    """One config value as a TOML literal (str, bool, int, float or list of those)."""
+    """One config value as a TOML literal (str, bool, int, float, a list of those, or a table
+    of an array of tables as an inline table)."""
     if isinstance(v, bool):
         return "true" if v else "false"
     if isinstance(v, int):
@@ -27,6 +28,8 @@ def toml_value(v: Any) -> str:
         return json.dumps(v, ensure_ascii=False)  # JSON's escapes are valid in a TOML string
     if isinstance(v, (list, tuple)):
         return "[" + ", ".join(toml_value(x) for x in v) + "]"
+    if isinstance(v, dict):  # a table of an array of tables, written inline
+        return "{" + ", ".join(f"{k} = {toml_value(x)}" for k, x in v.items()) + "}"
     raise TypeError(f"no TOML form for {v!r}")
 
 

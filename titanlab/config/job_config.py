@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, fields
 from typing import Literal
 
 from titanlab.config.checkpointing import Checkpoint
+from titanlab.config.data import Data, DataSource, SchedulePoint
 from titanlab.config.errors import ConfigError, _require
 from titanlab.config.parallelism import Parallelism
 from titanlab.config.performance import ActivationCheckpoint, Compile, Float8
@@ -26,6 +27,7 @@ __all__ = [
     "Compile",
     "ConfigError",
     "Data",
+    "DataSource",
     "Debug",
     "Float8",
     "Job",
@@ -36,6 +38,7 @@ __all__ = [
     "Optimizer",
     "Parallelism",
     "Profiling",
+    "SchedulePoint",
     "Training",
     "Validation",
 ]
@@ -258,29 +261,6 @@ class Metrics:
     def validate(self) -> None:
         _require(self.log_freq >= 1, f"metrics.log_freq={self.log_freq} must be >= 1")
         _require(self.peak_flops >= 0, f"metrics.peak_flops={self.peak_flops} must be >= 0")
-
-
-@dataclass
-class Data:
-    dataset_path: str = ""
-    """Folder of token shards made by `tools/prepare_data.py` (with metadata.json). Empty: the
-    Python standard library's .py files, prepared into the cache on first use."""
-
-    cache_dir: str = ""
-    """Where the default corpus is prepared. Empty: $TITANLAB_CACHE or ~/.cache/titanlab."""
-
-    val_fraction: float = 0.005
-    """Fraction of the token windows held out for validation (taken from the end of the data)."""
-
-    num_workers: int = 0
-    """Data loader worker processes per rank (0: load in the training process)."""
-
-    def validate(self) -> None:
-        _require(
-            0.0 <= self.val_fraction < 1.0,
-            f"data.val_fraction={self.val_fraction} must be in [0, 1)",
-        )
-        _require(self.num_workers >= 0, f"data.num_workers={self.num_workers} must be >= 0")
 
 
 @dataclass

@@ -47,8 +47,46 @@ def _field_type(section: str, key: str) -> Any:
 
 def _coerce(section: str, key: str, value: Any, from_cli: bool) -> Any:
     """Convert `value` (a CLI string or a TOML value) to the field's type, or raise ConfigError."""
-    tp = _field_type(section, key)
-    where = f"{section}.{key}={value!r}"
+    return _coerce_typed(_field_type(section, key), f"{section}.{key}", value, from_cli)
+
+
+def _coerce_table_list(cls: type, name: str, value: Any, from_cli: bool) -> list[Any]:
+    """A TOML array of tables (`[[section.key]]`, or on the command line an inline array such
+    as `[{path = "a", weight = 0.7}, {path = "b", weight = 0.3}]`) as a list of `cls`."""
+    example = "[{" + ", ".join(f"{f.name} = ..." for f in dataclasses.fields(cls)) + "}]"
+    if from_cli and isinstance(value, str):
+        try:
+            value = tomli.loads(f"v = {value}")["v"]
+        except tomli.TOMLDecodeError as e:
+            raise ConfigError(
+                f"{name}={value!r} is not a TOML array of tables ({e}); e.g. {example}"
+            ) from None
+    if not isinstance(value, list) or not all(isinstance(v, dict) for v in value):
+        raise ConfigError(f"{name} must be an array of tables ([[{name}]] or {example})")
+    hints = typing.get_type_hints(cls)
+    out = []
+    for i, table in enumerate(value):
+        for k in table:
+            if k not in hints:
+                valid = list(hints)
+                raise ConfigError(
+                    f"unknown key {k!r} in {name}[{i}]; valid: {', '.join(valid)}"
+                    f"{_suggest(k, valid)}"
+                )
+        out.append(
+            cls(
+                **{
+                    k: _coerce_typed(hints[k], f"{name}[{i}].{k}", v, False)
+                    for k, v in table.items()
+                }
+            )
+        )
+    return out
+
+
+def _coerce_typed(tp: Any, name: str, value: Any, from_cli: bool) -> Any:
+    """`value` as type `tp` (for option `name`), or ConfigError naming it."""
+    where = f"{name}={value!r}"
     origin = typing.get_origin(tp)
     if origin is typing.Literal:
         choices = typing.get_args(tp)
@@ -59,11 +97,15 @@ def _coerce(section: str, key: str, value: Any, from_cli: bool) -> Any:
             )
         return value
     if origin is list:
+        (item,) = typing.get_args(tp)
+        if isinstance(item, type) and dataclasses.is_dataclass(item):
+            return _coerce_table_list(item, name, value, from_cli)
         if from_cli and isinstance(value, str):
-            return [v.strip() for v in value.split(",") if v.strip()]
-        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-            raise ConfigError(f"{where} must be a list of strings")
-        return value
+            value = [v.strip() for v in value.split(",") if v.strip()]
+        if not isinstance(value, list):
+            kinds = {str: "strings", float: "numbers", int: "integers"}
+            raise ConfigError(f"{where} must be a list of {kinds.get(item, type_name(item))}")
+        return [_coerce_typed(item, f"{name}[{i}]", v, from_cli) for i, v in enumerate(value)]
     if tp is bool:
         if isinstance(value, bool):
             return value
@@ -92,7 +134,7 @@ def _coerce(section: str, key: str, value: Any, from_cli: bool) -> Any:
         if isinstance(value, str):
             return value
         raise ConfigError(f"{where} must be a string")
-    raise AssertionError(f"unsupported config type {type_name(tp)} for {section}.{key}")
+    raise AssertionError(f"unsupported config type {type_name(tp)} for {name}")
 
 
 def _set(config: JobConfig, dotted: str, value: Any, from_cli: bool) -> None:

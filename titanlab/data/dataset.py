@@ -100,8 +100,9 @@ class MemmapTokenDataset(Dataset):
         state["_arrays"] = None  # reopen in the worker instead of pickling the mapped data
         return state
 
-    def _read(self, start: int, stop: int) -> np.ndarray:
-        """Tokens ``[start, stop)`` of the concatenated stream, copied out of the shards."""
+    def read_tokens(self, start: int, stop: int) -> np.ndarray:
+        """Tokens ``[start, stop)`` of the concatenated stream (0 <= start < stop <=
+        total_tokens), copied out of the shards."""
         if self._arrays is None:
             self._arrays = [np.memmap(p, dtype=self.dtype, mode="r") for p in self._paths]
         shard = int(np.searchsorted(self._ends, start, side="right"))
@@ -123,7 +124,9 @@ class MemmapTokenDataset(Dataset):
         if not 0 <= index < self._len:
             raise IndexError(f"window {index} out of range for {self._len} {self.split} windows")
         start = (self._first_window + index) * self.seq_len
-        tokens = torch.from_numpy(self._read(start, start + self.seq_len + 1).astype(np.int64))
+        tokens = torch.from_numpy(
+            self.read_tokens(start, start + self.seq_len + 1).astype(np.int64)
+        )
         return tokens[:-1], tokens[1:]
 
 

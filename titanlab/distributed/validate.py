@@ -36,6 +36,12 @@ def validate_layout(config: JobConfig, dims: ParallelDims, model_args, device_ty
             f"training.seq_len={t.seq_len} must be divisible by tp × 2·cp = {seq_div}"
             " (sequence parallel and load-balanced context parallel split it)"
         )
+    if dims.cp > 1 and config.data.document_mask:
+        raise ConfigError(
+            f"data.document_mask=true with parallelism.context_parallel_degree={dims.cp}: "
+            "PyTorch's context-parallel attention takes only a causal mask, not a document "
+            "mask; use context_parallel_degree=1 or data.document_mask=false"
+        )
     if dims.cp > 1:
         if device_type != "cuda":
             from titanlab.distributed.cp_cpu import PrivateNameMissing, check_private_names

@@ -164,3 +164,23 @@ def test_zero_bubble_schedules_with_tp_are_refused():
         )
         is None
     )
+
+
+def test_document_mask_is_refused_under_context_parallel():
+    config = JobConfig()
+    config.data.document_mask = True
+    config.parallelism.context_parallel_degree = 2
+    dims = ParallelDims.from_config(config.parallelism, 2)
+    args = dataclasses.replace(llama3_flavors["debugmodel"], vocab_size=4352)
+    try:
+        validate_layout(config, dims, args, "cpu")
+    except ConfigError as e:
+        assert str(e) == (
+            "data.document_mask=true with parallelism.context_parallel_degree=2: PyTorch's "
+            "context-parallel attention takes only a causal mask, not a document mask; use "
+            "context_parallel_degree=1 or data.document_mask=false"
+        )
+    else:
+        raise AssertionError("document masking under CP was accepted")
+    config.parallelism.context_parallel_degree, config.parallelism.tensor_parallel_degree = 1, 2
+    validate_layout(config, ParallelDims.from_config(config.parallelism, 2), args, "cpu")

@@ -2,13 +2,23 @@
 
 from __future__ import annotations
 
+import functools
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from titanlab.models.common.init import trunc_normal_
 from titanlab.models.common.kv_cache import LayerCache
 from titanlab.models.common.rope import apply_rotary_emb
+
+
+@functools.cache
+def _compiled_flex_attention():
+    """flex attention compiled once (eager flex attention materializes the scores)."""
+    return torch.compile(flex_attention)
 
 
 class Attention(nn.Module):
@@ -50,6 +60,7 @@ class Attention(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         kv: LayerCache | None = None,
+        mask: Any = None,
     ) -> torch.Tensor:
         """x_bsd: (bs, seq, dim); cos, sin: (>= seq, head_dim // 2), sliced here to seq.
         Returns (bs, seq, dim).
@@ -61,6 +72,10 @@ class Attention(nn.Module):
         Head counts come from the projections' sizes (-1), so under tensor parallelism the module
         runs on the local heads. The RoPE tables are sliced here, to the length attention really
         sees (under sequence parallel the block's input holds only a slice of the sequence).
+
+        With `mask` (document masking, training): cos and sin are (bs, seq, head_dim // 2), each
+        token's own position, and `mask` is a (bs, 1, seq, seq) bool SDPA mask or a flex
+        attention `BlockMask` (`titanlab.models.common.document_mask`) replacing the causal mask.
         """
         bs, seq, _ = x_bsd.shape
         q = self.wq(x_bsd).view(bs, seq, -1, self.head_dim)  # (bs, seq, heads, head_dim)
@@ -68,9 +83,11 @@ class Attention(nn.Module):
         v = self.wv(x_bsd).view(bs, seq, -1, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        mask = None
         if kv is None:
-            q, k = apply_rotary_emb(q, k, cos[:seq], sin[:seq])
+            per_token = cos.dim() == 3  # (bs, seq, hd/2): positions given per token
+            q, k = apply_rotary_emb(
+                q, k, cos if per_token else cos[:seq], sin if per_token else sin[:seq]
+            )
         else:
             q, k = apply_rotary_emb(q, k, cos, sin)
             k, v, mask = kv.update(k, v)  # (bs, kv_len, kv_heads, head_dim), (bs, 1, seq, kv_len)
@@ -78,7 +95,11 @@ class Attention(nn.Module):
         if n_rep > 1:  # kv head j serves q heads j*n_rep .. (j+1)*n_rep-1 (repeat_interleave)
             k = k[:, :, :, None, :].expand(-1, -1, -1, n_rep, -1).flatten(2, 3)
             v = v[:, :, :, None, :].expand(-1, -1, -1, n_rep, -1).flatten(2, 3)
-        if mask is None:
+        if isinstance(mask, BlockMask):
+            out = _compiled_flex_attention()(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=mask
+            )
+        elif mask is None:
             out = F.scaled_dot_product_attention(
                 q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
             )  # (bs, heads, seq, head_dim)

@@ -16,13 +16,14 @@ families without it are dense).
 from __future__ import annotations
 
 import math
-from typing import Protocol, cast
+from typing import Any, Protocol, cast
 
 import torch
 from torch import nn
 
 from titanlab.models.common.attention import Attention
 from titanlab.models.common.feed_forward import FeedForward
+from titanlab.models.common.document_mask import build_attention_mask
 from titanlab.models.common.init import trunc_normal_
 from titanlab.models.common.kv_cache import KVCache, LayerCache
 from titanlab.models.common.moe import MoE, MoEArgs
@@ -99,14 +100,20 @@ class TransformerBlock(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         kv: LayerCache | None = None,
+        mask: Any = None,
     ) -> torch.Tensor:
-        """(bs, seq, dim) -> (bs, seq, dim); `kv` only when generating (see `Attention`)."""
+        """(bs, seq, dim) -> (bs, seq, dim); `kv` only when generating, `mask` only with
+        document masking (see `Attention`)."""
         x = self.attention_norm(x_bsd)
-        # Training calls attention with exactly (x, cos, sin): the tensor-parallel plan
-        # prepares those three inputs; the cache goes as a keyword, which it leaves alone.
-        h = x_bsd + (
-            self.attention(x, cos, sin) if kv is None else self.attention(x, cos, sin, kv=kv)
-        )
+        # Attention gets exactly (x, cos, sin) positionally: the tensor-parallel plan prepares
+        # those three inputs; the cache and the document mask go as keywords, which it leaves
+        # alone.
+        extra: dict[str, Any] = {}
+        if kv is not None:
+            extra["kv"] = kv
+        if mask is not None:
+            extra["mask"] = mask
+        h = x_bsd + self.attention(x, cos, sin, **extra)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -203,7 +210,14 @@ class Decoder(nn.Module):
         elif self.args.tie_word_embeddings and self.tok_embeddings is not None:
             trunc_normal_(self.tok_embeddings.weight, self.args.dim**-0.5)
 
-    def forward(self, tokens: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        cache: KVCache | None = None,
+        *,
+        segments: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Run the (possibly partial, per pipeline stage) model.
 
         Args:
@@ -211,6 +225,10 @@ class Decoder(nn.Module):
                 `tok_embeddings` is None (a middle or last pipeline stage).
             cache: generation only: the tokens continue the sequences held in `cache`, at
                 each sequence's own RoPE positions (`KVCache`); training never passes one.
+            segments: document masking (training): (bs, seq) int64 document index of each
+                token (`document_mask.document_ids`); attention stays inside documents.
+            positions: (bs, seq) int64 RoPE position of each token (e.g. restarting per
+                document); None: 0..seq-1.
         Returns:
             (bs, seq, vocab) logits in the compute dtype, or (bs, seq, dim) hidden states when
             `norm` / `output` are None.
@@ -221,7 +239,14 @@ class Decoder(nn.Module):
         seq = h.shape[1]
         if seq > self.rope_cos.shape[0]:
             raise ValueError(f"sequence length {seq} exceeds max_seq_len={self.rope_cos.shape[0]}")
-        if cache is None:
+        if segments is not None or positions is not None:
+            cos, sin = self.rope_cos, self.rope_sin
+            if positions is not None:
+                cos, sin = cos[positions], sin[positions]  # (bs, seq, hd/2)
+            extra = {} if segments is None else {"mask": build_attention_mask(segments)}
+            for layer in self.layers.values():
+                h = layer(h, cos, sin, **extra)
+        elif cache is None:
             for layer in self.layers.values():
                 h = layer(h, self.rope_cos, self.rope_sin)  # (bs, seq, dim)
         else:
