@@ -20,10 +20,6 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from titanlab.config.job_config import ConfigError, JobConfig
-from titanlab.data.dataset import MemmapTokenDataset
-from titanlab.data.default_corpus import default_cache_dir, ensure_default_corpus
-from titanlab.data.document_masking import DocumentMasking, first_eos_offset
-from titanlab.data.loader import build_dataloader
 from titanlab.data.tokenizer import AnyTokenizer, default_tokenizer_path, load_tokenizer
 from titanlab.models.common.decoder import Decoder
 from titanlab.models.registry import (
@@ -189,81 +185,6 @@ def batch_layout(config: JobConfig, dp_degree: int) -> BatchLayout:
             f"= {local} × {dp_degree} = {per_step}; use a multiple of {per_step}"
         )
     return BatchLayout(local, global_bs, dp_degree, global_bs // per_step)
-
-
-def dataset_dir(config: JobConfig, tokenizer_path: str) -> str:
-    """`data.dataset_path`, or the default corpus prepared (once, under a file lock) in the cache."""
-    if config.data.dataset_path:
-        if not os.path.isdir(config.data.dataset_path):
-            raise ConfigError(
-                f"data.dataset_path={config.data.dataset_path!r} is not a directory; "
-                "make one with tools/prepare_data.py"
-            )
-        return config.data.dataset_path
-    return ensure_default_corpus(config.data.cache_dir or default_cache_dir(), tokenizer_path)
-
-
-def build_datasets(config: JobConfig, tokenizer: AnyTokenizer, data_dir: str):
-    """(train, val-or-None) MemmapTokenDatasets; the data must be tokenized with `tokenizer`."""
-    try:
-        train = MemmapTokenDataset(
-            data_dir, config.training.seq_len, split="train", val_fraction=config.data.val_fraction
-        )
-        val = None
-        if config.data.val_fraction > 0:
-            val = MemmapTokenDataset(
-                data_dir,
-                config.training.seq_len,
-                split="val",
-                val_fraction=config.data.val_fraction,
-            )
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"data.dataset_path={data_dir!r}: {e}") from None
-    fingerprint = train.metadata.get("tokenizer_fingerprint")
-    if fingerprint and fingerprint != tokenizer.fingerprint:
-        raise ConfigError(
-            f"data.dataset_path={data_dir!r} was tokenized with tokenizer {fingerprint}"
-            f" but model.tokenizer_path is {tokenizer.fingerprint}; prepare it again"
-        )
-    vocab = train.metadata.get("vocab_size")
-    if vocab is not None and vocab > tokenizer.vocab_size:
-        raise ConfigError(
-            f"data.dataset_path={data_dir!r} has token ids up to vocab_size={vocab},"
-            f" more than the tokenizer's {tokenizer.vocab_size}; prepare it again "
-            "with model.tokenizer_path"
-        )
-    masking = document_masking(config, train, tokenizer)
-    if masking is not None and first_eos_offset(train, masking.eos_id) is None:
-        raise ConfigError(
-            f"data.document_mask=true but data.dataset_path={data_dir!r} has no EOS token "
-            f"(id {masking.eos_id}) in its first {min(train.total_tokens, 1 << 24):,} tokens, "
-            "so no document boundaries; prepare it with tools/prepare_data.py (which ends "
-            "every document with EOS) or set data.document_mask=false"
-        )
-    return train, val
-
-
-def document_masking(config: JobConfig, train, tokenizer: AnyTokenizer) -> DocumentMasking | None:
-    """The run's document masking (the data's EOS id, else the tokenizer's), or None when
-    `data.document_mask` is off."""
-    if not config.data.document_mask:
-        return None
-    eos = train.metadata.get("eos_id")
-    return DocumentMasking(
-        eos_id=int(eos) if eos is not None else tokenizer.eos_id,
-        reset_positions=config.data.reset_positions,
-    )
-
-
-def build_loader(dataset, config: JobConfig, dp_rank: int, dp_degree: int):
-    return build_dataloader(
-        dataset,
-        local_batch_size=config.training.local_batch_size,
-        dp_rank=dp_rank,
-        dp_world_size=dp_degree,
-        seed=config.debug.seed,
-        num_workers=config.data.num_workers,
-    )
 
 
 def build_meta_model(model_args: Any) -> Decoder:

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from titanlab import components
+from titanlab.data.build import build_data
 from titanlab.checkpoint import store
 from titanlab.config.job_config import ConfigError, JobConfig
 from titanlab.config.manager import build_config
@@ -58,8 +59,8 @@ def check_files(config: JobConfig, tokenizer: AnyTokenizer) -> None:
     (metadata parses, every shard has the length it lists, its vocabulary fits the tokenizer),
     that `job.dump_folder` can be created or written, and that `checkpoint.initial_load_path`
     and `checkpoint.load_step` name complete checkpoints. Raises ConfigError."""
-    if config.data.dataset_path:
-        components.build_datasets(config, tokenizer, components.dataset_dir(config, tokenizer.path))
+    if config.data.dataset_path or config.data.sources:
+        build_data(config, tokenizer)
     dump = os.path.abspath(config.job.dump_folder)
     existing = dump
     while not os.path.exists(existing):

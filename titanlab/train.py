@@ -17,6 +17,8 @@ import time
 import torch
 
 from titanlab import components, preflight
+from titanlab.data.build import build_data, build_loader
+from titanlab.data.batches import BatchPreparer
 from titanlab.checkpoint import Checkpointer, store
 from titanlab.config.docs import format_help
 from titanlab.config.job_config import ConfigError, JobConfig
@@ -91,10 +93,13 @@ class Trainer:
         dims.build_mesh(self.device.type)
         dp_rank, dp = dims.dp_rank(), dims.dp_degree
 
-        data_dir = components.dataset_dir(config, self.tokenizer.path)
-        train_set, self.val_set = components.build_datasets(config, self.tokenizer, data_dir)
-        self.loader = components.build_loader(train_set, config, dp_rank, dp)
-        self.masking = components.document_masking(config, train_set, self.tokenizer)
+        data = build_data(config, self.tokenizer)
+        train_set, self.val_set = data.train, data.val
+        self.batches = BatchPreparer(config, data.masking, self.rank, dp_rank)
+        self.data_schedule = data.schedule
+        self.loader = build_loader(
+            train_set, config, dp_rank, dp, self.batch.global_batch_size, data.schedule
+        )
         if self.val_set is not None and (len(self.val_set) < dp or dims.pp_enabled):
             logger.warning(
                 "validation: off (%s)",
@@ -106,7 +111,7 @@ class Trainer:
             self.val_set = None
         logger.info(
             "data: %s, %d train windows of %d tokens; batch: %s",
-            data_dir,
+            data.description,
             len(train_set),
             config.training.seq_len,
             self.batch,
@@ -246,6 +251,7 @@ class Trainer:
         self.metrics.begin_step()
         batches = [next(data) for _ in range(self.batch.grad_accum_steps)]
         self.metrics.data_ready()
+        self.batches.record(self.step, batches)
         lr = self.lr_scheduler.get_last_lr()[0]  # the lr this step uses
         with count_step_comms(self.step):  # only when TITANLAB_COMM_COUNT is set
             loss, grad_norm = self.train_step(batches)
@@ -273,12 +279,26 @@ class Trainer:
         if diverged is not None:
             self._diverged(diverged.step, diverged.values["loss"])
         if log:
-            self.metrics.log(self.step, val_loss=self.validate() if validate else None)
+            self.metrics.log(
+                self.step,
+                val_loss=self.validate() if validate else None,
+                data_tokens=self._mixture_tokens(),
+            )
         self.checkpointer.maybe_save(self.step, last)
         if cfg.training.gc_freq and self.step % cfg.training.gc_freq == 0:
             gc.collect(1)
         if stop:
             self._stop_for_preemption(preemption)
+
+    def _mixture_tokens(self) -> dict[str, int] | None:
+        """Tokens each source of a mixture has supplied by the end of this step (None for
+        one source)."""
+        if self.data_schedule is None:
+            return None
+        samples = self.loader.sampler.consumed_after_step(self.step)
+        if samples is None:
+            return None
+        return {name: n * self.config.training.seq_len for name, n in samples.items()}
 
     def _finish_run(self, first: int, wall_s: float) -> None:
         """Rank 0: draw the curves (metrics.save_plot) and print the run summary."""
@@ -332,7 +352,7 @@ class Trainer:
             (i.to(self.device, non_blocking=True), t.to(self.device, non_blocking=True))
             for i, t in batches
         ]
-        prepared = [self._model_inputs(i, t) for i, t in batches]
+        prepared = self.batches.prepare(self.step, batches)
         batches = [(i, t) for i, t, _ in prepared]
         # Every cp rank counts the full sequence, hence the division by cp.
         local_tokens = torch.stack([(labels != IGNORE_INDEX).sum() for _, labels in batches]).sum()
@@ -389,16 +409,6 @@ class Trainer:
             )
         return not skipped
 
-    def _model_inputs(
-        self, inputs: torch.Tensor, labels: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, dict]:
-        """(inputs, labels, model keyword arguments) of a batch: with document masking, labels
-        without cross-document targets and the `segments` / `positions` the model takes."""
-        if self.masking is None:
-            return inputs, labels, {}
-        labels, kwargs = self.masking.apply(inputs, labels)
-        return inputs, labels, kwargs
-
     def _forward_backward(
         self, inputs: torch.Tensor, labels: torch.Tensor, scale: torch.Tensor, kwargs: dict
     ) -> torch.Tensor:
@@ -432,8 +442,12 @@ class Trainer:
     @torch.no_grad()
     def validate(self) -> float:
         """Mean token loss over `validation.steps` batches of the held-out split."""
-        loader = components.build_loader(
-            self.val_set, self.config, self.parallel_dims.dp_rank(), self.parallel_dims.dp_degree
+        loader = build_loader(
+            self.val_set,
+            self.config,
+            self.parallel_dims.dp_rank(),
+            self.parallel_dims.dp_degree,
+            schedule=self.data_schedule,  # the mixture of step 1 at every validation
         )
         total = torch.zeros((), device=self.device)
         tokens = torch.zeros((), device=self.device)
@@ -441,7 +455,7 @@ class Trainer:
         # Validation batches are not training microbatches: the MoE load statistics skip them.
         with maybe_loss_parallel(self.loss_parallel), moe_stats.stats_paused(model):
             for _, (inputs, labels) in zip(range(self.config.validation.steps), loader):
-                inputs, labels, kwargs = self._model_inputs(
+                inputs, labels, kwargs = self.batches.model_inputs(
                     inputs.to(self.device), labels.to(self.device)
                 )
                 tokens += (labels != IGNORE_INDEX).sum() / self.parallel_dims.cp

@@ -206,12 +206,11 @@ def test_hf_to_dcp_matches_round_trips_and_starts_a_run(train, tiny_dataset, tmp
     assert f"loaded {dcp_dir} (step 0, model only)" in run.stdout
     from titanlab import components
     from titanlab.config.manager import build_config
+    from titanlab.data.build import build_data, build_loader
 
     config = build_config(TINY + ["--data.dataset_path", tiny_dataset, "--job.dump_folder", dump])
-    train_set, _ = components.build_datasets(
-        config, components.build_tokenizer(config), tiny_dataset
-    )
-    inputs, labels = next(iter(components.build_loader(train_set, config, 0, 1)))
+    train_set = build_data(config, components.build_tokenizer(config)).train
+    inputs, labels = next(iter(build_loader(train_set, config, 0, 1)))
     with torch.no_grad():
         logits = hf(inputs).logits
     expected = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100).item()

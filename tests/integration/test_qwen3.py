@@ -86,6 +86,7 @@ def _first_batch(dataset: str, seq: int, batch: int) -> tuple[torch.Tensor, torc
     """The (inputs, labels) of step 1 on one rank, built with the trainer's own loader."""
     from titanlab import components
     from titanlab.config.manager import build_config
+    from titanlab.data.build import build_data, build_loader
 
     config = build_config(
         [
@@ -100,8 +101,7 @@ def _first_batch(dataset: str, seq: int, batch: int) -> tuple[torch.Tensor, torc
         ]
     )
     tokenizer = components.build_tokenizer(config)
-    train, _ = components.build_datasets(config, tokenizer, dataset)
-    return next(iter(components.build_loader(train, config, 0, 1)))
+    return next(iter(build_loader(build_data(config, tokenizer).train, config, 0, 1)))
 
 
 @pytest.mark.parametrize("family", ["qwen3", "llama3"])

@@ -143,8 +143,31 @@ class Training:
     memory_check: bool = True
     """Before training, estimate the per-rank memory need and stop with one line if it cannot fit."""
 
+    seq_len_warmup_steps: int = 0
+    """Sequence-length warmup: over the first this many steps the model sees sequences of
+    `seq_len_warmup_start` tokens, doubling in equal stages up to `seq_len` (each window of
+    `seq_len` is cut into 2^k rows, so the tokens per step stay the same and the data order
+    does not change). 0: off. Not with pipeline parallel."""
+
+    seq_len_warmup_start: int = 256
+    """First sequence length of the warmup: `seq_len` divided by a power of two."""
+
     def validate(self) -> None:
         _require(self.steps >= 1, f"training.steps={self.steps} must be >= 1")
+        _require(
+            self.seq_len_warmup_steps >= 0,
+            f"training.seq_len_warmup_steps={self.seq_len_warmup_steps} must be >= 0",
+        )
+        if self.seq_len_warmup_steps:
+            ratio = self.seq_len // max(self.seq_len_warmup_start, 1)
+            _require(
+                self.seq_len_warmup_start >= 1
+                and self.seq_len % self.seq_len_warmup_start == 0
+                and ratio & (ratio - 1) == 0,
+                f"training.seq_len_warmup_start={self.seq_len_warmup_start} must be "
+                f"training.seq_len={self.seq_len} divided by a power of two (e.g. "
+                f"{max(self.seq_len // 8, 1)})",
+            )
         _require(self.seq_len >= 2, f"training.seq_len={self.seq_len} must be >= 2")
         _require(
             self.local_batch_size >= 1,
@@ -286,6 +309,11 @@ class Debug:
 
     deterministic: bool = False
     """Use deterministic algorithms (torch.use_deterministic_algorithms); slower on GPU."""
+
+    record_batches: bool = False
+    """Write the token ids every step trains on to `<dump_folder>/batches/rank<N>.jsonl` (one
+    line per step: step, dp_rank, the rank's input ids), to check that two runs saw the same
+    data. For debugging: it reads every batch back to the host."""
 
     def validate(self) -> None:
         _require(self.seed >= 0, f"debug.seed={self.seed} must be >= 0")

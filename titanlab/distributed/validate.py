@@ -36,6 +36,18 @@ def validate_layout(config: JobConfig, dims: ParallelDims, model_args, device_ty
             f"training.seq_len={t.seq_len} must be divisible by tp × 2·cp = {seq_div}"
             " (sequence parallel and load-balanced context parallel split it)"
         )
+    if t.seq_len_warmup_steps:
+        if dims.pp > 1:
+            raise ConfigError(
+                f"training.seq_len_warmup_steps={t.seq_len_warmup_steps} with "
+                f"parallelism.pipeline_parallel_degree={dims.pp}: the pipeline's stages are "
+                "built for one microbatch shape; use seq_len_warmup_steps=0 or no pipeline"
+            )
+        if t.seq_len_warmup_start % seq_div:
+            raise ConfigError(
+                f"training.seq_len_warmup_start={t.seq_len_warmup_start} must be divisible by "
+                f"tp × 2·cp = {seq_div}, like seq_len"
+            )
     if dims.cp > 1 and config.data.document_mask:
         raise ConfigError(
             f"data.document_mask=true with parallelism.context_parallel_degree={dims.cp}: "

@@ -57,3 +57,11 @@ def format_moe(extra: dict[str, float]) -> str:
 
 def _layer_key(layer: str) -> tuple[int, str]:
     return (int(layer), "") if layer.isdigit() else (1 << 30, layer)
+
+
+def format_mixture(tokens: dict[str, int]) -> str:
+    """`data: web 70.0% (1,120,000 tokens), code 30.0% (480,000 tokens)`: each source's share
+    of the tokens consumed so far."""
+    total = sum(tokens.values()) or 1
+    parts = [f"{name} {100 * n / total:.1f}% ({n:,} tokens)" for name, n in tokens.items()]
+    return "data: " + ", ".join(parts)

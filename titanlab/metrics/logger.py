@@ -15,7 +15,7 @@ from typing import Any, Protocol
 
 import torch
 
-from titanlab.metrics.format import format_line, format_moe
+from titanlab.metrics.format import format_line, format_mixture, format_moe
 from titanlab.metrics.system import CpuMeter, memory_fields, memory_kind, reset_peaks
 from titanlab.metrics.window import StepRecord, StepWindow, spread
 
@@ -102,9 +102,16 @@ class MetricsLogger:
         rec.step_s = time.perf_counter() - self._t0
         return self.window.first_non_finite() if fetch else None
 
-    def log(self, step: int, val_loss: float | None = None) -> dict[str, Any]:
+    def log(
+        self,
+        step: int,
+        val_loss: float | None = None,
+        data_tokens: dict[str, int] | None = None,
+    ) -> dict[str, Any]:
         """Write the record of the window ending at `step` (already fetched by `end_step`) and
-        start a new window. Returns the record (on every rank)."""
+        start a new window. `data_tokens`: a mixture's tokens consumed per source by the end of
+        `step` (over every rank), recorded as `data/tokens/<name>`. Returns the record (on
+        every rank)."""
         recs = self.window.records
         assert recs and not recs[-1].pending, "log() needs end_step(fetch=True) first"
         last = recs[-1]
@@ -146,6 +153,8 @@ class MetricsLogger:
             rec["val_ppl"] = perplexity(val_loss)
             self.last_val = (step, val_loss)
         rec.update(extras)
+        if data_tokens:
+            rec.update({f"data/tokens/{k}": v for k, v in data_tokens.items()})
         self.run_steps += n
         self.run_seconds += seconds
         self.peak_memory_gib = max(self.peak_memory_gib, rec["memory_gib"])
@@ -159,6 +168,8 @@ class MetricsLogger:
                 logger.info("validation: step: %d  val_loss: %.6f", step, val_loss)
             if extras:
                 logger.info("step: %d  %s", step, format_moe(extras))
+            if data_tokens:
+                logger.info("step: %d  %s", step, format_mixture(data_tokens))
             for sink in self.sinks:
                 sink.write(rec)
         self.window.clear()

@@ -7,7 +7,6 @@ import torch
 
 from titanlab.data.dataset import MemmapTokenDataset
 from titanlab.data.loader import build_dataloader
-from titanlab.data.sampler import DistributedShuffleSampler
 
 
 def write_stream(out, shard_sizes, dtype="uint16"):
@@ -75,46 +74,6 @@ def test_dataset_pickles_without_data(tmp_path):
     assert pickle.loads(blob)[3][0].tolist() == ds[3][0].tolist()
 
 
-def test_sampler_ranks_disjoint_and_cover_epoch():
-    n, world = 23, 4
-    samplers = [
-        DistributedShuffleSampler(n, dp_rank=r, dp_world_size=world, seed=7) for r in range(world)
-    ]
-    epoch0 = [[i for _, i in zip(range(n // world), iter(s))] for s in samplers]
-    flat = [i for rank in epoch0 for i in rank]
-    assert len(flat) == len(set(flat)) == (n // world) * world
-    perm = torch.randperm(n, generator=torch.Generator().manual_seed(7)).tolist()
-    assert sorted(flat) == sorted(perm[: (n // world) * world])
-    assert epoch0[1] == perm[1 : (n // world) * world : world]
-    again = DistributedShuffleSampler(n, dp_rank=1, dp_world_size=world, seed=7)
-    it = iter(again)
-    first_two_epochs = [next(it) for _ in range(2 * (n // world))]
-    assert first_two_epochs[: n // world] == epoch0[1]
-    assert first_two_epochs[n // world :] != epoch0[1]  # reshuffled with seed + 1
-    other = DistributedShuffleSampler(n, dp_rank=1, dp_world_size=world, seed=8)
-    assert [i for _, i in zip(range(n // world), iter(other))] != epoch0[1]
-    ordered = DistributedShuffleSampler(n, dp_rank=1, dp_world_size=world, seed=0, shuffle=False)
-    assert [i for _, i in zip(range(5), iter(ordered))] == [1, 5, 9, 13, 17]
-
-
-def test_sampler_state_and_errors():
-    s = DistributedShuffleSampler(10, dp_rank=0, dp_world_size=2, seed=3)
-    it = iter(s)
-    [next(it) for _ in range(7)]
-    state = s.state_dict()
-    assert (state["epoch"], state["position"]) == (1, 2)
-    expected = [next(it) for _ in range(6)]
-    fresh = DistributedShuffleSampler(10, dp_rank=0, dp_world_size=2, seed=3)
-    fresh.load_state_dict(state)
-    assert [i for _, i in zip(range(6), iter(fresh))] == expected
-    with pytest.raises(ValueError, match="seed=3 but this sampler has 4"):
-        DistributedShuffleSampler(10, dp_rank=0, dp_world_size=2, seed=4).load_state_dict(state)
-    with pytest.raises(ValueError, match="dp_rank=2"):
-        DistributedShuffleSampler(10, dp_rank=2, dp_world_size=2, seed=0)
-    with pytest.raises(ValueError, match="num_samples=1"):
-        DistributedShuffleSampler(1, dp_rank=0, dp_world_size=2, seed=0)
-
-
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_loader_resume_is_exact(tmp_path, num_workers):
     ds = MemmapTokenDataset(
@@ -136,31 +95,3 @@ def test_loader_resume_is_exact(tmp_path, num_workers):
         got = next(it2)
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     del it, it2
-
-
-def _take(sampler, k):
-    it = iter(sampler)
-    return [next(it) for _ in range(k)]
-
-
-def test_sampler_reshards_to_another_world_size():
-    # 2 ranks take 4 samples each (a global batch of 8); resumed on 4 ranks and on 1 rank, the
-    # next global batch of 8 holds the same samples as it would have on the original 2 ranks.
-    n = 64
-    old = [DistributedShuffleSampler(n, dp_rank=r, dp_world_size=2, seed=5) for r in range(2)]
-    for s in old:
-        _take(s, 4)
-    state = old[0].state_dict()
-    want = {i for s in old for i in _take(s, 4)}
-    for world in (4, 1, 8):
-        new = [
-            DistributedShuffleSampler(n, dp_rank=r, dp_world_size=world, seed=5)
-            for r in range(world)
-        ]
-        for s in new:
-            s.load_state_dict(dict(state))
-        got = [i for s in new for i in _take(s, 8 // world)]
-        assert len(got) == 8 and set(got) == want
-    odd = dict(state, position=3)  # 6 samples consumed cannot be split over 4 ranks
-    with pytest.raises(ValueError, match="cannot be split over 4 ranks"):
-        DistributedShuffleSampler(n, dp_rank=0, dp_world_size=4, seed=5).load_state_dict(odd)

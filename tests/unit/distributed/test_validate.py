@@ -184,3 +184,30 @@ def test_document_mask_is_refused_under_context_parallel():
         raise AssertionError("document masking under CP was accepted")
     config.parallelism.context_parallel_degree, config.parallelism.tensor_parallel_degree = 1, 2
     validate_layout(config, ParallelDims.from_config(config.parallelism, 2), args, "cpu")
+
+
+def test_seq_len_warmup_is_refused_under_pipeline_parallel_and_must_split_under_tp():
+    config = JobConfig()
+    config.training.seq_len, config.training.seq_len_warmup_steps = 64, 10
+    config.training.seq_len_warmup_start = 16
+    args = dataclasses.replace(llama3_flavors["debugmodel"], vocab_size=4352, max_seq_len=64)
+    config.parallelism.pipeline_parallel_degree = 2
+    dims = ParallelDims.from_config(config.parallelism, 2)
+    try:
+        validate_layout(config, dims, args, "cpu")
+        raise AssertionError("warmup under PP was accepted")
+    except ConfigError as e:
+        assert (
+            "training.seq_len_warmup_steps=10 with parallelism.pipeline_parallel_degree=2" in str(e)
+        )
+    config.parallelism.pipeline_parallel_degree, config.parallelism.context_parallel_degree = 1, 2
+    config.parallelism.tensor_parallel_degree = 2
+    config.training.seq_len_warmup_start = 4
+    dims = ParallelDims.from_config(config.parallelism, 4)
+    try:
+        validate_layout(config, dims, args, "cpu")
+        raise AssertionError("a warmup start not divisible by tp × 2·cp was accepted")
+    except ConfigError as e:
+        assert str(e) == (
+            "training.seq_len_warmup_start=4 must be divisible by tp × 2·cp = 8, like seq_len"
+        )
