@@ -166,48 +166,42 @@ def test_zero_bubble_schedules_with_tp_are_refused():
     )
 
 
+def refusal(config: JobConfig, world: int, seq_len: int = 2048) -> str | None:
+    """The one-line refusal of `config` on `world` ranks (None when accepted)."""
+    args = dataclasses.replace(llama3_flavors["debugmodel"], vocab_size=4352, max_seq_len=seq_len)
+    try:
+        validate_layout(config, ParallelDims.from_config(config.parallelism, world), args, "cpu")
+    except ConfigError as e:
+        assert "\n" not in str(e)
+        return str(e)
+    return None
+
+
 def test_document_mask_is_refused_under_context_parallel():
     config = JobConfig()
     config.data.document_mask = True
     config.parallelism.context_parallel_degree = 2
-    dims = ParallelDims.from_config(config.parallelism, 2)
-    args = dataclasses.replace(llama3_flavors["debugmodel"], vocab_size=4352)
-    try:
-        validate_layout(config, dims, args, "cpu")
-    except ConfigError as e:
-        assert str(e) == (
-            "data.document_mask=true with parallelism.context_parallel_degree=2: PyTorch's "
-            "context-parallel attention takes only a causal mask, not a document mask; use "
-            "context_parallel_degree=1 or data.document_mask=false"
-        )
-    else:
-        raise AssertionError("document masking under CP was accepted")
+    assert refusal(config, 2) == (
+        "data.document_mask=true with parallelism.context_parallel_degree=2: PyTorch's "
+        "context-parallel attention takes only a causal mask, not a document mask; use "
+        "context_parallel_degree=1 or data.document_mask=false"
+    )
     config.parallelism.context_parallel_degree, config.parallelism.tensor_parallel_degree = 1, 2
-    validate_layout(config, ParallelDims.from_config(config.parallelism, 2), args, "cpu")
+    assert refusal(config, 2) is None
 
 
 def test_seq_len_warmup_is_refused_under_pipeline_parallel_and_must_split_under_tp():
     config = JobConfig()
     config.training.seq_len, config.training.seq_len_warmup_steps = 64, 10
     config.training.seq_len_warmup_start = 16
-    args = dataclasses.replace(llama3_flavors["debugmodel"], vocab_size=4352, max_seq_len=64)
     config.parallelism.pipeline_parallel_degree = 2
-    dims = ParallelDims.from_config(config.parallelism, 2)
-    try:
-        validate_layout(config, dims, args, "cpu")
-        raise AssertionError("warmup under PP was accepted")
-    except ConfigError as e:
-        assert (
-            "training.seq_len_warmup_steps=10 with parallelism.pipeline_parallel_degree=2" in str(e)
-        )
+    assert "training.seq_len_warmup_steps=10 with parallelism.pipeline_parallel_degree=2" in (
+        refusal(config, 2, 64) or ""
+    )
     config.parallelism.pipeline_parallel_degree, config.parallelism.context_parallel_degree = 1, 2
     config.parallelism.tensor_parallel_degree = 2
+    assert refusal(config, 4, 64) is None
     config.training.seq_len_warmup_start = 4
-    dims = ParallelDims.from_config(config.parallelism, 4)
-    try:
-        validate_layout(config, dims, args, "cpu")
-        raise AssertionError("a warmup start not divisible by tp × 2·cp was accepted")
-    except ConfigError as e:
-        assert str(e) == (
-            "training.seq_len_warmup_start=4 must be divisible by tp × 2·cp = 8, like seq_len"
-        )
+    assert refusal(config, 4, 64) == (
+        "training.seq_len_warmup_start=4 must be divisible by tp × 2·cp = 8, like seq_len"
+    )
