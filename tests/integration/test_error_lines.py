@@ -155,3 +155,13 @@ def test_document_mask_on_data_without_eos_is_one_line(tiny_dataset, tmp_path):
                       "--job.dump_folder", str(tmp_path / "run"))  # fmt: skip
     assert_last_line(proc, 2, "data.document_mask=true but data.dataset_path=")
     assert "has no EOS token (id 4351)" in proc.stderr.strip().splitlines()[-1]
+
+
+def test_an_unsorted_mixture_schedule_is_one_line(tiny_dataset, tmp_path):
+    sources = f'[{{path = "{tiny_dataset}", name = "a"}}, {{path = "{tiny_dataset}", name = "b"}}]'
+    schedule = "[{step = 50, weights = [1, 1]}, {step = 10, weights = [1, 0]}]"
+    proc = run_script(1, "--data.sources", sources, "--data.schedule", schedule,
+                      "--job.dump_folder", str(tmp_path / "run"))  # fmt: skip
+    assert_last_line(
+        proc, 2, "data.schedule is not sorted by step: step 10 (point 1) after step 50"
+    )
