@@ -103,8 +103,11 @@ def test_weights_hold_and_a_resume_on_another_dp_size_sees_the_same_batches(sour
 
 
 def test_schedule_shows_in_the_counts_and_resumes_exactly(sources, tmp_path):
+    """Also with document masking and a sequence-length warmup on (they change what the model
+    sees of a batch, never which batch)."""
     schedule = [(0, (0.9, 0.1)), (40, (0.1, 0.9))]
-    mix = mixture_args(sources, (1, 1), schedule)
+    mix = [*mixture_args(sources, (1, 1), schedule), "--data.document_mask", "true",
+           "--training.seq_len_warmup_steps", "40", "--training.seq_len_warmup_start", "16"]  # fmt: skip
     dump = str(tmp_path / "sched")
     run(2, dump, 30, *mix, "--checkpoint.interval", "30")
     run(2, dump, 60, *mix)
