@@ -4,10 +4,15 @@ Usage::
 
     python tools/prepare_data.py INPUTS... --output DIR [--tokenizer PATH] [--workers N]
         [--shard-size-mb M] [--text-key text] [--overwrite]
+    python tools/prepare_data.py CHATS.jsonl... --format chat --output DIR [--train-on assistant|all]
 
 INPUTS are files or directories (walked recursively). ``.jsonl``/``.jsonl.gz`` and ``.parquet``
 read the ``--text-key`` field/column; every other file is one UTF-8 text document. Rerunning
 resumes: finished shards are kept. Parquet needs ``pip install 'titanlab[tools]'``.
+``--format chat`` reads JSONL conversations (``{"messages": [{"role", "content"}, ...]}``),
+renders them with the Llama 3 chat template and writes a per-token loss mask (assistant tokens
+by default; ``--train-on all`` for every token) for supervised fine-tuning
+(``titanlab.data.prepare_chat``).
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from titanlab.cli import OneLineParser
 from titanlab.data.prepare import prepare_data
+from titanlab.data.prepare_chat import TRAIN_ON, prepare_chat
 from titanlab.data.tokenizer import default_tokenizer_path
 
 
@@ -46,7 +52,24 @@ def run(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--overwrite", action="store_true", help="replace data prepared with a different tokenizer"
     )
+    parser.add_argument(
+        "--format", choices=["text", "chat"], default="text",
+        help="text: documents; chat: JSONL conversations for SFT, with a loss mask",
+    )  # fmt: skip
+    parser.add_argument(
+        "--train-on", choices=list(TRAIN_ON), default="assistant",
+        help="chat: which tokens are training targets (default: the assistant's)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
+    if args.format == "chat":
+        start = time.perf_counter()
+        meta = prepare_chat(args.inputs, args.output, args.tokenizer, train_on=args.train_on)
+        print(
+            f"{PROG}: {meta['total_documents']:,} conversations, {meta['total_tokens']:,} tokens "
+            f"({meta['total_targets']:,} targets) in {meta['num_shards']} shard(s) -> "
+            f"{args.output} in {time.perf_counter() - start:.1f}s"
+        )
+        return
 
     start = time.perf_counter()
     meta = prepare_data(

@@ -79,6 +79,11 @@ class Data:
     reset_positions: bool = False
     """With document_mask: restart the RoPE positions at 0 at each document's first token."""
 
+    packing: bool = True
+    """Chat SFT data (`tools/prepare_data.py --format chat`): pack several samples into each
+    window, never splitting one, with document masking and restarted positions always on (each
+    sample attends only to itself). false: one sample per window, padded."""
+
     def validate(self) -> None:
         _require(
             0.0 <= self.val_fraction < 1.0,

@@ -5,6 +5,7 @@ before any process starts."""
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -15,6 +16,7 @@ from titanlab.data.default_corpus import default_cache_dir, ensure_default_corpu
 from titanlab.data.document_masking import DocumentMasking, first_eos_offset
 from titanlab.data.loader import build_dataloader
 from titanlab.data.mixture import MixtureDataset, WeightSchedule
+from titanlab.data.sft_dataset import PackedChatDataset, is_chat_folder
 from titanlab.data.tokenizer import AnyTokenizer
 
 
@@ -54,10 +56,12 @@ def _open_folder(
         )
     seq, fraction = config.training.seq_len, config.data.val_fraction
     try:
-        train = MemmapTokenDataset(data_dir, seq, split="train", val_fraction=fraction)
-        val = None
-        if fraction > 0:
-            val = MemmapTokenDataset(data_dir, seq, split="val", val_fraction=fraction)
+        if is_chat_folder(data_dir):
+            kind: Any = functools.partial(PackedChatDataset, packing=config.data.packing)
+        else:
+            kind = MemmapTokenDataset
+        train = kind(data_dir, seq, split="train", val_fraction=fraction)
+        val = kind(data_dir, seq, split="val", val_fraction=fraction) if fraction > 0 else None
     except (OSError, ValueError) as e:
         raise ConfigError(f"{option}={data_dir!r}: {e}") from None
     fingerprint = train.metadata.get("tokenizer_fingerprint")
@@ -74,7 +78,8 @@ def _open_folder(
             "with model.tokenizer_path"
         )
     masking = document_masking(config, train, tokenizer)
-    if masking is not None and first_eos_offset(train, masking.eos_id) is None:
+    chat = isinstance(train, PackedChatDataset)
+    if masking is not None and not chat and first_eos_offset(train, masking.eos_id) is None:
         raise ConfigError(
             f"data.document_mask=true but {option}={data_dir!r} has no EOS token "
             f"(id {masking.eos_id}) in its first {min(train.total_tokens, 1 << 24):,} tokens, "
@@ -107,9 +112,13 @@ def build_data(config: JobConfig, tokenizer: AnyTokenizer) -> TrainingData:
     if not config.data.sources:
         data_dir = dataset_dir(config, tokenizer.path)
         one, one_val = _open_folder(config, tokenizer, data_dir, "data.dataset_path")
-        return TrainingData(
-            one, one_val, None, document_masking(config, one, tokenizer), f"{data_dir}"
-        )
+        about = data_dir
+        if isinstance(one, PackedChatDataset):
+            about = (
+                f"{data_dir} (chat SFT, {'packed' if config.data.packing else 'one sample per window'}"
+                f", {one.truncated} samples cut to seq_len)"
+            )
+        return TrainingData(one, one_val, None, document_masking(config, one, tokenizer), about)
     names = source_names(config)
     opened = [
         _open_folder(config, tokenizer, s.path, f"data.sources[{i}].path")
@@ -136,13 +145,15 @@ def build_data(config: JobConfig, tokenizer: AnyTokenizer) -> TrainingData:
 
 def document_masking(config: JobConfig, train, tokenizer: AnyTokenizer) -> DocumentMasking | None:
     """The run's document masking (the data's EOS id, else the tokenizer's), or None when
-    `data.document_mask` is off."""
-    if not config.data.document_mask:
+    `data.document_mask` is off. Packed chat SFT data always gets it, with restarted
+    positions: its samples must not see each other."""
+    packed_chat = isinstance(train, PackedChatDataset) and config.data.packing
+    if not (config.data.document_mask or packed_chat):
         return None
     eos = train.metadata.get("eos_id")
     return DocumentMasking(
         eos_id=int(eos) if eos is not None else tokenizer.eos_id,
-        reset_positions=config.data.reset_positions,
+        reset_positions=config.data.reset_positions or packed_chat,
     )
 
 

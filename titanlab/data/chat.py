@@ -5,12 +5,16 @@ Format (Meta, "Llama 3 model card: prompt format"; Llama 3.1 names the tool role
     <|begin_of_text|><|start_header_id|>{role}<|end_header_id|>\\n\\n{content}<|eot_id|> ...
     <|start_header_id|>assistant<|end_header_id|>\\n\\n          (the generation prompt)
 
-Each message's content is stripped of surrounding whitespace, as Meta's template does. The same
+Each message's content is stripped of surrounding whitespace, as Meta's template does. An
+assistant message's optional `reasoning` goes before its content as
+`<think>\n{reasoning}\n</think>\n\n` (a reasoning trace, as Qwen3 and DeepSeek-R1 format it;
+the Llama 3 vocabulary has no think tokens, so the tags are ordinary text) and is trained on
+like the content. The same
 format as a Jinja template (`LLAMA3_CHAT_TEMPLATE`) goes into exported files (GGUF's
 `tokenizer.chat_template`), so llama.cpp renders a conversation into the same ids.
 
-A conversation is a list of `{"role": ..., "content": ...}` dicts, roles `system`, `user`,
-`assistant`, `tool`.
+A conversation is a list of `{"role": ..., "content": ...}` dicts (optionally `reasoning`),
+roles `system`, `user`, `assistant`, `tool`.
 """
 
 from __future__ import annotations
@@ -29,6 +33,8 @@ LLAMA3_CHAT_TEMPLATE = (
     "{{ bos_token }}{% for message in messages %}"
     "{% set role = 'ipython' if message['role'] == 'tool' else message['role'] %}"
     "<|start_header_id|>{{ role }}<|end_header_id|>\n\n"
+    "{% if message['reasoning'] is defined and message['reasoning'] %}"
+    "<think>\n{{ message['reasoning'] | trim }}\n</think>\n\n{% endif %}"
     "{{ message['content'] | trim }}<|eot_id|>{% endfor %}"
     "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
 )
@@ -60,6 +66,8 @@ def check_messages(messages: Any, where: str = "conversation") -> list[dict[str,
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("content"), str):
             raise ValueError(f"{where}: message {i} needs a string 'content' and a 'role'")
+        if not isinstance(m.get("reasoning", ""), str):
+            raise ValueError(f"{where}: message {i} has a 'reasoning' that is not a string")
         if m.get("role") not in ROLES:
             raise ValueError(
                 f"{where}: message {i} has role {m.get('role')!r}; valid: {', '.join(ROLES)}"
@@ -99,6 +107,9 @@ def render_chat(
     for m in messages:
         header(_HEADER_NAME.get(m["role"], m["role"]))
         trained = m["role"] == "assistant"
+        if m.get("reasoning"):
+            think = f"<think>\n{m['reasoning'].strip()}\n</think>\n\n"
+            add(tokenizer.encode(think, bos=False, eos=False), trained)
         add(tokenizer.encode(m["content"].strip(), bos=False, eos=False), trained)
         add([eot], trained)
     if add_generation_prompt:

@@ -22,6 +22,10 @@ MESSAGES = [
     {"role": "assistant", "content": "4"},
     {"role": "tool", "content": "ok"},
 ]
+REASONING = [
+    {"role": "user", "content": "2+3?"},
+    {"role": "assistant", "content": "5", "reasoning": " two plus three "},
+]
 
 
 def enc(text: str) -> list[int]:
@@ -55,11 +59,19 @@ def test_ids_and_assistant_mask_are_the_llama3_format():
 
 def test_jinja_template_renders_the_same_text():
     jinja2 = pytest.importorskip("jinja2")
-    for prompt in (False, True):
-        text = jinja2.Template(LLAMA3_CHAT_TEMPLATE).render(
-            messages=MESSAGES, bos_token="<|begin_of_text|>", add_generation_prompt=prompt
-        )
-        assert text == TOK.decode(render_chat(TOK, MESSAGES, add_generation_prompt=prompt).ids)
+    for messages in (MESSAGES, REASONING):
+        for prompt in (False, True):
+            text = jinja2.Template(LLAMA3_CHAT_TEMPLATE).render(
+                messages=messages, bos_token="<|begin_of_text|>", add_generation_prompt=prompt
+            )
+            ids = render_chat(TOK, messages, add_generation_prompt=prompt).ids
+            assert text == TOK.decode(ids)
+
+
+def test_reasoning_is_wrapped_in_think_tags_and_trained_on():
+    got = render_chat(TOK, REASONING, add_generation_prompt=False)
+    trained = [i for i, m in zip(got.ids, got.assistant_mask) if m]
+    assert TOK.decode(trained) == "<think>\ntwo plus three\n</think>\n\n5<|eot_id|>"
 
 
 def test_tokenizer_json_prompt_uses_its_own_template(tmp_path):
