@@ -225,6 +225,10 @@ def init_model_weights(
     full_sd = full.state_dict()
     for part in model_parts:
         keys = get_model_state_dict(part).keys()
+        # Weights the plain model lacks (LoRA adapters) are initialized by their own code.
+        extra = [k for k in keys if k not in full_sd]
         set_model_state_dict(
-            part, {k: full_sd[k] for k in keys}, options=StateDictOptions(full_state_dict=True)
+            part,
+            {k: full_sd[k] for k in keys if k in full_sd},
+            options=StateDictOptions(full_state_dict=True, strict=not extra),
         )

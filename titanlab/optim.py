@@ -109,7 +109,10 @@ class OptimizersContainer:
     ):
         self.model_parts = model_parts
         self.optimizers = [
-            build_optimizer(list(p.parameters()), cfg, device, allow_fused) for p in model_parts
+            build_optimizer(
+                [q for q in p.parameters() if q.requires_grad], cfg, device, allow_fused
+            )
+            for p in model_parts
         ]
 
     def step(self) -> None:

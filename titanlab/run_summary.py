@@ -26,8 +26,10 @@ def format_summary(
     checkpoint: str | None,
     plot: str,
     traces: str | None,
+    adapters_only: bool = False,
 ) -> str:
-    """The summary lines. `checkpoint`: the newest complete checkpoint folder (None: none);
+    """The summary lines. `checkpoint`: the newest complete checkpoint folder (None: none;
+    `adapters_only`: it holds LoRA adapters);
     `plot`: the PNG written, or the reason there is none; `traces`: the profiler's folder."""
     rec = metrics.last
     loss = rec.get("loss", math.nan)
@@ -54,7 +56,11 @@ def format_summary(
         out = os.path.join(root, "hf", os.path.basename(checkpoint.rstrip("/")))
         # The checkpoint's model_args.json names the family and flavor.
         cmd = shlex.join(["python", "-m", "tools.convert_checkpoint", "to-hf", checkpoint, out])
-        lines += [f"  checkpoint:  {checkpoint}", f"  to HF:       {cmd}"]
+        lines.append(f"  checkpoint:  {checkpoint}")
+        if adapters_only:  # the step folders hold LoRA adapters, not a model to export
+            lines.append("  to HF:       not for LoRA adapters yet (merging is not supported)")
+        else:
+            lines.append(f"  to HF:       {cmd}")
     else:
         lines.append("  checkpoint:  none (checkpoint.enable=false)")
     lines.append(f"  plot:        {plot}")
@@ -94,6 +100,7 @@ def end_of_run(
         metrics=metrics,
         memory_kind=memory_kind(device),
         checkpoint=checkpointer.last_complete() if config.checkpoint.enable else None,
+        adapters_only=config.peft.method == "lora",
         plot=plot,
         traces=os.path.join(dump, prof.save_traces_folder) if prof.enable_profiling else None,
     )

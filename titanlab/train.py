@@ -19,6 +19,7 @@ import torch
 from titanlab import components, preflight
 from titanlab.data.build import build_data, build_loader
 from titanlab.data.batches import BatchPreparer
+from titanlab.peft.lora import apply_lora, init_adapters
 from titanlab.checkpoint import Checkpointer, store
 from titanlab.config.docs import format_help
 from titanlab.config.job_config import ConfigError, JobConfig
@@ -135,6 +136,13 @@ class Trainer:
             dims,
         )
         apply_float8(model, config.float8, self.device, dims.fsdp_enabled)
+        if config.peft.method == "lora":
+            adapted = apply_lora(model, config.peft)
+            logger.info(
+                "peft: LoRA rank %d alpha %g on %d Linear layers (%s); %s trainable parameters",
+                config.peft.rank, config.peft.alpha, adapted, ",".join(config.peft.target_modules),
+                f"{sum(p.numel() for p in model.parameters() if p.requires_grad):,}",
+            )  # fmt: skip
         self.loss_parallel = dims.tp_enabled and not config.parallelism.disable_loss_parallel
         self.loss_fn = build_loss_fn(
             config.compile.enable and "loss" in config.compile.components, self.loss_parallel
@@ -173,10 +181,13 @@ class Trainer:
             family=self.family,
             model_args=self.model_args,
             tokenizer_path=config.model.tokenizer_path,
+            adapters_only=config.peft.method == "lora",
         )
         components.init_model_weights(
             self.model_parts, self.model_args, self.device, config.debug.seed, world_size
         )
+        if config.peft.method == "lora":
+            init_adapters(self.model_parts, config.debug.seed)
         resume = config.checkpoint.enable and not config.checkpoint.create_seed_checkpoint
         self.step = self.checkpointer.load() if resume else 0
 

@@ -30,6 +30,7 @@ from torch.distributed.checkpoint.state_dict import (
 from titanlab.checkpoint import plain_state, store
 from titanlab.config.job_config import Checkpoint, ConfigError
 from titanlab.models.stored_args import write_model_args
+from titanlab.peft.lora import is_adapter
 
 if TYPE_CHECKING:
     from titanlab.models.registry import ModelFamily
@@ -54,6 +55,10 @@ class Checkpointer:
             know the shape (None: not written).
         tokenizer_path: the run's `model.tokenizer_path` ("" : the bundled one), whose files go
             into the Hugging Face export of `last_save_in_hf`.
+        adapters_only: LoRA: the step checkpoints hold only the adapter weights of the model
+            (with the optimizer and the rest); on resume the frozen base is first loaded from
+            `checkpoint.initial_load_path` (else it is the seeded initialization). Model-only
+            saves (the seed checkpoint, the final export) keep every weight.
     """
 
     def __init__(
@@ -69,8 +74,10 @@ class Checkpointer:
         family: ModelFamily | None = None,
         model_args: Any = None,
         tokenizer_path: str = "",
+        adapters_only: bool = False,
     ) -> None:
         self.cfg = cfg
+        self.adapters_only = adapters_only
         self.family, self.model_args = family, model_args
         self.tokenizer_path = tokenizer_path
         self.root = store.checkpoint_root(cfg.folder, dump_folder)
@@ -101,8 +108,11 @@ class Checkpointer:
         return sd
 
     def _full_state(self, step: int) -> dict:
+        model = self._model_sd()
+        if self.adapters_only:
+            model = {k: v for k, v in model.items() if is_adapter(k)}
         return {
-            "model": self._model_sd(),
+            "model": model,
             "optimizer": self._optim_sd(),
             "lr_scheduler": self.lr_scheduler.state_dict(),
             # JSON in a uint8 tensor: one per-rank item that loading never unpickles.
@@ -264,7 +274,22 @@ class Checkpointer:
             return 0
         keys = store.saved_keys(path)
         has_optim = not model_only and any(k.startswith("optimizer.") for k in keys)
-        state: dict = {"model": self._model_sd(), "train_state": {"step": 0}}
+        if self.adapters_only and has_optim and self.cfg.initial_load_path:
+            self._load_base(self.cfg.initial_load_path)  # the frozen base, then the adapters
+        model_sd = self._model_sd()
+        saved = {k for k in model_sd if f"model.{k}" in keys}
+        missing = [k for k in model_sd if k not in saved]
+        # An adapter checkpoint lacks the base; a base checkpoint lacks the adapters.
+        allowed = (lambda k: not is_adapter(k)) if has_optim else is_adapter
+        if missing and not (self.adapters_only and all(allowed(k) for k in missing)):
+            raise ConfigError(
+                f"{path}: holds no model.{missing[0]} ({len(missing)} model tensors missing); "
+                "it is not a checkpoint of this model"
+            )
+        state: dict = {
+            "model": {k: v for k, v in model_sd.items() if k in saved},
+            "train_state": {"step": 0},
+        }
         if has_optim:
             state["optimizer"] = self._optim_sd()
             state["lr_scheduler"] = self.lr_scheduler.state_dict()
@@ -279,7 +304,11 @@ class Checkpointer:
         part_keys = [list(get_model_state_dict(part)) for part in self.model_parts]
         dcp.load(state, checkpoint_id=path)
         for part, fqns in zip(self.model_parts, part_keys):
-            set_model_state_dict(part, {k: state["model"][k] for k in fqns})
+            set_model_state_dict(
+                part,
+                {k: state["model"][k] for k in fqns if k in saved},
+                options=StateDictOptions(strict=not missing),
+            )
         if has_optim:
             for part, opt in zip(self.model_parts, self.optimizer.optimizers):
                 set_optimizer_state_dict(part, opt, state["optimizer"], options=_FLAT)
@@ -299,6 +328,27 @@ class Checkpointer:
             "checkpoint: loaded %s (step %d%s)", path, step, "" if has_optim else ", model only"
         )
         return step
+
+    def _load_base(self, path: str) -> None:
+        """Load the non-adapter model weights of `path` (a LoRA run's frozen base)."""
+        keys = store.saved_keys(path)
+        base = {k: v for k, v in self._model_sd().items() if not is_adapter(k)}
+        absent = [k for k in base if f"model.{k}" not in keys]
+        if absent:
+            raise ConfigError(
+                f"checkpoint.initial_load_path={path!r} holds no model.{absent[0]}; it is not "
+                "a checkpoint of this model's base"
+            )
+        part_keys = [list(get_model_state_dict(part)) for part in self.model_parts]
+        state = {"model": base}
+        dcp.load(state, checkpoint_id=path)
+        for part, fqns in zip(self.model_parts, part_keys):
+            set_model_state_dict(
+                part,
+                {k: state["model"][k] for k in fqns if k in base},
+                options=StateDictOptions(strict=False),
+            )
+        logger.info("checkpoint: loaded the base weights of %s", path)
 
     def close(self) -> None:
         """Finish any async save, then end the async-save group once every rank got here

@@ -17,6 +17,7 @@ from titanlab.config.checkpointing import Checkpoint
 from titanlab.config.data import Data, DataSource, SchedulePoint
 from titanlab.config.errors import ConfigError, _require
 from titanlab.config.parallelism import Parallelism
+from titanlab.config.peft import Peft
 from titanlab.config.performance import ActivationCheckpoint, Compile, Float8
 from titanlab.config.profiling import Profiling
 
@@ -37,6 +38,7 @@ __all__ = [
     "Model",
     "Optimizer",
     "Parallelism",
+    "Peft",
     "Profiling",
     "SchedulePoint",
     "Training",
@@ -352,6 +354,7 @@ class JobConfig:
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
     compile: Compile = field(default_factory=Compile)
     float8: Float8 = field(default_factory=Float8)
+    peft: Peft = field(default_factory=Peft)
     metrics: Metrics = field(default_factory=Metrics)
     profiling: Profiling = field(default_factory=Profiling)
     data: Data = field(default_factory=Data)

@@ -36,6 +36,23 @@ def validate_layout(config: JobConfig, dims: ParallelDims, model_args, device_ty
             f"training.seq_len={t.seq_len} must be divisible by tp × 2·cp = {seq_div}"
             " (sequence parallel and load-balanced context parallel split it)"
         )
+    if config.peft.method == "lora":
+        if dims.tp > 1:
+            raise ConfigError(
+                f"peft.method=lora with parallelism.tensor_parallel_degree={dims.tp} is not "
+                "supported yet (the adapters have no tensor-parallel plan); use FSDP, HSDP, PP "
+                "or CP with LoRA"
+            )
+        if config.float8.enable:
+            raise ConfigError(
+                "peft.method=lora with float8.enable=true is not supported yet (float8 would "
+                "replace the adapted Linears); set float8.enable=false"
+            )
+        if config.checkpoint.last_save_in_hf:
+            raise ConfigError(
+                "peft.method=lora with checkpoint.last_save_in_hf=true: merging adapters into "
+                "a Hugging Face export is not supported yet; set last_save_in_hf=false"
+            )
     if t.seq_len_warmup_steps:
         if dims.pp > 1:
             raise ConfigError(

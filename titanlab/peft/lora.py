@@ -1,0 +1,118 @@
+"""LoRA: low-rank adapters on chosen Linear layers (Hu et al. 2021, "LoRA: Low-Rank Adaptation
+of Large Language Models").
+
+`apply_lora` swaps each targeted `nn.Linear` of a (meta-device) model for a `LoRALinear`: the
+same Linear (its `weight` keeps its name, so base checkpoints load unchanged) plus `lora_a`
+(r × in) and `lora_b` (out × r), and freezes every parameter that is not an adapter. The output
+is W x + (alpha / r) · B A dropout(x). A starts Kaiming-uniform (a = sqrt(5), as torch's Linear
+and PEFT initialize it) and B at zero, so a fresh adapter leaves the model's output unchanged.
+The model file stays plain: this runs from outside, before parallelism is applied, so FSDP,
+activation checkpointing and compile see ordinary modules.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from titanlab.config.errors import ConfigError
+from titanlab.config.peft import Peft
+
+ADAPTER_MARK = ".lora_"
+
+
+class LoRALinear(nn.Linear):
+    """A bias-free Linear with a LoRA adapter (see the module docstring).
+
+    Args:
+        in_features / out_features: the base Linear's shape; rank, alpha, dropout: the adapter.
+    Shapes: input (..., in) → output (..., out), in the input's dtype.
+    """
+
+    def __init__(
+        self, in_features: int, out_features: int, rank: int, alpha: float, dropout: float
+    ) -> None:
+        super().__init__(in_features, out_features, bias=False)
+        self.lora_a = nn.Linear(in_features, rank, bias=False)
+        self.lora_b = nn.Linear(rank, out_features, bias=False)
+        self.scaling = alpha / rank
+        self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+
+    def reset_adapter(self, generator: torch.Generator | None = None) -> None:
+        """A: Kaiming-uniform (bound 1/sqrt(in), from a = sqrt(5)); B: zeros. With `generator`,
+        A is drawn on the CPU from it (the same values whatever the layout)."""
+        bound = 1.0 / math.sqrt(self.in_features)
+        a = torch.empty(self.lora_a.weight.shape).uniform_(-bound, bound, generator=generator)
+        with torch.no_grad():
+            _copy_full(self.lora_a.weight, a)
+            _copy_full(self.lora_b.weight, torch.zeros(self.lora_b.weight.shape))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        base = F.linear(x, self.weight)
+        return base + self.lora_b(self.lora_a(self.dropout(x))) * self.scaling
+
+
+def _copy_full(param: torch.Tensor, full: torch.Tensor) -> None:
+    """Write the full tensor `full` into `param`, a plain tensor or a DTensor (its shard)."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if isinstance(param, DTensor):
+        local = distribute_tensor(full.to(param.device), param.device_mesh, param.placements)
+        param.to_local().copy_(local.to_local())
+    else:
+        param.copy_(full)
+
+
+def apply_lora(model: nn.Module, cfg: Peft) -> int:
+    """Swap the target Linears of `model` for `LoRALinear`s and freeze all but the adapters.
+
+    Returns:
+        the number of Linears adapted.
+    Raises:
+        ConfigError: one line when a target name matches no bias-free Linear of the model,
+            naming the Linear layers it has.
+    """
+    linears = {
+        name: module
+        for name, module in model.named_modules()
+        if type(module) is nn.Linear and module.bias is None
+    }
+    targets = set(cfg.target_modules)
+    hits = {name: m for name, m in linears.items() if name.rsplit(".", 1)[-1] in targets}
+    matched = {name.rsplit(".", 1)[-1] for name in hits}
+    missing = sorted(targets - matched)
+    if missing:
+        have = sorted({name.rsplit(".", 1)[-1] for name in linears})
+        raise ConfigError(
+            f"peft.target_modules {missing} match no Linear layer of the model; its Linear "
+            f"layers are named {', '.join(have)}"
+        )
+    for name, old in hits.items():
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        with torch.device(old.weight.device):
+            new = LoRALinear(old.in_features, old.out_features, cfg.rank, cfg.alpha, cfg.dropout)
+        new.weight = old.weight
+        setattr(parent, child, new)
+    for name, param in model.named_parameters():
+        param.requires_grad_(ADAPTER_MARK in name)
+    return len(hits)
+
+
+def is_adapter(name: str) -> bool:
+    """Whether state-dict / parameter name `name` belongs to a LoRA adapter."""
+    return ADAPTER_MARK in name
+
+
+def init_adapters(model_parts: list[nn.Module], seed: int) -> None:
+    """Initialize every adapter of the model parts deterministically from `seed` and the
+    module's name (identical values in any parallel layout)."""
+    for part in model_parts:
+        for name, module in part.named_modules():
+            if isinstance(module, LoRALinear):
+                plain = name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
+                digest = sum(ord(c) * (i + 1) for i, c in enumerate(plain))
+                module.reset_adapter(torch.Generator().manual_seed(seed * 1_000_003 + digest))
