@@ -57,8 +57,12 @@ def format_summary(
         # The checkpoint's model_args.json names the family and flavor.
         cmd = shlex.join(["python", "-m", "tools.convert_checkpoint", "to-hf", checkpoint, out])
         lines.append(f"  checkpoint:  {checkpoint}")
-        if adapters_only:  # the step folders hold LoRA adapters, not a model to export
-            lines.append("  to HF:       not for LoRA adapters yet (merging is not supported)")
+        if adapters_only:  # the step folders hold LoRA adapters, not a whole model
+            peft_out = os.path.join(root, "peft", os.path.basename(checkpoint.rstrip("/")))
+            cmd = shlex.join(
+                ["python", "-m", "tools.convert_checkpoint", "to-peft", checkpoint, peft_out]
+            )
+            lines.append(f"  to PEFT:     {cmd}")
         else:
             lines.append(f"  to HF:       {cmd}")
     else:

@@ -181,7 +181,7 @@ class Trainer:
             family=self.family,
             model_args=self.model_args,
             tokenizer_path=config.model.tokenizer_path,
-            adapters_only=config.peft.method == "lora",
+            peft=config.peft if config.peft.method == "lora" else None,
         )
         components.init_model_weights(
             self.model_parts, self.model_args, self.device, config.debug.seed, world_size

@@ -5,6 +5,7 @@
         [--tokenizer PATH|none] [--overwrite] [--quiet]
     python -m tools.convert_checkpoint from-hf HF_DIR DCP_DIR [--flavor F] [--dtype auto|bf16|...]
         [--overwrite] [--quiet]
+    python -m tools.convert_checkpoint to-peft DCP_DIR OUT_DIR [--overwrite]
     python -m tools.convert_checkpoint to-gguf DCP_DIR OUT.gguf [--dtype f16|bf16|q8_0|f32]
         [--model NAME] [--flavor F] [--max-seq-len N] [--tokenizer PATH] [--overwrite] [--quiet]
 
@@ -17,7 +18,9 @@ Any family of the model registry (Llama 3 as `LlamaForCausalLM`, Qwen3 as `Qwen3
 shape of the architecture) and writes a model-only DCP folder with them, to start training from
 with `--checkpoint.initial_load_path` and `--model.flavor hf`. `to-gguf` writes one GGUF file for
 llama.cpp (Llama 3 and Qwen3; `titanlab.checkpoint.gguf_export`) with the tokenizer embedded; it
-needs the `gguf` package (`pip install 'titanlab[gguf]'`). A bad input
+needs the `gguf` package (`pip install 'titanlab[gguf]'`). For a LoRA run, `to-hf --merge-lora`
+writes the merged model from the final `export-step-N` and `to-peft` writes the adapters as a
+PEFT folder (`titanlab.peft.export`). A bad input
 ends with one line `convert_checkpoint: error: ...` and exit status 2. Also runnable as
 `python tools/convert_checkpoint.py`.
 """
@@ -35,6 +38,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from titanlab.cli import OneLineParser
 from titanlab.checkpoint.convert import DTYPES, dcp_to_hf, hf_to_dcp, parse_size
 from titanlab.checkpoint.gguf_export import GGUF_DTYPES, dcp_to_gguf
+from titanlab.peft.export import dcp_to_peft
 from titanlab.models.common.hf_config import DEFAULT_MAX_POSITION_EMBEDDINGS
 from titanlab.models.registry import DEFAULT_FAMILY, FAMILIES, get_family
 
@@ -49,6 +53,14 @@ def build_parser() -> argparse.ArgumentParser:
     to_hf = sub.add_parser("to-hf", help="titanlab DCP checkpoint -> Hugging Face folder")
     to_hf.add_argument("dcp_dir", help="DCP checkpoint folder (step-N or export-step-N)")
     to_hf.add_argument("out_dir", help="Hugging Face folder to create")
+    to_hf.add_argument(
+        "--merge-lora",
+        action="store_true",
+        help="a LoRA run's export: write each adapted weight merged (W + alpha/r · B A)",
+    )
+    to_peft = sub.add_parser("to-peft", help="a LoRA run's adapters -> PEFT adapter folder")
+    to_peft.add_argument("dcp_dir", help="DCP checkpoint folder of a LoRA run")
+    to_peft.add_argument("out_dir", help="adapter folder to create (for peft.PeftModel)")
     to_gguf = sub.add_parser("to-gguf", help="titanlab DCP checkpoint -> GGUF file (llama.cpp)")
     to_gguf.add_argument("dcp_dir", help="DCP checkpoint folder (step-N or export-step-N)")
     to_gguf.add_argument("out_path", help="the .gguf file to create")
@@ -111,7 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
         default="auto",
         help="dtype to store (default: auto, as in the Hugging Face files)",
     )
-    for p in (to_hf, from_hf, to_gguf):
+    for p in (to_hf, from_hf, to_gguf, to_peft):
         p.add_argument("--overwrite", action="store_true", help="replace a non-empty output")
         p.add_argument("--quiet", action="store_true", help="no progress bar")
     return parser
@@ -134,8 +146,12 @@ def run(argv: list[str] | None = None) -> str:
             tokenizer_path=tokenizer,
             overwrite=args.overwrite,
             progress=not args.quiet,
+            merge_lora=args.merge_lora,
         )
         dest = args.out_dir
+    elif args.command == "to-peft":
+        count = dcp_to_peft(args.dcp_dir, args.out_dir, overwrite=args.overwrite)
+        return f"{PROG}: to-peft: wrote {count} LoRA adapters to {args.out_dir}"
     elif args.command == "to-gguf":
         model = dcp_to_gguf(
             args.dcp_dir,

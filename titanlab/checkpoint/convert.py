@@ -161,6 +161,7 @@ def dcp_to_hf(
     tokenizer_path: str | None = None,
     overwrite: bool = False,
     progress: bool = True,
+    merge_lora: bool = False,
 ) -> Any:
     """Convert the model weights of a titanlab DCP checkpoint into a Hugging Face folder.
 
@@ -183,6 +184,8 @@ def dcp_to_hf(
             tokenizer when the vocab size is its size, else none; "": none.
         overwrite: remove a non-empty `out_dir` first.
         progress: show a progress bar over bytes on stderr.
+        merge_lora: the checkpoint is a LoRA run's with its base (the final export): write
+            each adapted weight as W + (alpha / r) B A (`titanlab.peft.export.LoraMerger`).
     Returns:
         The model args written to config.json.
     Raises:
@@ -199,7 +202,10 @@ def dcp_to_hf(
     )
     adapter = HFStateDictAdapter(args)
     expected = expected_shapes(family, args)
+    merger = _lora_merger(reader, dcp_dir, merge_lora)
     for name in reader.tensors:
+        if merger is not None and name in merger.adapter_names:
+            continue
         if name not in expected:
             raise ConversionError(f"DCP tensor {MODEL_PREFIX}{name} is not a weight of {label}")
     names = [n for n in expected if not adapter.skipped_in_hf(n)]
@@ -234,7 +240,9 @@ def dcp_to_hf(
 
     def blocks_of(hf_name: str) -> Iterator[torch.Tensor]:
         name, expert = hf_to_ours[hf_name]
-        if expert is not None:  # one expert's slice; its experts are written one after another
+        if merger is not None and name in merger.pairs:
+            yield adapter.to_hf(name, merger.merged(name))[1]
+        elif expert is not None:  # one expert's slice; its experts are written one after another
             if name not in stacked:
                 stacked.clear()
                 stacked[name] = reader.load(name)
@@ -276,6 +284,21 @@ def dcp_to_hf(
         out_dir,
     )
     return args
+
+
+def _lora_merger(reader: DcpModelReader, dcp_dir: str, merge_lora: bool):
+    """The merger of a LoRA checkpoint's adapters (None without --merge-lora). Raises
+    ConversionError for adapters without --merge-lora, which a Hugging Face model cannot hold."""
+    from titanlab.peft.export import LoraMerger, adapter_pairs
+
+    if merge_lora:
+        return LoraMerger(reader, dcp_dir)
+    if adapter_pairs(reader.tensors):
+        raise ConversionError(
+            f"{dcp_dir!r} holds LoRA adapters: pass --merge-lora to write the merged model "
+            "(from the final export-step-N, which has the base), or use to-peft for the adapters"
+        )
+    return None
 
 
 def _write_json(path: str, obj: dict) -> None:

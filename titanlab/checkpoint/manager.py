@@ -28,9 +28,10 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from titanlab.checkpoint import plain_state, store
-from titanlab.config.job_config import Checkpoint, ConfigError
+from titanlab.config.job_config import Checkpoint, ConfigError, Peft
 from titanlab.models.stored_args import write_model_args
 from titanlab.peft.lora import is_adapter
+from titanlab.peft.stored import write_peft_config
 
 if TYPE_CHECKING:
     from titanlab.models.registry import ModelFamily
@@ -55,7 +56,9 @@ class Checkpointer:
             know the shape (None: not written).
         tokenizer_path: the run's `model.tokenizer_path` ("" : the bundled one), whose files go
             into the Hugging Face export of `last_save_in_hf`.
-        adapters_only: LoRA: the step checkpoints hold only the adapter weights of the model
+        peft: the run's `[peft]` section when LoRA is on (written as `peft.json` into every
+            folder saved, for `convert_checkpoint to-peft` / `--merge-lora`), else None. Then
+            the step checkpoints hold only the adapter weights of the model
             (with the optimizer and the rest); on resume the frozen base is first loaded from
             `checkpoint.initial_load_path` (else it is the seeded initialization). Model-only
             saves (the seed checkpoint, the final export) keep every weight.
@@ -74,10 +77,11 @@ class Checkpointer:
         family: ModelFamily | None = None,
         model_args: Any = None,
         tokenizer_path: str = "",
-        adapters_only: bool = False,
+        peft: Peft | None = None,
     ) -> None:
         self.cfg = cfg
-        self.adapters_only = adapters_only
+        self.peft = peft
+        self.adapters_only = peft is not None
         self.family, self.model_args = family, model_args
         self.tokenizer_path = tokenizer_path
         self.root = store.checkpoint_root(cfg.folder, dump_folder)
@@ -213,6 +217,8 @@ class Checkpointer:
             os.makedirs(path, exist_ok=True)
             if self.family is not None:
                 write_model_args(path, self.family, self.model_args)
+            if self.peft is not None:
+                write_peft_config(path, self.peft)
         dist.barrier()
         return path
 
