@@ -18,6 +18,7 @@ import torch
 
 from titanlab import components
 from titanlab.data.build import build_data
+from titanlab.teacher import teacher_args
 from titanlab.checkpoint import store
 from titanlab.config.job_config import ConfigError, JobConfig
 from titanlab.config.manager import build_config
@@ -49,6 +50,8 @@ def check(config: JobConfig, world_size: int, local_world_size: int) -> Plan:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     parallel_dims = check_parallel_layout(config, world_size, model_args, device.type)
     batch = components.batch_layout(config, parallel_dims.dp_degree)
+    if config.distill.teacher_path:
+        teacher_args(config, family, model_args.vocab_size)
     check_memory(model_args, config, world_size, local_world_size, param_dtype(config, device))
     check_files(config, tokenizer)
     return Plan(parallel_dims, batch, tokenizer, family, model_args)

@@ -19,7 +19,9 @@ import torch
 from titanlab import components, preflight
 from titanlab.data.build import build_data, build_loader
 from titanlab.data.batches import BatchPreparer
+from titanlab.distill import distillation_loss_sum
 from titanlab.peft.lora import apply_lora, init_adapters
+from titanlab.teacher import build_teacher, teacher_args
 from titanlab.checkpoint import Checkpointer, store
 from titanlab.config.docs import format_help
 from titanlab.config.job_config import ConfigError, JobConfig
@@ -160,6 +162,10 @@ class Trainer:
             parallelize(model)
             model.to_empty(device=self.device)
             self.model_parts, self.has_first, self.has_last = [model], True, True
+        self.teacher = None
+        if config.distill.teacher_path:  # the validator allows it without PP / TP / CP only
+            args = teacher_args(config, self.family, self.model_args.vocab_size)
+            self.teacher = build_teacher(config, args, self.device, parallelize)
         compute_dtype = param_dtype(config, self.device)
         self.optimizer = OptimizersContainer(
             self.model_parts,
@@ -446,7 +452,16 @@ class Trainer:
             return sum(local_value(l) for l in losses) / scale
         model = self.model_parts[0]
         with context:
-            token_loss = self.loss_fn(model(inputs, **kwargs), labels)
+            logits = model(inputs, **kwargs)
+            if self.teacher is not None:
+                with torch.no_grad():
+                    teacher_logits = self.teacher(inputs, **kwargs)
+                d = self.config.distill
+                token_loss = distillation_loss_sum(
+                    logits, teacher_logits, labels, alpha=d.alpha, temperature=d.temperature
+                )
+            else:
+                token_loss = self.loss_fn(logits, labels)
             (token_loss * scale).backward()
         return local_value(token_loss)
 

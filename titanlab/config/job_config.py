@@ -15,6 +15,7 @@ from typing import Literal
 
 from titanlab.config.checkpointing import Checkpoint
 from titanlab.config.data import Data, DataSource, SchedulePoint
+from titanlab.config.distill import Distill
 from titanlab.config.errors import ConfigError, _require
 from titanlab.config.parallelism import Parallelism
 from titanlab.config.peft import Peft
@@ -30,6 +31,7 @@ __all__ = [
     "Data",
     "DataSource",
     "Debug",
+    "Distill",
     "Float8",
     "Job",
     "JobConfig",
@@ -355,6 +357,7 @@ class JobConfig:
     compile: Compile = field(default_factory=Compile)
     float8: Float8 = field(default_factory=Float8)
     peft: Peft = field(default_factory=Peft)
+    distill: Distill = field(default_factory=Distill)
     metrics: Metrics = field(default_factory=Metrics)
     profiling: Profiling = field(default_factory=Profiling)
     data: Data = field(default_factory=Data)

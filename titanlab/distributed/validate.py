@@ -36,6 +36,14 @@ def validate_layout(config: JobConfig, dims: ParallelDims, model_args, device_ty
             f"training.seq_len={t.seq_len} must be divisible by tp × 2·cp = {seq_div}"
             " (sequence parallel and load-balanced context parallel split it)"
         )
+    if config.distill.teacher_path:
+        for degree, name in ((dims.pp, "pipeline"), (dims.tp, "tensor"), (dims.cp, "context")):
+            if degree > 1:
+                raise ConfigError(
+                    f"distill.teacher_path with parallelism.{name}_parallel_degree={degree} is "
+                    "not supported yet (the teacher's logits would be split); use FSDP, HSDP "
+                    "or DDP for distillation"
+                )
     if config.peft.method == "lora":
         if dims.tp > 1:
             raise ConfigError(
