@@ -1,7 +1,7 @@
 """torch.compile (per block, fullgraph) trains to the eager losses under FSDP 2, FSDP 2 × TP 2
-and PP 2 × FSDP 2, and for Qwen3 (q/k norms sharded on heads) under FSDP 2 × TP 2 with
-selective activation checkpointing. CI leaves out the Llama FSDP 2 × TP 2 case, which the Qwen3
-one contains (`make test-parity-full`, TITANLAB_PARITY_FULL=1, runs it)."""
+and PP 2 × FSDP 2, and for Qwen3 (q/k norms sharded on heads) under TP 2 with selective
+activation checkpointing. CI leaves out the Llama FSDP 2 × TP 2 case (compile meets FSDP in the
+first case and TP in the Qwen3 one; `make test-parity-full`, TITANLAB_PARITY_FULL=1, runs it)."""
 
 import os
 
@@ -27,7 +27,7 @@ COMMON = ["--training.steps", "5", "--checkpoint.enable", "false"]
         ),
         (4, 4, ["--parallelism.pipeline_parallel_degree", "2"]),
         (
-            4,
+            2,
             4,
             [
                 "--model.name",
@@ -39,7 +39,7 @@ COMMON = ["--training.steps", "5", "--checkpoint.enable", "false"]
             ],
         ),
     ],
-    ids=["fsdp2", "fsdp2_tp2", "pp2_fsdp2", "qwen3_fsdp2_tp2_selective_ac"],
+    ids=["fsdp2", "fsdp2_tp2", "pp2_fsdp2", "qwen3_tp2_selective_ac"],
 )
 def test_compiled_matches_eager(nproc, local_batch, extra, train, tmp_path):
     eager, compiled = str(tmp_path / "eager"), str(tmp_path / "compiled")
