@@ -23,7 +23,7 @@ from titanlab.cli import OneLineParser
 from titanlab.data.chat import read_chat_jsonl, render_chat_prompt
 from titanlab.data.tokenizer import default_tokenizer_path, load_tokenizer
 from titanlab.generation import SamplingParams, generate
-from titanlab.distributed.init import destroy_distributed, init_distributed
+from titanlab.distributed.init import destroy_distributed, exit_process, init_distributed
 from titanlab.generation.loading import load_model
 from titanlab.generation.tensor_parallel import apply_generation_tp
 
@@ -150,12 +150,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    status = main()
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        # The process group is destroyed and the output flushed; skip interpreter finalization,
-        # where a gloo worker thread was seen (once, under CPU load in CI) to abort rank 0 with
-        # "terminate called without an active exception" after a correct run.
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(status)
-    sys.exit(status)
+    exit_process(main())

@@ -29,7 +29,12 @@ from titanlab.config.dump import compact_config, write_config_toml
 from titanlab.config.manager import build_config
 from titanlab.distributed import moe_stats
 from titanlab.distributed.comm_counter import count_step_comms
-from titanlab.distributed.init import destroy_distributed, init_distributed, set_train_timeout
+from titanlab.distributed.init import (
+    destroy_distributed,
+    exit_process,
+    init_distributed,
+    set_train_timeout,
+)
 from titanlab.distributed.context_parallel import cp_context
 from titanlab.distributed.parallelize import param_dtype, parallelize_model
 from titanlab.distributed.pipeline import pipeline_model
@@ -550,4 +555,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())

@@ -50,6 +50,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 from titanlab.hostinfo import cpu_model, ram_gib
 from titanlab.models.registry import DEFAULT_FAMILY, FAMILIES
+from tools.run_log import failure_line
 
 CONFIG = os.path.join(REPO, "train_configs", "debug_model.toml")
 SEQ, GLOBAL_BS = 256, 16
@@ -238,15 +239,8 @@ def child(spec: dict, threads: int) -> dict:
         text=True,
     )
     if proc.returncode != 0:
-        return {"error": f"exit {proc.returncode}: {failure(proc.stderr)}"}
+        return {"error": f"exit {proc.returncode}: {failure_line(proc.stderr)}"}
     return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
-def failure(log: str) -> str:
-    """The line of a failed run's output that says why: the first error line, else the last."""
-    lines = [ln.strip() for ln in log.splitlines() if ln.strip()]
-    hits = [ln for ln in lines if ("Error:" in ln or "error:" in ln) and "ChildFailed" not in ln]
-    return (hits or lines or ["no output"])[0 if hits else -1][:200]
 
 
 def run_trainer(
@@ -308,7 +302,7 @@ def run_trainer(
         path = os.path.join(dump, "metrics.jsonl")
         if proc.returncode != 0 or not os.path.exists(path):
             return Result(
-                run, error=f"exit {proc.returncode}: {failure(proc.stderr + proc.stdout)}"
+                run, error=f"exit {proc.returncode}: {failure_line(proc.stderr + proc.stdout)}"
             )
         with open(path, encoding="utf-8") as f:
             records = [json.loads(line) for line in f]

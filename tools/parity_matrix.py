@@ -27,6 +27,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from titanlab.distributed.layouts import Layout, check_layout, enumerate_layouts, pairwise_subset
+from tools.run_log import failure_line
 from tools.tiny_run import TINY_RUN
 
 STEPS = 5
@@ -68,6 +69,15 @@ class Outcome:
     refused: str | None = None
     error: str | None = None
     seconds: float = 0.0
+    log: str | None = None  # the whole output of a failed launch
+
+    def report(self, lines: int = 60) -> str:
+        """`error`, followed by the last `lines` lines of the failed launch's output."""
+        if self.log is None or not os.path.exists(self.log):
+            return str(self.error)
+        with open(self.log, encoding="utf-8", errors="replace") as f:
+            tail = f.read().splitlines()[-lines:]
+        return "\n".join([str(self.error), f"--- last {len(tail)} lines of {self.log}:", *tail])
 
     @property
     def passed(self) -> bool:
@@ -217,14 +227,6 @@ def _check(proc: subprocess.CompletedProcess) -> None:
         raise RuntimeError(f"reference run failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
 
 
-def failure_line(output: str) -> str:
-    """The line of a failed run that says why: the last one naming an error, else the last
-    line that is not a banner of `=` or `-` (torchrun frames its report with them)."""
-    lines = [l.strip() for l in output.splitlines() if l.strip() and set(l.strip()) - set("=-")]
-    errors = [l for l in lines if "Error" in l or "error:" in l]
-    return ((errors or lines or ["(no output)"])[-1])[:300]
-
-
 def run_layout(
     layout: Layout,
     dataset: str,
@@ -253,13 +255,18 @@ def run_layout(
     )
     seconds = time.time() - start
     if proc.returncode != 0:
-        tail = failure_line(proc.stdout + "\n" + proc.stderr)
+        os.makedirs(dump, exist_ok=True)
+        log = os.path.join(dump, "launch.log")
+        output = proc.stdout + "\n" + proc.stderr
+        with open(log, "w", encoding="utf-8") as f:
+            f.write(output)
         return Outcome(
             layout.name,
             layout.world_size,
             None,
-            error=f"exit {proc.returncode}: {tail}",
+            error=f"exit {proc.returncode}: {failure_line(output)}",
             seconds=seconds,
+            log=log,
         )
     losses = read_losses(dump)
     if sorted(losses) != list(range(1, STEPS + 1)):

@@ -43,6 +43,6 @@ def test_fsdp2_chat_sft_equals_one_process(chats, tmp_path):
     root = str(tmp_path)
     dataset, seed, losses = parity_matrix.prepare_reference(root, chats)
     outcome = parity_matrix.run_layout(Layout(1, 2, 1, 1, None, 1), dataset, seed, losses, root)
-    assert outcome.error is None, outcome.error
+    assert outcome.error is None, outcome.report()
     assert outcome.max_abs_diff <= parity_matrix.TOLERANCE, outcome.max_abs_diff
     assert losses[parity_matrix.STEPS] < losses[1]

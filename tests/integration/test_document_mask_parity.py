@@ -56,7 +56,7 @@ def reference(short_docs, tmp_path_factory):
 def test_document_masked_layout_matches_single_process(name, reference):
     dataset, seed, losses, root = reference
     outcome = parity_matrix.run_layout(LAYOUTS[name], dataset, seed, losses, root, extra=MASK)
-    assert outcome.error is None, outcome.error
+    assert outcome.error is None, outcome.report()
     assert outcome.max_abs_diff <= parity_matrix.TOLERANCE, outcome.max_abs_diff
 
 

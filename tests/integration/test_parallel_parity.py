@@ -77,7 +77,7 @@ def reference(tiny_dataset, tmp_path_factory):
 
 
 def _assert_matches(outcome, reference_losses):
-    assert outcome.error is None, outcome.error
+    assert outcome.error is None, outcome.report()
     assert outcome.max_abs_diff <= parity_matrix.TOLERANCE, (outcome.layout, outcome.max_abs_diff)
     assert reference_losses[parity_matrix.STEPS] < reference_losses[1]  # the reference trains
 

@@ -74,7 +74,7 @@ def qwen3_reference(tiny_dataset, tmp_path_factory):
 def test_qwen3_layout_matches_single_process(name, qwen3_reference):
     dataset, seed, losses, root = qwen3_reference
     outcome = parity_matrix.run_layout(LAYOUTS[name], dataset, seed, losses, root, extra=QWEN3)
-    assert outcome.error is None, outcome.error
+    assert outcome.error is None, outcome.report()
     print(
         f"qwen3 {name}: worst |Δloss| over {parity_matrix.STEPS} steps {outcome.max_abs_diff:.3g}"
     )

@@ -111,7 +111,7 @@ def test_moe_layout_matches_single_process(mode, layout, reference):
     microbatches = parity_matrix.global_microbatches(layout) if mode == "aux_loss" else 1
     dataset, seed, losses, root = reference(mode, microbatches)
     outcome = parity_matrix.run_layout(layout, dataset, seed, losses, root, extra=moe_options(mode))
-    assert outcome.error is None, outcome.error
+    assert outcome.error is None, outcome.report()
     print(f"qwen3_moe {mode} {layout.name}: worst |Δloss| {outcome.max_abs_diff:.3g}")
     assert outcome.max_abs_diff <= parity_matrix.TOLERANCE, (layout.name, outcome.max_abs_diff)
     assert losses[parity_matrix.STEPS] < losses[1]

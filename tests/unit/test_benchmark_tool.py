@@ -154,10 +154,3 @@ def test_combine_repeats_takes_medians_and_range():
     failed = benchmark.Result(run, error="boom")
     assert benchmark.combine([failed]).error == "boom"
     assert benchmark.combine([failed, rows[0]]).step_s == 3.0
-
-
-def test_failure_line():
-    log = "noise\n[rank0]: ValueError: bad value\nChildFailedError:\ntorchrun summary\n"
-    assert benchmark.failure(log) == "[rank0]: ValueError: bad value"
-    assert benchmark.failure("a\nlast\n") == "last"
-    assert benchmark.failure("") == "no output"

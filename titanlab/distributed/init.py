@@ -6,8 +6,10 @@ one is visible, else CPU. A plain `python -m titanlab.train` (no torchrun) runs 
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
+import sys
 from datetime import timedelta
 
 import torch
@@ -108,3 +110,19 @@ def destroy_distributed(barrier: bool = True) -> None:
     if barrier:
         dist.barrier()
     dist.destroy_process_group()
+
+
+def exit_process(status: int) -> None:
+    """Exit with `status` once `main` has returned (and `destroy_distributed` has run).
+
+    Under torchrun (WORLD_SIZE > 1) the output is flushed and interpreter finalization is
+    skipped: a gloo worker thread was seen, under CPU load, to abort a rank there with
+    "terminate called without an active exception" after a correct run, turning its exit
+    status into a failure. A single process exits normally.
+    """
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
+    sys.exit(status)
