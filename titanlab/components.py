@@ -30,6 +30,7 @@ from titanlab.models.registry import (
     get_flavor,
 )
 from titanlab.models.stored_args import HF_FLAVOR, read_model_args
+from titanlab.peft.qlora import hide_quantized, is_quantized
 
 logger = logging.getLogger(__name__)
 
@@ -214,8 +215,9 @@ def init_model_weights(
     is cheap.
     """
     torch.manual_seed(seed)
-    for part in model_parts:
-        cast(Decoder, part).init_weights(buffer_device=device)
+    with hide_quantized(model_parts):  # QLoRA's NF4 base weights come from the checkpoint
+        for part in model_parts:
+            cast(Decoder, part).init_weights(buffer_device=device)
     if device.type == "cuda" or world_size == 1:
         return
     full = build_meta_model(model_args)
@@ -224,11 +226,15 @@ def init_model_weights(
     full.init_weights()
     full_sd = full.state_dict()
     for part in model_parts:
-        keys = get_model_state_dict(part).keys()
-        # Weights the plain model lacks (LoRA adapters) are initialized by their own code.
+        sd = get_model_state_dict(part)
+        # Weights the plain model lacks (LoRA adapters) are initialized by their own code;
+        # QLoRA's NF4 weights are left as they are.
+        keys = [k for k, v in sd.items() if not is_quantized(v)]
         extra = [k for k in keys if k not in full_sd]
         set_model_state_dict(
             part,
             {k: full_sd[k] for k in keys if k in full_sd},
-            options=StateDictOptions(full_state_dict=True, strict=not extra),
+            options=StateDictOptions(
+                full_state_dict=True, strict=not extra and len(keys) == len(sd)
+            ),
         )

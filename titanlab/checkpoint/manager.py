@@ -31,6 +31,7 @@ from titanlab.checkpoint import plain_state, store
 from titanlab.config.job_config import Checkpoint, ConfigError, Peft
 from titanlab.models.stored_args import write_model_args
 from titanlab.peft.lora import is_adapter
+from titanlab.peft.qlora import dequantized, is_quantized
 from titanlab.peft.stored import write_peft_config
 
 if TYPE_CHECKING:
@@ -99,10 +100,15 @@ class Checkpointer:
 
     # --- state dicts ---------------------------------------------------------------------
     def _model_sd(self) -> dict:
+        """The model's state dict without QLoRA's NF4 base weights (they are rebuilt from
+        `initial_load_path` and never loaded from, or saved to, a checkpoint as NF4)."""
         sd: dict = {}
         for part in self.model_parts:
             sd.update(get_model_state_dict(part))
-        return sd
+        return {k: v for k, v in sd.items() if not is_quantized(v)}
+
+    def _has_quantized(self) -> bool:
+        return any(is_quantized(p) for part in self.model_parts for p in part.parameters())
 
     def _optim_sd(self) -> dict:
         # Flattened: keys are parameter names, so the state reshards across layouts and stages.
@@ -174,8 +180,17 @@ class Checkpointer:
         or the final export. Returns the folder."""
         self.wait()
         path = self._fresh_dir(step, name)
+        full: dict = {}
+        for part in self.model_parts:
+            full.update(get_model_state_dict(part))
+        # QLoRA: the base as the run used it, NF4 dequantized.
         model = {
-            k: v.to(dtype) if v.is_floating_point() else v for k, v in self._model_sd().items()
+            k: dequantized(v, dtype)
+            if is_quantized(v)
+            else v.to(dtype)
+            if v.is_floating_point()
+            else v
+            for k, v in full.items()
         }
         dcp.save({"model": model, "train_state": {"step": step}}, checkpoint_id=path)
         logger.info("checkpoint: saved model weights (%s) of step %d to %s", dtype, step, path)
@@ -313,7 +328,7 @@ class Checkpointer:
             set_model_state_dict(
                 part,
                 {k: state["model"][k] for k in fqns if k in saved},
-                options=StateDictOptions(strict=not missing),
+                options=StateDictOptions(strict=not missing and not self._has_quantized()),
             )
         if has_optim:
             for part, opt in zip(self.model_parts, self.optimizer.optimizers):

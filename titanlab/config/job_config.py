@@ -373,3 +373,8 @@ class JobConfig:
             not (self.validation.enable and self.data.val_fraction == 0),
             "validation.enable=true needs data.val_fraction > 0 (no held-out data otherwise)",
         )
+        _require(
+            self.peft.quantize_base == "none" or bool(self.checkpoint.initial_load_path),
+            f"peft.quantize_base={self.peft.quantize_base} needs checkpoint.initial_load_path "
+            "(the base model whose weights are quantized)",
+        )

@@ -28,6 +28,13 @@ class Peft:
     """Names of the Linear layers to adapt, matched against the last part of each module's name
     (wq, wk, wv, wo, w1, w2, w3)."""
 
+    quantize_base: Literal["none", "nf4"] = "none"
+    """nf4: QLoRA (Dettmers et al. 2023): the adapted Linear weights of the base are stored in
+    4-bit NormalFloat (torchao's NF4, blocks of 64 with double-quantized scales, about 0.26 of
+    bf16's bytes), sharded by FSDP and dequantized per block in forward; the adapters stay in
+    the compute dtype. Needs `method = "lora"` and `checkpoint.initial_load_path` (the base
+    to quantize)."""
+
     def validate(self) -> None:
         _require(self.rank >= 1, f"peft.rank={self.rank} must be >= 1")
         _require(self.alpha > 0, f"peft.alpha={self.alpha} must be > 0")
@@ -35,4 +42,9 @@ class Peft:
         _require(
             self.method == "none" or bool(self.target_modules),
             "peft.target_modules is empty; name the Linear layers to adapt, e.g. wq,wv",
+        )
+        _require(
+            self.quantize_base == "none" or self.method == "lora",
+            f"peft.quantize_base={self.quantize_base} needs peft.method=lora (QLoRA trains "
+            "adapters over the quantized base)",
         )

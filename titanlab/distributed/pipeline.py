@@ -18,6 +18,7 @@ from torch.distributed.pipelining import schedules as S
 
 from titanlab.config.job_config import ConfigError
 from titanlab.distributed import moe_stats
+from titanlab.peft.qlora import to_empty_keeping_quantized
 
 if TYPE_CHECKING:
     from titanlab.models.common.decoder import Decoder
@@ -176,7 +177,7 @@ def pipeline_model(model: Decoder, parallel_dims, config, device, parallelize_fn
     for sid in ids:
         part = build_stage_module(model, all_fqns[sid])
         parallelize_fn(part)
-        part.to_empty(device=device)
+        to_empty_keeping_quantized(part, device)  # QLoRA's NF4 base weights are real already
         parts.append(part)
         stages.append(_Stage(part, sid, n_stages, device, group=pp_mesh.get_group()))
     n_mb = config.training.local_batch_size // p.pipeline_parallel_microbatch_size

@@ -61,6 +61,12 @@ def validate_layout(config: JobConfig, dims: ParallelDims, model_args, device_ty
                 "peft.method=lora with checkpoint.last_save_in_hf=true: merging adapters into "
                 "a Hugging Face export is not supported yet; set last_save_in_hf=false"
             )
+        if config.peft.quantize_base == "nf4" and dims.dp_replicate > 1:
+            raise ConfigError(
+                f"peft.quantize_base=nf4 with parallelism.data_parallel_replicate_degree="
+                f"{dims.dp_replicate}: torchao's NF4 weights shard under FSDP but cannot be "
+                "replicated (DDP, HSDP); use data_parallel_shard_degree for the data-parallel ranks"
+            )
     if t.seq_len_warmup_steps:
         if dims.pp > 1:
             raise ConfigError(

@@ -102,6 +102,15 @@ def apply_lora(model: nn.Module, cfg: Peft) -> int:
     return len(hits)
 
 
+def store_frozen_in(model: nn.Module, dtype: torch.dtype) -> None:
+    """Store every frozen floating-point parameter of the (meta-device) `model` in `dtype`,
+    the compute dtype: the base is never updated, so an fp32 master copy would only double its
+    memory (the adapters, which train, stay fp32). A no-op when `dtype` is fp32."""
+    for p in model.parameters():
+        if not p.requires_grad and p.is_floating_point() and p.dtype != dtype:
+            p.data = p.data.to(dtype)
+
+
 def is_adapter(name: str) -> bool:
     """Whether state-dict / parameter name `name` belongs to a LoRA adapter."""
     return ADAPTER_MARK in name

@@ -205,3 +205,16 @@ def test_seq_len_warmup_is_refused_under_pipeline_parallel_and_must_split_under_
     assert refusal(config, 4, 64) == (
         "training.seq_len_warmup_start=4 must be divisible by tp × 2·cp = 8, like seq_len"
     )
+
+
+def test_qlora_is_refused_where_nf4_weights_would_be_replicated():
+    config = JobConfig()
+    config.peft.method, config.peft.quantize_base = "lora", "nf4"
+    config.parallelism.data_parallel_replicate_degree = 2
+    assert refusal(config, 2) == (
+        "peft.quantize_base=nf4 with parallelism.data_parallel_replicate_degree=2: torchao's NF4 "
+        "weights shard under FSDP but cannot be replicated (DDP, HSDP); use "
+        "data_parallel_shard_degree for the data-parallel ranks"
+    )
+    config.parallelism.data_parallel_replicate_degree = 1
+    assert refusal(config, 2) is None
