@@ -21,7 +21,7 @@ from titanlab import components, preflight
 from titanlab.data.build import build_data, build_loader
 from titanlab.data.batches import BatchPreparer
 from titanlab.distill import distillation_loss_sum
-from titanlab.peft.lora import apply_lora, init_adapters, store_frozen_in
+from titanlab.peft.lora import apply_lora, freeze_base, init_adapters, store_frozen_in
 from titanlab.peft.qlora import (
     adapted_base_bytes,
     quantize_base,
@@ -184,6 +184,9 @@ class Trainer:
             args = teacher_args(config, self.family, self.model_args.vocab_size)
             self.teacher = build_teacher(config, args, self.device, parallelize)
         if config.peft.method == "lora":
+            # Some parallel styles (torch's SequenceParallel for the TP norms) re-create the
+            # parameters they replicate as trainable: freeze the base again.
+            freeze_base(self.model_parts)
             logger.info(
                 "peft: the adapted layers' base weights take %.3f MiB on rank %d (%s)",
                 adapted_base_bytes(self.model_parts) / 2**20,

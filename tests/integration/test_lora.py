@@ -70,16 +70,26 @@ FULL_ONLY = pytest.mark.skipif(
     os.environ.get("TITANLAB_PARITY_FULL") != "1", reason="make test-parity-full runs it"
 )
 MORE = {
+    "fsdp2-tp2": (Layout(1, 2, 2, 1, None, 1), ()),
     "pp2-1F1B": (Layout(1, 1, 1, 2, "1F1B", 1), ()),
     "fsdp2-compile": (Layout(1, 2, 1, 1, None, 1), ("--compile.enable", "true")),
     "hsdp2": (Layout(2, 1, 1, 1, None, 1), ()),
 }
 
 
+def test_tensor_parallel_splits_adapters_with_their_base(base, reference, tiny_dataset, tmp_path):
+    """TP 2: A replicated / B by rows under wq, wk, wv, w1, w3 (column-wise); A by columns / B
+    replicated under wo, w2 (row-wise); the losses equal 1 process."""
+    got = run(Layout(1, 1, 2, 1, None, 1), tiny_dataset, base, str(tmp_path / "tp2"))
+    assert sorted(got) == sorted(reference)
+    assert max(abs(got[s] - reference[s]) for s in reference) <= parity_matrix.TOLERANCE, got
+
+
 @FULL_ONLY
 @pytest.mark.parametrize("name", list(MORE))
 def test_more_layouts_equal_one_process(name, base, reference, tiny_dataset, tmp_path):
-    """LoRA × PP, × compile and × HSDP (measured here: each within 1e-6 of 1 process)."""
+    """LoRA × FSDP × TP, × PP, × compile and × HSDP (measured here: each within 1e-6 of 1
+    process)."""
     layout, extra = MORE[name]
     got = run(layout, tiny_dataset, base, str(tmp_path / name), *extra)
     assert max(abs(got[s] - reference[s]) for s in reference) <= parity_matrix.TOLERANCE

@@ -61,6 +61,7 @@ def parallelize_model(
             tp_mesh,
             loss_parallel=not config.parallelism.disable_loss_parallel,
             float8_comm=f8.enable and f8.recipe_name == "tensorwise" and device.type == "cuda",
+            lora=config.peft.method == "lora",
         )
     if parallel_dims.ep_enabled:
         ep_mesh = parallel_dims.mesh("ep")

@@ -16,6 +16,9 @@ Plan (Shoeybi et al. 2019, "Megatron-LM"; Korthikanti et al. 2022 for sequence p
   stage convert.
 - output: column-wise; with loss parallel the logits stay vocab-sharded (`Shard(-1)`) and the
   cross-entropy runs under `loss_parallel()`, never materializing the full vocab on one rank.
+- LoRA: an adapter is split with its base Linear (A replicated and B by rows under a
+  column-wise base; A by columns and B replicated under a row-wise one), so every product stays
+  local (`titanlab.distributed.lora_parallel`).
 - float8 (tensorwise recipe, on GPUs): the block's Linear layers use torchao's float8 styles
   (`Float8ColwiseParallel`, `Float8RowwiseParallel`, `PrepareFloat8ModuleInput`), which cast to
   float8 before the all-gather, so TP moves half the bytes of bf16 (torchao's float8 README,
@@ -47,9 +50,14 @@ if TYPE_CHECKING:
     from titanlab.models.common.decoder import Decoder
 
 
-def block_styles(float8_comm: bool) -> tuple[type, type, type]:
+def block_styles(float8_comm: bool, lora: bool = False) -> tuple[type, type, type]:
     """(colwise, rowwise, prepare-input) parallel styles for the transformer blocks: torchao's
-    float8 ones when `float8_comm` (the Linear layers must already be torchao Float8Linear)."""
+    float8 ones when `float8_comm` (the Linear layers must already be torchao Float8Linear);
+    ones that also split LoRA adapters when `lora` (`titanlab.distributed.lora_parallel`)."""
+    if lora:
+        from titanlab.distributed.lora_parallel import LoRAColwiseParallel, LoRARowwiseParallel
+
+        return LoRAColwiseParallel, LoRARowwiseParallel, PrepareModuleInput
     if float8_comm:
         from torchao.float8.float8_tensor_parallel import (
             Float8ColwiseParallel,
@@ -67,6 +75,7 @@ def apply_tp(
     *,
     loss_parallel: bool,
     float8_comm: bool = False,
+    lora: bool = False,
 ) -> None:
     """Shard `model` (a Decoder or a pipeline stage of one) over `tp_mesh` in place.
 
@@ -74,6 +83,7 @@ def apply_tp(
     vocab) as a DTensor sharded on vocab when `loss_parallel`, else a plain replicated tensor.
     A middle pipeline stage takes and returns (bs, seq, dim) hidden states sharded on seq.
     `float8_comm`: all-gather the blocks' activations in float8 (torchao tensorwise recipe).
+    `lora`: the blocks' Linear layers may carry LoRA adapters, split with their base.
     """
     top: dict[str, ParallelStyle] = {}
     if model.tok_embeddings is not None:
@@ -91,7 +101,7 @@ def apply_tp(
     if top:
         parallelize_module(model, tp_mesh, top)
 
-    colwise, rowwise, prepare_input = block_styles(float8_comm)
+    colwise, rowwise, prepare_input = block_styles(float8_comm, lora)
     # Between blocks (and between pipeline stages) activations are plain local (bs, seq/tp, dim)
     # tensors; the sequence-parallel norms read them as Shard(1).
     blocks = list(model.layers.values())

@@ -97,9 +97,15 @@ def apply_lora(model: nn.Module, cfg: Peft) -> int:
             new = LoRALinear(old.in_features, old.out_features, cfg.rank, cfg.alpha, cfg.dropout)
         new.weight = old.weight
         setattr(parent, child, new)
-    for name, param in model.named_parameters():
-        param.requires_grad_(ADAPTER_MARK in name)
+    freeze_base([model])
     return len(hits)
+
+
+def freeze_base(model_parts: list[nn.Module]) -> None:
+    """Make the adapters the only trainable parameters of the model parts."""
+    for part in model_parts:
+        for name, param in part.named_parameters():
+            param.requires_grad_(ADAPTER_MARK in name)
 
 
 def store_frozen_in(model: nn.Module, dtype: torch.dtype) -> None:
