@@ -22,7 +22,8 @@ def load_model(
     """(model in eval mode on `device` in `dtype`, its family, its args) from `path`: a DCP
     folder (`step-N` or `export-step-N` of any parallel layout; `model_args.json` gives the
     shape) or a Hugging Face folder (`config.json` + safetensors, imported as
-    `convert_checkpoint from-hf` does).
+    `convert_checkpoint from-hf` does). The export of a LoRA or QLoRA run loads with its
+    adapters merged (W + alpha/r · B A, `titanlab.peft.export.LoraMerger`).
 
     Raises:
         ValueError: one line when `path` is neither, is incomplete, or has no model args.
@@ -45,12 +46,14 @@ def load_model(
         )
     family, _, args = stored
     reader = DcpModelReader(path)
-    vocab = reader.tensors["tok_embeddings.weight"].shape[0]
+    state = _weights(reader, path)
+    if "tok_embeddings.weight" not in state:
+        raise ValueError(f"checkpoint {path!r} holds no model weights (tok_embeddings.weight)")
+    vocab = state["tok_embeddings.weight"].shape[0]
     args = dataclasses.replace(args, vocab_size=vocab)
     with torch.device("meta"):
         model = cast(Decoder, family.model_cls(args))
     model.to_empty(device=device)
-    state = {name: reader.load(name) for name in reader.tensors}
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [m for m in missing if not m.startswith("rope_")]
     if missing or unexpected:
@@ -60,3 +63,29 @@ def load_model(
         )
     model.reset_rope(device)  # to_empty left the RoPE tables uninitialized
     return model.to(dtype).eval(), family, args
+
+
+def _weights(reader: DcpModelReader, path: str) -> dict[str, torch.Tensor]:
+    """The model's weights from `reader`, LoRA adapters merged into their base weights.
+
+    Raises:
+        ValueError: one line for adapters without their base (a LoRA run's step checkpoint).
+    """
+    from titanlab.peft.export import LoraMerger, adapter_pairs
+
+    pairs = adapter_pairs(reader.tensors)
+    if not pairs:
+        return {name: reader.load(name) for name in reader.tensors}
+    if any(base not in reader.tensors for base in pairs):
+        raise ValueError(
+            f"checkpoint {path!r} holds LoRA adapters without their base (a step checkpoint of "
+            "a LoRA run); give the run's export-step-N folder, which has both"
+        )
+    merger = LoraMerger(reader, path)
+    return {
+        name: merger.merged(name).to(reader.load(name).dtype)
+        if name in pairs
+        else reader.load(name)
+        for name in reader.tensors
+        if name not in merger.adapter_names
+    }

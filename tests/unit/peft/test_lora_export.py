@@ -98,3 +98,18 @@ def test_misuse_is_one_line(lora, tmp_path):
         lines[0]
         == f"convert_checkpoint: error: --merge-lora: {str(root / 'base')!r} holds no LoRA adapters"
     )
+
+
+def test_generation_loads_the_export_with_its_adapters_merged(lora, tmp_path):
+    from titanlab.generation.loading import load_model
+
+    model, root = lora
+    merged, _, _ = load_model(str(root / "export"), torch.device("cpu"))
+    tokens = torch.randint(0, 4352, (2, 20))
+    with torch.no_grad():
+        torch.testing.assert_close(merged(tokens), model(tokens), atol=1e-4, rtol=0)
+    adapters_only = tmp_path / "step"
+    save(adapters_only, {k: v for k, v in model.state_dict().items() if is_adapter(k)})
+    with pytest.raises(ValueError, match="holds LoRA adapters without their base") as e:
+        load_model(str(adapters_only), torch.device("cpu"))
+    assert "\n" not in str(e.value)
