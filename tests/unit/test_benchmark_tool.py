@@ -154,3 +154,17 @@ def test_combine_repeats_takes_medians_and_range():
     failed = benchmark.Result(run, error="boom")
     assert benchmark.combine([failed]).error == "boom"
     assert benchmark.combine([failed, rows[0]]).step_s == 3.0
+
+
+def test_decode_flag_writes_the_decode_rows_into_the_same_file(monkeypatch, tmp_path):
+    from tools import benchmark_decode
+
+    probe = {"torch": "2.13.0", "gpus": 0, "gpu": "", "data_dir": str(tmp_path), "vocab": 4352}
+    monkeypatch.setattr(benchmark, "child", lambda spec, threads: probe)
+    decode_calls = []
+    monkeypatch.setattr(benchmark_decode, "main", lambda argv: decode_calls.append(argv) or 0)
+    out = str(tmp_path / "perf.md")
+    assert benchmark.main(["--matrix", "none", "--out", out]) == 0
+    assert decode_calls == []
+    assert benchmark.main(["--matrix", "none", "--decode", "--out", out]) == 0
+    assert decode_calls == [["--out", out]]
