@@ -13,7 +13,6 @@ import os
 import socket
 import sys
 import time
-from collections.abc import Callable
 
 import torch
 
@@ -21,13 +20,9 @@ from titanlab import components, preflight
 from titanlab.data.build import build_data, build_loader
 from titanlab.data.batches import BatchPreparer
 from titanlab.distill import distillation_loss_sum
-from titanlab.peft.lora import apply_lora, freeze_base, init_adapters, store_frozen_in
-from titanlab.peft.qlora import (
-    adapted_base_bytes,
-    quantize_base,
-    quantized_bytes,
-    to_empty_keeping_quantized,
-)
+from titanlab.peft import setup as peft_setup
+from titanlab.peft.lora import init_adapters
+from titanlab.peft.qlora import to_empty_keeping_quantized
 from titanlab.teacher import build_teacher, teacher_args
 from titanlab.checkpoint import Checkpointer, store
 from titanlab.config.docs import format_help
@@ -151,14 +146,7 @@ class Trainer:
         )
         apply_float8(model, config.float8, self.device, dims.fsdp_enabled)
         compute_dtype = param_dtype(config, self.device)
-        if config.peft.method == "lora":
-            adapted = apply_lora(model, config.peft)
-            store_frozen_in(model, compute_dtype)
-            logger.info(
-                "peft: LoRA rank %d alpha %g on %d Linear layers (%s); %s trainable parameters",
-                config.peft.rank, config.peft.alpha, adapted, ",".join(config.peft.target_modules),
-                f"{sum(p.numel() for p in model.parameters() if p.requires_grad):,}",
-            )  # fmt: skip
+        peft_setup.adapt(model, config, compute_dtype)
         self.loss_parallel = dims.tp_enabled and not config.parallelism.disable_loss_parallel
         self.loss_fn = build_loss_fn(
             config.compile.enable and "loss" in config.compile.components, self.loss_parallel
@@ -166,9 +154,7 @@ class Trainer:
         parallelize = functools.partial(
             parallelize_model, parallel_dims=dims, config=config, device=self.device
         )
-        prepare: Callable = parallelize
-        if config.peft.quantize_base == "nf4":
-            prepare = functools.partial(self._quantize_then_parallelize, parallelize=parallelize)
+        prepare = peft_setup.parallelize_fn(parallelize, config, dims, self.device)
         self.schedule = None
         if dims.pp_enabled:
             self.pp_loss = ScaledLoss(self.loss_fn)
@@ -183,16 +169,7 @@ class Trainer:
         if config.distill.teacher_path:  # the validator allows it without PP / TP / CP only
             args = teacher_args(config, self.family, self.model_args.vocab_size)
             self.teacher = build_teacher(config, args, self.device, parallelize)
-        if config.peft.method == "lora":
-            # Some parallel styles (torch's SequenceParallel for the TP norms) re-create the
-            # parameters they replicate as trainable: freeze the base again.
-            freeze_base(self.model_parts)
-            logger.info(
-                "peft: the adapted layers' base weights take %.3f MiB on rank %d (%s)",
-                adapted_base_bytes(self.model_parts) / 2**20,
-                self.rank,
-                "NF4" if config.peft.quantize_base == "nf4" else str(compute_dtype),
-            )
+        peft_setup.after_parallelize(self.model_parts, config, self.rank, compute_dtype)
         self.optimizer = OptimizersContainer(
             self.model_parts,
             config.optimizer,
@@ -220,8 +197,7 @@ class Trainer:
         )
         if config.peft.method == "lora":
             init_adapters(self.model_parts, config.debug.seed)
-        resume = config.checkpoint.enable and not config.checkpoint.create_seed_checkpoint
-        self.step = self.checkpointer.load() if resume else 0
+        self.step = 0 if config.checkpoint.create_seed_checkpoint else self.checkpointer.load()
 
         self.metrics = MetricsLogger(
             device=self.device,
@@ -251,23 +227,6 @@ class Trainer:
         self.pp_microbatches = (
             config.training.local_batch_size // config.parallelism.pipeline_parallel_microbatch_size
         )
-
-    def _quantize_then_parallelize(self, part: torch.nn.Module, parallelize) -> None:
-        """QLoRA: store the adapted base weights of `part` (the model or a pipeline stage) as
-        NF4 from `checkpoint.initial_load_path`, then apply the parallelisms (FSDP shards them)."""
-        dims = self.parallel_dims
-        count = quantize_base(
-            part,
-            self.config.checkpoint.initial_load_path,
-            shards=dims.dp_shard * dims.cp,
-            device=self.device,
-        )
-        nbytes, numel = quantized_bytes([part])
-        logger.info(
-            "peft: %d base weights stored as NF4 (%s weights, %.2f MiB; %.3f bytes per weight)",
-            count, f"{numel:,}", nbytes / 2**20, nbytes / max(numel, 1),
-        )  # fmt: skip
-        parallelize(part)
 
     def _set_determinism(self) -> None:
         torch.manual_seed(self.config.debug.seed)

@@ -77,3 +77,17 @@ def test_async_checkpoints_resume_exactly_and_keep_latest_k(train, tmp_path):
     wq = meta.state_dict_metadata["model.layers.0.attention.wq.weight"]
     assert str(wq.properties.dtype) == "torch.bfloat16"
     assert not any(k.startswith("optimizer") for k in meta.state_dict_metadata)
+
+
+def test_initial_weights_load_with_checkpointing_off(train, tmp_path):
+    """`checkpoint.initial_load_path` is the run's starting point whether or not the run saves
+    checkpoints (it was once silently ignored with `checkpoint.enable = false`)."""
+    trained = str(tmp_path / "trained")
+    train(1, "--training.steps", "6", *CKPT, dump=trained).check()
+    start = os.path.join(trained, "checkpoint", "step-5")
+    on = train(1, "--training.steps", "1", "--checkpoint.initial_load_path", start).check()
+    off = train(1, "--training.steps", "1", "--checkpoint.initial_load_path", start,
+                "--checkpoint.enable", "false").check()  # fmt: skip
+    assert "loaded" in off.stdout and off.losses == on.losses
+    fresh = train(1, "--training.steps", "1", "--checkpoint.enable", "false").check()
+    assert fresh.losses[1] - on.losses[1] > 0.1  # the 5 trained steps show

@@ -278,12 +278,14 @@ class Checkpointer:
         return None
 
     def load(self) -> int:
-        """Restore the newest complete checkpoint (or `checkpoint.load_step`).
+        """Restore the newest complete checkpoint (or `checkpoint.load_step`), else the weights
+        of `checkpoint.initial_load_path`; with `checkpoint.enable = false`, only the latter.
 
         Returns the step it holds (0 when there is none, or for a model-only seed checkpoint).
         Raises ConfigError when `load_step` names a missing or incomplete checkpoint.
         """
-        path, model_only = self._choose(), False
+        # With checkpointing off nothing is resumed, but the initial weights are still loaded.
+        path, model_only = (self._choose() if self.cfg.enable else None), False
         if path is None and self.cfg.initial_load_path:
             path, model_only = self.cfg.initial_load_path, self.cfg.initial_load_model_only
             reason = store.incomplete_reason(path) if os.path.isdir(path) else "it does not exist"

@@ -30,7 +30,8 @@ class Checkpoint:
 
     initial_load_path: str = ""
     """A checkpoint folder (e.g. a seed checkpoint's `step-0`, or one converted from Hugging
-    Face) to start from when `folder` holds no checkpoint yet. Ignored once the run has its own."""
+    Face) to start from when `folder` holds no checkpoint yet. Ignored once the run has its own.
+    Loaded with `enable = false` too (then nothing else is loaded or saved)."""
 
     initial_load_model_only: bool = True
     """Load only the model weights from `initial_load_path` (fresh optimizer, step 0)."""
