@@ -38,7 +38,11 @@ from titanlab.distributed.init import (
     set_train_timeout,
 )
 from titanlab.distributed.context_parallel import cp_context
-from titanlab.distributed.parallelize import param_dtype, parallelize_model
+from titanlab.distributed.parallelize import (
+    loss_parallel_enabled,
+    param_dtype,
+    parallelize_model,
+)
 from titanlab.distributed.pipeline import pipeline_model
 from titanlab.failures import (
     CONFIG_ERROR_EXIT_CODE,
@@ -147,7 +151,7 @@ class Trainer:
         apply_float8(model, config.float8, self.device, dims.fsdp_enabled)
         compute_dtype = param_dtype(config, self.device)
         peft_setup.adapt(model, config, compute_dtype)
-        self.loss_parallel = dims.tp_enabled and not config.parallelism.disable_loss_parallel
+        self.loss_parallel = loss_parallel_enabled(config, dims)
         self.loss_fn = build_loss_fn(
             config.compile.enable and "loss" in config.compile.components, self.loss_parallel
         )
@@ -166,7 +170,7 @@ class Trainer:
             to_empty_keeping_quantized(model, self.device)
             self.model_parts, self.has_first, self.has_last = [model], True, True
         self.teacher = None
-        if config.distill.teacher_path:  # the validator allows it without PP / TP / CP only
+        if config.distill.teacher_path:  # the validator refuses it under PP and CP
             args = teacher_args(config, self.family, self.model_args.vocab_size)
             self.teacher = build_teacher(config, args, self.device, parallelize)
         peft_setup.after_parallelize(self.model_parts, config, self.rank, compute_dtype)

@@ -1,6 +1,7 @@
 """Distillation in the trainer: a debug-model teacher (trained 30 steps) distilled into the
 smaller debugmodel_deep student under FSDP 2 for 50 steps lowers the student's KL to the teacher
-on a fixed batch by at least 30%; a teacher with another vocabulary is one line."""
+on a fixed batch by at least 30%; under TP 2 the losses equal 1 process; a teacher with another
+vocabulary is one line."""
 
 import json
 import os
@@ -29,11 +30,21 @@ def teacher_ckpt(tiny_dataset, tmp_path_factory) -> str:
     return os.path.join(dump, "checkpoint", "step-30")
 
 
-def test_distilling_lowers_the_students_kl_to_the_teacher(teacher_ckpt, tiny_dataset, tmp_path):
-    student = ["--model.flavor", "debugmodel_deep", "--data.dataset_path", tiny_dataset]
-    seed = str(tmp_path / "seed")
-    launch(1, [*TINY, *CKPT, *student, "--job.dump_folder", seed,
+@pytest.fixture(scope="module")
+def student_seed(tiny_dataset, tmp_path_factory) -> str:
+    """The dump folder of the debugmodel_deep student's seed checkpoint (step-0)."""
+    seed = str(tmp_path_factory.mktemp("student_seed"))
+    launch(1, [*TINY, *CKPT, "--model.flavor", "debugmodel_deep", "--data.dataset_path",
+               tiny_dataset, "--job.dump_folder", seed,
                "--checkpoint.create_seed_checkpoint", "true"]).check()  # fmt: skip
+    return seed
+
+
+def test_distilling_lowers_the_students_kl_to_the_teacher(
+    teacher_ckpt, student_seed, tiny_dataset, tmp_path
+):
+    student = ["--model.flavor", "debugmodel_deep", "--data.dataset_path", tiny_dataset]
+    seed = student_seed
     run = str(tmp_path / "student")
     launch(2, [*TINY, *CKPT, *student, "--job.dump_folder", run, "--training.steps", "50",
                "--training.local_batch_size", "4", "--checkpoint.interval", "50",
@@ -55,6 +66,21 @@ def test_distilling_lowers_the_students_kl_to_the_teacher(teacher_ckpt, tiny_dat
     after = kl_to_teacher(logits["after"], logits["teacher"]).item()
     print(f"KL(teacher || student) on a fixed batch: {before:.4f} -> {after:.4f}")
     assert after <= 0.7 * before
+
+
+def test_under_tensor_parallel_distillation_equals_one_process(
+    teacher_ckpt, student_seed, tiny_dataset, tmp_path
+):
+    """TP 2 (teacher and student both split; the logits whole on each rank for the KL)."""
+    common = [*TINY, "--model.flavor", "debugmodel_deep", "--data.dataset_path", tiny_dataset,
+              "--training.steps", "4", "--training.local_batch_size", "4",
+              "--checkpoint.initial_load_path", os.path.join(student_seed, "checkpoint", "step-0"),
+              "--distill.teacher_path", teacher_ckpt, "--distill.alpha", "0.5"]  # fmt: skip
+    one = launch(1, [*common, "--job.dump_folder", str(tmp_path / "one")]).check()
+    tp = launch(2, [*common, "--job.dump_folder", str(tmp_path / "tp2"),
+                    "--parallelism.tensor_parallel_degree", "2"]).check()  # fmt: skip
+    assert sorted(tp.losses) == [1, 2, 3, 4]
+    assert max(abs(tp.losses[s] - one.losses[s]) for s in one.losses) <= 1e-5, (one, tp)
 
 
 def test_a_teacher_with_another_vocabulary_is_one_line(teacher_ckpt, tiny_dataset, tmp_path):

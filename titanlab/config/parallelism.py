@@ -36,7 +36,8 @@ class Parallelism:
 
     disable_loss_parallel: bool = False
     """Under tp, gather the full-vocab logits before the loss instead of computing the
-    cross-entropy on vocab-sharded logits (loss parallel)."""
+    cross-entropy on vocab-sharded logits (loss parallel). Distillation always gathers them
+    (the KL to the teacher needs whole-vocab rows)."""
 
     pipeline_parallel_degree: int = 1
     """pp: pipeline parallel degree (number of pipeline ranks)."""

@@ -46,6 +46,17 @@ def param_dtype(config: JobConfig, device: torch.device) -> torch.dtype:
     return _DTYPES[config.training.mixed_precision_param]
 
 
+def loss_parallel_enabled(config: JobConfig, parallel_dims: ParallelDims) -> bool:
+    """Whether the logits stay sharded on the vocab under tensor parallel (loss parallel): on
+    unless `parallelism.disable_loss_parallel`, or when distilling (the KL to the teacher is
+    taken over whole-vocab rows, so every tp rank gets the full logits of its tokens)."""
+    return (
+        parallel_dims.tp_enabled
+        and not config.parallelism.disable_loss_parallel
+        and not config.distill.teacher_path
+    )
+
+
 def parallelize_model(
     model: Decoder, parallel_dims: ParallelDims, config: JobConfig, device: torch.device
 ) -> Decoder:
@@ -59,7 +70,7 @@ def parallelize_model(
         apply_tp(
             model,
             tp_mesh,
-            loss_parallel=not config.parallelism.disable_loss_parallel,
+            loss_parallel=loss_parallel_enabled(config, parallel_dims),
             float8_comm=f8.enable and f8.recipe_name == "tensorwise" and device.type == "cuda",
             lora=config.peft.method == "lora",
         )

@@ -37,12 +37,12 @@ def validate_layout(config: JobConfig, dims: ParallelDims, model_args, device_ty
             " (sequence parallel and load-balanced context parallel split it)"
         )
     if config.distill.teacher_path:
-        for degree, name in ((dims.pp, "pipeline"), (dims.tp, "tensor"), (dims.cp, "context")):
+        for degree, name in ((dims.pp, "pipeline"), (dims.cp, "context")):
             if degree > 1:
                 raise ConfigError(
                     f"distill.teacher_path with parallelism.{name}_parallel_degree={degree} is "
-                    "not supported yet (the teacher's logits would be split); use FSDP, HSDP "
-                    "or DDP for distillation"
+                    "not supported yet (the teacher's logits would be split); use FSDP, HSDP, "
+                    "DDP or TP for distillation"
                 )
     if config.peft.method == "lora":
         if dims.tp > 1 and config.peft.quantize_base != "none":

@@ -235,3 +235,14 @@ def test_lora_under_tensor_parallel_refuses_nf4_and_dropout_only():
     assert (refusal(config, 2) or "").startswith(
         "peft.quantize_base=nf4 with parallelism.tensor_parallel_degree=2 is not supported"
     )
+
+
+def test_distillation_runs_under_tensor_parallel_but_not_pipeline_or_context_parallel():
+    config = JobConfig()
+    config.distill.teacher_path = "/some/teacher"
+    config.parallelism.tensor_parallel_degree = 2
+    assert refusal(config, 2) is None
+    config.parallelism.tensor_parallel_degree, config.parallelism.pipeline_parallel_degree = 1, 2
+    assert (refusal(config, 2) or "").startswith(
+        "distill.teacher_path with parallelism.pipeline_parallel_degree=2 is not supported yet"
+    )
