@@ -97,6 +97,27 @@ def test_nf4_does_not_depend_on_the_layout_and_resumes_bit_exact(base, tiny_data
     assert "loaded" in out and resumed == whole
 
 
+FULL_ONLY = pytest.mark.skipif(not FULL, reason="make test-parity-full runs it")
+MORE = {
+    "pp2-1F1B": ("--parallelism.pipeline_parallel_degree", "2", "--parallelism."
+                 "pipeline_parallel_schedule", "1F1B", "--parallelism.data_parallel_shard_degree",
+                 "1", "--training.local_batch_size", "4"),
+    "fsdp2-compile": ("--compile.enable", "true"),
+    "fsdp2-full-ac": ("--activation_checkpoint.mode", "full"),
+}  # fmt: skip
+
+
+@FULL_ONLY
+@pytest.mark.parametrize("name", list(MORE))
+def test_more_layouts_equal_fsdp2(name, base, tiny_dataset, tmp_path):
+    """QLoRA × PP 2, × compile, × full AC: the losses of FSDP 2 with selective AC within 1e-5."""
+    steps = [*SHORT, "--training.steps", "5", "--checkpoint.enable", "false",
+             "--training.global_batch_size", "4"]  # fmt: skip
+    want, _ = run(2, tiny_dataset, base, str(tmp_path / "fsdp2"), *steps)
+    got, _ = run(2, tiny_dataset, base, str(tmp_path / name), *steps, *MORE[name])
+    assert max(abs(got[s] - want[s]) for s in want) <= parity_matrix.TOLERANCE, (got, want)
+
+
 def test_the_merged_export_computes_what_the_nf4_model_computes(base, tiny_dataset, tmp_path):
     transformers = pytest.importorskip("transformers")
     dump = str(tmp_path / "run")
