@@ -105,3 +105,22 @@ def wait_for(predicate, timeout: float = 300) -> None:
     while not predicate():
         assert time.time() < end, "timed out waiting"
         time.sleep(0.2)
+
+
+def random_hf_llama_dcp(root, args, max_position_embeddings: int) -> str:
+    """A random (seed 0) transformers LlamaForCausalLM of shape `args` saved under `root/hf`
+    and imported with `hf_to_dcp` into `root/dcp`; returns the DCP folder. Skips the test when
+    transformers is missing."""
+    import torch
+
+    transformers = pytest.importorskip("transformers")
+    from titanlab.checkpoint.convert import hf_to_dcp
+    from titanlab.models.llama3.hf import to_config
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        **to_config(args, torch.float32, max_position_embeddings, 4096, 4097)
+    )
+    transformers.LlamaForCausalLM(config).save_pretrained(os.path.join(root, "hf"))
+    hf_to_dcp(os.path.join(root, "hf"), os.path.join(root, "dcp"), progress=False)
+    return os.path.join(root, "dcp")

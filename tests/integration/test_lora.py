@@ -8,13 +8,11 @@ import os
 import sys
 
 import pytest
-import torch
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, REPO)
-from conftest import CONSTANT_LR  # noqa: E402
+from conftest import CONSTANT_LR, random_hf_llama_dcp  # noqa: E402
 from titanlab.checkpoint import store  # noqa: E402
-from titanlab.checkpoint.convert import hf_to_dcp  # noqa: E402
 from titanlab.distributed.layouts import Layout  # noqa: E402
 from titanlab.models.llama3 import llama3_flavors  # noqa: E402
 from tools import parity_matrix  # noqa: E402
@@ -27,16 +25,8 @@ LORA = ["--peft.method", "lora", "--peft.rank", "4",
 @pytest.fixture(scope="module")
 def base(tmp_path_factory) -> str:
     """A random transformers LlamaForCausalLM of the debugmodel_deep shape, imported to DCP."""
-    transformers = pytest.importorskip("transformers")
-    from titanlab.models.llama3.hf import to_config
-
-    root = tmp_path_factory.mktemp("lora_base")
     args = dataclasses.replace(llama3_flavors["debugmodel_deep"], vocab_size=4352)
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(**to_config(args, torch.float32, 2048, 4096, 4097))
-    transformers.LlamaForCausalLM(config).save_pretrained(root / "hf")
-    hf_to_dcp(str(root / "hf"), str(root / "dcp"), progress=False)
-    return str(root / "dcp")
+    return random_hf_llama_dcp(str(tmp_path_factory.mktemp("lora_base")), args, 2048)
 
 
 def run(layout: Layout, dataset: str, base: str, dump: str, *extra: str) -> dict[int, float]:

@@ -14,8 +14,8 @@ import torch
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, REPO)
-from conftest import CONSTANT_LR  # noqa: E402
-from titanlab.checkpoint.convert import dcp_to_hf, hf_to_dcp  # noqa: E402
+from conftest import CONSTANT_LR, random_hf_llama_dcp  # noqa: E402
+from titanlab.checkpoint.convert import dcp_to_hf  # noqa: E402
 from titanlab.checkpoint.streaming import DcpModelReader  # noqa: E402
 from titanlab.config.peft import Peft  # noqa: E402
 from titanlab.generation.loading import load_model  # noqa: E402
@@ -37,18 +37,10 @@ SHORT = ["--training.seq_len", "256", "--training.local_batch_size", "2",
 def base(tmp_path_factory) -> str:
     """A random transformers Llama (dim 256, 2 layers, FFN 768: every Linear splits into whole
     NF4 blocks over 2 ranks), imported to DCP."""
-    transformers = pytest.importorskip("transformers")
-    from titanlab.models.llama3.hf import to_config
-
-    root = tmp_path_factory.mktemp("qlora_base")
     args = dataclasses.replace(
         llama3_flavors["debugmodel"], n_layers=2, hidden_dim=768, vocab_size=4352
     )
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(**to_config(args, torch.float32, 16384, 4096, 4097))
-    transformers.LlamaForCausalLM(config).save_pretrained(root / "hf")
-    hf_to_dcp(str(root / "hf"), str(root / "dcp"), progress=False)
-    return str(root / "dcp")
+    return random_hf_llama_dcp(str(tmp_path_factory.mktemp("qlora_base")), args, 16384)
 
 
 def run(nproc: int, dataset: str, base: str, dump: str, *extra: str) -> tuple[dict, str]:

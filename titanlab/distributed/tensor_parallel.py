@@ -37,11 +37,10 @@ from torch.distributed.tensor.parallel import (
     PrepareModuleInput,
     PrepareModuleOutput,
     RowwiseParallel,
-    SequenceParallel,
     parallelize_module,
 )
 
-from titanlab.distributed.tp_plan import decoder_block_plan
+from titanlab.distributed.tp_plan import SequenceParallel, decoder_block_plan
 from titanlab.models.common.decoder import moe_layers
 
 if TYPE_CHECKING:

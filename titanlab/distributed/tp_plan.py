@@ -18,12 +18,26 @@ norms'.
 
 from __future__ import annotations
 
-from torch.distributed.tensor import Replicate, Shard
+import torch
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ParallelStyle,
     PrepareModuleInputOutput,
-    SequenceParallel,
 )
+from torch.distributed.tensor.parallel import SequenceParallel as _TorchSequenceParallel
+
+
+class SequenceParallel(_TorchSequenceParallel):
+    """torch's `SequenceParallel`, except that a replicated parameter keeps `requires_grad`:
+    torch 2.13 re-creates each one as trainable, which trained the frozen norms of a LoRA
+    run under TP."""
+
+    def _replicate_module_fn(self, name, module, device_mesh):
+        for p_name, param in module.named_parameters():
+            replicated = DTensor.from_local(param, device_mesh, [Replicate()], run_check=False)
+            module.register_parameter(
+                p_name, torch.nn.Parameter(replicated, requires_grad=param.requires_grad)
+            )
 
 
 def decoder_block_plan(

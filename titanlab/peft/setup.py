@@ -13,7 +13,7 @@ from torch import nn
 
 from titanlab.config.job_config import JobConfig
 from titanlab.distributed.parallel_dims import ParallelDims
-from titanlab.peft.lora import apply_lora, freeze_base, store_frozen_in
+from titanlab.peft.lora import apply_lora, store_frozen_in
 from titanlab.peft.qlora import adapted_base_bytes, quantize_base, quantized_bytes
 
 logger = logging.getLogger(__name__)
@@ -66,11 +66,9 @@ def _quantize_then_parallelize(
 def after_parallelize(
     model_parts: list[nn.Module], config: JobConfig, rank: int, compute_dtype: torch.dtype
 ) -> None:
-    """Freeze the base again (torch's SequenceParallel re-creates the TP norms' weights as
-    trainable) and log the bytes the adapted layers' base takes on this rank."""
+    """Log the bytes the adapted layers' base takes on this rank."""
     if config.peft.method != "lora":
         return
-    freeze_base(model_parts)
     logger.info(
         "peft: the adapted layers' base weights take %.3f MiB on rank %d (%s)",
         adapted_base_bytes(model_parts) / 2**20,
