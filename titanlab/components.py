@@ -89,10 +89,35 @@ def _stored_args(config: JobConfig, family: ModelFamily) -> tuple[str, Any] | No
 
 
 def build_model_args(config: JobConfig, vocab_size: int) -> Any:
-    """The model's args: a published flavor with the tokenizer's vocab, or with
-    `model.flavor = "hf"` the architecture of `model.hf_config` or of the args stored with
-    `checkpoint.initial_load_path` (its own vocab size, which must hold the tokenizer's ids);
-    the RoPE table sized to `training.seq_len`.
+    """The model's args for training: `model_architecture` with the RoPE table sized to
+    `training.seq_len` (under context parallel the table is split with the sequence).
+
+    Raises:
+        ConfigError: as `model_architecture`.
+    """
+    args = dataclasses.replace(
+        model_architecture(config, vocab_size), max_seq_len=config.training.seq_len
+    )
+    try:
+        args.validate()
+    except ValueError as e:
+        raise ConfigError(f"model.flavor={config.model.flavor}: {e}") from None
+    return args
+
+
+def context_length(config: JobConfig, vocab_size: int) -> int:
+    """The longest sequence the trained model serves, in tokens: its architecture's context
+    length (the flavor's, or the imported config.json's `max_position_embeddings`), or
+    `training.seq_len` when that is longer. Checkpoints and exports record this, not the
+    training length: RoPE and the weights serve any position up to it."""
+    return max(model_architecture(config, vocab_size).max_seq_len, config.training.seq_len)
+
+
+def model_architecture(config: JobConfig, vocab_size: int) -> Any:
+    """The model's args with its own context length (`max_seq_len`): a published flavor with
+    the tokenizer's vocab, or with `model.flavor = "hf"` the architecture of `model.hf_config`
+    or of the args stored with `checkpoint.initial_load_path` (its own vocab size, which must
+    hold the tokenizer's ids).
 
     Raises:
         ConfigError: unknown family or flavor, an unreadable or foreign config, a flavor that
@@ -118,7 +143,6 @@ def build_model_args(config: JobConfig, vocab_size: int) -> Any:
                 f"the tokenizer has {vocab_size} ids but the model's vocab_size is "
                 f"{args.vocab_size}; use the model's own tokenizer (model.tokenizer_path)"
             )
-        args = dataclasses.replace(args, max_seq_len=config.training.seq_len)
     else:
         try:
             published = get_flavor(family, flavor)
@@ -130,9 +154,7 @@ def build_model_args(config: JobConfig, vocab_size: int) -> Any:
                 f"{family.name} model of flavor {stored[0]!r}, not model.flavor={flavor!r}; set "
                 f"model.flavor={stored[0]!r}"
             )
-        args = dataclasses.replace(
-            published, vocab_size=vocab_size, max_seq_len=config.training.seq_len
-        )
+        args = dataclasses.replace(published, vocab_size=vocab_size)
     args = _with_moe_options(config, args)
     try:
         args.validate()

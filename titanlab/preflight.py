@@ -28,6 +28,7 @@ from titanlab.distributed.parallelize import param_dtype
 from titanlab.distributed.layouts import check_parallel_layout
 from titanlab.memory import check_memory
 from titanlab.models.registry import ModelFamily
+from titanlab.peft.lora import lora_targets
 
 
 @dataclass
@@ -48,6 +49,8 @@ def check(config: JobConfig, world_size: int, local_world_size: int) -> Plan:
     tokenizer = components.build_tokenizer(config)
     model_args = components.build_model_args(config, tokenizer.vocab_size)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if config.peft.method == "lora":  # the target names, on a meta-device model
+        lora_targets(components.build_meta_model(model_args), config.peft, config.model.name)
     parallel_dims = check_parallel_layout(config, world_size, model_args, device.type)
     batch = components.batch_layout(config, parallel_dims.dp_degree)
     if config.distill.teacher_path:

@@ -6,6 +6,8 @@ get batch → forward/backward (per microbatch) → clip → optimizer step → 
 
 from __future__ import annotations
 
+import dataclasses
+
 import functools
 import gc
 import logging
@@ -192,7 +194,11 @@ class Trainer:
             dataloader=self.loader,
             dp_rank=dp_rank,
             family=self.family,
-            model_args=self.model_args,
+            # What the checkpoints record: the model's context length, not the training one.
+            model_args=dataclasses.replace(
+                self.model_args,
+                max_seq_len=components.context_length(config, self.tokenizer.vocab_size),
+            ),
             tokenizer_path=config.model.tokenizer_path,
             peft=config.peft if config.peft.method == "lora" else None,
         )

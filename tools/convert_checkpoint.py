@@ -39,7 +39,6 @@ from titanlab.cli import OneLineParser
 from titanlab.checkpoint.convert import DTYPES, dcp_to_hf, hf_to_dcp, parse_size
 from titanlab.checkpoint.gguf_export import GGUF_DTYPES, dcp_to_gguf
 from titanlab.peft.export import dcp_to_peft
-from titanlab.models.common.hf_config import DEFAULT_MAX_POSITION_EMBEDDINGS
 from titanlab.models.registry import DEFAULT_FAMILY, FAMILIES, get_family
 
 PROG = "convert_checkpoint"
@@ -92,9 +91,10 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument(
             "--max-seq-len",
             type=int,
-            default=DEFAULT_MAX_POSITION_EMBEDDINGS,
+            default=None,
             help="context length written (config.json's max_position_embeddings, GGUF's "
-            f"context_length; default: {DEFAULT_MAX_POSITION_EMBEDDINGS}, Llama 3.1/3.2's)",
+            "context_length; default: the model's own, recorded in the folder's "
+            "model_args.json: the flavor's or the imported config.json's)",
         )
         p.add_argument(
             "--tokenizer",

@@ -44,7 +44,7 @@ from titanlab.checkpoint.streaming import (
     write_safetensors,
 )
 from titanlab.models.common.hf_adapter import HFStateDictAdapter, split_hf_name
-from titanlab.models.common.hf_config import DEFAULT_MAX_POSITION_EMBEDDINGS, special_token_ids
+from titanlab.models.common.hf_config import special_token_ids
 from titanlab.models.registry import (
     DEFAULT_FAMILY,
     ModelFamily,
@@ -157,7 +157,7 @@ def dcp_to_hf(
     model_args: Any = None,
     dtype: torch.dtype = torch.bfloat16,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
-    max_position_embeddings: int = DEFAULT_MAX_POSITION_EMBEDDINGS,
+    max_position_embeddings: int | None = None,
     tokenizer_path: str | None = None,
     overwrite: bool = False,
     progress: bool = True,
@@ -178,7 +178,8 @@ def dcp_to_hf(
         dtype: dtype of the written weights (fp32, bf16 or fp16).
         max_shard_bytes: a shard holds tensors up to this many bytes (one larger tensor gets a
             shard of its own).
-        max_position_embeddings: context length written to config.json.
+        max_position_embeddings: context length written to config.json; default: the model's
+            (`max_seq_len` of its args: the flavor's, or the one recorded in model_args.json).
         tokenizer_path: tokenizer.model or tokenizer.json (or its folder) to write the tokenizer
             files from; None: the bundled
             tokenizer when the vocab size is its size, else none; "": none.
@@ -266,7 +267,7 @@ def dcp_to_hf(
     )
     _write_json(
         os.path.join(out_dir, "config.json"),
-        family.hf.to_config(args, dtype, max_position_embeddings, bos, eos),
+        family.hf.to_config(args, dtype, max_position_embeddings or args.max_seq_len, bos, eos),
     )
     _write_json(
         os.path.join(out_dir, "generation_config.json"), {"bos_token_id": bos, "eos_token_id": eos}

@@ -50,7 +50,6 @@ from titanlab.checkpoint.gguf_vocab import GGUFVocab, gguf_vocab
 from titanlab.checkpoint.hf_tokenizer import resolve_tokenizer
 from titanlab.checkpoint.streaming import MODEL_PREFIX, ConversionError, DcpModelReader
 from titanlab.models.common.hf_adapter import HFStateDictAdapter
-from titanlab.models.common.hf_config import DEFAULT_MAX_POSITION_EMBEDDINGS
 from titanlab.models.common.rope import rope_frequencies
 
 __all__ = ["GGUF_DTYPES", "dcp_to_gguf", "gguf_tensor_name"]
@@ -188,7 +187,7 @@ def dcp_to_gguf(
     model_name: str | None = None,
     flavor: str | None = None,
     tokenizer_path: str | None = None,
-    max_position_embeddings: int = DEFAULT_MAX_POSITION_EMBEDDINGS,
+    max_position_embeddings: int | None = None,
     overwrite: bool = False,
     progress: bool = True,
 ) -> Any:
@@ -202,7 +201,8 @@ def dcp_to_gguf(
         model_name / flavor: as for `dcp_to_hf` (default: the folder's `model_args.json`).
         tokenizer_path: tokenizer.model / tokenizer.json (or its folder) to embed; None: the
             bundled tokenizer when the vocab size is its size.
-        max_position_embeddings: context length written (`{arch}.context_length`).
+        max_position_embeddings: context length written (`{arch}.context_length`); default:
+            the model's (`max_seq_len` of its args, as `dcp_to_hf`).
         overwrite: replace an existing `out_path`.
         progress: show a progress bar over bytes on stderr.
     Returns:
@@ -263,7 +263,8 @@ def dcp_to_gguf(
         )
 
     writer = gguf.GGUFWriter(path=None, arch=arch)
-    _add_metadata(writer, gguf, args, arch, dtype, max_position_embeddings)
+    context = max_position_embeddings or args.max_seq_len
+    _add_metadata(writer, gguf, args, arch, dtype, context)
     _add_vocab(writer, vocab)
     total = 0
     for p in plan:

@@ -84,6 +84,19 @@ def _coerce_table_list(cls: type, name: str, value: Any, from_cli: bool) -> list
     return out
 
 
+def _cli_list(name: str, value: str) -> Any:
+    """A list option from the command line: `a,b`, or the TOML file's spelling `["a", "b"]`
+    (read as TOML, so `["a","b"]` is the two names, not `["a"` and `"b"]`)."""
+    if not value.strip().startswith("["):
+        return [v.strip() for v in value.split(",") if v.strip()]
+    try:
+        return tomli.loads(f"v = {value}")["v"]
+    except tomli.TOMLDecodeError as e:
+        raise ConfigError(
+            f'{name}={value!r} is not a TOML array ({e}); write it as a,b or ["a", "b"]'
+        ) from None
+
+
 def _coerce_typed(tp: Any, name: str, value: Any, from_cli: bool) -> Any:
     """`value` as type `tp` (for option `name`), or ConfigError naming it."""
     where = f"{name}={value!r}"
@@ -101,7 +114,7 @@ def _coerce_typed(tp: Any, name: str, value: Any, from_cli: bool) -> Any:
         if isinstance(item, type) and dataclasses.is_dataclass(item):
             return _coerce_table_list(item, name, value, from_cli)
         if from_cli and isinstance(value, str):
-            value = [v.strip() for v in value.split(",") if v.strip()]
+            value = _cli_list(name, value)
         if not isinstance(value, list):
             kinds = {str: "strings", float: "numbers", int: "integers"}
             raise ConfigError(f"{where} must be a list of {kinds.get(item, type_name(item))}")

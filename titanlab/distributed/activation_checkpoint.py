@@ -35,6 +35,28 @@ _SAVE_ALWAYS = {
 _MATMULS = {_aten.mm.default, _aten.addmm.default, _aten.bmm.default}
 
 
+def _ignore_profiler_ops_in_sac() -> None:
+    """Keep the profiler's `record_function` ops out of SAC's replay count.
+
+    SAC replays the forward's ops by (op, invocation index). FSDP2's hooks open a
+    `record_function` range on every pre-forward, and a module sharded on its own inside a
+    checkpointed block (the experts under expert parallel) runs them a different number of
+    times in the recompute than in the forward, so the recompute failed with "invocation index
+    N ... not found in storage" (pytorch/torchtitan#3427; PyTorch fixes it the same way in a
+    release after 2.13). The ranges compute nothing, so SAC ignoring them changes no value.
+    `SAC_IGNORED_OPS` is public (`torch.utils.checkpoint.__all__`).
+    """
+    from torch.utils import checkpoint
+
+    profiler = torch.ops.profiler
+    for packet in (
+        profiler._record_function_enter,
+        profiler._record_function_enter_new,
+        profiler._record_function_exit,
+    ):
+        checkpoint.SAC_IGNORED_OPS.update(getattr(packet, name) for name in packet.overloads())
+
+
 def _op_sac_context():
     """A fresh pair of SAC contexts for one checkpointed forward (and its recompute).
 
@@ -42,6 +64,7 @@ def _op_sac_context():
     decision for the k-th matmul: even-numbered ones are saved, odd-numbered ones recomputed.
     Module-level (not a lambda) because torch.compile cannot trace a nested `context_fn`.
     """
+    _ignore_profiler_ops_in_sac()
     counts: dict[str, int] = defaultdict(int)
 
     def policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:

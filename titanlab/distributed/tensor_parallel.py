@@ -84,6 +84,7 @@ def apply_tp(
     `float8_comm`: all-gather the blocks' activations in float8 (torchao tensorwise recipe).
     `lora`: the blocks' Linear layers may carry LoRA adapters, split with their base.
     """
+    colwise, rowwise, prepare_input = block_styles(float8_comm, lora)
     top: dict[str, ParallelStyle] = {}
     if model.tok_embeddings is not None:
         top["tok_embeddings"] = RowwiseParallel(
@@ -92,7 +93,9 @@ def apply_tp(
     if model.norm is not None:
         top["norm"] = SequenceParallel()
     if model.output is not None:
-        top["output"] = ColwiseParallel(
+        # A LoRA adapter on the head is split like one on wq (A replicated, B by vocab rows).
+        head = colwise if lora else ColwiseParallel
+        top["output"] = head(
             input_layouts=Shard(1),
             output_layouts=Shard(-1) if loss_parallel else Replicate(),
             use_local_output=not loss_parallel,
@@ -100,7 +103,6 @@ def apply_tp(
     if top:
         parallelize_module(model, tp_mesh, top)
 
-    colwise, rowwise, prepare_input = block_styles(float8_comm, lora)
     # Between blocks (and between pipeline stages) activations are plain local (bs, seq/tp, dim)
     # tensors; the sequence-parallel norms read them as Shard(1).
     blocks = list(model.layers.values())

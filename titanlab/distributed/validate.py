@@ -91,6 +91,13 @@ def validate_layout(config: JobConfig, dims: ParallelDims, model_args, device_ty
             "PyTorch's context-parallel attention takes only a causal mask, not a document "
             "mask; use context_parallel_degree=1 or data.document_mask=false"
         )
+    if dims.cp > 1 and config.data.packing and packed_chat_data(config):
+        raise ConfigError(
+            f"packed chat SFT data with parallelism.context_parallel_degree={dims.cp}: packed "
+            "samples need a document mask and restarted positions, and PyTorch's "
+            "context-parallel attention takes only a causal mask; use context_parallel_degree=1 "
+            "or data.packing=false (one sample per window)"
+        )
     if dims.cp > 1:
         if device_type != "cuda":
             from titanlab.distributed.cp_cpu import PrivateNameMissing, check_private_names
@@ -104,6 +111,15 @@ def validate_layout(config: JobConfig, dims: ParallelDims, model_args, device_ty
                 ) from None
     if dims.pp > 1:
         _validate_pipeline(config, dims, model_args)
+
+
+def packed_chat_data(config: JobConfig) -> bool:
+    """Whether the run reads chat SFT data (a prepared folder whose metadata says "chat"), which
+    `data.packing` packs with a document mask and restarted positions."""
+    from titanlab.data.sft_dataset import is_chat_folder
+
+    folders = [s.path for s in config.data.sources] or [config.data.dataset_path]
+    return any(folder and is_chat_folder(folder) for folder in folders)
 
 
 def _validate_pipeline(config: JobConfig, dims: ParallelDims, model_args) -> None:

@@ -24,6 +24,7 @@ from safetensors.torch import save_file
 from titanlab.checkpoint.streaming import ConversionError, DcpModelReader
 from titanlab.models.common.hf_adapter import HFStateDictAdapter
 from titanlab.models.stored_args import read_model_args
+from titanlab.peft.lora import is_adapter
 from titanlab.peft.stored import PEFT_FILE, read_peft_config
 
 HF_MODULE = {
@@ -35,23 +36,39 @@ HF_MODULE = {
     "w2": "mlp.down_proj",
     "w3": "mlp.up_proj",
 }
-_ADAPTER = re.compile(r"^(layers\.(\d+)\.(?:attention|feed_forward)\.(w\w+))\.lora_([ab])\.weight$")
+_ADAPTER = re.compile(
+    r"^(layers\.\d+\.(?:attention|feed_forward)\.(w\w+)|output)\.lora_([ab])\.weight$"
+)
+
+
+def hf_module(base: str) -> str:
+    """The Hugging Face module path of adapted base weight `base` (titanlab name):
+    `layers.3.attention.wq.weight` → `model.layers.3.self_attn.q_proj`, `output.weight` →
+    `lm_head`. Raises KeyError for a layer Hugging Face has no name for."""
+    if base == "output.weight":
+        return "lm_head"
+    parts = base.split(".")
+    return f"model.layers.{parts[1]}.{HF_MODULE[parts[-2]]}"
 
 
 def adapter_pairs(names) -> dict[str, tuple[str, str]]:
     """base weight name → (A name, B name) of every adapter among `names`.
 
     Raises:
-        ConversionError: an adapter of a layer Hugging Face has no name for, or half a pair.
+        ConversionError: an adapter of a layer titanlab cannot export (every adapter is
+            exported or the command fails: none is dropped), or half a pair.
     """
     found: dict[str, dict[str, str]] = {}
     for name in names:
-        m = _ADAPTER.match(name)
-        if m is None:
+        if not is_adapter(name):
             continue
-        if m.group(3) not in HF_MODULE:
-            raise ConversionError(f"adapter {name}: {m.group(3)} has no Hugging Face name")
-        found.setdefault(f"{m.group(1)}.weight", {})[m.group(4)] = name
+        m = _ADAPTER.match(name)
+        if m is None or (m.group(2) is not None and m.group(2) not in HF_MODULE):
+            raise ConversionError(
+                f"adapter {name}: titanlab exports adapters of attention (wq, wk, wv, wo), "
+                "dense MLP (w1, w2, w3) and output layers only"
+            )
+        found.setdefault(f"{m.group(1)}.weight", {})[m.group(3)] = name
     for base, pair in found.items():
         if set(pair) != {"a", "b"}:
             raise ConversionError(f"the checkpoint holds half of the adapter of {base}")
@@ -119,14 +136,14 @@ def dcp_to_peft(dcp_dir: str, out_dir: str, *, overwrite: bool = False) -> int:
     tensors: dict[str, torch.Tensor] = {}
     modules: set[str] = set()
     for base, (a_name, b_name) in pairs.items():
-        layer, leaf = base.split(".")[1], base.split(".")[-2]
-        prefix = f"base_model.model.model.layers.{layer}.{HF_MODULE[leaf]}"
+        module = hf_module(base)
+        prefix = f"base_model.model.{module}"
         b = reader.load(b_name).float()
         if adapter.needs_permutation(base):  # q / k: B's rows follow the base's reordering
             b = adapter.to_hf(base, b)[1]
         tensors[f"{prefix}.lora_A.weight"] = reader.load(a_name).float().contiguous()
         tensors[f"{prefix}.lora_B.weight"] = b.contiguous()
-        modules.add(HF_MODULE[leaf].split(".")[1])
+        modules.add(module.rsplit(".", 1)[-1])
     save_file(tensors, os.path.join(out_dir, "adapter_model.safetensors"))
     config = {
         "peft_type": "LORA",

@@ -66,14 +66,17 @@ def _copy_full(param: torch.Tensor, full: torch.Tensor) -> None:
         param.copy_(full)
 
 
-def apply_lora(model: nn.Module, cfg: Peft) -> int:
-    """Swap the target Linears of `model` for `LoRALinear`s and freeze all but the adapters.
+def lora_targets(model: nn.Module, cfg: Peft, model_name: str = "") -> dict[str, nn.Linear]:
+    """The Linears of `model` (a meta-device model is enough) that `cfg.target_modules` adapt,
+    by module name. Pre-flight calls this before launch; `apply_lora` adapts what it returns.
+    `model_name` (`model.name`) is named in the errors.
 
-    Returns:
-        the number of Linears adapted.
     Raises:
-        ConfigError: one line when a target name matches no bias-free Linear of the model,
-            naming the Linear layers it has.
+        ConfigError: one line when a target name matches no bias-free Linear of the model
+            (naming the Linear layers it has), names the MoE router (`gate`: its weight is kept
+            fp32 and replicated, outside the LoRA path, and exporters keep routers whole), or
+            names the output head of a model that ties it to the embedding (the merged head
+            could no longer be tied).
     """
     linears = {
         name: module
@@ -86,10 +89,42 @@ def apply_lora(model: nn.Module, cfg: Peft) -> int:
     missing = sorted(targets - matched)
     if missing:
         have = sorted({name.rsplit(".", 1)[-1] for name in linears})
+        which = f"model.name={model_name}" if model_name else "the model"
         raise ConfigError(
-            f"peft.target_modules {missing} match no Linear layer of the model; its Linear "
+            f"peft.target_modules {missing} match no Linear layer of {which}; its Linear "
             f"layers are named {', '.join(have)}"
         )
+    routers = sorted({n.rsplit(".", 1)[-1] for n in hits if ".router." in f".{n}"})
+    if routers:
+        raise ConfigError(
+            f"peft.target_modules {routers}: the router of an MoE model is not a LoRA target "
+            "(it computes in fp32 outside the adapted layers); adapt attention (wq, wk, wv, "
+            "wo) or output"
+        )
+    output = getattr(model, "output", None)
+    embedding = getattr(model, "tok_embeddings", None)
+    if (
+        "output" in hits
+        and embedding is not None
+        and output is not None
+        and output.weight is embedding.weight
+    ):
+        raise ConfigError(
+            "peft.target_modules ['output']: this model ties the output head to the embedding, "
+            "so an adapted head could not be merged or exported tied; adapt the other layers"
+        )
+    return hits
+
+
+def apply_lora(model: nn.Module, cfg: Peft, model_name: str = "") -> int:
+    """Swap the target Linears of `model` for `LoRALinear`s and freeze all but the adapters.
+
+    Returns:
+        the number of Linears adapted.
+    Raises:
+        ConfigError: as `lora_targets`.
+    """
+    hits = lora_targets(model, cfg, model_name)
     for name, old in hits.items():
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model

@@ -24,7 +24,7 @@ def adapt(model: nn.Module, config: JobConfig, compute_dtype: torch.dtype) -> No
     stored in `compute_dtype` (a no-op without `peft.method = "lora"`)."""
     if config.peft.method != "lora":
         return
-    adapted = apply_lora(model, config.peft)
+    adapted = apply_lora(model, config.peft, config.model.name)
     store_frozen_in(model, compute_dtype)
     logger.info(
         "peft: LoRA rank %d alpha %g on %d Linear layers (%s); %s trainable parameters",

@@ -95,10 +95,20 @@ def test_bare_bool_flag_keeps_following_option():
         (["--compile.components", "model"], ["model"]),
         (["--compile.components", "model,loss"], ["model", "loss"]),
         (["--compile.components=loss"], ["loss"]),
+        # The TOML file's spelling, as a shell passes it: the list, not ['["model"', '"loss"]'].
+        (["--compile.components", '["model","loss"]'], ["model", "loss"]),
+        (["--compile.components", "['loss']"], ["loss"]),
     ],
 )
 def test_list_option_from_cli(cli, expected):
     assert build_config(cli).compile.components == expected
+
+
+def test_a_broken_toml_list_on_the_command_line_is_one_line():
+    with pytest.raises(ConfigError) as e:
+        build_config(["--peft.target_modules", '["wq",'])
+    assert "\n" not in str(e.value)
+    assert str(e.value).startswith("peft.target_modules='[\"wq\",' is not a TOML array (")
 
 
 def test_list_option_from_toml(tmp_path):

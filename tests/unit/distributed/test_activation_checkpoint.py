@@ -77,3 +77,38 @@ def test_unknown_mode_is_one_line():
         ValueError, match=r"^activation_checkpoint.mode='half'; valid: none, full, selective$"
     ):
         apply_ac(make_model(), "half")
+
+
+def test_op_sac_ignores_profiler_ranges_that_differ_in_the_recompute():
+    """FSDP2's hooks on a module sharded on its own inside a block (the experts under expert
+    parallel) open `record_function` ranges a different number of times in the recompute than
+    in the forward; op-level SAC must not count them (it failed with "invocation index N ... not
+    found in storage"). Here the block opens one extra range when it runs the second time."""
+    calls = {"n": 0}
+
+    class Annotated(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(8, 8)
+
+        def forward(self, x):
+            calls["n"] += 1
+            for _ in range(calls["n"]):
+                with torch.autograd.profiler.record_function("hook"):
+                    x = self.lin(x).relu()
+            return self.lin(x)
+
+    class Stack(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = torch.nn.ModuleDict({"0": Annotated()})
+
+        def forward(self, x):
+            return self.layers["0"](x)
+
+    torch.manual_seed(0)
+    model = Stack()
+    apply_ac(model, "selective", "op")
+    x = torch.randn(4, 8, requires_grad=True)
+    model(x).sum().backward()  # the recompute runs the extra range (and an extra matmul)
+    assert calls["n"] == 2 and x.grad is not None

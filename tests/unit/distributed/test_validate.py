@@ -1,6 +1,7 @@
 """Every invalid parallel combination is refused up front with a one-line message."""
 
 import dataclasses
+import json
 
 
 from titanlab.config.job_config import ConfigError, JobConfig
@@ -246,3 +247,24 @@ def test_distillation_runs_under_tensor_parallel_but_not_pipeline_or_context_par
     assert (refusal(config, 2) or "").startswith(
         "distill.teacher_path with parallelism.pipeline_parallel_degree=2 is not supported yet"
     )
+
+
+def test_packed_chat_data_is_refused_under_context_parallel(tmp_path):
+    from titanlab.data.prepare_chat import prepare_chat
+    from titanlab.data.tokenizer import default_tokenizer_path
+
+    jsonl = tmp_path / "chats.jsonl"
+    turn = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    jsonl.write_text("\n".join(json.dumps({"messages": turn}) for _ in range(4)) + "\n")
+    prepare_chat([str(jsonl)], str(tmp_path / "sft"), default_tokenizer_path(), progress=False)
+    config = JobConfig()
+    config.data.dataset_path = str(tmp_path / "sft")
+    config.parallelism.context_parallel_degree = 2
+    assert refusal(config, 2) == (
+        "packed chat SFT data with parallelism.context_parallel_degree=2: packed samples need a "
+        "document mask and restarted positions, and PyTorch's context-parallel attention takes "
+        "only a causal mask; use context_parallel_degree=1 or data.packing=false (one sample per "
+        "window)"
+    )
+    config.data.packing = False  # one sample per window: a causal mask and plain positions
+    assert refusal(config, 2) is None

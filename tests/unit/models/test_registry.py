@@ -88,6 +88,7 @@ def test_hf_flavor_takes_the_architecture_of_a_config_json(tmp_path):
         "vocab_size": 512,
         "rms_norm_eps": 1e-6,
         "rope_theta": 1e6,
+        "max_position_embeddings": 4096,
     }
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     argv = ["--model.name", "qwen3", "--model.flavor", "hf", "--model.hf_config", str(tmp_path)]
@@ -100,6 +101,8 @@ def test_hf_flavor_takes_the_architecture_of_a_config_json(tmp_path):
         512,
     )
     assert args.max_seq_len == 32  # the training seq_len
+    # ... while checkpoints record what the model serves: the config's context length.
+    assert components.context_length(build_config(["--training.seq_len", "32", *argv]), 300) == 4096
     with pytest.raises(
         ConfigError, match="tokenizer has 600 ids but the model's vocab_size is 512"
     ):
@@ -128,3 +131,17 @@ def test_stored_args_are_picked_up_from_initial_load_path(tmp_path):
     (tmp_path / "model_args.json").write_text('{"name": "llama3", "args": {"dim": -1}}')
     with pytest.raises(ConfigError, match="is not a valid titanlab model_args.json"):
         args_of(*load, "--model.flavor", "hf")
+
+
+def test_checkpoints_record_the_context_length_not_the_training_seq_len():
+    """A model trained at seq_len 128 serves any position up to its flavor's context length:
+    model_args.json and config.json say so, so generation takes longer prompts."""
+    for argv, want in [
+        (["--model.flavor", "debugmodel"], 131072),  # Llama 3.1 scaling
+        (["--model.flavor", "8B"], 131072),
+        (["--model.name", "qwen3", "--model.flavor", "8B"], 40960),
+        (["--model.flavor", "debugmodel", "--training.seq_len", "262144"], 262144),
+    ]:
+        config = build_config(["--training.seq_len", "128", *argv])
+        assert components.context_length(config, 4352) == want, argv
+        assert components.build_model_args(config, 4352).max_seq_len == config.training.seq_len

@@ -24,8 +24,12 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 ARGS = dataclasses.replace(llama3_flavors["debugmodel"], dim=64, n_layers=2, n_heads=4,
                            n_kv_heads=2, vocab_size=4352, max_seq_len=32)  # fmt: skip
+# The output head too: its adapter is exported as PEFT's lm_head, merged, and loaded.
 PEFT = Peft(
-    method="lora", rank=4, alpha=8.0, target_modules=["wq", "wk", "wv", "wo", "w1", "w2", "w3"]
+    method="lora",
+    rank=4,
+    alpha=8.0,
+    target_modules=["wq", "wk", "wv", "wo", "w1", "w2", "w3", "output"],
 )
 
 
@@ -73,7 +77,7 @@ def test_peft_folder_on_the_hf_base_gives_titanlab_logits(lora):
     peft = pytest.importorskip("peft")
     model, root = lora
     dcp_to_hf(str(root / "base"), str(root / "hf_base"), dtype=torch.float32, progress=False)
-    assert dcp_to_peft(str(root / "export"), str(root / "adapter")) == 14
+    assert dcp_to_peft(str(root / "export"), str(root / "adapter")) == 15  # 2 × 7 + the head
     base = transformers.AutoModelForCausalLM.from_pretrained(str(root / "hf_base"))
     with_adapter = peft.PeftModel.from_pretrained(base, str(root / "adapter")).eval()
     tokens = torch.randint(0, 4352, (2, 20))
@@ -113,3 +117,22 @@ def test_generation_loads_the_export_with_its_adapters_merged(lora, tmp_path):
     with pytest.raises(ValueError, match="holds LoRA adapters without their base") as e:
         load_model(str(adapters_only), torch.device("cpu"))
     assert "\n" not in str(e.value)
+
+
+def test_an_adapter_no_exporter_knows_fails_the_export(tmp_path):
+    """Nothing that trained is dropped: an adapter of a layer without a Hugging Face name (here a
+    renamed copy of one) stops to-peft, --merge-lora and generation with one line."""
+    from titanlab.generation.loading import load_model
+
+    model = build_model(ARGS)
+    apply_lora(model, PEFT)
+    sd = {k: torch.zeros_like(v) for k, v in model.state_dict().items()}
+    sd["layers.0.attention.wz.lora_a.weight"] = sd.pop("layers.0.attention.wq.lora_a.weight")
+    save(tmp_path / "odd", sd)
+    message = "adapter layers.0.attention.wz.lora_a.weight: titanlab exports adapters of"
+    with pytest.raises(ConversionError, match=message):
+        dcp_to_peft(str(tmp_path / "odd"), str(tmp_path / "adapter"))
+    with pytest.raises(ConversionError, match=message):
+        dcp_to_hf(str(tmp_path / "odd"), str(tmp_path / "hf"), merge_lora=True, progress=False)
+    with pytest.raises(ValueError, match=message):
+        load_model(str(tmp_path / "odd"), torch.device("cpu"))

@@ -10,7 +10,7 @@ from titanlab.config.job_config import ConfigError
 from titanlab.config.peft import Peft
 from titanlab.models.llama3 import llama3_flavors
 from titanlab.models.registry import build_model
-from titanlab.peft.lora import LoRALinear, apply_lora, init_adapters, is_adapter
+from titanlab.peft.lora import LoRALinear, apply_lora, init_adapters, is_adapter, lora_targets
 
 ARGS = dataclasses.replace(llama3_flavors["debugmodel"], dim=64, n_layers=2, n_heads=4,
                            n_kv_heads=2, vocab_size=97, max_seq_len=32)  # fmt: skip
@@ -71,3 +71,22 @@ def test_unknown_target_is_one_line():
         "peft.target_modules ['q_proj'] match no Linear layer of the model; its Linear layers "
         "are named output, w1, w2, w3, wk, wo, wq, wv"
     )
+
+
+def test_the_router_and_a_tied_output_head_are_refused_with_one_line():
+    from titanlab.models.qwen3_moe import qwen3_moe_flavors
+
+    moe = build_model(dataclasses.replace(qwen3_moe_flavors["debugmodel_deep"], vocab_size=97))
+    with pytest.raises(ConfigError) as e:
+        lora_targets(moe, Peft(method="lora", target_modules=["wq", "gate"]), "qwen3_moe")
+    assert str(e.value) == (
+        "peft.target_modules ['gate']: the router of an MoE model is not a LoRA target (it "
+        "computes in fp32 outside the adapted layers); adapt attention (wq, wk, wv, wo) or output"
+    )
+    with pytest.raises(ConfigError, match=r"^peft.target_modules \['w1'\] match no Linear layer "
+                       r"of model.name=qwen3_moe; its Linear layers are named gate, output, "):  # fmt: skip
+        lora_targets(moe, Peft(method="lora", target_modules=["w1"]), "qwen3_moe")
+    tied = build_model(dataclasses.replace(ARGS, tie_word_embeddings=True))
+    with pytest.raises(ConfigError, match="ties the output head to the embedding"):
+        lora_targets(tied, Peft(method="lora", target_modules=["wq", "output"]))
+    assert set(lora_targets(model(), Peft(method="lora", target_modules=["output"]))) == {"output"}

@@ -17,8 +17,6 @@ import torch
 
 from titanlab.models.common.rope import RopeScaling
 
-DEFAULT_MAX_POSITION_EMBEDDINGS = 131072
-"""`max_position_embeddings` written by default: the context length of Llama 3.1 and 3.2."""
 
 HF_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 NUM_SPECIAL_TOKENS = 256  # titanlab tokenizers put Llama 3's 256 special tokens after the BPE ranks

@@ -44,7 +44,9 @@ class TransformerModelArgs:
     rope_scaling: RopeScaling | None = None
     """Llama 3.1-style RoPE frequency scaling, or None for plain RoPE."""
     max_seq_len: int = 2048
-    """Length (tokens) of the precomputed RoPE table; set to the training seq_len when built."""
+    """The model's context length in tokens (config.json's `max_position_embeddings`): the
+    flavor's, or the imported config's. Training sizes the RoPE table to `training.seq_len`;
+    checkpoints and exports record the context length."""
     tie_word_embeddings: bool = False
     """Share the output projection with the token embedding (Llama 3.2 1B/3B). A tied model cannot
     be split across pipeline stages."""
@@ -121,7 +123,11 @@ class TransformerModelArgs:
 
 
 def _published(**kwargs) -> TransformerModelArgs:
-    return TransformerModelArgs(vocab_size=128256, rope_theta=500000.0, **kwargs)
+    # 131,072: the context length of Llama 3.1 and 3.2 (their config.json's
+    # max_position_embeddings); training sizes the RoPE table to training.seq_len.
+    return TransformerModelArgs(
+        vocab_size=128256, rope_theta=500000.0, max_seq_len=131072, **kwargs
+    )
 
 
 # Shared instances: copy with `dataclasses.replace(llama3_flavors[name], ...)` before changing one.
@@ -135,6 +141,7 @@ llama3_flavors: dict[str, TransformerModelArgs] = {
         multiple_of=64,
         rope_theta=500000.0,
         rope_scaling=LLAMA31_SCALING,
+        max_seq_len=131072,  # what Llama 3.1's scaling serves
     ),
     # 8 thin layers: enough stages for 4-rank interleaved pipelines in CPU parity tests.
     "debugmodel_deep": TransformerModelArgs(
@@ -145,6 +152,7 @@ llama3_flavors: dict[str, TransformerModelArgs] = {
         multiple_of=32,
         rope_theta=500000.0,
         rope_scaling=LLAMA31_SCALING,
+        max_seq_len=131072,  # what Llama 3.1's scaling serves
     ),
     "1B": _published(
         dim=2048,

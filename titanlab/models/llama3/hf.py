@@ -97,6 +97,7 @@ def from_config(cfg: dict[str, Any]) -> TransformerModelArgs:
         rope_theta=theta,
         rope_scaling=scaling,
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        max_seq_len=require_int(cfg, "max_position_embeddings", 2048),
     )
 
 

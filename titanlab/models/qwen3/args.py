@@ -43,7 +43,9 @@ class Qwen3ModelArgs:
     rope_scaling: RopeScaling | None = None
     """Qwen3 ships without RoPE scaling (YaRN is opt-in and not supported here)."""
     max_seq_len: int = 2048
-    """Length (tokens) of the precomputed RoPE table; set to the training seq_len when built."""
+    """The model's context length in tokens (config.json's `max_position_embeddings`): the
+    flavor's, or the imported config's. Training sizes the RoPE table to `training.seq_len`;
+    checkpoints and exports record the context length."""
     tie_word_embeddings: bool = False
     """Share the output projection with the token embedding (0.6B, 1.7B, 4B). A tied model cannot
     be split across pipeline stages."""
@@ -92,7 +94,10 @@ class Qwen3ModelArgs:
 
 
 def _published(**kwargs) -> Qwen3ModelArgs:
-    return Qwen3ModelArgs(vocab_size=QWEN3_VOCAB_SIZE, n_kv_heads=8, head_dim=128, **kwargs)
+    # 40,960: the published Qwen3 config.json's max_position_embeddings.
+    return Qwen3ModelArgs(
+        vocab_size=QWEN3_VOCAB_SIZE, n_kv_heads=8, head_dim=128, max_seq_len=40960, **kwargs
+    )
 
 
 # Shared instances: copy with `dataclasses.replace(qwen3_flavors[name], ...)` before changing one.

@@ -82,6 +82,7 @@ def from_config(cfg: dict[str, Any]) -> Qwen3ModelArgs:
         norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         rope_theta=theta,
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        max_seq_len=require_int(cfg, "max_position_embeddings", 2048),
     )
 
 

@@ -82,6 +82,7 @@ qwen3_moe_flavors: dict[str, Qwen3MoEModelArgs] = {
         head_dim=128,
         hidden_dim=6144,
         vocab_size=QWEN3_VOCAB_SIZE,
+        max_seq_len=40960,  # the published config.json's max_position_embeddings
         moe=_moe(128, 8, 768),
     ),
     "235B-A22B": Qwen3MoEModelArgs(
@@ -92,6 +93,7 @@ qwen3_moe_flavors: dict[str, Qwen3MoEModelArgs] = {
         head_dim=128,
         hidden_dim=12288,
         vocab_size=QWEN3_VOCAB_SIZE,
+        max_seq_len=40960,
         moe=_moe(128, 8, 1536),
     ),
 }

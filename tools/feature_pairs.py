@@ -1,0 +1,611 @@
+"""The feature-pair matrix: every pair of options that changes what runs either trains like one
+process or is refused before launch.
+
+    python tools/feature_pairs.py                 # every supported pair's row, and every refusal
+    python tools/feature_pairs.py --subset ci     # the covering rows CI runs (same pairs, fewer rows)
+    python tools/feature_pairs.py --list          # the verdicts only (no training), in seconds
+
+A *factor* is one option family (the model, the 2-rank layout, PEFT, distillation, compile,
+activation checkpointing, precision, float8, the data); a *level* is one value of it, written as
+the command-line options that select it. For every pair of levels of two factors, the trainer's
+own pre-flight (`titanlab.preflight.check`, the function `run_train.sh` calls) decides on a
+2-rank run whether it is supported; everything else stays at its factor's first level.
+
+- A refused pair must be refused with one line that names an option of each of its two levels.
+- The supported pairs are covered by *rows* (one level of every factor): the greedy all-pairs
+  covering (AETG, Cohen et al. 1997) puts each supported pair in at least one row; `--subset
+  full` gives each supported pair a row of its own (the pair, the rest at first levels). A row is
+  checked by the pre-flight again (a triple may be refused where each pair is not; the row then
+  falls back to its seed pair's own row). Each row trains 2 steps on 2 ranks from one seed
+  checkpoint per model and is compared with the same options on 1 process (expert, tensor,
+  context and pipeline parallel off; the global batch split into as many accumulation steps as
+  the layout has global microbatches, which MoE's per-microbatch load-balance loss needs), then
+  exports and loads its export (`check_export`).
+- There is no third outcome: a row that crashes after launch, or whose export loses or cannot
+  load a part of what trained, fails.
+
+Tolerances: |Δloss| <= 1e-5 in fp32 (the layout matrix's bound); with bf16 / fp16 compute or
+float8 (emulated) matmuls, <= 2e-2, the bound of `tests/integration/test_mixed_precision.py`:
+rounding to 8 (bf16) mantissa bits happens in a different order on 2 ranks than on 1, and
+float8's dynamic scales are taken per rank. Exports: logits within 1e-4 of titanlab's own
+loader (the bound of the LoRA export tests).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+from titanlab.distributed.layouts import Layout
+from tools.parity_matrix import launch, read_losses
+from tools.run_log import failure_line
+from tools.tiny_run import TINY_RUN
+
+STEPS = 2
+GLOBAL_BATCH = 8
+FP32_TOLERANCE = 1e-5
+LOW_PRECISION_TOLERANCE = 2e-2
+EXPORT_TOLERANCE = 1e-4
+WORLD_SIZE = 2
+
+
+@dataclass(frozen=True)
+class Level:
+    """One value of a factor: the options that select it. `{data}`, `{chat}` and `{seed}` in
+    them stand for the prepared token data, the prepared chat data and the model's seed
+    checkpoint (`Fixtures`)."""
+
+    factor: str
+    name: str
+    args: tuple[str, ...] = ()
+    layout: Layout | None = None
+    low_precision: bool = False
+
+    @property
+    def label(self) -> str:
+        return f"{self.factor}={self.name}"
+
+    @property
+    def option_names(self) -> list[str]:
+        """The `section.key` names this level sets (what a refusal must name)."""
+        names = [a[2:] for a in self.args if a.startswith("--")]
+        if self.layout is not None:
+            names += [f"parallelism.{n}" for n in _LAYOUT_OPTIONS[self.name]]
+        return names
+
+
+def _layout(name: str, layout: Layout) -> Level:
+    return Level("layout", name, layout=layout)
+
+
+_LAYOUT_OPTIONS = {
+    "fsdp2": ["data_parallel_shard_degree"],
+    "ddp2": ["data_parallel_replicate_degree"],
+    "tp2": ["tensor_parallel_degree"],
+    "pp2": ["pipeline_parallel_degree", "pipeline_parallel_schedule"],
+    "cp2": ["context_parallel_degree"],
+    "ep2": ["expert_parallel_degree"],
+}
+_LORA = ("--peft.method", "lora", "--peft.rank", "4")
+
+FACTORS: dict[str, tuple[Level, ...]] = {
+    "model": (
+        Level("model", "dense", ("--model.name", "llama3")),
+        Level("model", "moe", ("--model.name", "qwen3_moe")),
+    ),
+    "layout": (
+        _layout("fsdp2", Layout(1, 2, 1, 1, None, 1)),
+        _layout("ddp2", Layout(2, 1, 1, 1, None, 1)),
+        _layout("tp2", Layout(1, 1, 2, 1, None, 1)),
+        _layout("pp2", Layout(1, 1, 1, 2, "1F1B", 1)),
+        _layout("cp2", Layout(1, 1, 1, 1, None, 1, cp=2)),
+        _layout("ep2", Layout(1, 2, 1, 1, None, 1, ep=2)),
+    ),
+    "peft": (
+        Level("peft", "none"),
+        Level("peft", "lora_attention", (*_LORA, "--peft.target_modules", "wq,wk,wv,wo")),
+        Level("peft", "lora_mlp", (*_LORA, "--peft.target_modules", "w1,w2,w3")),
+        Level("peft", "lora_output", (*_LORA, "--peft.target_modules", "wq,output")),
+        Level("peft", "lora_router", (*_LORA, "--peft.target_modules", "wq,gate")),
+        Level(
+            "peft",
+            "qlora",
+            (*_LORA, "--peft.target_modules", "wq,wk,wv,wo", "--peft.quantize_base", "nf4"),
+        ),
+    ),
+    "distill": (
+        Level("distill", "off"),
+        Level("distill", "on", ("--distill.teacher_path", "{seed}", "--distill.alpha", "0.5")),
+    ),
+    "compile": (
+        Level("compile", "off"),
+        Level("compile", "on", ("--compile.enable", "true")),
+    ),
+    "ac": (
+        Level("ac", "none"),
+        Level("ac", "full", ("--activation_checkpoint.mode", "full")),
+        Level(
+            "ac",
+            "selective_op",
+            (
+                "--activation_checkpoint.mode",
+                "selective",
+                "--activation_checkpoint.selective_ac_option",
+                "op",
+            ),
+        ),
+        Level(
+            "ac",
+            "selective_2",
+            (
+                "--activation_checkpoint.mode",
+                "selective",
+                "--activation_checkpoint.selective_ac_option",
+                "2",
+            ),
+        ),
+    ),
+    "precision": (
+        Level("precision", "fp32"),
+        Level(
+            "precision",
+            "bf16",
+            (
+                "--training.mixed_precision_param",
+                "bfloat16",
+                "--training.mixed_precision_on_cpu",
+                "true",
+            ),
+            low_precision=True,
+        ),
+        Level(
+            "precision",
+            "fp16",
+            (
+                "--training.mixed_precision_param",
+                "float16",
+                "--training.mixed_precision_on_cpu",
+                "true",
+            ),
+            low_precision=True,
+        ),
+    ),
+    "float8": (
+        Level("float8", "off"),
+        Level(
+            "float8",
+            "on",
+            ("--float8.enable", "true", "--float8.emulate", "true"),
+            low_precision=True,
+        ),
+    ),
+    "data": (
+        Level("data", "tokens"),
+        Level("data", "document_mask", ("--data.document_mask", "true")),
+        Level("data", "chat", ("--data.dataset_path", "{chat}")),
+    ),
+}
+FIRST = {factor: levels[0] for factor, levels in FACTORS.items()}
+
+BASE_ARGS = [
+    *TINY_RUN,
+    "--model.flavor",
+    "debugmodel_deep",
+    "--training.steps",
+    str(STEPS),
+    "--training.mixed_precision_param",
+    "float32",
+    "--checkpoint.interval",
+    "1000",
+]
+
+
+@dataclass(frozen=True)
+class Fixtures:
+    """Paths the levels' placeholders stand for: prepared token data, prepared chat data, and a
+    seed checkpoint per model level (made by `make_fixtures`)."""
+
+    data: str
+    chat: str
+    seeds: dict[str, str] = field(default_factory=dict)
+
+    def fill(self, args: list[str], model: str) -> list[str]:
+        subst = {"{data}": self.data, "{chat}": self.chat, "{seed}": self.seeds.get(model, "")}
+        return [subst.get(a, a) for a in args]
+
+
+Row = dict[str, Level]
+
+
+def row_args(row: Row, fixtures: Fixtures, reference: bool = False) -> list[str]:
+    """Command-line options of `row` on 2 ranks, or with `reference` on 1 process (the
+    layout's global microbatches as accumulation steps)."""
+    layout = row["layout"].layout
+    assert layout is not None
+    args = [*BASE_ARGS, "--data.dataset_path", "{data}"]
+    if reference:
+        micro = layout.grad_accum * (
+            (layout.local_batch_size(GLOBAL_BATCH) or 1) if layout.pp > 1 else 1
+        )
+        micro *= layout.dp_replicate * layout.dp_shard
+        args += Layout(1, 1, 1, 1, None, 1).overrides(GLOBAL_BATCH)
+        args += ["--training.local_batch_size", str(GLOBAL_BATCH // micro)]
+    else:
+        args += layout.overrides(GLOBAL_BATCH)
+        if layout.pp > 1:
+            args += ["--parallelism.pipeline_parallel_microbatch_size", "1"]
+    for factor in FACTORS:
+        args += list(row[factor].args)
+    args += ["--checkpoint.initial_load_path", "{seed}"]
+    return fixtures.fill(args, row["model"].name)
+
+
+def _row(*levels: Level) -> Row:
+    row = dict(FIRST)
+    for level in levels:
+        row[level.factor] = level
+    return row
+
+
+def companions(fixtures: Fixtures) -> dict[Level, Level | None]:
+    """For each level the pre-flight refuses next to the first levels alone (expert parallel
+    needs an MoE model), the first level of another factor that makes it valid; its pairs are
+    then judged next to that level, so a refusal belongs to the pair, not to the context. None:
+    no level makes it valid (a LoRA adapter on the router is refused on every model), so each of
+    its pairs is refused for the level itself."""
+    out: dict[Level, Level | None] = {}
+    for levels in FACTORS.values():
+        for level in levels:
+            if verdict(_row(level), fixtures) is None:
+                continue
+            others = (lv for f, lvs in FACTORS.items() if f != level.factor for lv in lvs)
+            out[level] = next(
+                (lv for lv in others if verdict(_row(level, lv), fixtures) is None), None
+            )
+    return out
+
+
+def pair_row(pair: tuple[Level, Level], helpers: dict[Level, Level | None]) -> Row:
+    """The row that judges `pair`: first levels, each level's companion, then the pair."""
+    extra = [h for h in (helpers.get(lv) for lv in pair) if h is not None]
+    extra = [lv for lv in extra if lv.factor not in (pair[0].factor, pair[1].factor)]
+    return _row(*extra, *pair)
+
+
+def verdict(row: Row, fixtures: Fixtures) -> str | None:
+    """None when the trainer's pre-flight accepts `row` on 2 ranks, else its one-line refusal."""
+    from titanlab import preflight
+    from titanlab.config.errors import ConfigError
+    from titanlab.config.manager import build_config
+
+    try:
+        preflight.check(build_config(row_args(row, fixtures)), WORLD_SIZE, WORLD_SIZE)
+    except ConfigError as e:
+        return str(e)
+    return None
+
+
+def all_pairs() -> list[tuple[Level, Level]]:
+    """Every pair of levels of two different factors, in a fixed order."""
+    levels = [lv for levels in FACTORS.values() for lv in levels]
+    return [(a, b) for a, b in itertools.combinations(levels, 2) if a.factor != b.factor]
+
+
+def pair_verdicts(
+    fixtures: Fixtures, helpers: dict[Level, Level | None]
+) -> dict[tuple[Level, Level], str | None]:
+    """Each pair's verdict (None: supported, else the pre-flight's refusal line), judged in
+    `pair_row`."""
+    return {pair: verdict(pair_row(pair, helpers), fixtures) for pair in all_pairs()}
+
+
+def names_both(
+    pair: tuple[Level, Level], message: str, helpers: dict[Level, Level | None] | None = None
+) -> bool:
+    """Whether a refusal names an option of each level of the pair (the model level counts as
+    named by `model.name` or by the model's name, e.g. "MoE" / "qwen3_moe"); a level whose
+    companion (`companions`) is named counts as named, since the pair was judged next to it."""
+
+    def named(level: Level) -> bool:
+        words = level.option_names
+        if level.factor == "model":
+            words = [*words, "MoE", "moe", "expert", "dense", "no experts"]
+        if level.factor == "data" and level.name == "chat":
+            words = [*words, "chat"]
+        return any(w in message for w in words)
+
+    helpers = helpers or {}
+    alone = [lv for lv in pair if lv in helpers and helpers[lv] is None]
+    if alone:  # refused whatever it meets: the refusal must name the level itself
+        return all(named(lv) for lv in alone)
+
+    def via_companion(lv: Level) -> bool:
+        companion = helpers.get(lv)
+        return companion is not None and named(companion)
+
+    return all(named(lv) or via_companion(lv) for lv in pair)
+
+
+def covering_rows(
+    verdicts: dict[tuple[Level, Level], str | None],
+    fixtures: Fixtures,
+    helpers: dict[Level, Level | None],
+    check_rows: bool = True,
+) -> list[Row]:
+    """Rows in which every supported pair appears at least once (see the module docstring)."""
+    supported = {frozenset(p) for p, why in verdicts.items() if why is None}
+    uncovered = set(supported)
+    rows: list[Row] = []
+
+    def pairs_of(row: Row) -> set[frozenset[Level]]:
+        return {frozenset(p) for p in itertools.combinations(row.values(), 2)}
+
+    for seed_pair in [p for p in verdicts if frozenset(p) in supported]:
+        if frozenset(seed_pair) not in uncovered:
+            continue
+        row = dict(zip([lv.factor for lv in seed_pair], seed_pair))
+        for factor, levels in FACTORS.items():
+            if factor in row:
+                continue
+            fits = [
+                lv
+                for lv in levels
+                if all(frozenset((lv, other)) in supported for other in row.values())
+            ]
+            # The level that covers the most uncovered pairs; ties: the earlier level.
+            row[factor] = max(
+                fits or [FIRST[factor]],
+                key=lambda lv: (
+                    sum(frozenset((lv, o)) in uncovered for o in row.values()),
+                    -levels.index(lv),
+                ),
+            )
+        full = {factor: row[factor] for factor in FACTORS}
+        if check_rows and verdict(full, fixtures) is not None:
+            full = pair_row(seed_pair, helpers)
+        rows.append(full)
+        uncovered -= pairs_of(full)
+    return rows
+
+
+def pair_rows(
+    verdicts: dict[tuple[Level, Level], str | None], helpers: dict[Level, Level | None]
+) -> list[Row]:
+    """One row per supported pair (`pair_row`), duplicates removed."""
+    seen, rows = set(), []
+    for pair, why in verdicts.items():
+        row = pair_row(pair, helpers)
+        key = tuple(lv.name for lv in row.values())
+        if why is None and key not in seen:
+            seen.add(key)
+            rows.append(row)
+    return rows
+
+
+def row_name(row: Row) -> str:
+    """The row's non-first levels, e.g. `moe-ep2-lora_attention-selective_op`."""
+    parts = [row["model"].name, row["layout"].name]
+    parts += [lv.name for f, lv in row.items() if f not in ("model", "layout") and lv != FIRST[f]]
+    return "-".join(parts)
+
+
+@dataclass
+class RowOutcome:
+    """One row's result: worst |Δloss| against 1 process, the export check, or the failure."""
+
+    row: str
+    max_abs_diff: float | None = None
+    tolerance: float = FP32_TOLERANCE
+    export: str | None = None
+    error: str | None = None
+    seconds: float = 0.0
+
+    @property
+    def passed(self) -> bool:
+        return (
+            self.error is None
+            and self.max_abs_diff is not None
+            and self.max_abs_diff <= self.tolerance
+        )
+
+
+def _run(nproc: int, args: list[str], dump: str) -> str | None:
+    """Launch and return None, or the failure line (the whole output kept in launch.log)."""
+    proc = launch(nproc, args + ["--job.dump_folder", dump])
+    if proc.returncode == 0:
+        return None
+    os.makedirs(dump, exist_ok=True)
+    output = proc.stdout + "\n" + proc.stderr
+    with open(os.path.join(dump, "launch.log"), "w", encoding="utf-8") as f:
+        f.write(output)
+    return f"exit {proc.returncode}: {failure_line(output)} (log: {dump}/launch.log)"
+
+
+def run_row(row: Row, fixtures: Fixtures, root: str) -> RowOutcome:
+    """Train `row` on 2 ranks and on 1 process, compare the losses, check the export."""
+    name = row_name(row)
+    start = time.time()
+    low = any(lv.low_precision for lv in row.values())
+    out = RowOutcome(name, tolerance=LOW_PRECISION_TOLERANCE if low else FP32_TOLERANCE)
+    dump = os.path.join(root, "rows", name)
+    ref_key = json.dumps(row_args(row, fixtures, reference=True))
+    ref = os.path.join(root, "references", str(abs(hash(ref_key)) % 10**12))
+    if not os.path.exists(os.path.join(ref, "metrics.jsonl")):
+        out.error = _run(1, row_args(row, fixtures, reference=True), ref)
+    if out.error is None:
+        export = ["--checkpoint.enable", "true", "--checkpoint.export_dtype", "float32"]
+        out.error = _run(WORLD_SIZE, row_args(row, fixtures) + export, dump)
+    if out.error is None:
+        got, want = read_losses(dump), read_losses(ref)
+        if sorted(got) != list(range(1, STEPS + 1)):
+            out.error = f"logged steps {sorted(got)}, expected 1..{STEPS}"
+        else:
+            out.max_abs_diff = max(abs(got[s] - want[s]) for s in got)
+    if out.error is None:
+        try:
+            out.export = check_export(row, os.path.join(dump, "checkpoint"), fixtures)
+        except Exception as e:  # the export check's failure is the row's failure
+            out.error = f"export: {type(e).__name__}: {e}"
+    out.seconds = time.time() - start
+    return out
+
+
+def check_export(row: Row, checkpoint_root: str, fixtures: Fixtures) -> str:
+    """Load the row's final export everywhere it loads and compare logits with titanlab's own
+    loader (`titanlab.generation.loading.load_model`, which merges LoRA adapters): the Hugging
+    Face folder in transformers (`to-hf`, `--merge-lora` for LoRA runs), the PEFT adapter on
+    the base in peft (`to-peft`, LoRA on an unquantized base), and a greedy continuation of a
+    prompt longer than the training `seq_len` (the export records the model's context length).
+    Returns a short summary; raises AssertionError naming the gap."""
+    import tempfile
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from titanlab.checkpoint.convert import dcp_to_hf
+    from titanlab.generation.generate import generate
+    from titanlab.generation.loading import load_model
+    from titanlab.peft.export import dcp_to_peft
+
+    exports = [d for d in os.listdir(checkpoint_root) if d.startswith("export-step-")]
+    assert exports, f"no export-step-N in {checkpoint_root}"
+    export = os.path.join(checkpoint_root, exports[0])
+    model, _, args = load_model(export, torch.device("cpu"))
+    tokens = torch.arange(3, 3 + 96).remainder(args.vocab_size - 300).unsqueeze(0) + 5
+    with torch.no_grad():
+        ours = model(tokens).float()
+    lora = row["peft"].name != "none"
+    notes = []
+    with tempfile.TemporaryDirectory() as tmp:
+        hf = os.path.join(tmp, "hf")
+        dcp_to_hf(export, hf, dtype=torch.float32, progress=False, merge_lora=lora)
+        theirs = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
+        with torch.no_grad():
+            diff = (theirs(tokens).logits - ours).abs().max().item()
+        assert diff <= EXPORT_TOLERANCE, f"to-hf logits differ by {diff:.2e}"
+        notes.append(f"hf {diff:.1e}")
+        if lora and row["peft"].name != "qlora":
+            from peft import PeftModel
+
+            base = os.path.join(tmp, "base")
+            dcp_to_hf(fixtures.seeds[row["model"].name], base, dtype=torch.float32, progress=False)
+            adapter = os.path.join(tmp, "adapter")
+            dcp_to_peft(export, adapter)
+            plain = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+            peft_model = PeftModel.from_pretrained(plain, adapter).eval()
+            with torch.no_grad():
+                diff = (peft_model(tokens).logits - ours).abs().max().item()
+            assert diff <= EXPORT_TOLERANCE, f"to-peft logits differ by {diff:.2e}"
+            notes.append(f"peft {diff:.1e}")
+    prompt = tokens[:, :80]  # longer than the training seq_len (64)
+    out = generate(model, prompt.tolist(), max_new_tokens=4)
+    assert len(out[0]) == 4, f"generated {len(out[0])} tokens, not 4"
+    notes.append("generate 80+4")
+    return ", ".join(notes)
+
+
+def make_fixtures(root: str) -> Fixtures:
+    """Prepared token and chat data under `root` and a seed checkpoint per model level (made
+    once, reused)."""
+    data = os.path.join(root, "data")
+    chat = os.path.join(root, "chat")
+    if not os.path.exists(os.path.join(data, "metadata.json")):
+        from titanlab.data.default_corpus import default_corpus_files
+        from titanlab.data.prepare import prepare_data
+        from titanlab.data.tokenizer import default_tokenizer_path
+
+        files = [f for f in default_corpus_files() if os.sep + "email" + os.sep in f][:40]
+        prepare_data(
+            files, data, default_tokenizer_path(), workers=1, shard_size_mb=0.25, progress=False
+        )
+    if not os.path.exists(os.path.join(chat, "metadata.json")):
+        write_chat_data(chat)
+    fixtures = Fixtures(data, chat)
+    for level in FACTORS["model"]:
+        seed_root = os.path.join(root, f"seed-{level.name}")
+        seed = os.path.join(seed_root, "checkpoint", "step-0")
+        if not os.path.exists(os.path.join(seed, ".metadata")):
+            args = [*BASE_ARGS, *level.args, "--data.dataset_path", data]
+            args += ["--checkpoint.enable", "true", "--checkpoint.create_seed_checkpoint", "true"]
+            error = _run(1, args, seed_root)
+            if error:
+                raise RuntimeError(f"seed checkpoint of {level.label}: {error}")
+        fixtures.seeds[level.name] = seed
+    return fixtures
+
+
+def write_chat_data(out: str) -> None:
+    """Chat SFT data: questions about stdlib functions answered with their docstrings,
+    prepared with the bundled tokenizer (`tools/prepare_data.py --format chat`)."""
+    import ast
+
+    from titanlab.data.default_corpus import default_corpus_files
+    from titanlab.data.prepare_chat import prepare_chat
+    from titanlab.data.tokenizer import default_tokenizer_path
+
+    os.makedirs(out, exist_ok=True)
+    jsonl = os.path.join(out + "-src.jsonl")
+    with open(jsonl, "w", encoding="utf-8") as f:
+        for path in default_corpus_files()[:30]:
+            with open(path, encoding="utf-8") as src:
+                tree = ast.parse(src.read())
+            for node in ast.walk(tree):
+                if isinstance(node, ast.FunctionDef) and ast.get_docstring(node):
+                    doc = (ast.get_docstring(node) or "")[:300]
+                    messages = [
+                        {"role": "user", "content": f"What does {node.name} do?"},
+                        {"role": "assistant", "content": doc},
+                    ]
+                    f.write(json.dumps({"messages": messages}) + "\n")
+    prepare_chat([jsonl], out, default_tokenizer_path(), progress=False)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--subset", choices=("ci", "full"), default="full")
+    parser.add_argument("--list", action="store_true", help="verdicts only, no training")
+    parser.add_argument("--work-dir", default=os.path.join(REPO, "outputs", "feature_pairs"))
+    opts = parser.parse_args(argv)
+    fixtures = make_fixtures(opts.work_dir)
+    helpers = companions(fixtures)
+    verdicts = pair_verdicts(fixtures, helpers)
+    refused = {p: why for p, why in verdicts.items() if why is not None}
+    unnamed = [p for p, why in refused.items() if not names_both(p, str(why), helpers)]
+    for (a, b), why in refused.items():
+        named = "" if (a, b) not in unnamed else " [DOES NOT NAME BOTH]"
+        print(f"refused  {a.label} × {b.label}: {why}{named}")
+    rows = (
+        covering_rows(verdicts, fixtures, helpers)
+        if opts.subset == "ci"
+        else pair_rows(verdicts, helpers)
+    )
+    print(f"pairs: {len(verdicts) - len(refused)} supported, {len(refused)} refused "
+          f"({len(unnamed)} refusals not naming both options); {len(rows)} rows")  # fmt: skip
+    if opts.list:
+        for row in rows:
+            print("row", row_name(row))
+        return 0
+    failed = 0
+    for row in rows:
+        outcome = run_row(row, fixtures, opts.work_dir)
+        failed += not outcome.passed
+        print(
+            f"{'pass' if outcome.passed else 'FAIL'}  {outcome.row}: "
+            f"{outcome.max_abs_diff if outcome.error is None else outcome.error} "
+            f"[{outcome.export}] {outcome.seconds:.0f}s",
+            flush=True,
+        )
+    print(f"supported {len(verdicts) - len(refused)} / refused {len(refused)} / failed {failed}")
+    return 1 if failed or unnamed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
