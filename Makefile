@@ -68,10 +68,11 @@ benchmark: setup
 
 # Every valid layout of 1, 2, 4, 8 ranks against 1 process (the table goes to
 # docs/parallelism.md), then every MoE balancing × layout case (expert parallel included) and
-# the compile, profiler-trace and option cases CI leaves out (context parallel's included).
+# the compile, profiler-trace and option cases CI leaves out (context parallel's included), and
+# the feature-pair matrix with a row for every supported pair (CI runs its covering rows).
 test-parity-full: setup
 	OMP_NUM_THREADS=1 $(PY) tools/parity_matrix.py
-	OMP_NUM_THREADS=1 TITANLAB_PARITY_FULL=1 $(PY) -m pytest -q -rs tests/integration/test_qwen3_moe.py tests/integration/test_compile.py tests/integration/test_profiling_traces.py tests/integration/test_document_mask_parity.py "tests/integration/test_parallel_parity.py::test_option_matches_single_process" "tests/integration/test_lora.py::test_more_layouts_equal_one_process" "tests/integration/test_qlora.py::test_at_8k_under_fsdp2_with_full_ac_nf4_trains_like_bf16_lora_in_a_quarter_of_the_bytes" "tests/integration/test_qlora.py::test_more_layouts_equal_fsdp2"
+	OMP_NUM_THREADS=1 TITANLAB_PARITY_FULL=1 $(PY) -m pytest -q -rs tests/integration/test_qwen3_moe.py tests/integration/test_compile.py tests/integration/test_profiling_traces.py tests/integration/test_document_mask_parity.py "tests/integration/test_parallel_parity.py::test_option_matches_single_process" "tests/integration/test_lora.py::test_more_layouts_equal_one_process" "tests/integration/test_qlora.py::test_at_8k_under_fsdp2_with_full_ac_nf4_trains_like_bf16_lora_in_a_quarter_of_the_bytes" "tests/integration/test_qlora.py::test_more_layouts_equal_fsdp2" tests/integration/test_feature_pairs.py
 
 # On a machine with a CUDA GPU: every GPU test (`pytest -m gpu`), then the 8B-shaped benchmark
 # rows, into docs/gpu_check.md and the gpu-check block of docs/performance.md

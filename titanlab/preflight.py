@@ -29,6 +29,7 @@ from titanlab.distributed.layouts import check_parallel_layout
 from titanlab.memory import check_memory
 from titanlab.models.registry import ModelFamily
 from titanlab.peft.lora import lora_targets
+from titanlab.peft.qlora import shard_problem
 
 
 @dataclass
@@ -49,9 +50,21 @@ def check(config: JobConfig, world_size: int, local_world_size: int) -> Plan:
     tokenizer = components.build_tokenizer(config)
     model_args = components.build_model_args(config, tokenizer.vocab_size)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    targets = {}
     if config.peft.method == "lora":  # the target names, on a meta-device model
-        lora_targets(components.build_meta_model(model_args), config.peft, config.model.name)
+        meta = components.build_meta_model(model_args)
+        targets = lora_targets(meta, config.peft, config.model.name)
     parallel_dims = check_parallel_layout(config, world_size, model_args, device.type)
+    if config.peft.quantize_base == "nf4":  # each NF4 weight must split into whole blocks
+        shards = parallel_dims.dp_shard * parallel_dims.cp
+        for name, linear in targets.items():
+            problem = shard_problem(f"{name}.weight", tuple(linear.weight.shape), shards)
+            if problem:
+                raise ConfigError(
+                    f"peft.quantize_base=nf4 on model.name={config.model.name} "
+                    f"(flavor {config.model.flavor}): {problem}; use fewer FSDP ranks or other "
+                    "targets"
+                )
     batch = components.batch_layout(config, parallel_dims.dp_degree)
     if config.distill.teacher_path:
         teacher_args(config, family, model_args.vocab_size)
@@ -102,6 +115,9 @@ def check_files(config: JobConfig, tokenizer: AnyTokenizer) -> None:
 
 
 def main(argv: list[str]) -> int:
+    from titanlab import warning_filters
+
+    warning_filters.install()
     counts = {"--nproc": 1, "--nnodes": 1}
     try:
         while argv[:1] and argv[0] in counts:

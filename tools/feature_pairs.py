@@ -198,7 +198,7 @@ FIRST = {factor: levels[0] for factor, levels in FACTORS.items()}
 BASE_ARGS = [
     *TINY_RUN,
     "--model.flavor",
-    "debugmodel_deep",
+    "debugmodel",  # dim 256: every QLoRA target splits into whole NF4 blocks on 2 ranks
     "--training.steps",
     str(STEPS),
     "--training.mixed_precision_param",
@@ -500,6 +500,11 @@ def check_export(row: Row, checkpoint_root: str, fixtures: Fixtures) -> str:
             adapter = os.path.join(tmp, "adapter")
             dcp_to_peft(export, adapter)
             plain = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+            compute = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(row["precision"].name)
+            if compute is not None:  # LoRA stored the frozen base in the compute dtype
+                with torch.no_grad():
+                    for p in plain.parameters():
+                        p.copy_(p.to(compute).float())
             peft_model = PeftModel.from_pretrained(plain, adapter).eval()
             with torch.no_grad():
                 diff = (peft_model(tokens).logits - ours).abs().max().item()

@@ -39,3 +39,38 @@ def test_the_messages_are_the_ones_torch_emits():
     assert "DTensor random operators may not have complete support on" in inspect.getsource(
         _random.is_rng_supported_mesh
     )
+
+
+def test_torchaos_cuda_kernel_logs_are_dropped_without_cuda_only():
+    """`make train` starts without a warning line: importing torchao on a machine without CUDA
+    logs nothing once the filters are installed, and the same text with anything added, or a
+    machine with CUDA, still shows."""
+    import logging
+    import subprocess
+    import sys
+
+    code = (
+        "import logging, sys; logging.basicConfig(stream=sys.stderr);"
+        "from titanlab import warning_filters; warning_filters.install(cuda={cuda});"
+        "import torchao, torchao.float8, torchao.quantization"
+    )
+    quiet = subprocess.run([sys.executable, "-c", code.format(cuda=False)],
+                           capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert quiet.returncode == 0 and quiet.stderr == "", quiet.stderr
+    loud = subprocess.run([sys.executable, "-c", code.format(cuda=True)],
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert "_C_mxfp8" in loud.stderr and "Detected no triton" in loud.stderr
+
+    records: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record.getMessage())
+
+    logger = logging.getLogger("torchao.kernel.intmm")
+    logger.addHandler(Keep())
+    warning_filters.install(cuda=False)
+    text = "Warning: Detected no triton, on systems without Triton certain kernels will not work"
+    logger.warning(text)
+    logger.warning(text + " (and more)")
+    assert records == [text + " (and more)"]

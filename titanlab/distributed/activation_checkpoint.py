@@ -84,14 +84,17 @@ def _op_sac_context():
 
 
 def _wrap(block: nn.Module, mode: str, option: str, layer_idx: int) -> nn.Module:
+    # A block that draws random numbers (LoRA adapter dropout) must draw the same ones again
+    # when it is recomputed, or its gradients belong to another mask than its output.
+    rng = any(isinstance(m, nn.Dropout) and m.p > 0 for m in block.modules())
     if mode == "full":
-        return checkpoint_wrapper(block, preserve_rng_state=False)
+        return checkpoint_wrapper(block, preserve_rng_state=rng)
     if option == "op":
         return checkpoint_wrapper(
-            block, context_fn=functools.partial(_op_sac_context), preserve_rng_state=False
+            block, context_fn=functools.partial(_op_sac_context), preserve_rng_state=rng
         )
     every = int(option)
-    return checkpoint_wrapper(block, preserve_rng_state=False) if layer_idx % every == 0 else block
+    return checkpoint_wrapper(block, preserve_rng_state=rng) if layer_idx % every == 0 else block
 
 
 def apply_ac(model: nn.Module, mode: str, selective_ac_option: str = "op") -> None:

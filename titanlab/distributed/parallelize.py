@@ -29,6 +29,7 @@ from titanlab.distributed.expert_parallel import apply_ep
 from titanlab.distributed.parallel_dims import ParallelDims
 from titanlab.distributed.tensor_parallel import apply_tp
 from titanlab.models.common.decoder import moe_layers
+from titanlab.models.common.moe import MoE
 
 if TYPE_CHECKING:
     from titanlab.models.common.decoder import Decoder
@@ -187,9 +188,20 @@ def reshard_policy(option: str, pp_enabled: bool) -> bool:
 
 def apply_compile(model: Decoder, backend: str) -> None:
     """Compile each transformer block in place (`Module.compile`, so parameter names do not
-    change and checkpoints stay portable). Blocks are identical, so one graph serves all."""
+    change and checkpoints stay portable). Blocks are identical, so one graph serves all.
+
+    In a block with routed experts the token dispatch splits the tokens by data-dependent
+    per-expert counts (a graph break for every expert, and a recompile whenever the counts
+    change), so the block's dense parts (the norms and attention) are compiled whole, each with
+    `fullgraph=True`, and the MoE layer (router, dispatch, experts) runs eagerly."""
     for block in model.layers.values():
-        block.compile(backend=backend, fullgraph=True)
+        inner = getattr(block, "_checkpoint_wrapped_module", block)
+        if not moe_layers(inner):
+            block.compile(backend=backend, fullgraph=True)
+            continue
+        for child in inner.children():
+            if not isinstance(child, MoE):
+                child.compile(backend=backend, fullgraph=True)
 
 
 def apply_fsdp(

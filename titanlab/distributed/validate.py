@@ -17,13 +17,6 @@ def validate_layout(config: JobConfig, dims: ParallelDims, model_args, device_ty
     t = config.training
     heads, kv_heads = model_args.n_heads, model_args.kv_heads
     _validate_experts(config, dims, model_args)
-    c = config.compile
-    if c.enable and "model" in c.components and getattr(model_args, "moe_layer", None):
-        raise ConfigError(
-            f"compile.components={list(c.components)}: compiling the blocks of an MoE model "
-            f"(model.name={config.model.name}) is not supported yet (the per-expert loop splits "
-            "by data-dependent counts); use compile.components=['loss'] or compile.enable=false"
-        )
     if dims.tp > 1:
         if heads % dims.tp or kv_heads % dims.tp:
             raise ConfigError(

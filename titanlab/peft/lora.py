@@ -146,8 +146,14 @@ def freeze_base(model_parts: list[nn.Module]) -> None:
 def store_frozen_in(model: nn.Module, dtype: torch.dtype) -> None:
     """Store every frozen floating-point parameter of the (meta-device) `model` in `dtype`,
     the compute dtype: the base is never updated, so an fp32 master copy would only double its
-    memory (the adapters, which train, stay fp32). A no-op when `dtype` is fp32."""
+    memory (the adapters, which train, stay fp32). A no-op when `dtype` is fp32. MoE routers
+    keep fp32: they compute in fp32 under any mixed precision (`Router.forward`)."""
+    from titanlab.models.common.moe import Router
+
+    routers = {id(p) for m in model.modules() if isinstance(m, Router) for p in m.parameters()}
     for p in model.parameters():
+        if id(p) in routers:
+            continue
         if not p.requires_grad and p.is_floating_point() and p.dtype != dtype:
             p.data = p.data.to(dtype)
 

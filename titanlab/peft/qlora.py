@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import math
 import re
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -50,7 +51,11 @@ def local_tensor(t: Any) -> Any:
 
 
 def is_quantized(t: object) -> bool:
-    """Whether `t` (a tensor, parameter or DTensor) holds NF4 data."""
+    """Whether `t` (a tensor, parameter or DTensor) holds NF4 data. Does not import torchao:
+    before something has imported it, no tensor can be NF4 (and a run without QLoRA or float8
+    never pays its import, nor prints its warnings about missing CUDA kernels)."""
+    if "torchao" not in sys.modules:
+        return False
     try:
         nf4 = _nf4_type()
     except ImportError:

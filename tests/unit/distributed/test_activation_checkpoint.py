@@ -112,3 +112,31 @@ def test_op_sac_ignores_profiler_ranges_that_differ_in_the_recompute():
     x = torch.randn(4, 8, requires_grad=True)
     model(x).sum().backward()  # the recompute runs the extra range (and an extra matmul)
     assert calls["n"] == 2 and x.grad is not None
+
+
+@pytest.mark.parametrize("mode, option", [("full", "op"), ("selective", "op"), ("selective", "1")])
+def test_a_recomputed_block_draws_the_same_dropout_mask(mode, option):
+    """LoRA adapter dropout under AC: the recompute must draw the forward's mask again (the RNG
+    state is kept for blocks that hold dropout), else the gradients belong to another mask.
+    They differed by 3e-3 before."""
+    from titanlab.config.peft import Peft
+    from titanlab.peft.lora import apply_lora, init_adapters
+
+    def grads(ac_mode):
+        model = make_model()
+        apply_lora(model, Peft(method="lora", dropout=0.3, target_modules=["wq", "wo"]))
+        init_adapters([model], 1)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "lora_b" in name:
+                    p.normal_(0, 0.1)
+        apply_ac(model, ac_mode, option)
+        torch.manual_seed(5)
+        inputs, labels = batch()
+        cross_entropy_sum(model(inputs), labels).backward()
+        return {clean(n): p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+    plain, checkpointed = grads("none"), grads(mode)
+    assert plain.keys() == checkpointed.keys() and plain
+    for name, g in plain.items():
+        assert torch.equal(g, checkpointed[name]), name

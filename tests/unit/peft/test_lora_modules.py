@@ -90,3 +90,21 @@ def test_the_router_and_a_tied_output_head_are_refused_with_one_line():
     with pytest.raises(ConfigError, match="ties the output head to the embedding"):
         lora_targets(tied, Peft(method="lora", target_modules=["wq", "output"]))
     assert set(lora_targets(model(), Peft(method="lora", target_modules=["output"]))) == {"output"}
+
+
+def test_the_frozen_base_goes_to_the_compute_dtype_but_a_router_stays_fp32():
+    """LoRA on an MoE model under fp16/bf16 crashed in the first forward: the frozen router
+    weight was stored in fp16 while the router computes in fp32."""
+    from titanlab.models.qwen3_moe import qwen3_moe_flavors
+    from titanlab.peft.lora import store_frozen_in
+
+    moe = build_model(dataclasses.replace(qwen3_moe_flavors["debugmodel_deep"], vocab_size=97))
+    moe.init_weights()
+    apply_lora(moe, Peft(method="lora", target_modules=["wq", "output"]))
+    store_frozen_in(moe, torch.float16)
+    dtypes = {name: p.dtype for name, p in moe.named_parameters()}
+    assert dtypes["layers.0.feed_forward.router.gate.weight"] == torch.float32
+    assert dtypes["layers.0.attention.wk.weight"] == torch.float16
+    assert dtypes["layers.0.attention.wq.lora_a.weight"] == torch.float32
+    with torch.autocast("cpu", dtype=torch.float16):
+        assert moe(torch.randint(0, 97, (1, 8))).shape == (1, 8, 97)

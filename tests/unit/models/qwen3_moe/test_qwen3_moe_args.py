@@ -47,7 +47,6 @@ def test_moe_layouts_that_cannot_run_are_refused_with_one_line():
     from titanlab.distributed.validate import validate_layout
 
     for world, argv, message in (
-        (2, ["--compile.enable", "true"], "compiling the blocks of an MoE model"),
         (
             2,
             ["--parallelism.tensor_parallel_degree", "2"],
