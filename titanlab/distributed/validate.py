@@ -44,12 +44,6 @@ def validate_layout(config: JobConfig, dims: ParallelDims, model_args, device_ty
                 f"tensor_parallel_degree={dims.tp} is not supported (NF4 weights cannot be split "
                 "by columns for row-wise layers); use FSDP for QLoRA, or quantize_base=none"
             )
-        if dims.tp > 1 and config.peft.dropout > 0:
-            raise ConfigError(
-                f"peft.dropout={config.peft.dropout} with parallelism.tensor_parallel_degree="
-                f"{dims.tp}: the tensor-parallel ranks would drop different elements of the "
-                "input they share; set peft.dropout=0 or tensor_parallel_degree=1"
-            )
         if config.float8.enable:
             raise ConfigError(
                 "peft.method=lora with float8.enable=true is not supported yet (float8 would "

@@ -20,6 +20,7 @@ from torch import nn
 
 from titanlab.config.errors import ConfigError
 from titanlab.config.peft import Peft
+from titanlab.peft.dropout import PositionDropout
 
 ADAPTER_MARK = ".lora_"
 
@@ -39,7 +40,8 @@ class LoRALinear(nn.Linear):
         self.lora_a = nn.Linear(in_features, rank, bias=False)
         self.lora_b = nn.Linear(rank, out_features, bias=False)
         self.scaling = alpha / rank
-        self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+        # Layout-independent: the same mask on every tensor-parallel rank and on 1 process.
+        self.dropout = PositionDropout(dropout) if dropout > 0 else nn.Identity()
 
     def reset_adapter(self, generator: torch.Generator | None = None) -> None:
         """A: Kaiming-uniform (bound 1/sqrt(in), from a = sqrt(5)); B: zeros. With `generator`,
