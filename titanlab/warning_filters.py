@@ -10,7 +10,7 @@
 And log records (`LOG_MESSAGES`, by logger and exact text) on a machine without CUDA, where
 they concern CUDA kernels that cannot run anyway: torchao's import reports its CUDA extensions
 (`_C_mxfp8`, `_C_cutlass_90a`) and Triton missing, and torch 2.13 logs a deprecation when
-torchao registers an Enum as a pytree constant (torchao's code, not the user's).
+torchao registers its Enums as pytree constants (torchao's code, not the user's).
 """
 
 from __future__ import annotations
@@ -34,7 +34,8 @@ LOG_MESSAGES: dict[str, tuple[str, ...]] = {
         r"Warning: Detected no triton, on systems without Triton certain kernels will not work",
     ),
     "torch.utils._pytree": (
-        r"<enum 'KernelPreference'> is an Enum subclass and is now natively supported by "
+        # torchao registers several Enums (KernelPreference, ScaleCalculationMode, ...).
+        r"<enum '\w+'> is an Enum subclass and is now natively supported by "
         r"torch\.compile as an opaque value type\. Calling register_constant\(\) on Enum "
         r"subclasses is deprecated and will be an error in a future release\.",
     ),

@@ -19,7 +19,7 @@ own pre-flight (`titanlab.preflight.check`, the function `run_train.sh` calls) d
   falls back to its seed pair's own row). Each row trains 2 steps on 2 ranks from one seed
   checkpoint per model and is compared with the same options on 1 process (expert, tensor,
   context and pipeline parallel off; the global batch split into as many accumulation steps as
-  the layout has global microbatches, which MoE's per-microbatch load-balance loss needs), then
+  the layout has global microbatches, over each of which MoE's load-balance loss is taken), then
   exports and loads its export (`check_export`).
 - There is no third outcome: a row that crashes after launch, or whose export loses or cannot
   load a part of what trained, fails.
@@ -233,10 +233,11 @@ def row_args(row: Row, fixtures: Fixtures, reference: bool = False) -> list[str]
     assert layout is not None
     args = [*BASE_ARGS, "--data.dataset_path", "{data}"]
     if reference:
+        # The layout's global microbatches (MoE's load-balance loss is taken over each one:
+        # all data-parallel ranks' samples of one accumulation step or pipeline microbatch).
         micro = layout.grad_accum * (
             (layout.local_batch_size(GLOBAL_BATCH) or 1) if layout.pp > 1 else 1
         )
-        micro *= layout.dp_replicate * layout.dp_shard
         args += Layout(1, 1, 1, 1, None, 1).overrides(GLOBAL_BATCH)
         args += ["--training.local_batch_size", str(GLOBAL_BATCH // micro)]
     else:

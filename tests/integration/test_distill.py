@@ -68,6 +68,10 @@ def test_distilling_lowers_the_students_kl_to_the_teacher(
     assert after <= 0.7 * before
 
 
+@pytest.mark.skipif(
+    os.environ.get("TITANLAB_PARITY_FULL") != "1",
+    reason="distillation × TP 2 is a row of the feature-pair matrix in CI; make test-parity-full",
+)
 def test_under_tensor_parallel_distillation_equals_one_process(
     teacher_ckpt, student_seed, tiny_dataset, tmp_path
 ):

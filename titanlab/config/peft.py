@@ -22,11 +22,15 @@ class Peft:
     """LoRA alpha: the adapter's output is scaled by alpha / rank."""
 
     dropout: float = 0.0
-    """Dropout on the adapter's input (training only)."""
+    """Dropout on the adapter's input (training only). The mask is keyed by each element's
+    position in the whole input, so tensor-parallel ranks drop what one process drops; a block
+    with dropout under activation checkpointing recomputes the same mask."""
 
     target_modules: list[str] = field(default_factory=lambda: ["wq", "wk", "wv", "wo"])
     """Names of the Linear layers to adapt, matched against the last part of each module's name
-    (wq, wk, wv, wo, w1, w2, w3)."""
+    (wq, wk, wv, wo, w1, w2, w3, output; on the command line `wq,wo` or `["wq", "wo"]`). An MoE
+    model's router (gate) is refused, and so is the output head of a model that ties it to the
+    embedding."""
 
     quantize_base: Literal["none", "nf4"] = "none"
     """nf4: QLoRA (Dettmers et al. 2023): the adapted Linear weights of the base are stored in
