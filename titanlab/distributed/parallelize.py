@@ -192,15 +192,16 @@ def apply_compile(model: Decoder, backend: str) -> None:
 
     In a block with routed experts the token dispatch splits the tokens by data-dependent
     per-expert counts (a graph break for every expert, and a recompile whenever the counts
-    change), so the block's dense parts (the norms and attention) are compiled whole, each with
-    `fullgraph=True`, and the MoE layer (router, dispatch, experts) runs eagerly."""
+    change), so the block's attention is compiled whole (`fullgraph=True`) and the norms (torch
+    modules, which Dynamo does not compile as a frame of their own) and the MoE layer (router,
+    dispatch, experts) run eagerly."""
     for block in model.layers.values():
         inner = getattr(block, "_checkpoint_wrapped_module", block)
         if not moe_layers(inner):
             block.compile(backend=backend, fullgraph=True)
             continue
         for child in inner.children():
-            if not isinstance(child, MoE):
+            if not isinstance(child, MoE) and not type(child).__module__.startswith("torch."):
                 child.compile(backend=backend, fullgraph=True)
 
 
