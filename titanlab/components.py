@@ -95,14 +95,8 @@ def build_model_args(config: JobConfig, vocab_size: int) -> Any:
     Raises:
         ConfigError: as `model_architecture`.
     """
-    args = dataclasses.replace(
-        model_architecture(config, vocab_size), max_seq_len=config.training.seq_len
-    )
-    try:
-        args.validate()
-    except ValueError as e:
-        raise ConfigError(f"model.flavor={config.model.flavor}: {e}") from None
-    return args
+    args = model_architecture(config, vocab_size)
+    return _validated(config, dataclasses.replace(args, max_seq_len=config.training.seq_len))
 
 
 def context_length(config: JobConfig, vocab_size: int) -> int:
@@ -155,11 +149,15 @@ def model_architecture(config: JobConfig, vocab_size: int) -> Any:
                 f"model.flavor={stored[0]!r}"
             )
         args = dataclasses.replace(published, vocab_size=vocab_size)
-    args = _with_moe_options(config, args)
+    return _validated(config, _with_moe_options(config, args))
+
+
+def _validated(config: JobConfig, args: Any) -> Any:
+    """`args` after `args.validate()`; its ValueError becomes a ConfigError naming the flavor."""
     try:
         args.validate()
     except ValueError as e:
-        raise ConfigError(f"model.flavor={flavor}: {e}") from None
+        raise ConfigError(f"model.flavor={config.model.flavor}: {e}") from None
     return args
 
 

@@ -2,7 +2,6 @@
 positions forced on, assistant tokens only), and FSDP 2 equals 1 process (1e-5, 5 steps, one
 seed checkpoint)."""
 
-import json
 import os
 import sys
 
@@ -10,33 +9,17 @@ import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, REPO)
-from titanlab.data.default_corpus import default_corpus_files  # noqa: E402
-from titanlab.data.prepare_chat import prepare_chat  # noqa: E402
-from titanlab.data.tokenizer import default_tokenizer_path  # noqa: E402
 from titanlab.distributed.layouts import Layout  # noqa: E402
 from tools import parity_matrix  # noqa: E402
+from tools.feature_pair_runs import write_chat_data  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def chats(tmp_path_factory) -> str:
     """Conversations asking for a stdlib function's docstring, answered with it."""
-    import ast
-
-    root = tmp_path_factory.mktemp("chat")
-    with open(root / "chats.jsonl", "w", encoding="utf-8") as out:
-        for path in default_corpus_files()[:30]:
-            with open(path, encoding="utf-8") as f:
-                tree = ast.parse(f.read())
-            for node in ast.walk(tree):
-                if isinstance(node, ast.FunctionDef) and ast.get_docstring(node):
-                    messages = [
-                        {"role": "user", "content": f"What does {node.name} do?"},
-                        {"role": "assistant", "content": ast.get_docstring(node)[:300]},
-                    ]
-                    out.write(json.dumps({"messages": messages}) + "\n")
-    prepare_chat([str(root / "chats.jsonl")], str(root / "sft"), default_tokenizer_path(),
-                 progress=False)  # fmt: skip
-    return str(root / "sft")
+    out = str(tmp_path_factory.mktemp("chat") / "sft")
+    write_chat_data(out)
+    return out
 
 
 @pytest.mark.skipif(

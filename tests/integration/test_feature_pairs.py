@@ -14,6 +14,7 @@ import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, REPO)
+from tools import feature_pair_runs as runs  # noqa: E402
 from tools import feature_pairs as fp  # noqa: E402
 from tools.parity_matrix import read_losses  # noqa: E402
 
@@ -25,7 +26,7 @@ def matrix(tmp_path_factory):
     """(fixtures, companions, verdicts, work dir): the seed checkpoints and data, and the
     pre-flight's verdict on every pair."""
     root = str(tmp_path_factory.mktemp("feature_pairs"))
-    fixtures = fp.make_fixtures(root)
+    fixtures = runs.make_fixtures(root)
     helpers = fp.companions(fixtures)
     return fixtures, helpers, fp.pair_verdicts(fixtures, helpers), root
 
@@ -62,7 +63,7 @@ def test_supported_pairs_train_like_one_process_and_export_whole(matrix):
     # CI compiles with aot_eager (the capture, where features meet compile); the full run with
     # Inductor.
     backend = "inductor" if FULL else "aot_eager"
-    outcomes = [fp.run_row(row, fixtures, root, backend) for row in rows]
+    outcomes = [runs.run_row(row, fixtures, root, backend) for row in rows]
     failed = [o for o in outcomes if not o.passed]
     refused = len(verdicts) - len(supported)
     print(f"\nfeature pairs: supported {len(supported)} / refused {refused} / failed "
@@ -81,7 +82,7 @@ def test_selective_op_ac_with_expert_parallel_under_fsdp_equals_full_ac(matrix):
     for ac in ("full", "selective_op"):
         row = fp._row(level("model", "moe"), level("layout", "ep2"), level("ac", ac))
         dump = os.path.join(root, "sac_ep", ac)
-        error = fp._run(fp.WORLD_SIZE, fp.row_args(row, fixtures), dump)
+        error = runs._run(fp.WORLD_SIZE, fp.row_args(row, fixtures), dump)
         assert error is None, error
         losses[ac] = read_losses(dump)
     assert sorted(losses["full"]) == list(range(1, fp.STEPS + 1))
