@@ -68,3 +68,44 @@ def kl_to_teacher(student_logits: torch.Tensor, teacher_logits: torch.Tensor) ->
     log_ps = F.log_softmax(student_logits.float(), dim=-1)
     log_pt = F.log_softmax(teacher_logits.float(), dim=-1)
     return (log_pt.exp() * (log_pt - log_ps)).sum(-1).mean()
+
+
+class PipelineDistillLoss:
+    """The loss of a pipeline's last stage in a distillation run (the `loss_fn` of the
+    `torch.distributed.pipelining` schedule, like `titanlab.loss.ScaledLoss`).
+
+    The schedule calls `loss_fn(output, target)` once per microbatch, with `target` split from the
+    whole batch's along dim 0 exactly as the inputs are. Here the target is the batch's row
+    numbers (`rows_of`): the call finds its microbatch's inputs, labels and model keywords in the
+    batch given to `prepare`, runs the teacher on them (no grad) and returns
+    `distillation_loss_sum` × `scale`. Only one microbatch of teacher logits exists at a time.
+
+    Attributes:
+        teacher: the teacher model, set by the trainer once it is built (last-stage ranks only).
+        scale: set by the trainer each step, as for `ScaledLoss`.
+    """
+
+    def __init__(self, alpha: float, temperature: float) -> None:
+        self.alpha, self.temperature = alpha, temperature
+        self.teacher: torch.nn.Module | None = None
+        self.scale: float | torch.Tensor = 1.0
+        self._batch: tuple[torch.Tensor, torch.Tensor, dict] | None = None
+
+    def prepare(self, inputs: torch.Tensor, labels: torch.Tensor, kwargs: dict) -> None:
+        """Hold this step's (bs, seq) batch: inputs, labels and the model's keywords."""
+        self._batch = (inputs, labels, kwargs)
+
+    @staticmethod
+    def rows_of(labels: torch.Tensor) -> torch.Tensor:
+        """The schedule's target for a (bs, seq) batch: its row numbers, (bs,) int64."""
+        return torch.arange(labels.shape[0], device=labels.device)
+
+    def __call__(self, logits: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        assert self.teacher is not None and self._batch is not None, "prepare() first"
+        inputs, labels, kwargs = self._batch
+        with torch.no_grad():
+            teacher_logits = self.teacher(inputs[rows], **{k: v[rows] for k, v in kwargs.items()})
+        loss = distillation_loss_sum(
+            logits, teacher_logits, labels[rows], alpha=self.alpha, temperature=self.temperature
+        )
+        return loss * self.scale

@@ -25,6 +25,7 @@ from titanlab.config.manager import build_config
 from titanlab.data.tokenizer import AnyTokenizer
 from titanlab.distributed.parallel_dims import ParallelDims
 from titanlab.distributed.parallelize import param_dtype
+from titanlab.distributed.tensor_parallel import linear_split_dims
 from titanlab.distributed.layouts import check_parallel_layout
 from titanlab.memory import check_memory
 from titanlab.models.registry import ModelFamily
@@ -56,14 +57,17 @@ def check(config: JobConfig, world_size: int, local_world_size: int) -> Plan:
         targets = lora_targets(meta, config.peft, config.model.name)
     parallel_dims = check_parallel_layout(config, world_size, model_args, device.type)
     if config.peft.quantize_base == "nf4":  # each NF4 weight must split into whole blocks
-        shards = parallel_dims.dp_shard * parallel_dims.cp
+        shards, tp = parallel_dims.dp_shard * parallel_dims.cp, parallel_dims.tp
+        split = linear_split_dims(meta) if tp > 1 else {}
         for name, linear in targets.items():
-            problem = shard_problem(f"{name}.weight", tuple(linear.weight.shape), shards)
+            shape = tuple(linear.weight.shape)
+            tp_split = (tp, split[name]) if name in split else (1, 0)
+            problem = shard_problem(f"{name}.weight", shape, shards, *tp_split)
             if problem:
                 raise ConfigError(
                     f"peft.quantize_base=nf4 on model.name={config.model.name} "
-                    f"(flavor {config.model.flavor}): {problem}; use fewer FSDP ranks or other "
-                    "targets"
+                    f"(flavor {config.model.flavor}): {problem}; use fewer FSDP or TP ranks or "
+                    "other targets"
                 )
     batch = components.batch_layout(config, parallel_dims.dp_degree)
     if config.distill.teacher_path:

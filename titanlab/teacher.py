@@ -84,3 +84,9 @@ def build_teacher(config: JobConfig, args: Any, device: torch.device, paralleliz
         p.requires_grad_(False)
     logger.info("distill: teacher loaded from %s", config.distill.teacher_path)
     return teacher.eval()
+
+
+def join_teacher_load(config: JobConfig) -> None:
+    """On a rank that holds no teacher (a pipeline rank without the last stage): take part in
+    the collective `dcp.load` of `build_teacher`, reading nothing."""
+    dcp.load({}, checkpoint_id=config.distill.teacher_path)

@@ -21,11 +21,11 @@ import torch
 from titanlab import components, preflight
 from titanlab.data.build import build_data, build_loader
 from titanlab.data.batches import BatchPreparer
-from titanlab.distill import distillation_loss_sum
+from titanlab.distill import PipelineDistillLoss, distillation_loss_sum
 from titanlab.peft import setup as peft_setup
 from titanlab.peft.lora import init_adapters
 from titanlab.peft.qlora import to_empty_keeping_quantized
-from titanlab.teacher import build_teacher, teacher_args
+from titanlab.teacher import build_teacher, join_teacher_load, teacher_args
 from titanlab.checkpoint import Checkpointer, store
 from titanlab.config.docs import format_help
 from titanlab.config.job_config import ConfigError, JobConfig
@@ -162,8 +162,14 @@ class Trainer:
         )
         prepare = peft_setup.parallelize_fn(parallelize, config, dims, self.device)
         self.schedule = None
+        self.pp_loss: ScaledLoss | PipelineDistillLoss | None = None
         if dims.pp_enabled:
-            self.pp_loss = ScaledLoss(self.loss_fn)
+            d = config.distill
+            self.pp_loss = (
+                PipelineDistillLoss(d.alpha, d.temperature)
+                if d.teacher_path
+                else ScaledLoss(self.loss_fn)
+            )
             self.schedule, self.model_parts, self.has_first, self.has_last = pipeline_model(
                 model, dims, config, self.device, prepare, self.pp_loss
             )
@@ -172,9 +178,13 @@ class Trainer:
             to_empty_keeping_quantized(model, self.device)
             self.model_parts, self.has_first, self.has_last = [model], True, True
         self.teacher = None
-        if config.distill.teacher_path:  # the validator refuses it under PP and CP
-            args = teacher_args(config, self.family, self.model_args.vocab_size)
+        if config.distill.teacher_path and self.has_last:  # refused under CP; under PP, the
+            args = teacher_args(config, self.family, self.model_args.vocab_size)  # last stage
             self.teacher = build_teacher(config, args, self.device, parallelize)
+            if isinstance(self.pp_loss, PipelineDistillLoss):
+                self.pp_loss.teacher = self.teacher
+        elif config.distill.teacher_path:
+            join_teacher_load(config)
         peft_setup.after_parallelize(self.model_parts, config, self.rank, compute_dtype)
         self.optimizer = OptimizersContainer(
             self.model_parts,
@@ -452,13 +462,16 @@ class Trainer:
             self.config.parallelism.context_parallel_rotate_method,
         )
         if self.schedule is not None:
+            assert self.pp_loss is not None
             self.pp_loss.scale = scale
             losses: list[torch.Tensor] = []
             args = (inputs,) if self.has_first else ()
+            target = labels if self.has_last else None
+            if isinstance(self.pp_loss, PipelineDistillLoss) and self.has_last:
+                self.pp_loss.prepare(inputs, labels, kwargs)  # the teacher runs per microbatch
+                target = self.pp_loss.rows_of(labels)
             with context:  # every stage's ranks hold their sequence shard of each microbatch
-                self.schedule.step(
-                    *args, target=labels if self.has_last else None, losses=losses, **kwargs
-                )
+                self.schedule.step(*args, target=target, losses=losses, **kwargs)
             if not self.has_last:
                 return torch.zeros((), device=self.device)
             return sum(local_value(l) for l in losses) / scale

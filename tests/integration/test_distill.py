@@ -1,6 +1,6 @@
 """Distillation in the trainer: a debug-model teacher (trained 30 steps) distilled into the
 smaller debugmodel_deep student under FSDP 2 for 50 steps lowers the student's KL to the teacher
-on a fixed batch by at least 30%; under TP 2 the losses equal 1 process; a teacher with another
+on a fixed batch by at least 30%; under TP 2 and PP 2 the losses equal 1 process; a teacher with another
 vocabulary is one line."""
 
 import json
@@ -68,23 +68,34 @@ def test_distilling_lowers_the_students_kl_to_the_teacher(
     assert after <= 0.7 * before
 
 
+LAYOUTS = {
+    # teacher and student both split; the logits whole on each rank for the KL
+    "tp2": ["--parallelism.tensor_parallel_degree", "2"],
+    # the teacher on the last stage only, run per microbatch by the schedule's loss
+    "pp2": ["--parallelism.pipeline_parallel_degree", "2",
+            "--parallelism.pipeline_parallel_schedule", "1F1B",
+            "--parallelism.pipeline_parallel_microbatch_size", "2"],
+}  # fmt: skip
+
+
 @pytest.mark.skipif(
     os.environ.get("TITANLAB_PARITY_FULL") != "1",
-    reason="distillation × TP 2 is a row of the feature-pair matrix in CI; make test-parity-full",
+    reason="distillation × TP 2 and × PP 2 are rows of the feature-pair matrix in CI; "
+    "make test-parity-full",
 )
-def test_under_tensor_parallel_distillation_equals_one_process(
-    teacher_ckpt, student_seed, tiny_dataset, tmp_path
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_distillation_under_a_layout_equals_one_process(
+    layout, teacher_ckpt, student_seed, tiny_dataset, tmp_path
 ):
-    """TP 2 (teacher and student both split; the logits whole on each rank for the KL)."""
     common = [*TINY, "--model.flavor", "debugmodel_deep", "--data.dataset_path", tiny_dataset,
               "--training.steps", "4", "--training.local_batch_size", "4",
               "--checkpoint.initial_load_path", os.path.join(student_seed, "checkpoint", "step-0"),
               "--distill.teacher_path", teacher_ckpt, "--distill.alpha", "0.5"]  # fmt: skip
     one = launch(1, [*common, "--job.dump_folder", str(tmp_path / "one")]).check()
-    tp = launch(2, [*common, "--job.dump_folder", str(tmp_path / "tp2"),
-                    "--parallelism.tensor_parallel_degree", "2"]).check()  # fmt: skip
-    assert sorted(tp.losses) == [1, 2, 3, 4]
-    assert max(abs(tp.losses[s] - one.losses[s]) for s in one.losses) <= 1e-5, (one, tp)
+    two = launch(2, [*common, "--job.dump_folder", str(tmp_path / layout), *LAYOUTS[layout]])
+    two.check()
+    assert sorted(two.losses) == [1, 2, 3, 4]
+    assert max(abs(two.losses[s] - one.losses[s]) for s in one.losses) <= 1e-5, (one, two)
 
 
 def test_a_teacher_with_another_vocabulary_is_one_line(teacher_ckpt, tiny_dataset, tmp_path):

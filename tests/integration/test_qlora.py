@@ -83,6 +83,13 @@ def test_nf4_does_not_depend_on_the_layout_and_resumes_bit_exact(base, tiny_data
     one, _ = run(1, tiny_dataset, base, str(tmp_path / "one"), *ckpt, "--training.steps", "6",
                  "--training.local_batch_size", "4")  # fmt: skip
     assert max(abs(one[s] - whole[s]) for s in whole) <= parity_matrix.TOLERANCE, (one, whole)
+    # TP 2: column-wise layers keep NF4 row blocks, row-wise ones (wo, w2) column blocks, each
+    # dequantizing to the whole weight's values (titanlab.peft.nf4_split).
+    tp, _ = run(2, tiny_dataset, base, str(tmp_path / "tp"), *SHORT, *CONSTANT_LR,
+                "--checkpoint.enable", "false", "--training.steps", "6",
+                "--training.local_batch_size", "4", "--parallelism.tensor_parallel_degree", "2",
+                "--parallelism.data_parallel_shard_degree", "1")  # fmt: skip
+    assert max(abs(one[s] - tp[s]) for s in tp) <= parity_matrix.TOLERANCE, (one, tp)
     parted = str(tmp_path / "parted")
     run(2, tiny_dataset, base, parted, *ckpt, "--training.steps", "3")
     resumed, out = run(2, tiny_dataset, base, parted, *ckpt, "--training.steps", "6")
@@ -96,13 +103,17 @@ MORE = {
                  "1", "--training.local_batch_size", "4"),
     "fsdp2-compile": ("--compile.enable", "true"),
     "fsdp2-full-ac": ("--activation_checkpoint.mode", "full"),
+    "tp2-compile": ("--parallelism.tensor_parallel_degree", "2",
+                    "--parallelism.data_parallel_shard_degree", "1",
+                    "--training.local_batch_size", "4", "--compile.enable", "true"),
 }  # fmt: skip
 
 
 @FULL_ONLY
 @pytest.mark.parametrize("name", list(MORE))
 def test_more_layouts_equal_fsdp2(name, base, tiny_dataset, tmp_path):
-    """QLoRA × PP 2, × compile, × full AC: the losses of FSDP 2 with selective AC within 1e-5."""
+    """QLoRA × PP 2, × compile, × full AC, × TP 2 compiled: the losses of FSDP 2 with
+    selective AC within 1e-5."""
     steps = [*SHORT, "--training.steps", "5", "--checkpoint.enable", "false",
              "--training.global_batch_size", "4"]  # fmt: skip
     want, _ = run(2, tiny_dataset, base, str(tmp_path / "fsdp2"), *steps)

@@ -8,25 +8,39 @@ one that keeps every product local, as Megatron-LM splits an MLP):
 - row-wise base (W sharded by input columns, the input sharded on its last dim): A split by
   columns like W, so A x is a partial sum, and B replicated; W x and B A x are then partial sums
   reduced together by the style's output redistribution.
-A plain Linear is split exactly as torch's `ColwiseParallel` / `RowwiseParallel` split it.
+A plain Linear is split exactly as torch's `ColwiseParallel` / `RowwiseParallel` split it. A
+QLoRA base weight (NF4) is split into NF4 shards whose values equal the whole weight's
+(`titanlab.peft.nf4_split`).
 """
 
 from __future__ import annotations
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Placement, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+from titanlab.peft.nf4_split import is_quantized, nf4_shard
 
 
 def _distribute_own(
     module: nn.Module, mesh: DeviceMesh, placements: dict[str, Placement], src_data_rank
 ) -> None:
-    """Make each direct parameter of `module` named in `placements` a DTensor placed so."""
+    """Make each direct parameter of `module` named in `placements` a DTensor placed so. An NF4
+    weight (QLoRA) is held whole by every rank; each keeps its own shard of it."""
     for name, param in list(module.named_parameters(recurse=False)):
-        if name in placements:
-            dist = distribute_tensor(param, mesh, [placements[name]], src_data_rank=src_data_rank)
-            module.register_parameter(name, nn.Parameter(dist, requires_grad=param.requires_grad))
+        if name not in placements:
+            continue
+        placement = placements[name]
+        if is_quantized(param):
+            assert isinstance(placement, Shard)
+            shard = nf4_shard(param, placement.dim, mesh.get_local_rank(), mesh.size())
+            dist = DTensor.from_local(
+                shard, mesh, [placement], shape=param.shape, stride=param.stride(), run_check=False
+            )
+        else:
+            dist = distribute_tensor(param, mesh, [placement], src_data_rank=src_data_rank)
+        module.register_parameter(name, nn.Parameter(dist, requires_grad=param.requires_grad))
 
 
 class LoRAColwiseParallel(ColwiseParallel):

@@ -136,3 +136,24 @@ def apply_tp(
                 output_layouts=Shard(1), desired_output_layouts=Shard(1), use_local_output=True
             ),
         )
+
+
+def linear_split_dims(model: Decoder) -> dict[str, int]:
+    """Module name → the dim of its weight that `apply_tp` splits (0: column-wise, by output
+    rows; 1: row-wise, by input columns), for every Linear it splits in `model` (a meta-device
+    model is enough); read from the same plan `apply_tp` applies."""
+    dims = {"output": 0} if model.output is not None else {}
+    for index, block in model.layers.items():
+        moes = moe_layers(block)
+        plan = decoder_block_plan(
+            ColwiseParallel,
+            RowwiseParallel,
+            PrepareModuleInput,
+            qk_norm=model.args.qk_norm,
+            moe=bool(moes),
+            shared_experts=bool(moes) and moes[0].shared_experts is not None,
+        )
+        for path, style in plan.items():
+            if isinstance(style, (ColwiseParallel, RowwiseParallel)):
+                dims[f"layers.{index}.{path}"] = 0 if isinstance(style, ColwiseParallel) else 1
+    return dims

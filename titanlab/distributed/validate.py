@@ -29,21 +29,13 @@ def validate_layout(config: JobConfig, dims: ParallelDims, model_args, device_ty
             f"training.seq_len={t.seq_len} must be divisible by tp × 2·cp = {seq_div}"
             " (sequence parallel and load-balanced context parallel split it)"
         )
-    if config.distill.teacher_path:
-        for degree, name in ((dims.pp, "pipeline"), (dims.cp, "context")):
-            if degree > 1:
-                raise ConfigError(
-                    f"distill.teacher_path with parallelism.{name}_parallel_degree={degree} is "
-                    "not supported yet (the teacher's logits would be split); use FSDP, HSDP, "
-                    "DDP or TP for distillation"
-                )
+    if config.distill.teacher_path and dims.cp > 1:
+        raise ConfigError(
+            f"distill.teacher_path with parallelism.context_parallel_degree={dims.cp} is not "
+            "supported yet (the teacher's logits would be split by sequence); use FSDP, HSDP, "
+            "DDP, TP or PP for distillation"
+        )
     if config.peft.method == "lora":
-        if dims.tp > 1 and config.peft.quantize_base != "none":
-            raise ConfigError(
-                f"peft.quantize_base={config.peft.quantize_base} with parallelism."
-                f"tensor_parallel_degree={dims.tp} is not supported (NF4 weights cannot be split "
-                "by columns for row-wise layers); use FSDP for QLoRA, or quantize_base=none"
-            )
         if config.float8.enable:
             raise ConfigError(
                 "peft.method=lora with float8.enable=true is not supported yet (float8 would "
@@ -53,6 +45,13 @@ def validate_layout(config: JobConfig, dims: ParallelDims, model_args, device_ty
             raise ConfigError(
                 "peft.method=lora with checkpoint.last_save_in_hf=true: merging adapters into "
                 "a Hugging Face export is not supported yet; set last_save_in_hf=false"
+            )
+        if config.peft.quantize_base == "nf4" and dims.tp > 1 and dims.dp_shard * dims.cp > 1:
+            raise ConfigError(
+                f"peft.quantize_base=nf4 with parallelism.tensor_parallel_degree={dims.tp} and "
+                f"FSDP over {dims.dp_shard * dims.cp} ranks (data_parallel_shard_degree × "
+                "context_parallel_degree): torchao's NF4 cannot be all-gathered again by FSDP "
+                "once it is a tensor-parallel shard; use TP or FSDP for QLoRA, not both"
             )
         if config.peft.quantize_base == "nf4" and dims.dp_replicate > 1:
             raise ConfigError(

@@ -21,6 +21,7 @@ from torch import nn
 from titanlab.config.errors import ConfigError
 from titanlab.config.peft import Peft
 from titanlab.peft.dropout import PositionDropout
+from titanlab.peft.nf4_split import is_quantized, nf4_linear
 
 ADAPTER_MARK = ".lora_"
 
@@ -53,7 +54,8 @@ class LoRALinear(nn.Linear):
             _copy_full(self.lora_b.weight, torch.zeros(self.lora_b.weight.shape))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        base = F.linear(x, self.weight)
+        w = self.weight
+        base = nf4_linear(x, w) if is_quantized(w) else F.linear(x, w)
         return base + self.lora_b(self.lora_a(self.dropout(x))) * self.scaling
 
 

@@ -20,11 +20,8 @@ hold adapters, a model export the dequantized base).
 from __future__ import annotations
 
 import contextlib
-import math
 import re
-import sys
 from collections.abc import Iterator
-from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -33,34 +30,15 @@ from torch.distributed.checkpoint import FileSystemReader
 
 from titanlab.config.errors import ConfigError
 from titanlab.peft.lora import LoRALinear
+from titanlab.peft.nf4_split import (
+    NF4_BLOCK,
+    NF4_SCALER_BLOCK,
+    is_quantized,
+    local_tensor,
+    shard_problem,
+)
 
-NF4_BLOCK = 64  # weights per absmax (QLoRA paper; torchao's default)
-NF4_SCALER_BLOCK = 256  # absmaxes per double-quantization scale
 _LAYER = re.compile(r"^(layers\.\d+)\.")
-
-
-def _nf4_type() -> type:
-    from torchao.quantization import NF4Tensor
-
-    return NF4Tensor
-
-
-def local_tensor(t: Any) -> Any:
-    """The local shard of a DTensor (without a call torch function modes see), else `t`."""
-    return getattr(t, "_local_tensor", t)
-
-
-def is_quantized(t: object) -> bool:
-    """Whether `t` (a tensor, parameter or DTensor) holds NF4 data. Does not import torchao:
-    before something has imported it, no tensor can be NF4 (and a run without QLoRA or float8
-    never pays its import, nor prints its warnings about missing CUDA kernels)."""
-    if "torchao" not in sys.modules:
-        return False
-    try:
-        nf4 = _nf4_type()
-    except ImportError:
-        return False
-    return isinstance(local_tensor(t), nf4)
 
 
 def dequantized(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -80,23 +58,13 @@ def dequantized(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     )
 
 
-def shard_problem(name: str, shape: tuple[int, ...], shards: int) -> str | None:
-    """Why the weight `name` of `shape` cannot be stored as NF4 split into `shards` row blocks,
-    or None. torchao quantizes whole blocks of 64·256 weights and FSDP2 splits NF4 data only
-    into equal row blocks that each hold whole blocks."""
-    rows, numel = shape[0], math.prod(shape)
-    unit = NF4_BLOCK * NF4_SCALER_BLOCK
-    if rows % shards or numel % (unit * shards):
-        return (
-            f"{name} ({'×'.join(map(str, shape))}) cannot be stored as NF4 over {shards} FSDP "
-            f"shard{'s' if shards > 1 else ''}: its rows must split evenly and each shard must "
-            f"hold a multiple of {unit} weights ({NF4_BLOCK}·{NF4_SCALER_BLOCK})"
-        )
-    return None
-
-
 def quantize_base(
-    model: nn.Module, path: str, shards: int, device: torch.device | str = "cpu"
+    model: nn.Module,
+    path: str,
+    shards: int,
+    device: torch.device | str = "cpu",
+    tp: int = 1,
+    tp_split: dict[str, int] | None = None,
 ) -> int:
     """Make the base weight of every `LoRALinear` of the meta-device `model` a frozen NF4
     parameter on `device`, quantized from the full weight stored in the DCP checkpoint `path`.
@@ -107,11 +75,15 @@ def quantize_base(
         model: the model after `apply_lora`, still on the meta device, before parallelism.
         path: a DCP checkpoint folder holding the base (`checkpoint.initial_load_path`).
         shards: how many ranks FSDP will shard these weights over (1 without FSDP).
+        tp, tp_split: the tensor-parallel degree, and the dim it splits each module's weight on
+            (`titanlab.distributed.tensor_parallel.linear_split_dims`; a module not named is
+            not split). Each rank still quantizes the whole weight; the TP styles then keep
+            its shard (`titanlab.peft.nf4_split.nf4_shard`).
     Returns:
         the number of weights quantized.
     Raises:
         ConfigError: one line when a weight is missing from `path`, has another shape, or
-            cannot be split into `shards` NF4 shards (`shard_problem`).
+            cannot be split into `tp` × `shards` NF4 shards (`shard_problem`).
     """
     from torchao.quantization import to_nf4
 
@@ -134,10 +106,12 @@ def quantize_base(
                 f"checkpoint.initial_load_path={path!r}: {key} is {tuple(meta.size)}, the "
                 f"model's is {shape}; it is not a checkpoint of this model"
             )
-        problem = shard_problem(name + ".weight", shape, shards)
+        dim = (tp_split or {}).get(name)
+        split = (tp, dim) if tp > 1 and dim is not None else (1, 0)
+        problem = shard_problem(name + ".weight", shape, shards, *split)
         if problem:
             raise ConfigError(
-                f"peft.quantize_base=nf4: {problem}; use fewer FSDP ranks or other targets"
+                f"peft.quantize_base=nf4: {problem}; use fewer FSDP or TP ranks or other targets"
             )
         m = _LAYER.match(name)
         groups.setdefault(m.group(1) if m else name, []).append(name)

@@ -14,6 +14,7 @@ from torch import nn
 from titanlab.config.job_config import JobConfig
 from titanlab.distributed.parallel_dims import ParallelDims
 from titanlab.peft.lora import apply_lora, store_frozen_in
+from titanlab.distributed.tensor_parallel import linear_split_dims
 from titanlab.peft.qlora import adapted_base_bytes, quantize_base, quantized_bytes
 
 logger = logging.getLogger(__name__)
@@ -54,7 +55,10 @@ def _quantize_then_parallelize(
     device: torch.device,
 ) -> None:
     path = config.checkpoint.initial_load_path
-    count = quantize_base(part, path, shards=dims.dp_shard * dims.cp, device=device)
+    split = linear_split_dims(part) if dims.tp > 1 else None  # type: ignore[arg-type]
+    count = quantize_base(
+        part, path, shards=dims.dp_shard * dims.cp, device=device, tp=dims.tp, tp_split=split
+    )
     nbytes, numel = quantized_bytes([part])
     logger.info(
         "peft: %d base weights stored as NF4 (%s weights, %.2f MiB; %.3f bytes per weight)",

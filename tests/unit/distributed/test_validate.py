@@ -221,7 +221,7 @@ def test_qlora_is_refused_where_nf4_weights_would_be_replicated():
     assert refusal(config, 2) is None
 
 
-def test_lora_under_tensor_parallel_refuses_nf4_only():
+def test_lora_and_qlora_run_under_tensor_parallel_but_qlora_not_with_fsdp_too():
     config = JobConfig()
     config.peft.method = "lora"
     config.parallelism.tensor_parallel_degree = 2
@@ -229,19 +229,25 @@ def test_lora_under_tensor_parallel_refuses_nf4_only():
     config.peft.dropout = 0.1  # the mask is the same on every TP rank (PositionDropout)
     assert refusal(config, 2) is None
     config.peft.dropout, config.peft.quantize_base = 0.0, "nf4"
-    assert (refusal(config, 2) or "").startswith(
-        "peft.quantize_base=nf4 with parallelism.tensor_parallel_degree=2 is not supported"
+    assert refusal(config, 2) is None  # NF4 shards per TP rank (titanlab.peft.nf4_split)
+    assert refusal(config, 4) == (
+        "peft.quantize_base=nf4 with parallelism.tensor_parallel_degree=2 and FSDP over 2 ranks "
+        "(data_parallel_shard_degree × context_parallel_degree): torchao's NF4 cannot be "
+        "all-gathered again by FSDP once it is a tensor-parallel shard; use TP or FSDP for "
+        "QLoRA, not both"
     )
 
 
-def test_distillation_runs_under_tensor_parallel_but_not_pipeline_or_context_parallel():
+def test_distillation_runs_under_tensor_and_pipeline_parallel_but_not_context_parallel():
     config = JobConfig()
     config.distill.teacher_path = "/some/teacher"
     config.parallelism.tensor_parallel_degree = 2
     assert refusal(config, 2) is None
     config.parallelism.tensor_parallel_degree, config.parallelism.pipeline_parallel_degree = 1, 2
+    assert refusal(config, 2) is None  # the last stage runs the teacher per microbatch
+    config.parallelism.pipeline_parallel_degree, config.parallelism.context_parallel_degree = 1, 2
     assert (refusal(config, 2) or "").startswith(
-        "distill.teacher_path with parallelism.pipeline_parallel_degree=2 is not supported yet"
+        "distill.teacher_path with parallelism.context_parallel_degree=2 is not supported yet"
     )
 
 
