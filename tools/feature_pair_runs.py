@@ -142,10 +142,11 @@ def check_export(row: Row, checkpoint_root: str, fixtures: Fixtures) -> str:
             dcp_to_peft(export, adapter)
             plain = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
             compute = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(row["precision"].name)
-            if compute is not None:  # LoRA stored the frozen base in the compute dtype
-                with torch.no_grad():
-                    for p in plain.parameters():
-                        p.copy_(p.to(compute).float())
+            if compute is not None:  # LoRA stored the frozen base in the compute dtype,
+                with torch.no_grad():  # all but MoE routers (`store_frozen_in`)
+                    for name, p in plain.named_parameters():
+                        if not name.endswith("mlp.gate.weight"):
+                            p.copy_(p.to(compute).float())
             peft_model = PeftModel.from_pretrained(plain, adapter).eval()
             with torch.no_grad():
                 diff = (peft_model(tokens).logits - ours).abs().max().item()

@@ -1,9 +1,10 @@
 """The feature-pair matrix: every pair of options that changes what runs either trains like one
 process or is refused before launch.
 
-    python tools/feature_pairs.py                 # every supported pair's row, and every refusal
-    python tools/feature_pairs.py --subset ci     # the covering rows CI runs (same pairs, fewer rows)
-    python tools/feature_pairs.py --list          # the verdicts only (no training), in seconds
+    python tools/feature_pairs.py                 # pairs and EP/PP × PEFT triples, Inductor
+    python tools/feature_pairs.py --subset ci     # the covering rows CI runs (every pair)
+    python tools/feature_pairs.py --subset pairs  # a row of its own for every supported pair
+    python tools/feature_pairs.py --list          # the verdicts only (no training), in a minute
 
 A *factor* is one option family (the model, the 2-rank layout, PEFT, distillation, compile,
 activation checkpointing, precision, float8, the data); a *level* is one value of it, written as
@@ -12,11 +13,15 @@ own pre-flight (`titanlab.preflight.check`, the function `run_train.sh` calls) d
 2-rank run whether it is supported; everything else stays at its factor's first level.
 
 - A refused pair must be refused with one line that names an option of each of its two levels.
-- The supported pairs are covered by *rows* (one level of every factor): the greedy all-pairs
-  covering (AETG, Cohen et al. 1997) puts each supported pair in at least one row; `--subset
-  full` gives each supported pair a row of its own (the pair, the rest at first levels). A row is
-  checked by the pre-flight again (a triple may be refused where each pair is not; the row then
-  falls back to its seed pair's own row). Each row trains 2 steps on 2 ranks from one seed
+- The triples that touch expert or pipeline parallel and PEFT (EP 2 or PP 2 × a PEFT level ×
+  any level of a third factor, `triple_verdicts`) are judged the same way (`--subset full`).
+- The supported pairs (and, in `--subset full`, the supported triples) are covered by *rows*
+  (one level of every factor): the greedy covering of AETG (Cohen et al. 1997) puts each in at
+  least one row, and no row holds a refused pair or triple; `--subset pairs` gives each
+  supported pair a row of its own (the pair, the rest at first levels), to find which pair of a
+  failing row is at fault. A row is checked by the pre-flight again (a combination of more
+  levels may be refused where its pairs are not; the row then falls back to its seed's own
+  row). Each row trains 2 steps on 2 ranks from one seed
   checkpoint per model and is compared with the same options on 1 process (expert, tensor,
   context and pipeline parallel off; the global batch split into as many accumulation steps as
   the layout has global microbatches, over each of which MoE's load-balance loss is taken), then
@@ -270,30 +275,66 @@ def companions(fixtures: Fixtures) -> dict[Level, Level | None]:
     return out
 
 
-def pair_row(pair: tuple[Level, Level], helpers: dict[Level, Level | None]) -> Row:
-    """The row that judges `pair`: first levels, each level's companion, then the pair."""
+def pair_row(pair: tuple[Level, ...], helpers: dict[Level, Level | None]) -> Row:
+    """The row that judges `pair` (or a triple): first levels, each level's companion, then
+    the levels themselves."""
+    factors = {lv.factor for lv in pair}
     extra = [h for h in (helpers.get(lv) for lv in pair) if h is not None]
-    extra = [lv for lv in extra if lv.factor not in (pair[0].factor, pair[1].factor)]
-    return _row(*extra, *pair)
+    return _row(*[lv for lv in extra if lv.factor not in factors], *pair)
+
+
+_VERDICTS: dict[tuple, str | None] = {}
 
 
 def verdict(row: Row, fixtures: Fixtures) -> str | None:
-    """None when the trainer's pre-flight accepts `row` on 2 ranks, else its one-line refusal."""
+    """None when the trainer's pre-flight accepts `row` on 2 ranks, else its one-line refusal.
+    Remembered per row (many pairs are judged in the same row: a pair with a first level)."""
     from titanlab import preflight
     from titanlab.config.errors import ConfigError
     from titanlab.config.manager import build_config
 
-    try:
-        preflight.check(build_config(row_args(row, fixtures)), WORLD_SIZE, WORLD_SIZE)
-    except ConfigError as e:
-        return str(e)
-    return None
+    args = tuple(row_args(row, fixtures))
+    if args not in _VERDICTS:
+        try:
+            preflight.check(build_config(list(args)), WORLD_SIZE, WORLD_SIZE)
+            _VERDICTS[args] = None
+        except ConfigError as e:
+            _VERDICTS[args] = str(e)
+    return _VERDICTS[args]
 
 
 def all_pairs() -> list[tuple[Level, Level]]:
     """Every pair of levels of two different factors, in a fixed order."""
     levels = [lv for levels in FACTORS.values() for lv in levels]
     return [(a, b) for a, b in itertools.combinations(levels, 2) if a.factor != b.factor]
+
+
+TRIPLE_LAYOUTS = ("ep2", "pp2")
+
+
+def triple_verdicts(
+    fixtures: Fixtures,
+    helpers: dict[Level, Level | None],
+    verdicts: dict[tuple[Level, Level], str | None],
+) -> dict[tuple[Level, Level, Level], str | None]:
+    """The triples that touch expert or pipeline parallel and PEFT: (EP 2 or PP 2, a PEFT
+    level, a level of any third factor), each whose three pairs are supported, with the
+    pre-flight's verdict on it (judged in `pair_row`). A triple can be refused where none of its
+    pairs is."""
+    supported = {frozenset(p) for p, why in verdicts.items() if why is None}
+    out: dict[tuple[Level, Level, Level], str | None] = {}
+    for layout in FACTORS["layout"]:
+        if layout.name not in TRIPLE_LAYOUTS:
+            continue
+        for peft in FACTORS["peft"]:
+            for factor, levels in FACTORS.items():
+                if factor in ("layout", "peft"):
+                    continue
+                for other in levels:
+                    triple = (layout, peft, other)
+                    if all(frozenset(p) in supported for p in itertools.combinations(triple, 2)):
+                        out[triple] = verdict(pair_row(triple, helpers), fixtures)
+    return out
 
 
 def pair_verdicts(
@@ -336,40 +377,49 @@ def covering_rows(
     fixtures: Fixtures,
     helpers: dict[Level, Level | None],
     check_rows: bool = True,
+    triples: dict[tuple[Level, Level, Level], str | None] | None = None,
 ) -> list[Row]:
-    """Rows in which every supported pair appears at least once (see the module docstring)."""
-    supported = {frozenset(p) for p, why in verdicts.items() if why is None}
-    uncovered = set(supported)
+    """Rows in which every supported pair (and every supported triple of `triples`) appears at
+    least once, none holding a refused pair or triple (see the module docstring)."""
+    wanted = [frozenset(p) for p, why in verdicts.items() if why is None]
+    wanted += [frozenset(t) for t, why in (triples or {}).items() if why is None]
+    supported = set(wanted)
+    refused_triples = {frozenset(t) for t, why in (triples or {}).items() if why is not None}
+    uncovered = set(wanted)
     rows: list[Row] = []
 
-    def pairs_of(row: Row) -> set[frozenset[Level]]:
-        return {frozenset(p) for p in itertools.combinations(row.values(), 2)}
+    def subsets(levels: list[Level]) -> set[frozenset[Level]]:
+        return {frozenset(c) for n in (2, 3) for c in itertools.combinations(levels, n)}
 
-    for seed_pair in [p for p in verdicts if frozenset(p) in supported]:
-        if frozenset(seed_pair) not in uncovered:
+    def fits(lv: Level, row: dict[str, Level]) -> bool:
+        others = list(row.values())
+        return all(frozenset((lv, o)) in supported for o in others) and not any(
+            frozenset((lv, *pair)) in refused_triples
+            for pair in itertools.combinations(others, 2)
+        )
+
+    def gain(lv: Level, row: dict[str, Level]) -> int:
+        others = list(row.values())
+        new = [frozenset((lv, o)) for o in others]
+        new += [frozenset((lv, *pair)) for pair in itertools.combinations(others, 2)]
+        return sum(t in uncovered for t in new)
+
+    for seed in wanted:
+        if seed not in uncovered:
             continue
-        row = dict(zip([lv.factor for lv in seed_pair], seed_pair))
+        seed_levels = sorted(seed, key=lambda lv: list(FACTORS).index(lv.factor))
+        row = {lv.factor: lv for lv in seed_levels}
         for factor, levels in FACTORS.items():
             if factor in row:
                 continue
-            fits = [
-                lv
-                for lv in levels
-                if all(frozenset((lv, other)) in supported for other in row.values())
-            ]
-            # The level that covers the most uncovered pairs; ties: the earlier level.
-            row[factor] = max(
-                fits or [FIRST[factor]],
-                key=lambda lv: (
-                    sum(frozenset((lv, o)) in uncovered for o in row.values()),
-                    -levels.index(lv),
-                ),
-            )
+            candidates = [lv for lv in levels if fits(lv, row)] or [FIRST[factor]]
+            # The level that covers the most uncovered pairs and triples; ties: the earlier one.
+            row[factor] = max(candidates, key=lambda lv: (gain(lv, row), -levels.index(lv)))
         full = {factor: row[factor] for factor in FACTORS}
         if check_rows and verdict(full, fixtures) is not None:
-            full = pair_row(seed_pair, helpers)
+            full = pair_row(tuple(seed_levels), helpers)
         rows.append(full)
-        uncovered -= pairs_of(full)
+        uncovered -= subsets(list(full.values()))
     return rows
 
 
@@ -401,7 +451,7 @@ def row_name(row: Row) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--subset", choices=("ci", "full"), default="full")
+    parser.add_argument("--subset", choices=("ci", "full", "pairs"), default="full")
     parser.add_argument("--list", action="store_true", help="verdicts only, no training")
     parser.add_argument("--work-dir", default=os.path.join(REPO, "outputs", "feature_pairs"))
     parser.add_argument("--compile-backend", default="inductor", help="for rows that compile")
@@ -421,13 +471,18 @@ def main(argv: list[str] | None = None) -> int:
     for (a, b), why in refused.items():
         named = "" if (a, b) not in unnamed else " [DOES NOT NAME BOTH]"
         print(f"refused  {a.label} × {b.label}: {why}{named}")
-    rows = (
-        covering_rows(verdicts, fixtures, helpers)
-        if opts.subset == "ci"
-        else pair_rows(verdicts, helpers)
-    )
+    triples = triple_verdicts(fixtures, helpers, verdicts) if opts.subset == "full" else {}
+    for triple, why in triples.items():
+        if why is not None:
+            print(f"refused  {' × '.join(lv.label for lv in triple)}: {why}")
+    if opts.subset == "pairs":
+        rows = pair_rows(verdicts, helpers)
+    else:
+        rows = covering_rows(verdicts, fixtures, helpers, triples=triples)
     print(f"pairs: {len(verdicts) - len(refused)} supported, {len(refused)} refused "
-          f"({len(unnamed)} refusals not naming both options); {len(rows)} rows")  # fmt: skip
+          f"({len(unnamed)} refusals not naming both options); triples: "
+          f"{sum(why is None for why in triples.values())} supported, "
+          f"{sum(why is not None for why in triples.values())} refused; {len(rows)} rows")  # fmt: skip
     command = "python tools/feature_pairs.py " + " ".join(
         argv if argv is not None else sys.argv[1:]
     )

@@ -2,13 +2,15 @@
 launch with one line naming both options: the generated feature-pair matrix of
 `tools/feature_pairs.py`.
 
-CI runs the covering rows (every supported pair in at least one row); with
-TITANLAB_PARITY_FULL=1 (`make test-parity-full`) every supported pair gets a row of its own. The
-counts of supported / refused / failed pairs are printed; failed must be 0.
+CI runs the covering rows (every supported pair in at least one row, compiled with aot_eager);
+with TITANLAB_PARITY_FULL=1 (`make test-parity-full`) the rows also cover every supported triple
+of EP 2 or PP 2 × a PEFT level × a third factor's level, compiled with Inductor. The counts of
+supported / refused / failed pairs (and triples) are printed; failed must be 0.
 """
 
 import os
 import sys
+from itertools import combinations
 
 import pytest
 
@@ -54,12 +56,14 @@ def test_every_refusal_is_one_line_naming_both_options(matrix):
 
 def test_supported_pairs_train_like_one_process_and_export_whole(matrix):
     fixtures, helpers, verdicts, root = matrix
-    rows = (
-        fp.pair_rows(verdicts, helpers) if FULL else fp.covering_rows(verdicts, fixtures, helpers)
-    )
-    in_rows = {frozenset((a, b)) for row in rows for a in row.values() for b in row.values()}
+    triples = fp.triple_verdicts(fixtures, helpers, verdicts) if FULL else {}
+    rows = fp.covering_rows(verdicts, fixtures, helpers, triples=triples)
+    in_rows = {
+        frozenset(c) for row in rows for n in (2, 3) for c in combinations(row.values(), n)
+    }
     supported = [pair for pair, why in verdicts.items() if why is None]
     assert all(frozenset(pair) in in_rows for pair in supported)
+    assert all(frozenset(t) in in_rows for t, why in triples.items() if why is None)
     # CI compiles with aot_eager (the capture, where features meet compile); the full run with
     # Inductor.
     backend = "inductor" if FULL else "aot_eager"
@@ -68,6 +72,9 @@ def test_supported_pairs_train_like_one_process_and_export_whole(matrix):
     refused = len(verdicts) - len(supported)
     print(f"\nfeature pairs: supported {len(supported)} / refused {refused} / failed "
           f"{len(failed)} ({len(rows)} rows)")  # fmt: skip
+    if triples:
+        print(f"EP/PP × PEFT triples: supported {sum(w is None for w in triples.values())} / "
+              f"refused {sum(w is not None for w in triples.values())}")  # fmt: skip
     for o in outcomes:
         print(f"  {'pass' if o.passed else 'FAIL'} {o.row}: |Δloss| {o.max_abs_diff} "
               f"(≤ {o.tolerance:g}) export [{o.export}] {o.seconds:.0f}s")  # fmt: skip
