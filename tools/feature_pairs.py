@@ -394,8 +394,7 @@ def covering_rows(
     def fits(lv: Level, row: dict[str, Level]) -> bool:
         others = list(row.values())
         return all(frozenset((lv, o)) in supported for o in others) and not any(
-            frozenset((lv, *pair)) in refused_triples
-            for pair in itertools.combinations(others, 2)
+            frozenset((lv, *pair)) in refused_triples for pair in itertools.combinations(others, 2)
         )
 
     def gain(lv: Level, row: dict[str, Level]) -> int:

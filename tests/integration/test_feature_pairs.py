@@ -58,9 +58,7 @@ def test_supported_pairs_train_like_one_process_and_export_whole(matrix):
     fixtures, helpers, verdicts, root = matrix
     triples = fp.triple_verdicts(fixtures, helpers, verdicts) if FULL else {}
     rows = fp.covering_rows(verdicts, fixtures, helpers, triples=triples)
-    in_rows = {
-        frozenset(c) for row in rows for n in (2, 3) for c in combinations(row.values(), n)
-    }
+    in_rows = {frozenset(c) for row in rows for n in (2, 3) for c in combinations(row.values(), n)}
     supported = [pair for pair, why in verdicts.items() if why is None]
     assert all(frozenset(pair) in in_rows for pair in supported)
     assert all(frozenset(t) in in_rows for t, why in triples.items() if why is None)
