@@ -12,7 +12,9 @@ class Distill:
     teacher_path: str = ""
     """A titanlab DCP folder of the teacher (a checkpoint, an export, or `convert_checkpoint
     from-hf` output of a Hugging Face model) with the same tokenizer. Empty: no distillation.
-    The teacher runs forward only, in the same job, sharded like the student."""
+    The teacher runs forward only, in the same job, sharded like the student; under pipeline
+    parallel it lives on the last stage's ranks and runs on each microbatch there. Refused
+    under context parallel."""
 
     teacher_flavor: str = ""
     """The teacher's flavor of `model.name`; empty: the args in its `model_args.json`."""

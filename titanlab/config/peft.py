@@ -35,9 +35,10 @@ class Peft:
     quantize_base: Literal["none", "nf4"] = "none"
     """nf4: QLoRA (Dettmers et al. 2023): the adapted Linear weights of the base are stored in
     4-bit NormalFloat (torchao's NF4, blocks of 64 with double-quantized scales, about 0.26 of
-    bf16's bytes), sharded by FSDP and dequantized per block in forward; the adapters stay in
-    the compute dtype. Needs `method = "lora"` and `checkpoint.initial_load_path` (the base
-    to quantize)."""
+    bf16's bytes), sharded by FSDP or split by tensor parallel (each TP rank keeps NF4 shards
+    with the whole weight's values; TP and FSDP together are refused), and dequantized per block
+    in forward; the adapters stay in the compute dtype. Needs `method = "lora"` and
+    `checkpoint.initial_load_path` (the base to quantize)."""
 
     def validate(self) -> None:
         _require(self.rank >= 1, f"peft.rank={self.rank} must be >= 1")
