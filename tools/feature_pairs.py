@@ -510,4 +510,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # One module object for the levels (tools.feature_pair_runs imports them from there).
+    from tools import feature_pairs
+
+    sys.exit(feature_pairs.main())
