@@ -25,7 +25,7 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
-from tools import benchmark as bench
+from tools.lib import bench
 
 ROWS = [(1, False), (8, False), (1, True), (8, True)]  # (batch, compiled)
 

@@ -29,7 +29,7 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
-from tools import benchmark as bench
+from tools.lib import bench
 
 RANKS = 2
 

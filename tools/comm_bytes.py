@@ -26,7 +26,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOC = os.path.join(REPO, "docs", "parallelism.md")
 BEGIN, END = "<!-- comm-table:begin (tools/comm_bytes.py) -->", "<!-- comm-table:end -->"
 
-from tools.comm_predict import (  # re-exported: the tests use comm_bytes.*
+from tools.lib.comm_predict import (  # re-exported: the tests use comm_bytes.*
     FLAVOR,
     LAYOUTS,
     LOCAL_BS,

@@ -20,7 +20,7 @@ with `--checkpoint.initial_load_path` and `--model.flavor hf`. `to-gguf` writes 
 llama.cpp (Llama 3 and Qwen3; `titanlab.checkpoint.gguf_export`) with the tokenizer embedded; it
 needs the `gguf` package (`pip install 'titanlab[gguf]'`). For a LoRA run, `to-hf --merge-lora`
 writes the merged model from the final `export-step-N` and `to-peft` writes the adapters as a
-PEFT folder (`titanlab.peft.export`). A bad input
+PEFT folder (`titanlab.checkpoint.peft_export`). A bad input
 ends with one line `convert_checkpoint: error: ...` and exit status 2. Also runnable as
 `python tools/convert_checkpoint.py`.
 """
@@ -35,10 +35,10 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from titanlab.cli import OneLineParser
+from titanlab.config.cli_parser import OneLineParser
 from titanlab.checkpoint.convert import DTYPES, dcp_to_hf, hf_to_dcp, parse_size
 from titanlab.checkpoint.gguf_export import GGUF_DTYPES, dcp_to_gguf
-from titanlab.peft.export import dcp_to_peft
+from titanlab.checkpoint.peft_export import dcp_to_peft
 from titanlab.models.registry import DEFAULT_FAMILY, FAMILIES, get_family
 
 PROG = "convert_checkpoint"

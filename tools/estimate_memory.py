@@ -6,7 +6,7 @@ Prints the per-rank bytes by category (parameters, gradients, optimizer state, g
 parameters, activations for the chosen AC mode traced on fake tensors, logits and loss, the
 block recomputed under AC, runtime overhead), the predicted peak, and the verdict against this
 machine's memory (GPU memory, or host memory shared by the local processes).
-The same estimate is the trainer's pre-flight check (`titanlab.memory`).
+The same estimate is the trainer's pre-flight check (`titanlab.planning.memory`).
 """
 
 from __future__ import annotations
@@ -16,11 +16,11 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from titanlab import components
+from titanlab.components import builders as components
 from titanlab.config.job_config import ConfigError
 from titanlab.config.manager import build_config
 from titanlab.distributed.parallelize import param_dtype
-from titanlab.memory import GIB, available_bytes_per_rank, estimate_memory
+from titanlab.planning.memory import GIB, available_bytes_per_rank, estimate_memory
 
 import torch
 

@@ -173,9 +173,9 @@ The exit code tells the kind of failure:
 |---|---|---|
 | 0 | The run finished. | |
 | 2 | A configuration or input error: the line names the option or file. | `ConfigError` |
-| 3 | The loss became NaN or infinite. | `TrainingDiverged` (titanlab/failures.py) |
+| 3 | The loss became NaN or infinite. | `TrainingDiverged` (titanlab/resilience/failures.py) |
 | 4 | A collective timed out: some rank stopped responding. | a process-group timeout |
-| 5 | A rank ran out of memory. With `profiling.enable_memory_snapshot` the line names the snapshot written for it (CUDA: the allocator history; CPU: the recorded window's memory timeline up to the failure). | `OutOfMemory` (titanlab/failures.py) |
+| 5 | A rank ran out of memory. With `profiling.enable_memory_snapshot` the line names the snapshot written for it (CUDA: the allocator history; CPU: the recorded window's memory timeline up to the failure). | `OutOfMemory` (titanlab/resilience/failures.py) |
 | 75 | Preempted (SIGTERM or SIGUSR1) after saving a checkpoint. Run the same command to resume. | `Preempted` |
 
 Exit code 75 is not an error: there is no `titanlab: error:` line, and `run_train.sh` prints
@@ -221,7 +221,7 @@ schedule needs.
 
 **The model does not fit.** `model.flavor=8B needs about 73.1 GiB per rank (params ..., grads ...,
 optimizer ..., activations ... GiB) on 2 rank(s), but there is ...`. The pre-flight memory estimate
-(titanlab/memory.py) is larger than a rank's GPU memory, or than the host's available memory
+(titanlab/planning/memory.py) is larger than a rank's GPU memory, or than the host's available memory
 divided by the processes on it. Use more ranks with FSDP or TP, turn on
 `activation_checkpoint.mode`, or lower `training.local_batch_size` or `training.seq_len`.
 `python tools/estimate_memory.py --nproc N --job.config_file FILE` prints the estimate by
@@ -254,8 +254,8 @@ Choose a folder you can write, on a filesystem every node sees for multi-node ru
 **The loss diverged (exit 3).** `loss is nan at step 412; last complete checkpoint:
 outputs/x/checkpoint/step-400 (lower optimizer.lr or check the data)`. The loss stays on the
 device between logging steps (no host sync); on every step that logs, validates or checkpoints,
-and on the last, the loop (titanlab/train.py) fetches the window's losses at once and raises
-`TrainingDiverged` (titanlab/failures.py) naming the first step whose global loss is NaN or
+and on the last, the loop (titanlab/trainer/trainer.py) fetches the window's losses at once and raises
+`TrainingDiverged` (titanlab/resilience/failures.py) naming the first step whose global loss is NaN or
 infinite. At most `metrics.log_freq - 1` later steps have run by then, and no checkpoint is
 written after a non-finite loss. Lower `optimizer.lr`, lengthen `lr_scheduler.warmup_steps` or lower `training.max_norm`, then
 run again. With `checkpoint.enable` it resumes from the last complete checkpoint. If it diverges

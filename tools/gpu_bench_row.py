@@ -1,4 +1,4 @@
-"""One GPU benchmark row: the real trainer (`titanlab.train.Trainer`) in this process, timed.
+"""One GPU benchmark row: the real trainer (`titanlab.trainer.Trainer`) in this process, timed.
 
     python tools/gpu_bench_row.py --out ROW.json [--warmup 3] [--profile-step K]
         [--trace TRACE.json.gz] -- TRAINER_ARGS...
@@ -9,7 +9,7 @@ each `Trainer.train_step` (forward, backward, clip, optimizer step; the step end
 loss's `.item()`, so the GPU work is done), tokens/s and TFLOP/s of the median step after
 `--warmup` steps, MFU against the device's dense bf16 peak (`titanlab.metrics`), the last
 loss, `torch.cuda.max_memory_allocated` / `max_memory_reserved` (bytes) against the estimator
-(`titanlab.memory.estimate_memory`: `peak_tensors` is what the allocator holds, `total` adds
+(`titanlab.planning.memory.estimate_memory`: `peak_tensors` is what the allocator holds, `total` adds
 the CUDA context), and, from a `torch.profiler` trace of step `--profile-step`: the SDPA
 operators that ran (flash, cuDNN, memory-efficient or math), the GPU-time share of each kind
 of kernel and the 15 operators with the most GPU time. An out-of-memory error is written as
@@ -93,8 +93,8 @@ def run(args: argparse.Namespace, trainer_args: list[str]) -> dict:
     from titanlab.config.manager import build_config
     from titanlab.distributed.init import destroy_distributed
     from titanlab.distributed.parallelize import param_dtype
-    from titanlab.memory import estimate_memory
-    from titanlab.train import Trainer
+    from titanlab.planning.memory import estimate_memory
+    from titanlab.trainer import Trainer
 
     config = build_config(trainer_args)
     trainer = Trainer(config)

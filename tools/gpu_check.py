@@ -209,7 +209,7 @@ def fit_layers(memory: int, fraction: float = 0.85) -> int:
     import torch
 
     from titanlab.config.manager import build_config
-    from titanlab.memory import estimate_memory
+    from titanlab.planning.memory import estimate_memory
     from titanlab.models.llama3 import llama3_flavors
 
     config = build_config(["--job.config_file", os.path.join(REPO, "train_configs/llama_8b.toml")])
@@ -309,12 +309,12 @@ def main(argv: list[str] | None = None) -> int:
                 result = run_row(row, folder, a.steps, a.warmup, out_dir, trace)
                 print(json.dumps(result)[:1500], flush=True)
                 rows.append((row, result))
-    from tools.gpu_report import render_report
+    from tools.lib.gpu_report import render_report
 
     report = render_report(info, tests, summary, layers, rows, time.time() - start)
     with open(a.out, "w", encoding="utf-8") as f:
         f.write(report)
-    from tools.benchmark import write_block
+    from tools.lib.bench import write_block
 
     # Inside docs/performance.md the report sits under a section: its headings go one level down.
     write_block(a.perf, "gpu-check", report.split("\n", 2)[2].strip().replace("\n## ", "\n### "))
@@ -332,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
             )
     print(report)
     failed = [t for t in tests if t["outcome"] in ("failed", "error")]
-    from tools.gpu_report import estimate_error
+    from tools.lib.gpu_report import estimate_error
 
     off = [r.name for r, d in rows if "error" not in d and abs(estimate_error(d)) > 0.10]
     for name in off:

@@ -25,7 +25,7 @@ import time
 import warnings
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from titanlab.hostinfo import cpu_model, ram_gib
+from titanlab.observability.hostinfo import cpu_model, ram_gib
 
 # This process only launches and measures: it imports no torch, so that its own memory (which a
 # forked child's peak RSS includes until exec) stays small. The checkpoint is made in a child.

@@ -27,7 +27,7 @@ import tempfile
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
-from titanlab.hostinfo import cpu_model, ram_gib
+from titanlab.observability.hostinfo import cpu_model, ram_gib
 
 DOC = os.path.join(REPO, "docs", "parallelism.md")
 MIB = 2**20
@@ -96,9 +96,9 @@ def peak_mib(seq: int, cp: int, rotate: str, tmp: str) -> float:
 def estimated_mib(seq: int, cp: int) -> float:
     import torch
 
-    from titanlab import components
+    from titanlab.components import builders as components
     from titanlab.config.manager import build_config
-    from titanlab.memory import estimate_memory
+    from titanlab.planning.memory import estimate_memory
 
     config = build_config(overrides(seq, cp, "/tmp/unused"))
     tokenizer = components.build_tokenizer(config)
@@ -151,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     table = "\n".join(lines)
     print(table)
     if not a.no_write:
-        from tools.benchmark import write_block
+        from tools.lib.bench import write_block
 
         write_block(DOC, "cp-memory", table)
     return 0

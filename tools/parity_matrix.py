@@ -4,7 +4,7 @@
     python tools/parity_matrix.py --subset ci           # the pairwise subset CI runs
     python tools/parity_matrix.py --world-sizes 2 4 --only ddp
 
-The layouts come from `titanlab.distributed.layouts.enumerate_layouts`, and the trainer's own
+The layouts come from `titanlab.planning.layouts.enumerate_layouts`, and the trainer's own
 validator decides which are valid; a refused layout is listed with its one-line reason. Each
 valid layout trains `debugmodel_deep` for 5 steps (fp32, deterministic, global batch 8 × 64
 tokens) from the same seed checkpoint, and its losses are compared with the 1-process run's.
@@ -26,9 +26,8 @@ from dataclasses import dataclass
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from titanlab.distributed.layouts import Layout, check_layout, enumerate_layouts, pairwise_subset
-from tools.run_log import failure_line
-from tools.tiny_run import TINY_RUN
+from titanlab.planning.layouts import Layout, check_layout, enumerate_layouts, pairwise_subset
+from tools.lib.runs import TINY_RUN, failure_line, launch, read_losses
 
 STEPS = 5
 GLOBAL_BATCH = 8
@@ -90,7 +89,7 @@ class Outcome:
 
 
 def _base_config(extra: list[str] | tuple[str, ...] = ()):
-    from titanlab import components
+    from titanlab.components import builders as components
     from titanlab.config.manager import build_config
 
     config = build_config([*BASE_ARGS, *extra])
@@ -137,28 +136,6 @@ def ci_layouts(device_type: str = "cpu") -> list[Layout]:
     return pairwise_subset(
         [lay for lay, why in matrix(device_type=device_type) if why is None], must=MUST
     )
-
-
-def launch(nproc: int, args: list[str], timeout: int = 900) -> subprocess.CompletedProcess:
-    """`titanlab.train` under torchrun (gloo on CPU), one intra-op thread per rank."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc_per_node={nproc}",
-        "-m",
-        "titanlab.train",
-        *args,
-    ]
-    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
-
-
-def read_losses(dump: str) -> dict[int, float]:
-    """Losses by step from `<dump>/metrics.jsonl` (the last record of a step wins)."""
-    with open(os.path.join(dump, "metrics.jsonl"), encoding="utf-8") as f:
-        return {rec["step"]: rec["loss"] for rec in map(json.loads, f)}
 
 
 def prepare_reference(
@@ -370,7 +347,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[{i}/{len(verdicts)}] {lay.name}: {status} ({outcome.seconds:.0f} s)", flush=True)
     print(format_table(outcomes))
     if args.output:
-        from titanlab.hostinfo import cpu_model, ram_gib
+        from titanlab.observability.hostinfo import cpu_model, ram_gib
 
         command = "python tools/parity_matrix.py " + " ".join(
             argv if argv is not None else sys.argv[1:]

@@ -16,7 +16,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from titanlab.plotting import plot_runs
+from titanlab.observability.plotting import plot_runs
 
 
 def main(argv: list[str]) -> int:

@@ -23,7 +23,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from titanlab.cli import OneLineParser
+from titanlab.config.cli_parser import OneLineParser
 from titanlab.data.prepare import prepare_data
 from titanlab.data.prepare_chat import TRAIN_ON, prepare_chat
 from titanlab.data.tokenizer import default_tokenizer_path

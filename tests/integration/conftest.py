@@ -19,7 +19,7 @@ from titanlab.data.default_corpus import default_corpus_files
 from titanlab.data.prepare import prepare_data
 from titanlab.data.tokenizer import default_tokenizer_path
 from titanlab.metrics import parse_log_line
-from tools.tiny_run import CONSTANT_LR, REPO, TINY_RUN, checkpoint_every  # noqa: F401 (re-exported)
+from tools.lib.runs import CONSTANT_LR, REPO, TINY_RUN, checkpoint_every  # noqa: F401 (re-exported)
 
 # A tiny run of the debug model (6 layers, dim 256, 64-token windows), 2 samples per rank.
 TINY = [*TINY_RUN, "--training.local_batch_size", "2"]

@@ -9,9 +9,9 @@ import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, REPO)
-from titanlab.distributed.layouts import Layout  # noqa: E402
+from titanlab.planning.layouts import Layout  # noqa: E402
 from tools import parity_matrix  # noqa: E402
-from tools.feature_pair_runs import write_chat_data  # noqa: E402
+from tools.lib.feature_runs import write_chat_data  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -44,7 +44,7 @@ def debug_args(max_seq_len: int = SEQ):
 
 def text_tokens(batch: int = 2, seq: int = SEQ) -> torch.Tensor:
     """(batch, seq) int64 tokens of real text (this repository's sources)."""
-    with open(os.path.join(REPO, "titanlab", "checkpoint", "convert.py"), encoding="utf-8") as f:
+    with open(os.path.join(REPO, "titanlab", "checkpoint", "manager.py"), encoding="utf-8") as f:
         ids = TOKENIZER.encode(f.read(), bos=True, eos=False)
     assert len(ids) >= batch * seq
     return torch.tensor(ids[: batch * seq]).view(batch, seq)
@@ -204,7 +204,7 @@ def test_hf_to_dcp_matches_round_trips_and_starts_a_run(train, tiny_dataset, tmp
         dump=dump,
     ).check()
     assert f"loaded {dcp_dir} (step 0, model only)" in run.stdout
-    from titanlab import components
+    from titanlab.components import builders as components
     from titanlab.config.manager import build_config
     from titanlab.data.build import build_data, build_loader
 

@@ -15,7 +15,7 @@ from test_error_lines import assert_last_line, run_script
 from titanlab.config.manager import build_config
 from titanlab.data.build import build_data, build_loader
 from titanlab.data.tokenizer import Tokenizer, default_tokenizer_path
-from titanlab.distill import kl_to_teacher
+from titanlab.posttrain.distill import kl_to_teacher
 from titanlab.generation.loading import load_model
 
 CKPT = ["--checkpoint.enable", "true", "--training.local_batch_size", "8"]

@@ -17,7 +17,7 @@ sys.path.insert(0, REPO)
 from titanlab.data.default_corpus import default_corpus_files  # noqa: E402
 from titanlab.data.prepare import prepare_data  # noqa: E402
 from titanlab.data.tokenizer import default_tokenizer_path  # noqa: E402
-from titanlab.distributed.layouts import Layout  # noqa: E402
+from titanlab.planning.layouts import Layout  # noqa: E402
 from tools import parity_matrix  # noqa: E402
 
 MASK = ["--data.document_mask", "true", "--data.reset_positions", "true"]

@@ -2,7 +2,7 @@
 
 Each case runs `run_train.sh`: errors the pre-flight check finds before launch (bad data, a
 missing checkpoint step) and errors raised inside a rank under torchrun (a diverged loss, a
-checkpoint whose loader state is a pickle), which `titanlab.launcher` reports last, with
+checkpoint whose loader state is a pickle), which `titanlab.resilience.launcher` reports last, with
 torchrun's traceback kept in `<dump_folder>/logs/launcher-*.log` and the rank's exit code.
 """
 

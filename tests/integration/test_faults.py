@@ -145,7 +145,7 @@ def test_hung_rank_fails_within_timeout_naming_rank_and_step(tiny_dataset, tmp_p
     stopped_at = time.time()
 
     def rank_error_lines():
-        # titanlab.launcher logs every stderr line as it comes (the terminal gets the error
+        # titanlab.resilience.launcher logs every stderr line as it comes (the terminal gets the error
         # line last, once torchrun has stopped the other ranks).
         logs = os.path.join(dump, "logs")
         texts = (

@@ -16,9 +16,9 @@ import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, REPO)
-from tools import feature_pair_runs as runs  # noqa: E402
-from tools import feature_pairs as fp  # noqa: E402
-from tools.parity_matrix import read_losses  # noqa: E402
+from tools.lib import feature_runs as runs  # noqa: E402
+from tools.lib import feature_matrix as fp  # noqa: E402
+from tools.lib.runs import read_losses  # noqa: E402
 
 FULL = os.environ.get("TITANLAB_PARITY_FULL") == "1"
 

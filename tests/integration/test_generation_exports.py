@@ -24,7 +24,7 @@ from titanlab.data.default_corpus import default_corpus_files
 from titanlab.data.tokenizer import Tokenizer, default_tokenizer_path
 from titanlab.generation import generate
 from titanlab.generation.loading import load_model
-from tools.tiny_run import REPO
+from tools.lib.runs import REPO
 
 ENABLE = "TITANLAB_LLAMA_CPP_TESTS"
 needs_llama_cpp = pytest.mark.skipif(
@@ -75,7 +75,7 @@ def prompt_ids() -> list[list[int]]:
 
 def held_out_windows(n: int = 4, length: int = 128) -> list[list[int]]:
     """Windows of titanlab's own source: Python the model never saw (it trains on the stdlib)."""
-    with open(os.path.join(REPO, "titanlab", "checkpoint", "convert.py"), encoding="utf-8") as f:
+    with open(os.path.join(REPO, "titanlab", "checkpoint", "manager.py"), encoding="utf-8") as f:
         ids = TOK.encode(f.read(), bos=False, eos=False)
     return [[TOK.bos_id, *ids[i * length : (i + 1) * length - 1]] for i in range(n)]
 

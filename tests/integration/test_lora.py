@@ -13,10 +13,11 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, REPO)
 from conftest import CONSTANT_LR, random_hf_llama_dcp  # noqa: E402
 from titanlab.checkpoint import store  # noqa: E402
-from titanlab.distributed.layouts import Layout  # noqa: E402
+from titanlab.planning.layouts import Layout  # noqa: E402
 from titanlab.models.llama3 import llama3_flavors  # noqa: E402
 from tools import parity_matrix  # noqa: E402
-from tools.parity_matrix import BASE_ARGS, GLOBAL_BATCH, launch, read_losses  # noqa: E402
+from tools.lib.runs import launch, read_losses  # noqa: E402
+from tools.parity_matrix import BASE_ARGS, GLOBAL_BATCH  # noqa: E402
 
 LORA = ["--peft.method", "lora", "--peft.rank", "4",
         "--peft.target_modules", "wq,wk,wv,wo,w1,w2,w3"]  # fmt: skip

@@ -16,8 +16,8 @@ from conftest import REPO, TINY, checkpoint_every
 
 sys.path.insert(0, REPO)
 from tests.wandb_records import offline_runs
-from titanlab.plotting import HEIGHT_PX, WIDTH_PX
-from titanlab.warning_filters import MESSAGES
+from titanlab.observability.plotting import HEIGHT_PX, WIDTH_PX
+from titanlab.observability.warning_filters import MESSAGES
 
 pytest.importorskip("wandb")
 pytest.importorskip("tensorboard")

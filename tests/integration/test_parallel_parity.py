@@ -15,7 +15,7 @@ import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, REPO)
-from titanlab.distributed.layouts import Layout  # noqa: E402
+from titanlab.planning.layouts import Layout  # noqa: E402
 from tools import parity_matrix  # noqa: E402
 
 # PP × DDP trained wrong before FSDP2's replicate replaced the reducer-based DDP (issue 16):

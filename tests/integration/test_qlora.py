@@ -22,7 +22,7 @@ from titanlab.generation.loading import load_model  # noqa: E402
 from titanlab.models.llama3 import llama3_flavors  # noqa: E402
 from titanlab.peft.lora import LoRALinear, apply_lora  # noqa: E402
 from tools import parity_matrix  # noqa: E402
-from tools.parity_matrix import launch, read_losses  # noqa: E402
+from tools.lib.runs import launch, read_losses  # noqa: E402
 
 to_nf4 = pytest.importorskip("torchao.quantization").to_nf4
 CONFIG = os.path.join(REPO, "train_configs", "qlora_debug.toml")

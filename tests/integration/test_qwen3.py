@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from conftest import CONSTANT_LR, REPO, checkpoint_every, read_metrics
-from titanlab.distributed.layouts import Layout
+from titanlab.planning.layouts import Layout
 from tools import parity_matrix
 
 QWEN3 = ["--model.name", "qwen3"]
@@ -84,7 +84,7 @@ def test_qwen3_layout_matches_single_process(name, qwen3_reference):
 
 def _first_batch(dataset: str, seq: int, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The (inputs, labels) of step 1 on one rank, built with the trainer's own loader."""
-    from titanlab import components
+    from titanlab.components import builders as components
     from titanlab.config.manager import build_config
     from titanlab.data.build import build_data, build_loader
 

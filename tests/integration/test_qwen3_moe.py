@@ -27,7 +27,7 @@ import torch
 
 from conftest import REPO
 from titanlab.checkpoint.convert import DcpModelReader
-from titanlab.distributed.layouts import SCHEDULES, pairwise_subset
+from titanlab.planning.layouts import SCHEDULES, pairwise_subset
 from tools import parity_matrix
 
 BALANCING = {

@@ -7,9 +7,9 @@ import shlex
 
 import torch
 
-from titanlab import preflight
+from titanlab.planning import preflight
 from titanlab.config.manager import build_config
-from titanlab.memory import estimate_memory
+from titanlab.planning.memory import estimate_memory
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

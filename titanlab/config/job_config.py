@@ -102,7 +102,7 @@ class Model:
                 f"model.{name}={value} must be >= 0, or -1 for the flavor's value",
             )
         # The family and flavor are checked against the model registry in the pre-flight
-        # (`titanlab.components.build_model_args`): config/ stays a leaf of the package.
+        # (`titanlab.components.builders.build_model_args`): config/ stays a leaf of the package.
         _require(bool(self.name), "model.name must not be empty")
         _require(bool(self.flavor), "model.flavor must not be empty")
 

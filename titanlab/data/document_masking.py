@@ -3,7 +3,8 @@
 The trainer hands each (inputs, labels) batch to `DocumentMasking.apply`, which returns the
 labels without cross-document targets and the keyword arguments the model takes
 (`segments`, and `positions` when they restart per document); the mechanism itself is in
-`titanlab.models.common.document_mask`. Chat SFT packing uses the same keywords.
+`titanlab.data.segments` (segment ids) and
+`titanlab.models.common.document_mask` (the mask the model builds from them). Chat SFT packing uses the same keywords.
 """
 
 from __future__ import annotations
@@ -14,8 +15,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from titanlab.loss import IGNORE_INDEX
-from titanlab.models.common.document_mask import (
+from titanlab.data.labels import IGNORE_INDEX
+from titanlab.data.segments import (
     cross_document_labels_ignored,
     document_ids,
     document_positions,

@@ -24,7 +24,7 @@ from torch.utils.data import Dataset
 
 from titanlab.data.dataset import read_metadata
 from titanlab.data.prepare import METADATA_FILE
-from titanlab.loss import IGNORE_INDEX
+from titanlab.data.labels import IGNORE_INDEX
 
 
 def is_chat_folder(data_dir: str) -> bool:

@@ -23,7 +23,7 @@ def load_model(
     folder (`step-N` or `export-step-N` of any parallel layout; `model_args.json` gives the
     shape) or a Hugging Face folder (`config.json` + safetensors, imported as
     `convert_checkpoint from-hf` does). The export of a LoRA or QLoRA run loads with its
-    adapters merged (W + alpha/r · B A, `titanlab.peft.export.LoraMerger`).
+    adapters merged (W + alpha/r · B A, `titanlab.checkpoint.peft_export.LoraMerger`).
 
     Raises:
         ValueError: one line when `path` is neither, is incomplete, or has no model args.
@@ -71,7 +71,7 @@ def _weights(reader: DcpModelReader, path: str) -> dict[str, torch.Tensor]:
     Raises:
         ValueError: one line for adapters without their base (a LoRA run's step checkpoint).
     """
-    from titanlab.peft.export import LoraMerger, adapter_pairs
+    from titanlab.checkpoint.peft_export import LoraMerger, adapter_pairs
 
     pairs = adapter_pairs(reader.tensors)
     if not pairs:

@@ -1,4 +1,7 @@
-"""Metrics of a run: the log line, metrics.jsonl, TensorBoard and W&B records, MFU."""
+"""Metrics of a run: the log line, metrics.jsonl, TensorBoard and W&B records, MFU.
+
+May import `config` and `data`.
+"""
 
 from titanlab.metrics.flops import device_peak_flops
 from titanlab.metrics.format import format_moe, parse_log_line

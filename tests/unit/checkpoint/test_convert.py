@@ -141,7 +141,7 @@ def test_hf_tokenizer_encodes_like_titanlab(tmp_path):
     dcp_to_hf(str(tmp_path / "dcp"), str(tmp_path / "hf"), model_args=TIED, progress=False)
     hf_tok = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
     ours = Tokenizer(str(tmp_path / "hf" / "original" / "tokenizer.model"))
-    with open(os.path.join(REPO, "titanlab", "checkpoint", "convert.py"), encoding="utf-8") as f:
+    with open(os.path.join(REPO, "titanlab", "checkpoint", "manager.py"), encoding="utf-8") as f:
         source = f.read()
     for text in [
         "Hello world!",

@@ -384,7 +384,7 @@ def test_train_config_parses(path, tmp_path):
         for key, value in table.items():
             if not (extra and f"{section}.{key}" == "checkpoint.initial_load_path"):
                 assert getattr(getattr(config, section), key) == value, f"{section}.{key}"
-    from titanlab import components
+    from titanlab.components import builders as components
 
     args = components.build_model_args(config, 4352)  # the family and flavor are registered
     assert args.vocab_size == 4352 and args.max_seq_len == config.training.seq_len

@@ -16,7 +16,7 @@ from titanlab.data.document_masking import DocumentMasking
 from titanlab.data.prepare_chat import prepare_chat
 from titanlab.data.sft_dataset import PackedChatDataset, is_chat_folder
 from titanlab.data.tokenizer import Tokenizer, default_tokenizer_path
-from titanlab.loss import IGNORE_INDEX
+from titanlab.data.labels import IGNORE_INDEX
 from titanlab.models.llama3 import llama3_flavors
 from titanlab.models.registry import build_model
 

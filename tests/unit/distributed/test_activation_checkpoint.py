@@ -8,9 +8,9 @@ saved-tensor hooks do not see)."""
 import pytest
 import torch
 
-from titanlab.activation_memory import LiveTensorBytes
+from titanlab.planning.activation_memory import LiveTensorBytes
 from titanlab.distributed.activation_checkpoint import apply_ac
-from titanlab.loss import cross_entropy_sum
+from titanlab.components.loss import cross_entropy_sum
 from titanlab.models.llama3 import Transformer, TransformerModelArgs
 
 ARGS = TransformerModelArgs(

@@ -83,7 +83,7 @@ module = importlib.import_module("torch.distributed.tensor.experimental._context
 del module._templated_ring_attention_backward
 from titanlab.config.job_config import ConfigError
 from titanlab.config.manager import build_config
-from titanlab.distributed.layouts import Layout, check_layout
+from titanlab.planning.layouts import Layout, check_layout
 from tools import parity_matrix
 config, args = parity_matrix._base_config()
 print(check_layout(config, Layout(1, 1, 1, 1, None, 1, cp=2), 8, args, "cpu"))

@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from titanlab import generate as cli
+from titanlab.generation import cli
 from titanlab.checkpoint.convert import hf_to_dcp
 from titanlab.data.tokenizer import default_tokenizer_path, load_tokenizer
 from titanlab.generation import generate

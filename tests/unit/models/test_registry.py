@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from titanlab import components
+from titanlab.components import builders as components
 from titanlab.config.job_config import ConfigError
 from titanlab.config.manager import build_config
 from titanlab.models.registry import (

@@ -226,7 +226,7 @@ class Decoder(nn.Module):
             cache: generation only: the tokens continue the sequences held in `cache`, at
                 each sequence's own RoPE positions (`KVCache`); training never passes one.
             segments: document masking (training): (bs, seq) int64 document index of each
-                token (`document_mask.document_ids`); attention stays inside documents.
+                token (`titanlab.data.segments.document_ids`); attention stays inside documents.
             positions: (bs, seq) int64 RoPE position of each token (e.g. restarting per
                 document); None: 0..seq-1.
         Returns:

@@ -8,13 +8,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from titanlab.loss import IGNORE_INDEX
-from titanlab.models.common.document_mask import (
-    block_causal_mask,
-    cross_document_labels_ignored,
-    document_ids,
-    document_positions,
-)
+from titanlab.data.labels import IGNORE_INDEX
+from titanlab.data.segments import cross_document_labels_ignored, document_ids, document_positions
+from titanlab.models.common.document_mask import block_causal_mask
 from titanlab.models.llama3 import llama3_flavors
 from titanlab.models.registry import build_model, get_family, get_flavor
 

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from titanlab.models.common.attention import Attention
-from titanlab.models.common.document_mask import block_causal_mask, document_ids, flex_block_mask
+from titanlab.data.segments import document_ids
+from titanlab.models.common.document_mask import block_causal_mask, flex_block_mask
 from titanlab.models.common.rope import precompute_rope_cos_sin
 
 pytestmark = [

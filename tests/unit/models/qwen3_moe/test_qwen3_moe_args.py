@@ -40,11 +40,11 @@ def test_sparse_step_and_dense_layers_follow_hf_rule():
 
 
 def test_moe_layouts_that_cannot_run_are_refused_with_one_line():
-    from titanlab import components
+    from titanlab.components import builders as components
     from titanlab.config.job_config import ConfigError
     from titanlab.config.manager import build_config
     from titanlab.distributed.parallel_dims import ParallelDims
-    from titanlab.distributed.validate import validate_layout
+    from titanlab.planning.validate import validate_layout
 
     for world, argv, message in (
         (

@@ -1,0 +1,109 @@
+"""The generated layout matrix: enumeration, the validator's verdicts, and the pairwise subset."""
+
+import itertools
+import os
+import sys
+
+import pytest
+
+from titanlab.planning.layouts import SCHEDULES, Layout, enumerate_layouts, pairwise_subset
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+sys.path.insert(0, REPO)
+from tools import parity_matrix  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def verdicts():
+    return parity_matrix.matrix()
+
+
+def test_enumeration_is_every_factorization_schedule_and_accumulation():
+    layouts = enumerate_layouts(4)
+    degrees = {(l.dp_replicate, l.dp_shard, l.tp, l.pp) for l in layouts}
+    expected = {d for d in itertools.product((1, 2, 4), repeat=4) if d[0] * d[1] * d[2] * d[3] == 4}
+    assert degrees == expected
+    assert all(l.world_size == 4 and l.cp == 1 for l in layouts)
+    pp_layouts = [l for l in layouts if l.pp > 1]
+    assert {l.schedule for l in pp_layouts} == set(SCHEDULES) and len(SCHEDULES) == 7
+    assert len(layouts) == len(set(layouts))
+    # 10 degree tuples; the 4 with pp > 1 take each of 7 schedules; × 2 accumulation counts
+    assert len(layouts) == 2 * (6 + 4 * 7)
+    assert any(l.cp == 2 for l in enumerate_layouts(4, with_cp=True))
+
+
+def test_layout_names_are_unique_and_readable():
+    layouts = [l for ws in (1, 2, 4, 8) for l in enumerate_layouts(ws)]
+    assert len({l.name for l in layouts}) == len(layouts)
+    assert Layout(2, 1, 1, 2, "1F1B", 2).name == "ws4-ddp2-pp2-1F1B-ga2"
+    assert Layout(2, 2, 2, 1, None, 1).name == "ws8-hsdp2x2-tp2"
+
+
+def test_overrides_keep_the_global_batch():
+    lay = Layout(2, 2, 1, 2, "GPipe", 2)
+    args = lay.overrides(8)
+    assert args[args.index("--training.local_batch_size") + 1] == "1"  # 8 / (2·2·2)
+    assert args[args.index("--training.global_batch_size") + 1] == "8"
+    assert Layout(1, 8, 1, 1, None, 2).local_batch_size(8) is None
+
+
+def test_every_candidate_is_accepted_or_refused_with_one_line(verdicts):
+    assert len(verdicts) == sum(len(enumerate_layouts(ws, with_cp=True)) for ws in (1, 2, 4, 8))
+    refusals = [why for _, why in verdicts if why is not None]
+    assert refusals and all("\n" not in why and why for why in refusals)
+    valid = {lay.name for lay, why in verdicts if why is None}
+    # The layouts that trained wrong or were refused before issue 16 are valid now.
+    for name in (
+        "ws4-ddp2-pp2-1F1B",
+        "ws4-ddp2-pp2-GPipe",
+        "ws4-ddp2-pp2-Interleaved1F1B",
+        "ws4-ddp2-tp2",
+        "ws8-hsdp2x2-pp2-1F1B",
+        "ws8-fsdp2-tp2-pp2-1F1B",
+    ):
+        assert name in valid
+    refused = dict((lay.name, why) for lay, why in verdicts if why)
+    assert "must divide the number of heads" in refused["ws4-tp4"]
+    assert "DualPipeV" in refused["ws4-ddp2-pp2-DualPipeV"]
+
+
+def test_ci_subset_covers_every_pair_that_can_meet(verdicts):
+    valid = [lay for lay, why in verdicts if why is None]
+    subset = parity_matrix.ci_layouts()
+    assert set(subset) <= set(valid)
+
+    def pairs(lays):
+        return {
+            frozenset(p) for lay in lays for p in itertools.combinations(sorted(lay.features), 2)
+        }
+
+    assert pairs(valid) == pairs(subset)
+    names = {lay.name for lay in subset}
+    kinds = {(lay.dp_kind, lay.schedule) for lay in subset}
+    for schedule in (
+        "GPipe",
+        "1F1B",
+        "Interleaved1F1B",
+        "LoopedBFS",
+        "InterleavedZeroBubble",
+        "ZBVZeroBubble",
+    ):  # DualPipeV is refused on a sub-mesh
+        assert ("ddp", schedule) in kinds and ("hsdp", schedule) in kinds
+    assert any(lay.dp_kind == "hsdp" and lay.tp > 1 for lay in subset)
+    assert any(
+        lay.world_size == 8 and lay.pp > 1 and lay.tp > 1 and lay.dp_kind == "fsdp"
+        for lay in subset
+    ), names
+    assert len(subset) < len(valid) / 3  # a subset, not the matrix
+
+
+def test_pairwise_subset_on_a_toy():
+    a = Layout(2, 1, 1, 1, None, 2)  # ddp + grad_accum, 2 ranks
+    b = Layout(1, 1, 2, 1, None, 2)  # tp + grad_accum, 2 ranks
+    c = Layout(2, 1, 2, 1, None, 1)  # ddp + tp, 4 ranks
+    d = Layout(2, 1, 2, 1, None, 2)  # all three on 4 ranks: covers every pair alone
+    e = Layout(1, 1, 1, 1, None, 1)  # no feature at all: never needed
+    assert pairwise_subset([a, b, c, d, e]) == pairwise_subset([a, b, c, d, e])  # deterministic
+    assert pairwise_subset([d, e]) == [d]
+    assert set(pairwise_subset([a, b, c, e])) == {a, b, c}
+    assert pairwise_subset([a, b, c, d], must=(frozenset({"ddp", "tp"}),))[0] == c  # cheapest

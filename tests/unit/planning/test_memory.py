@@ -1,0 +1,157 @@
+"""Pre-flight memory estimate and the one-line error for configs that cannot fit."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from titanlab.planning import memory
+from titanlab.config.job_config import ConfigError, JobConfig
+from titanlab.planning.memory import GIB, check_memory, estimate_memory
+from titanlab.models.llama3 import llama3_flavors
+
+LLAMA3_8B_PARAMS = 8_030_261_248
+
+
+def model_args(flavor: str, vocab: int, seq: int):
+    return dataclasses.replace(llama3_flavors[flavor], vocab_size=vocab, max_seq_len=seq)
+
+
+def job(flavor="8B", seq=8192, local_batch=1, ac="none", memory_check=True) -> JobConfig:
+    c = JobConfig()
+    c.model.flavor = flavor
+    c.training.seq_len, c.training.local_batch_size = seq, local_batch
+    c.training.memory_check = memory_check
+    c.activation_checkpoint.mode = ac
+    return c
+
+
+def estimate_8b(ac="none", world_size=8, dtype=torch.bfloat16):
+    return estimate_memory(model_args("8B", 128256, 8192), job(ac=ac), world_size, dtype)
+
+
+@pytest.fixture
+def host_with_8_gib(monkeypatch):
+    """Pretend each rank has 8 GiB of host memory, whatever this machine has."""
+    monkeypatch.setattr(
+        memory,
+        "available_bytes_per_rank",
+        lambda n: (8 * GIB, f"8.0 GiB of host memory shared by {n} CPU process(es)"),
+    )
+
+
+def test_8b_fsdp_sharded_states_are_exact():
+    est = estimate_8b()
+    assert est.params == 4 * LLAMA3_8B_PARAMS // 8 == 4_015_130_624
+    assert est.grads == est.params
+    assert est.optimizer == 2 * est.params
+
+
+def test_8b_logits_and_gathered_blocks():
+    est = estimate_8b()
+    # The loss keeps the fp32 log-softmax, and backward makes two fp32 gradients of the logits;
+    # the rest of the head (embedding output, final norm) is a few s·h tensors.
+    fp32_logits = 8192 * 128256 * 4
+    assert 3 * fp32_logits < est.logits < 3 * fp32_logits + 4 * 8192 * 4096 * 4
+    block_params = 4096 * (4096 + 1024 + 1024 + 4096) + 3 * 4096 * 14336 + 2 * 4096
+    assert est.gathered_params == 2 * block_params * 2  # two bf16 blocks in flight
+    assert estimate_8b(world_size=1).gathered_params == 0  # nothing to gather without sharding
+
+
+def test_activation_checkpointing_order():
+    none, selective, full = (estimate_8b(ac) for ac in ("none", "selective", "full"))
+    assert full.activations < selective.activations < 0.3 * none.activations
+    assert full.activations == 32 * 8192 * 4096 * 2  # each block keeps only its bf16 input
+    # Full AC recomputes one block at a time in backward; op-level selective AC recomputes
+    # inside the checkpointed region only.
+    assert full.recompute == none.activations // 32 and selective.recompute == none.recompute == 0
+
+
+def test_total_is_peak_plus_overhead():
+    est = estimate_8b()
+    backward = est.activations + max(est.logits, est.recompute)
+    assert est.total == (
+        est.params + est.optimizer + est.gathered_params + max(backward, est.grads) + est.overhead
+    )
+    assert est.summary().endswith(" GiB") and "params 3.7" in est.summary()
+
+
+def test_gradient_accumulation_keeps_gradients_through_forward():
+    cfg = job()
+    cfg.training.global_batch_size = 8 * 4  # 4 microbatches of 1 sample on 8 ranks
+    plain = estimate_8b()
+    accumulating = estimate_memory(model_args("8B", 128256, 8192), cfg, 8, torch.bfloat16)
+    assert accumulating.total == plain.total + plain.grads
+
+
+def test_8b_on_two_cpu_ranks_raises_one_line(host_with_8_gib):
+    with pytest.raises(ConfigError) as info:
+        check_memory(model_args("8B", 128256, 8192), job(), 2, 2, torch.float32)
+    message = str(info.value)
+    assert "\n" not in message
+    assert message.startswith("model.flavor=8B needs about ")
+    assert "GiB per rank" in message and "on 2 rank(s)" in message
+    assert "debugmodel" in message and "--training.memory_check false" in message
+
+
+def test_debugmodel_fits(host_with_8_gib):
+    est = check_memory(
+        model_args("debugmodel", 4352, 256), job("debugmodel", 256, 8), 2, 2, torch.float32
+    )
+    assert est.total < GIB
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="reads host memory only without CUDA")
+def test_debugmodel_fits_on_this_host():
+    have, what = memory.available_bytes_per_rank(2)
+    assert have > GIB
+    assert what.endswith(f"shared by 2 CPU process(es), {have / GIB:.1f} GiB each")
+    est = check_memory(
+        model_args("debugmodel", 4352, 256), job("debugmodel", 256, 8), 2, 2, torch.float32
+    )
+    assert est.total < have
+
+
+def test_memory_check_off_does_not_raise(host_with_8_gib):
+    est = check_memory(model_args("8B", 128256, 8192), job(memory_check=False), 2, 2, torch.float32)
+    assert est.total > 8 * GIB
+
+
+def test_estimate_memory_tool_prints_table_and_verdict(capsys):
+    import importlib.util
+    import os
+
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "tools", "estimate_memory.py")
+    spec = importlib.util.spec_from_file_location("estimate_memory_tool", path)
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    assert (
+        tool.main(["--nproc", "2", "--model.flavor", "debugmodel", "--training.seq_len", "256"])
+        == 0
+    )
+    out = capsys.readouterr().out
+    assert "activations" in out and "total" in out and "→ fits" in out
+    assert tool.main(["--nproc", "1", "--model.flavor", "405B", "--training.seq_len", "8192"]) == 1
+    assert "does NOT fit" in capsys.readouterr().out
+
+
+def test_expert_parallel_gathers_fewer_experts_and_keeps_all_to_all_buffers():
+    from titanlab.models.qwen3_moe import qwen3_moe_flavors
+
+    args = dataclasses.replace(qwen3_moe_flavors["30B-A3B"], vocab_size=151936, max_seq_len=4096)
+    config = job(flavor="30B-A3B", seq=4096)
+    config.model.name = "qwen3_moe"
+    by_ep = {}
+    for ep in (1, 2, 8):
+        config.parallelism.expert_parallel_degree = ep
+        by_ep[ep] = estimate_memory(args, config, 8, torch.bfloat16)
+    one, two, eight = by_ep[1], by_ep[2], by_ep[8]
+    # The experts are sharded over ep × efsdp = the same 8 ranks: states do not change.
+    assert one.params == two.params == eight.params and one.optimizer == eight.optimizer
+    # 128 experts of 3 · 2048 · 768 weights per layer; FSDP gathers E / ep of them (bf16, 2 blocks).
+    experts = 128 * 3 * 2048 * 768
+    assert one.gathered_params - two.gathered_params == 2 * 2 * (experts - experts // 2)
+    assert one.gathered_params - eight.gathered_params == 2 * 2 * (experts - experts // 8)
+    # all-to-all: received slots + their regrouped copy, 4096 tokens × top-8 × 2048 bf16, 48 layers.
+    assert one.a2a_buffers == 0
+    assert two.a2a_buffers == eight.a2a_buffers == 48 * 2 * 4096 * 8 * 2048 * 2

@@ -1,0 +1,260 @@
+"""Builders the trainer calls: tokenizer, model args, batch layout, data, model and its weights.
+
+Nothing here runs a training step; `titanlab.trainer.trainer` composes these into the loop.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+from typing import Any, cast
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    set_model_state_dict,
+)
+
+from titanlab.config.job_config import ConfigError, JobConfig
+from titanlab.data.tokenizer import AnyTokenizer, default_tokenizer_path, load_tokenizer
+from titanlab.models.common.decoder import Decoder
+from titanlab.models.registry import (
+    ModelFamily,
+    build_model,
+    family_of_hf_config,
+    get_family,
+    get_flavor,
+)
+from titanlab.models.stored_args import HF_FLAVOR, read_model_args
+from titanlab.peft.qlora import hide_quantized, is_quantized
+
+logger = logging.getLogger(__name__)
+
+
+def build_tokenizer(config: JobConfig) -> AnyTokenizer:
+    """The tokenizer at `model.tokenizer_path` (tiktoken `tokenizer.model` or HF
+    `tokenizer.json`), or the bundled stdlib BPE when it is empty."""
+    path = config.model.tokenizer_path or default_tokenizer_path()
+    try:
+        return load_tokenizer(path)
+    except (FileNotFoundError, ValueError) as e:
+        raise ConfigError(f"model.tokenizer_path={path!r}: {e}") from None
+
+
+def build_family(config: JobConfig) -> ModelFamily:
+    """The registered family `model.name`. Raises ConfigError naming the valid names."""
+    try:
+        return get_family(config.model.name)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+def _hf_config_args(config: JobConfig, family: ModelFamily) -> Any:
+    """Args of the `config.json` at `model.hf_config` (a file or the folder holding it)."""
+    path = config.model.hf_config
+    file = os.path.join(path, "config.json") if os.path.isdir(path) else path
+    try:
+        with open(file, encoding="utf-8") as f:
+            cfg = json.load(f)
+        found = family_of_hf_config(cfg)
+        if found.name != family.name:
+            raise ValueError(f"it describes a {found.name} model but model.name={family.name!r}")
+        return family.hf.from_config(cfg)
+    except (OSError, json.JSONDecodeError, ValueError, AttributeError) as e:
+        raise ConfigError(f"model.hf_config={path!r}: {e}") from None
+
+
+def _stored_args(config: JobConfig, family: ModelFamily) -> tuple[str, Any] | None:
+    """(flavor, args) stored with `checkpoint.initial_load_path`, checked against model.name."""
+    path = config.checkpoint.initial_load_path
+    if not path or not os.path.isdir(path):
+        return None
+    try:
+        stored = read_model_args(path)
+    except ValueError as e:
+        raise ConfigError(f"checkpoint.initial_load_path: {e}") from None
+    if stored is None:
+        return None
+    found, flavor, args = stored
+    if found.name != family.name:
+        raise ConfigError(
+            f"checkpoint.initial_load_path={path!r} holds a {found.name} model; set "
+            f"model.name={found.name!r} (model.name={family.name!r})"
+        )
+    return flavor, args
+
+
+def build_model_args(config: JobConfig, vocab_size: int) -> Any:
+    """The model's args for training: `model_architecture` with the RoPE table sized to
+    `training.seq_len` (under context parallel the table is split with the sequence).
+
+    Raises:
+        ConfigError: as `model_architecture`.
+    """
+    args = model_architecture(config, vocab_size)
+    return _validated(config, dataclasses.replace(args, max_seq_len=config.training.seq_len))
+
+
+def context_length(config: JobConfig, vocab_size: int) -> int:
+    """The longest sequence the trained model serves, in tokens: its architecture's context
+    length (the flavor's, or the imported config.json's `max_position_embeddings`), or
+    `training.seq_len` when that is longer. Checkpoints and exports record this, not the
+    training length: RoPE and the weights serve any position up to it."""
+    return max(model_architecture(config, vocab_size).max_seq_len, config.training.seq_len)
+
+
+def model_architecture(config: JobConfig, vocab_size: int) -> Any:
+    """The model's args with its own context length (`max_seq_len`): a published flavor with
+    the tokenizer's vocab, or with `model.flavor = "hf"` the architecture of `model.hf_config`
+    or of the args stored with `checkpoint.initial_load_path` (its own vocab size, which must
+    hold the tokenizer's ids).
+
+    Raises:
+        ConfigError: unknown family or flavor, an unreadable or foreign config, a flavor that
+            differs from the stored checkpoint's, or a vocabulary that does not fit.
+    """
+    family = build_family(config)
+    flavor = config.model.flavor
+    stored = _stored_args(config, family)
+    if flavor == HF_FLAVOR or (stored is not None and stored[0] == flavor):
+        # The stored shape keeps the checkpoint's own vocab size (e.g. Qwen3's padded 151,936).
+        if flavor == HF_FLAVOR and config.model.hf_config:
+            args = _hf_config_args(config, family)
+        elif stored is not None:
+            args = stored[1]
+        else:
+            raise ConfigError(
+                'model.flavor="hf" needs model.hf_config (a config.json) or a '
+                "checkpoint.initial_load_path holding model_args.json (convert_checkpoint "
+                "from-hf writes it)"
+            )
+        if vocab_size > args.vocab_size:
+            raise ConfigError(
+                f"the tokenizer has {vocab_size} ids but the model's vocab_size is "
+                f"{args.vocab_size}; use the model's own tokenizer (model.tokenizer_path)"
+            )
+    else:
+        try:
+            published = get_flavor(family, flavor)
+        except ValueError as e:
+            raise ConfigError(f"{e}, or {HF_FLAVOR!r}") from None
+        if stored is not None and stored[0] != flavor:
+            raise ConfigError(
+                f"checkpoint.initial_load_path={config.checkpoint.initial_load_path!r} holds a "
+                f"{family.name} model of flavor {stored[0]!r}, not model.flavor={flavor!r}; set "
+                f"model.flavor={stored[0]!r}"
+            )
+        args = dataclasses.replace(published, vocab_size=vocab_size)
+    return _validated(config, _with_moe_options(config, args))
+
+
+def _validated(config: JobConfig, args: Any) -> Any:
+    """`args` after `args.validate()`; its ValueError becomes a ConfigError naming the flavor."""
+    try:
+        args.validate()
+    except ValueError as e:
+        raise ConfigError(f"model.flavor={config.model.flavor}: {e}") from None
+    return args
+
+
+def _with_moe_options(config: JobConfig, args: Any) -> Any:
+    """`args` with `model.moe_load_balance_coeff` / `model.moe_bias_update_speed` applied
+    (values >= 0 replace the flavor's). Raises ConfigError for a dense model given either."""
+    m = config.model
+    change = {
+        field: value
+        for field, value in (
+            ("load_balance_coeff", m.moe_load_balance_coeff),
+            ("bias_update_speed", m.moe_bias_update_speed),
+        )
+        if value >= 0
+    }
+    if not change:
+        return args
+    if not hasattr(args, "moe"):
+        raise ConfigError(f"model.moe_* options need an MoE model; model.name={m.name!r} is dense")
+    return dataclasses.replace(args, moe=dataclasses.replace(args.moe, **change))
+
+
+@dataclasses.dataclass
+class BatchLayout:
+    """How a global batch splits: `global = local × dp_degree × grad_accum_steps` samples."""
+
+    local_batch_size: int
+    global_batch_size: int
+    dp_degree: int
+    grad_accum_steps: int
+
+
+def batch_layout(config: JobConfig, dp_degree: int) -> BatchLayout:
+    """Resolve `training.global_batch_size` (-1: local × dp) and the accumulation steps.
+
+    Raises ConfigError when the global batch is not a multiple of local × dp.
+    """
+    local = config.training.local_batch_size
+    per_step = local * dp_degree
+    global_bs = config.training.global_batch_size
+    if global_bs == -1:
+        global_bs = per_step
+    if global_bs % per_step:
+        raise ConfigError(
+            f"training.global_batch_size={global_bs} is not divisible by local_batch_size × dp "
+            f"= {local} × {dp_degree} = {per_step}; use a multiple of {per_step}"
+        )
+    return BatchLayout(local, global_bs, dp_degree, global_bs // per_step)
+
+
+def build_meta_model(model_args: Any) -> Decoder:
+    """The model of `model_args` (its family's) on the meta device: shapes only, no memory;
+    parallelize it, then materialize."""
+    with torch.device("meta"):
+        return cast(Decoder, build_model(model_args))
+
+
+@torch.no_grad()
+def init_model_weights(
+    model_parts: list[nn.Module],
+    model_args: Any,
+    device: torch.device,
+    seed: int,
+    world_size: int,
+) -> None:
+    """Materialized (`to_empty`) model parts → initialized weights, deterministic for `seed`.
+
+    On CUDA, DTensor's offset-based RNG gives each shard its own slice of one random stream, so
+    `init_weights` runs on the sharded parts directly (pipeline stages then differ from a
+    single-stage init: start every layout from a seed checkpoint to compare them). CPU
+    generators have no such offsets (every shard would draw the same numbers), so on CPU each
+    rank initializes a full copy and loads its own parts and shards from it
+    (`set_model_state_dict(full_state_dict=True)`): the weights then equal a single-process
+    run's for the same seed, whatever the layout. CPU runs use small models, so the full copy
+    is cheap.
+    """
+    torch.manual_seed(seed)
+    with hide_quantized(model_parts):  # QLoRA's NF4 base weights come from the checkpoint
+        for part in model_parts:
+            cast(Decoder, part).init_weights(buffer_device=device)
+    if device.type == "cuda" or world_size == 1:
+        return
+    full = build_meta_model(model_args)
+    full.to_empty(device="cpu")
+    torch.manual_seed(seed)
+    full.init_weights()
+    full_sd = full.state_dict()
+    for part in model_parts:
+        sd = get_model_state_dict(part)
+        # Weights the plain model lacks (LoRA adapters) are initialized by their own code;
+        # QLoRA's NF4 weights are left as they are.
+        keys = [k for k, v in sd.items() if not is_quantized(v)]
+        extra = [k for k in keys if k not in full_sd]
+        set_model_state_dict(
+            part,
+            {k: full_sd[k] for k in keys if k in full_sd},
+            options=StateDictOptions(
+                full_state_dict=True, strict=not extra and len(keys) == len(sd)
+            ),
+        )

@@ -1,0 +1,110 @@
+"""The block rank 0 prints at the end of a run: what was done, how well, and what to do next."""
+
+from __future__ import annotations
+
+import datetime
+import math
+import os
+import shlex
+
+from typing import Any
+
+import torch
+
+from titanlab.config.job_config import JobConfig
+from titanlab.metrics.logger import MetricsLogger, perplexity
+from titanlab.metrics.system import memory_kind
+
+
+def format_summary(
+    *,
+    first_step: int,
+    last_step: int,
+    wall_s: float,
+    metrics: MetricsLogger,
+    memory_kind: str,
+    checkpoint: str | None,
+    plot: str,
+    traces: str | None,
+    adapters_only: bool = False,
+) -> str:
+    """The summary lines. `checkpoint`: the newest complete checkpoint folder (None: none;
+    `adapters_only`: it holds LoRA adapters);
+    `plot`: the PNG written, or the reason there is none; `traces`: the profiler's folder."""
+    rec = metrics.last
+    loss = rec.get("loss", math.nan)
+    lines = [
+        "run summary:",
+        f"  steps:       {first_step + 1} → {last_step} ({last_step - first_step} done) in "
+        f"{datetime.timedelta(seconds=round(wall_s))} wall",
+        f"  train loss:  {loss:.4f} (perplexity {perplexity(loss):.2f}) at step {rec.get('step', '-')}",
+    ]
+    if metrics.last_val is not None:
+        step, val = metrics.last_val
+        lines.append(f"  val loss:    {val:.4f} (perplexity {perplexity(val):.2f}) at step {step}")
+    tps = metrics.mean_tps()
+    mfu = "n/a"
+    if metrics.peak_flops:
+        mfu = f"{100 * tps * metrics.flops_per_token / metrics.peak_flops:.2f}%"
+    lines += [
+        f"  throughput:  {tps:,.0f} tokens/s per rank ({tps * metrics.world_size:,.0f} total), "
+        f"MFU {mfu}",
+        f"  peak memory: {metrics.peak_memory_gib:.2f} GiB ({memory_kind}, rank 0)",
+    ]
+    if checkpoint:
+        root = os.path.dirname(os.path.dirname(checkpoint.rstrip("/")))  # the dump folder
+        out = os.path.join(root, "hf", os.path.basename(checkpoint.rstrip("/")))
+        # The checkpoint's model_args.json names the family and flavor.
+        cmd = shlex.join(["python", "-m", "tools.convert_checkpoint", "to-hf", checkpoint, out])
+        lines.append(f"  checkpoint:  {checkpoint}")
+        if adapters_only:  # the step folders hold LoRA adapters, not a whole model
+            peft_out = os.path.join(root, "peft", os.path.basename(checkpoint.rstrip("/")))
+            cmd = shlex.join(
+                ["python", "-m", "tools.convert_checkpoint", "to-peft", checkpoint, peft_out]
+            )
+            lines.append(f"  to PEFT:     {cmd}")
+        else:
+            lines.append(f"  to HF:       {cmd}")
+    else:
+        lines.append("  checkpoint:  none (checkpoint.enable=false)")
+    lines.append(f"  plot:        {plot}")
+    if traces:
+        lines.append(f"  traces:      {traces}")
+    return "\n".join(lines)
+
+
+def end_of_run(
+    config: JobConfig,
+    metrics: MetricsLogger,
+    checkpointer: Any,
+    device: torch.device,
+    first_step: int,
+    last_step: int,
+    wall_s: float,
+) -> str:
+    """Draw `<dump_folder>/loss.png` (when `metrics.save_plot`; a missing matplotlib is named in
+    the summary instead) and return the summary of the run. `checkpointer`: the run's
+    `Checkpointer` (its newest complete checkpoint is named)."""
+    dump = config.job.dump_folder
+    plot = "off (metrics.save_plot=false)"
+    if config.metrics.save_plot:
+        from titanlab.observability.plotting import plot_runs
+
+        path = os.path.join(dump, "loss.png")
+        try:
+            plot_runs([dump], path)
+            plot = path
+        except ValueError as e:  # matplotlib missing
+            plot = f"none ({e})"
+    prof = config.profiling
+    return format_summary(
+        first_step=first_step,
+        last_step=last_step,
+        wall_s=wall_s,
+        metrics=metrics,
+        memory_kind=memory_kind(device),
+        checkpoint=checkpointer.last_complete() if config.checkpoint.enable else None,
+        adapters_only=config.peft.method == "lora",
+        plot=plot,
+        traces=os.path.join(dump, prof.save_traces_folder) if prof.enable_profiling else None,
+    )

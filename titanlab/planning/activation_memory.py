@@ -1,0 +1,188 @@
+"""Activation memory: the bytes a forward pass leaves alive for backward, found by tracing.
+
+Formulas such as "34·s·b·h bytes per layer" (Korthikanti et al. 2022) assume a GPT block with a
+4h MLP, full multi-head attention and dropout; a Llama block (SwiGLU, GQA, RoPE, no dropout) and
+each activation-checkpointing mode keep different tensors. So the estimate runs the real model
+code once on fake tensors (`FakeTensorMode`: shapes and dtypes only, no memory, no compute) and
+counts the storages still alive after forward, which are exactly what autograd, or the
+selective-AC cache, holds for backward.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import gc
+import types
+from typing import Any, cast
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+
+class LiveTensorBytes(TorchDispatchMode):
+    """Records the storage of every tensor an op creates under this mode (views of an input,
+    such as a transposed weight, create none); `live()` sums the bytes of those still alive.
+    Works on real and on fake tensors."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._storages: dict[int, tuple[StorageWeakRef, int]] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {
+            StorageWeakRef(t.untyped_storage()).cdata
+            for t in tree_leaves((args, kwargs))
+            if isinstance(t, torch.Tensor)
+        }
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                ref = StorageWeakRef(t.untyped_storage())
+                if ref.cdata not in inputs:
+                    self._storages[ref.cdata] = (ref, t.untyped_storage().nbytes())
+        return out
+
+    def live(self) -> int:
+        """Bytes of the recorded storages still referenced by anything (young reference cycles
+        are collected first; a full collection would cost ~0.2 s per call)."""
+        gc.collect(0)
+        return sum(n for ref, n in self._storages.values() if not ref.expired())
+
+
+@dataclasses.dataclass(frozen=True)
+class ActivationBytes:
+    """Bytes kept for backward, per rank: `per_block[mode]` for one transformer block under AC
+    mode "none", "full" or "op", and `head` for everything outside the blocks (embedding, final
+    norm, output projection and the loss, which keeps the fp32 log-softmax of the logits)."""
+
+    per_block: dict[str, int]
+    head: int
+
+
+_CACHE: dict[tuple, ActivationBytes] = {}
+
+
+def _experts_static_shapes(self, x_td: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """Stand-in for `GroupedExperts.forward` while tracing: the same (tokens·k, hidden)
+    activations as the per-expert loop, through expert 0's weights, without splitting by the
+    (data-dependent) counts."""
+    h = torch.nn.functional.silu(x_td @ self.w1[0].t()) * (x_td @ self.w3[0].t())
+    return h @ self.w2[0].t()
+
+
+def trace_activation_bytes(
+    model_args,
+    batch: int,
+    seq: int,
+    dtype: torch.dtype,
+    autocast: bool = False,
+    compiled_blocks: bool = False,
+    compiled_loss: bool = False,
+    float8: Any = None,
+) -> ActivationBytes:
+    """Trace forward + loss of 1- and 2-block versions of the model on fake tensors.
+
+    Args:
+        model_args: a registered family's args (vocab_size set).
+        batch, seq: local batch size and sequence length (tokens per sample) of one rank.
+        dtype: compute dtype of activations (fp32, or bf16/fp16 under mixed precision).
+        autocast: fp32 weights and `torch.autocast` to `dtype` (mixed precision without FSDP):
+            the compute-dtype copies of the weights that autocast keeps for backward count too.
+        compiled_blocks / compiled_loss: the blocks / the loss run under torch.compile; their
+            saved bytes are read from the compiled forward graph (`titanlab.planning.compiled_saved`).
+        float8: the run's `Float8` config when float8 training is on (its Linear layers then
+            keep float8 copies of their inputs and weights), traced in torchao's emulate mode.
+    Returns:
+        bytes per block for each AC mode and for the head; cached per arguments (a trace takes
+        about a second for the 8B shapes, whatever seq is; a compiled one a few seconds).
+    """
+    from titanlab.planning.compiled_saved import saved_bytes_compiled
+    from titanlab.distributed.activation_checkpoint import apply_ac
+    from titanlab.components.loss import cross_entropy_sum
+    from titanlab.models.common.decoder import moe_layers
+    from titanlab.models.registry import build_model
+
+    weight_dtype = torch.float32 if autocast else dtype
+
+    def build(n_layers: int, mode: str):
+        args = dataclasses.replace(model_args, n_layers=n_layers, max_seq_len=max(seq, 1))
+        with torch.device("meta"):
+            model = build_model(args).to(weight_dtype)
+        for moe in moe_layers(model):  # fake tensors cannot split by data-dependent counts
+            moe.experts.forward = types.MethodType(_experts_static_shapes, moe.experts)  # type: ignore[method-assign]
+        if float8 is not None:
+            from titanlab.precision.float8 import apply_float8
+
+            emulated = dataclasses.replace(
+                float8, emulate=True, enable_fsdp_float8_all_gather=False
+            )
+            apply_float8(model, emulated, torch.device("cpu"), fsdp_enabled=False)
+        apply_ac(model, "selective" if mode == "op" else mode, "op")
+        return model
+
+    def precision():
+        return torch.autocast("cpu", dtype=dtype) if autocast else contextlib.nullcontext()
+
+    def live_after_forward(n_layers: int, mode: str, with_loss: bool = True) -> int:
+        model = build(n_layers, mode)
+        # Fake CPU tensors rather than meta ones: SDPA then picks the fused (flash) kernel, which
+        # keeps O(seq) per head as on GPUs, where meta would pick the O(seq²) math kernel.
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            model.to_empty(device="cpu")
+            tokens = torch.zeros(batch, seq, dtype=torch.long)
+            counter = LiveTensorBytes()
+            with counter, precision():
+                out = model(tokens)
+                if with_loss:
+                    out = cross_entropy_sum(out, tokens)
+            held = counter.live() - (out.untyped_storage().nbytes() if with_loss else 0)
+            del out
+        return held
+
+    def compiled_block(mode: str) -> int:
+        model = build(1, mode)
+        block = cast(nn.ModuleDict, model.layers)["0"]
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            model.to_empty(device="cpu")
+            x_dtype = torch.float32 if autocast else dtype  # autocast: an fp32 residual stream
+            x = torch.zeros(batch, seq, model_args.dim, dtype=x_dtype, requires_grad=True)
+            cos, sin = model.rope_cos, model.rope_sin
+            with precision():
+                return saved_bytes_compiled(block, x, cos, sin)
+
+    def compiled_loss_bytes() -> int:
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            logits = torch.zeros(batch, seq, model_args.vocab_size, dtype=dtype, requires_grad=True)
+            labels = torch.zeros(batch, seq, dtype=torch.long)
+            return saved_bytes_compiled(cross_entropy_sum, logits, labels)
+
+    key = (
+        repr(model_args),
+        batch,
+        seq,
+        dtype,
+        autocast,
+        compiled_blocks,
+        compiled_loss,
+        repr(float8),
+    )
+    if key not in _CACHE:
+        one = {mode: live_after_forward(1, mode) for mode in ("none", "full", "op")}
+        eager = {mode: live_after_forward(2, mode) - one[mode] for mode in one}
+        head = one["none"] - eager["none"]
+        if compiled_loss:  # the head up to the logits, run eagerly, then the compiled loss
+            head = live_after_forward(1, "none", with_loss=False) - eager["none"]
+            head += compiled_loss_bytes()
+        per_block = eager
+        if compiled_blocks:
+            try:
+                per_block = {m: compiled_block(m) for m in one}
+            except Exception:  # a block compile cannot capture whole: estimated as eager code
+                per_block = eager
+        _CACHE[key] = ActivationBytes(per_block=per_block, head=head)
+    return _CACHE[key]

@@ -1,0 +1,275 @@
+"""Every parallel layout of a world size, and which of them the trainer accepts.
+
+A layout is one choice of degrees (dp_replicate × dp_shard × cp × tp × pp = world size), a
+pipeline schedule when pp > 1, and a number of gradient-accumulation steps, for a fixed global
+batch. `enumerate_layouts` lists all candidates; `check_layout` asks the same validator the
+trainer and the pre-flight check use (`titanlab.planning.validate`) and returns its one-line
+refusal or None. The parity matrix (`tools/parity_matrix.py`, `tests/integration/
+test_parity_matrix.py`) runs every accepted layout against one process.
+
+`pairwise_subset` picks a small set of layouts in which every pair of features that can meet
+(e.g. PP × DDP, a schedule × HSDP, TP × gradient accumulation) meets at least once: the
+greedy covering used for pairwise ("all-pairs") testing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, cast
+
+from titanlab.config.job_config import ConfigError, JobConfig
+from titanlab.distributed import pipeline
+from titanlab.distributed.parallel_dims import ParallelDims
+from titanlab.planning.validate import validate_layout
+
+if TYPE_CHECKING:
+    from titanlab.config.parallelism import CPRotateMethod, PipelineSchedule
+
+SCHEDULES = (*pipeline.SINGLE, *pipeline.LOOPED, *pipeline.V_SHAPE)
+CP_ROTATE_METHODS = ("allgather", "alltoall")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One parallel layout; `global_batch_size` samples per optimizer step in every layout."""
+
+    dp_replicate: int
+    dp_shard: int
+    tp: int
+    pp: int
+    schedule: str | None  # None when pp == 1
+    grad_accum: int
+    cp: int = 1
+    ep: int = 1
+    """Expert parallel (MoE models): ranks borrowed from dp_shard × cp × tp, not a factor of
+    the world size."""
+    cp_rotate: str = "allgather"
+    """How context parallel's ring passes the KV shards (`parallelism.
+    context_parallel_rotate_method`); meaningful only when cp > 1."""
+
+    @property
+    def world_size(self) -> int:
+        return self.dp_replicate * self.dp_shard * self.cp * self.tp * self.pp
+
+    @property
+    def dp_kind(self) -> str | None:
+        """ddp (replicate only), fsdp (shard only), hsdp (both) or None (one data stream)."""
+        rep, shard = self.dp_replicate > 1, self.dp_shard * self.cp > 1
+        return {(True, False): "ddp", (False, True): "fsdp", (True, True): "hsdp"}.get((rep, shard))
+
+    @property
+    def name(self) -> str:
+        """A readable id, e.g. `ws4-ddp2-pp2-1F1B-ga2`."""
+        parts = [f"ws{self.world_size}"]
+        if self.dp_kind == "hsdp":
+            parts.append(f"hsdp{self.dp_replicate}x{self.dp_shard}")
+        elif self.dp_kind == "ddp":
+            parts.append(f"ddp{self.dp_replicate}")
+        elif self.dp_shard > 1:
+            parts.append(f"fsdp{self.dp_shard}")
+        for label, degree in (("cp", self.cp), ("tp", self.tp), ("ep", self.ep)):
+            if degree > 1:
+                parts.append(f"{label}{degree}")
+                if label == "cp" and self.cp_rotate != "allgather":
+                    parts.append(self.cp_rotate)
+        if self.pp > 1:
+            parts.append(f"pp{self.pp}-{self.schedule}")
+        if self.grad_accum > 1:
+            parts.append(f"ga{self.grad_accum}")
+        return "-".join(parts)
+
+    @property
+    def features(self) -> frozenset[str]:
+        """The features this layout exercises, for pairwise coverage."""
+        out = set()
+        if self.dp_kind:
+            out.add(self.dp_kind)
+        if self.tp > 1:
+            out.add("tp")
+        if self.cp > 1:
+            out.add("cp")
+        if self.ep > 1:
+            out.add("ep")
+            if self.ep >= 4:
+                out.add("ep4")
+            if self.dp_shard * self.cp * self.tp > self.ep:  # experts FSDP-sharded (efsdp > 1)
+                out.add("efsdp")
+        if self.pp > 1:
+            out.add(f"pp:{self.schedule}")
+            if self.pp >= 4:
+                out.add("pp4")
+        if self.grad_accum > 1:
+            out.add("grad_accum")
+        return frozenset(out)
+
+    @property
+    def tags(self) -> frozenset[str]:
+        """`features` plus the world size (`8ranks`) and CP's rotate method (`cp:alltoall`),
+        which `pairwise_subset`'s `must` may ask for but which are not paired with every other
+        feature."""
+        extra = {"8ranks"} if self.world_size >= 8 else set()
+        if self.cp > 1:
+            extra.add(f"cp:{self.cp_rotate}")
+        return self.features | extra
+
+    def local_batch_size(self, global_batch_size: int) -> int | None:
+        """Samples per rank per microbatch step, or None when the global batch does not split."""
+        per = self.dp_replicate * self.dp_shard * self.grad_accum
+        return global_batch_size // per if global_batch_size % per == 0 else None
+
+    def overrides(self, global_batch_size: int) -> list[str]:
+        """Command-line options that select this layout (`--section.key value` pairs)."""
+        local = self.local_batch_size(global_batch_size)
+        out = [
+            "--parallelism.data_parallel_replicate_degree",
+            str(self.dp_replicate),
+            "--parallelism.data_parallel_shard_degree",
+            str(self.dp_shard),
+            "--parallelism.tensor_parallel_degree",
+            str(self.tp),
+            "--parallelism.context_parallel_degree",
+            str(self.cp),
+            "--parallelism.pipeline_parallel_degree",
+            str(self.pp),
+            "--parallelism.expert_parallel_degree",
+            str(self.ep),
+            "--training.global_batch_size",
+            str(global_batch_size),
+            "--training.local_batch_size",
+            str(local if local else 1),
+        ]
+        if self.schedule:
+            out += ["--parallelism.pipeline_parallel_schedule", self.schedule]
+        if self.cp > 1:
+            out += ["--parallelism.context_parallel_rotate_method", self.cp_rotate]
+        return out
+
+
+def _factorizations(n: int, parts: int) -> list[tuple[int, ...]]:
+    """Ordered tuples of `parts` positive integers whose product is `n`."""
+    if parts == 1:
+        return [(n,)]
+    return [
+        (d, *rest)
+        for d in range(1, n + 1)
+        if n % d == 0
+        for rest in _factorizations(n // d, parts - 1)
+    ]
+
+
+def enumerate_layouts(
+    world_size: int,
+    *,
+    with_cp: bool = False,
+    grad_accum: tuple[int, ...] = (1, 2),
+    with_ep: bool = False,
+    schedules: tuple[str, ...] = SCHEDULES,
+) -> list[Layout]:
+    """Every candidate layout of `world_size` ranks: each ordered factorization into
+    (dp_replicate, dp_shard, cp, tp, pp) (cp only when `with_cp`), each of `schedules` when
+    pp > 1, each gradient-accumulation count, each of CP's rotate methods when cp > 1, and
+    with `with_ep` each expert-parallel degree that divides dp_shard × cp × tp (1 included).
+    Validity is not checked here (see `check_layout`)."""
+    out = []
+    for rep, shard, cp, tp, pp in _factorizations(world_size, 5):
+        if cp > 1 and not with_cp:
+            continue
+        borrowable = shard * cp * tp
+        eps = [e for e in range(1, borrowable + 1) if borrowable % e == 0] if with_ep else [1]
+        rotates = CP_ROTATE_METHODS if cp > 1 else ("allgather",)
+        for schedule, ga, ep, rotate in itertools.product(
+            schedules if pp > 1 else (None,), grad_accum, eps, rotates
+        ):
+            out.append(Layout(rep, shard, tp, pp, schedule, ga, cp, ep, rotate))
+    return out
+
+
+def apply_layout(config: JobConfig, layout: Layout, global_batch_size: int) -> JobConfig:
+    """A copy of `config` with the layout's degrees, schedule and batch sizes."""
+    local = layout.local_batch_size(global_batch_size)
+    if local is None:
+        raise ConfigError(
+            f"training.global_batch_size={global_batch_size} does not split over "
+            f"dp {layout.dp_replicate * layout.dp_shard} × grad_accum "
+            f"{layout.grad_accum}"
+        )
+    p = dataclasses.replace(
+        config.parallelism,
+        data_parallel_replicate_degree=layout.dp_replicate,
+        data_parallel_shard_degree=layout.dp_shard,
+        tensor_parallel_degree=layout.tp,
+        context_parallel_degree=layout.cp,
+        pipeline_parallel_degree=layout.pp,
+        expert_parallel_degree=layout.ep,
+        context_parallel_rotate_method=cast("CPRotateMethod", layout.cp_rotate),
+        # layout.schedule is one of SCHEDULES, the keys of the pipeline's schedule tables
+        pipeline_parallel_schedule=cast(
+            "PipelineSchedule", layout.schedule or config.parallelism.pipeline_parallel_schedule
+        ),
+    )
+    t = dataclasses.replace(
+        config.training, local_batch_size=local, global_batch_size=global_batch_size
+    )
+    return dataclasses.replace(config, parallelism=p, training=t)
+
+
+def check_parallel_layout(
+    config: JobConfig, world_size: int, model_args, device_type: str
+) -> ParallelDims:
+    """The layout checks of the trainer's pre-flight: degrees against the world size, batch
+    split, and `validate_layout`. Returns the ParallelDims; raises ConfigError (one line)."""
+    from titanlab.components.builders import batch_layout  # components imports the data stack
+
+    dims = ParallelDims.from_config(config.parallelism, world_size)
+    batch_layout(config, dims.dp_degree)
+    validate_layout(config, dims, model_args, device_type)
+    return dims
+
+
+def check_layout(
+    config: JobConfig, layout: Layout, global_batch_size: int, model_args, device_type: str
+) -> str | None:
+    """None when the trainer accepts `layout` on top of `config`, else its one-line refusal."""
+    try:
+        cfg = apply_layout(config, layout, global_batch_size)
+        cfg.parallelism.validate()
+        check_parallel_layout(cfg, layout.world_size, model_args, device_type)
+    except ConfigError as e:
+        return str(e)
+    return None
+
+
+def pairwise_subset(layouts: list[Layout], must: tuple[frozenset[str], ...] = ()) -> list[Layout]:
+    """A small subset of `layouts` in which every pair of features that meets in some layout
+    meets at least once, and every tag set in `must` (see `Layout.tags`) is covered by one layout.
+
+    Greedy set cover, cheapest first: each round takes the layout that covers the most uncovered
+    pairs per rank (ties: fewer ranks, then the input order), so the result is deterministic.
+    """
+
+    def pairs(lay: Layout) -> set[frozenset[str]]:
+        feats = sorted(lay.features)
+        single = {frozenset([f]) for f in feats}  # a feature alone counts too
+        return single | {frozenset(p) for p in itertools.combinations(feats, 2)}
+
+    chosen: list[Layout] = []
+    for need in must:
+        best = min(
+            (lay for lay in layouts if need <= lay.tags),
+            key=lambda lay: (lay.world_size, len(lay.features)),
+            default=None,
+        )
+        if best is not None and best not in chosen:
+            chosen.append(best)
+    uncovered = set().union(*(pairs(lay) for lay in layouts)) if layouts else set()
+    for lay in chosen:
+        uncovered -= pairs(lay)
+    while uncovered:
+        best = max(
+            layouts, key=lambda lay: (len(pairs(lay) & uncovered) / lay.world_size, -lay.world_size)
+        )
+        chosen.append(best)
+        uncovered -= pairs(best)
+    return chosen

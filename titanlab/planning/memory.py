@@ -1,0 +1,240 @@
+"""Pre-flight memory estimate: will this config fit on the devices it is about to run on?
+
+Per-rank bytes, predicted from the config and world size without allocating anything:
+- parameters (fp32 master weights), gradients (fp32) and AdamW state (two fp32 moments), each
+  divided by the number of ranks that shard them (dp_shard × cp × tp × pp);
+- under FSDP, the gathered parameters of the two blocks in flight (current + prefetched) in
+  the compute dtype; under expert parallel a rank gathers only its num_experts / ep experts
+  (the expert weights are sharded over ep × efsdp = dp_shard × cp × tp ranks, as many as the
+  dense ones);
+- under expert parallel, the all-to-all buffers each MoE layer keeps for backward: the token
+  slots received from the ep peers and their copy regrouped by expert (tokens × top_k × dim
+  each, balanced loads assumed);
+- activations kept for backward by the blocks, for the chosen activation-checkpointing mode,
+  measured by tracing the real model code on fake tensors (`titanlab.planning.activation_memory`) the
+  way the run executes it: under torch.compile from the compiled forward graph (the
+  partitioner recomputes pointwise ops instead of saving them), under autocast (mixed precision
+  without FSDP) with the compute-dtype weight copies autocast keeps, with float8 Linears their
+  float8 copies; under full or per-layer AC, one block's activations are recomputed at a time
+  in backward;
+- the "head": embedding output, final norm, the output projection's input, the loss's fp32
+  log-softmax (a compiled loss keeps none), and in backward the gradients of the logits (two
+  fp32 tensors eagerly, one in the compute dtype from a compiled loss);
+- a fixed runtime overhead (CUDA context and allocator slack on GPU, the interpreter on CPU).
+
+The peak comes at the start of backward, when all activations and the logits' gradients are
+alive but gradients are not (they are created during backward, as activations are freed), or at
+the optimizer step (parameters, gradients and optimizer state). With gradient accumulation the
+gradients also live through the later forwards. `tests/unit/planning/test_memory_measured.py` checks the
+prediction against the peak measured by PyTorch's memory profiler on CPU; `make gpu-check`
+against `torch.cuda.max_memory_allocated` of the 8B-shaped rows on a GPU
+(docs/performance.md).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import cast
+
+import torch
+from torch import nn
+
+from titanlab.config.job_config import ConfigError, JobConfig
+
+GIB = 2**30
+
+
+@dataclass
+class MemoryEstimate:
+    """Estimated bytes per rank, by category."""
+
+    params: int
+    grads: int
+    optimizer: int
+    gathered_params: int
+    activations: int
+    logits: int
+    overhead: int
+    a2a_buffers: int = 0
+    recompute: int = 0  # one block's activations, recomputed in backward under full/per-layer AC
+    grads_during_forward: bool = False  # gradient accumulation keeps them through forwards
+
+    @property
+    def peak_tensors(self) -> int:
+        """Peak bytes of tensors: at the start of backward, or at the optimizer step."""
+        # The logits' gradients are freed before the last block is recomputed: never both at once.
+        backward = (
+            self.activations
+            + self.a2a_buffers
+            + max(self.logits, self.recompute)
+            + (self.grads if self.grads_during_forward else 0)
+        )
+        return self.params + self.optimizer + self.gathered_params + max(backward, self.grads)
+
+    @property
+    def total(self) -> int:
+        return self.peak_tensors + self.overhead
+
+    def summary(self) -> str:
+        parts = [
+            (name, getattr(self, name))
+            for name in (
+                "params",
+                "grads",
+                "optimizer",
+                "gathered_params",
+                "activations",
+                "a2a_buffers",
+                "logits",
+                "overhead",
+            )
+        ]
+        return ", ".join(f"{n} {b / GIB:.1f}" for n, b in parts if b) + " GiB"
+
+
+def estimate_memory(
+    model_args, config: JobConfig, world_size: int, compute_dtype: torch.dtype
+) -> MemoryEstimate:
+    """Estimate per-rank memory for training `model_args` with `config` on `world_size` ranks.
+
+    Args:
+        model_args: a registered family's args (`titanlab.models.registry`), vocab_size set.
+        compute_dtype: dtype of activations (the FSDP param dtype, float32 on CPU by default).
+    Returns:
+        bytes per rank by category; `total` is the predicted peak including overhead.
+    """
+    from titanlab.planning.activation_memory import trace_activation_bytes
+    from titanlab.models.common.decoder import count_params, moe_layers
+    from titanlab.models.registry import build_model
+
+    with torch.device("meta"):
+        model = build_model(model_args)
+    n_params = count_params(model)
+    p = config.parallelism
+    tp, pp, cp = p.tensor_parallel_degree, p.pipeline_parallel_degree, p.context_parallel_degree
+    dp_shard = p.data_parallel_shard_degree
+    if dp_shard == -1:
+        dp_shard = max(world_size // (p.data_parallel_replicate_degree * tp * pp * cp), 1)
+    shard = dp_shard * cp * tp * pp
+    elem = torch.finfo(compute_dtype).bits // 8
+
+    b, s = config.training.local_batch_size, config.training.seq_len
+    s_local = s // cp
+    layers = model_args.n_layers // pp
+    # Without FSDP2 (one device, pure TP/PP) mixed precision is torch.autocast over fp32 weights.
+    fsdp2_managed = dp_shard * cp > 1 or p.data_parallel_replicate_degree > 1
+    autocast = compute_dtype != torch.float32 and not fsdp2_managed
+    compiled = config.compile.enable
+    compiled_loss = compiled and "loss" in config.compile.components and tp == 1
+    traced = trace_activation_bytes(
+        model_args,
+        b,
+        s_local,
+        compute_dtype,
+        autocast=autocast,
+        compiled_blocks=compiled and "model" in config.compile.components,
+        compiled_loss=compiled_loss,
+        float8=config.float8 if config.float8.enable else None,
+    )
+    block = {mode: n // tp for mode, n in traced.per_block.items()}
+    mode, option = (
+        config.activation_checkpoint.mode,
+        config.activation_checkpoint.selective_ac_option,
+    )
+    if mode == "full":
+        acts = layers * block["full"]
+    elif mode == "selective" and option == "op":
+        acts = layers * block["op"]
+    elif mode == "selective":
+        every = int(option)
+        checkpointed = layers // every
+        acts = checkpointed * block["full"] + (layers - checkpointed) * block["none"]
+    else:
+        acts = layers * block["none"]
+    # Eager: the gradients of the fp32 log-softmax and of the fp32 upcast; a compiled loss
+    # writes the logits' gradient in their own dtype in one fused kernel.
+    logits_grads = (
+        b * s_local * model_args.vocab_size * elem
+        if compiled_loss
+        else 2 * b * s_local * model_args.vocab_size * 4
+    )
+    dp = world_size // (tp * pp * cp)
+    ep = p.expert_parallel_degree
+    moes = moe_layers(model)
+
+    def gathered(block: nn.Module) -> int:
+        """A block's weights gathered by FSDP: the dense ones tp-sharded, the experts (not
+        tensor-parallel) all of them, or this rank's num_experts / ep under expert parallel."""
+        experts = sum(count_params(m.experts) for m in moe_layers(block))
+        return (count_params(block) - experts) // tp + experts // ep
+
+    gathered_block = max(gathered(block) for block in cast(nn.ModuleDict, model.layers).values())
+    a2a = 0
+    if moes and ep > 1:
+        tokens = b * s_local // tp  # an MoE layer under TP routes its rank's sequence shard
+        per_layer = 2 * tokens * moes[0].args.top_k * model_args.dim * elem
+        a2a = per_layer * len(moes) // pp
+    accumulating = config.training.global_batch_size > max(dp, 1) * b  # -1: no accumulation
+    on_gpu = torch.cuda.is_available()
+    return MemoryEstimate(
+        params=4 * n_params // shard,
+        grads=4 * n_params // shard,
+        optimizer=8 * n_params // shard,
+        gathered_params=2 * gathered_block * elem if dp_shard * cp > 1 else 0,
+        activations=acts,
+        logits=(traced.head + logits_grads) // tp,
+        overhead=(2 if on_gpu else 1) * GIB // 2,
+        a2a_buffers=a2a,
+        recompute=block["none"]
+        if mode == "full" or (mode == "selective" and option != "op")
+        else 0,
+        grads_during_forward=accumulating,
+    )
+
+
+def available_bytes_per_rank(local_world_size: int) -> tuple[int, str]:
+    """(bytes, description) one rank may use: the GPU's total memory, or the host's
+    MemAvailable shared by the ranks on this host."""
+    if torch.cuda.is_available():
+        total = torch.cuda.get_device_properties(0).total_memory
+        return total, f"{torch.cuda.get_device_name(0)} with {total / GIB:.1f} GiB"
+    avail = 0
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                avail = int(line.split()[1]) * 1024
+    per_rank = avail // max(local_world_size, 1)
+    return per_rank, (
+        f"{avail / GIB:.1f} GiB of available host memory shared by "
+        f"{local_world_size} CPU process(es), {per_rank / GIB:.1f} GiB each"
+    )
+
+
+def check_memory(
+    model_args,
+    config: JobConfig,
+    world_size: int,
+    local_world_size: int,
+    compute_dtype: torch.dtype,
+) -> MemoryEstimate:
+    """Raise ConfigError (one line) when the estimate exceeds what a rank has.
+
+    Skipped (returns the estimate only) when `training.memory_check` is false.
+    """
+    est = estimate_memory(model_args, config, world_size, compute_dtype)
+    if not config.training.memory_check:
+        return est
+    have, what = available_bytes_per_rank(local_world_size)
+    if est.total > have:
+        raise ConfigError(
+            f"model.flavor={config.model.flavor} needs about {est.total / GIB:.1f} GiB per rank "
+            f"({est.summary()}) on {world_size} rank(s), but there is {what}; use more devices, "
+            "a smaller model.flavor (e.g. debugmodel) or a smaller batch "
+            "(--training.memory_check false skips this check)"
+        )
+    return est
+
+
+def local_world_size() -> int:
+    return int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))

@@ -1,0 +1,194 @@
+"""Run torchrun so that a failing rank's one `titanlab: error:` line is the last thing shown.
+
+    python -m titanlab.launcher [torchrun options] -m titanlab.train [trainer options]
+
+`run_train.sh` and `multinode_trainer.slurm` start training through this module. It runs
+`torch.distributed.run` with the same arguments and:
+- passes the ranks' output through (torchrun prefixes it with `[rankN]:` under `--tee`);
+- keeps torchrun's own report of a failed child (its `ChildFailedError` traceback and the
+  `failed (exitcode: N)` lines) out of the terminal, in `<job.dump_folder>/logs/launcher-*.log`;
+- when a rank failed with a titanlab error, prints the path of that log, then the failing rank's
+  `titanlab: error: ...` line as the last line on stderr, and exits with that rank's exit code
+  (2 config, 3 diverged, 4 hang, 5 out of memory; 75 requeue is handled by `run_train.sh`).
+  Each rank writes its line and code to `$TITANLAB_ERROR_DIR/rank<N>` (see
+  `write_error_file`), so the line is found even when `--local-ranks-filter` hides that
+  rank's output.
+Any other failure (a crash with a Python traceback from a rank) keeps the rank's traceback on
+the terminal and ends with one line naming the exit code and the log.
+
+SIGTERM or SIGUSR1 to the launcher is passed to torchrun as SIGTERM (preemption), unless
+`TITANLAB_FORWARD_SIGNALS=0` (under srun, where the signal reaches torchrun directly).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+ERROR_DIR_ENV = "TITANLAB_ERROR_DIR"
+ERROR_PREFIX = "titanlab: error:"
+# 0 where the signal already reaches torchrun itself (srun signals every process of a step).
+FORWARD_SIGNALS_ENV = "TITANLAB_FORWARD_SIGNALS"
+# torchrun's own logging lines (glog style: "E1123 01:39:39.761000 3993 path:line] message")
+_TORCHRUN_LOG = re.compile(r"^[EWIF]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ ")
+
+
+def write_error_file(line: str, exit_code: int) -> None:
+    """Record this rank's final error line for the launcher (no-op outside it)."""
+    folder = os.environ.get(ERROR_DIR_ENV)
+    if not folder:
+        return
+    rank = os.environ.get("RANK", "0")
+    try:
+        with open(os.path.join(folder, f"rank{rank}"), "w", encoding="utf-8") as f:
+            f.write(f"{exit_code}\n{line}\n")
+    except OSError:
+        pass  # the launcher then reports the exit code alone
+
+
+def read_error_files(folder: str) -> tuple[int, str] | None:
+    """(exit code, line) of the lowest rank that wrote an error file, or None."""
+    found = []
+    for name in os.listdir(folder):
+        if not name.startswith("rank") or not name[4:].isdigit():
+            continue
+        try:
+            with open(os.path.join(folder, name), encoding="utf-8") as f:
+                code_text, line = f.read().split("\n", 1)
+            found.append((int(name[4:]), int(code_text), line.strip()))
+        except (OSError, ValueError):
+            continue
+    if not found:
+        return None
+    _, code, line = min(found)
+    return code, line
+
+
+def dump_folder(trainer_args: list[str]) -> str:
+    """`job.dump_folder` of the trainer's options ('outputs' when the config cannot be read;
+    the trainer reports a bad config itself)."""
+    try:
+        from titanlab.config.manager import build_config
+
+        return build_config(trainer_args).job.dump_folder
+    except Exception:
+        return "outputs"
+
+
+def _log_path(folder: str) -> str:
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    name = f"launcher-{stamp}-{socket.gethostname()}-{os.getpid()}.log"
+    for base in (os.path.join(folder, "logs"), tempfile.gettempdir()):
+        try:
+            os.makedirs(base, exist_ok=True)
+            path = os.path.join(base, name)
+            open(path, "a", encoding="utf-8").close()
+            return path
+        except OSError:
+            continue
+    return os.devnull
+
+
+def is_launcher_noise(line: str) -> bool:
+    """Whether a stderr line is torchrun's own report rather than a rank's output."""
+    if re.fullmatch(r"\[\d+\]:", line.strip()):  # the failure table's "[0]:" entries
+        return True
+    return not line.startswith("[") and (
+        bool(_TORCHRUN_LOG.match(line))
+        or line.startswith(
+            ("Traceback (most recent call last)", "  File ", "    ", "torch.distributed")
+        )
+        or line.startswith(
+            (
+                "=====",
+                "-----",
+                "Failures:",
+                "Root Cause",
+                "[0]:",
+                "  time ",
+                "  host ",
+                "  rank ",
+                "  exitcode ",
+                "  error_file",
+                "  traceback ",
+            )
+        )
+        or "ChildFailedError" in line
+        or line.rstrip().endswith("FAILED")
+        or line.strip() in ("<NO_OTHER_FAILURES>", "^" * len(line.strip()))
+    )
+
+
+def main(argv: list[str]) -> int:
+    if "-m" not in argv:
+        print(
+            f"{ERROR_PREFIX} usage: python -m titanlab.launcher [torchrun options] -m "
+            "titanlab.train [trainer options]",
+            file=sys.stderr,
+        )
+        return 2
+    trainer_args = argv[argv.index("-m") + 2 :]
+    log_path = _log_path(dump_folder(trainer_args))
+    with (
+        tempfile.TemporaryDirectory(prefix="titanlab-errors-") as errors,
+        open(log_path, "a", encoding="utf-8") as log,
+    ):
+        env = dict(os.environ, **{ERROR_DIR_ENV: errors})
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", *argv],
+            env=env,
+            stderr=subprocess.PIPE,
+            text=True,
+            errors="replace",
+            bufsize=1,
+        )
+        held: list[str] = []  # the ranks' error lines, printed once, last
+        stopped: list[int] = []
+
+        def forward(signum, _frame):  # preemption: torchrun passes SIGTERM on to every rank
+            stopped.append(signum)
+            if os.environ.get(FORWARD_SIGNALS_ENV, "1") != "0":
+                proc.send_signal(signal.SIGTERM)
+
+        for signum in (signal.SIGTERM, signal.SIGUSR1):
+            signal.signal(signum, forward)
+        try:
+            assert proc.stderr is not None
+            for line in proc.stderr:
+                log.write(line)
+                log.flush()
+                text = line.rstrip("\n")
+                bare = re.sub(r"^\[[^\]]*\]:", "", text)
+                if bare.startswith(ERROR_PREFIX):
+                    held.append(bare)
+                elif not is_launcher_noise(text):
+                    sys.stderr.write(line)
+                    sys.stderr.flush()
+            code = proc.wait()
+        except KeyboardInterrupt:
+            proc.terminate()
+            code = proc.wait()
+        if code == 0 or (stopped and read_error_files(errors) is None):
+            return code  # success, or stopped by a signal (run_train.sh reports preemption)
+        recorded = read_error_files(errors)
+        if recorded is not None:
+            rank_code, line = recorded
+        elif held:
+            rank_code, line = code, held[0]
+        else:
+            rank_code, line = (
+                code,
+                (
+                    f"{ERROR_PREFIX} training failed (torchrun exit code {code});"
+                    " the failing rank's output is above"
+                ),
+            )
+        print(f"titanlab: launcher report (torchrun's traceback): {log_path}", file=sys.stderr)
+        print(line, file=sys.stderr, flush=True)
+        return rank_code if rank_code > 0 else code

@@ -1,0 +1,227 @@
+"""The training step: forward and backward over the grad-accumulation microbatches of one
+global batch, gradient clipping, the optimizer step; and validation.
+
+`TrainStep` is the half of `titanlab.trainer.Trainer` that runs a step; the Trainer builds what
+it uses (model parts, pipeline schedule, optimizer, LR schedule, loss, autocast, grad scaler,
+meshes) and calls `train_step` once per step. The loss is the mean token cross-entropy (or the
+distillation loss) over every valid token of the global batch, whatever the layout.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from titanlab.components.loss import ScaledLoss, local_value, maybe_loss_parallel
+from titanlab.components.optim import LRSchedulersContainer, OptimizersContainer
+from titanlab.config.job_config import JobConfig
+from titanlab.data.batches import BatchPreparer
+from titanlab.data.build import build_loader
+from titanlab.data.labels import IGNORE_INDEX
+from titanlab.distributed import moe_stats
+from titanlab.distributed.context_parallel import cp_context
+from titanlab.distributed.parallel_dims import ParallelDims
+from titanlab.distributed.utils import clip_grad_norm_, global_sum
+from titanlab.posttrain.distill import PipelineDistillLoss, distillation_loss_sum
+from titanlab.precision.float8 import precompute_scales
+from titanlab.precision.mixed import autocast_context, build_grad_scaler
+
+logger = logging.getLogger("titanlab")
+
+
+class TrainStep:
+    """`train_step` and `validate` over the attributes the Trainer sets (`config`,
+    `parallel_dims`, `device`, `rank`, `step`, `model_parts`, `schedule`, `pp_loss`,
+    `has_first`, `has_last`, `teacher`, `loss_fn`, `loss_parallel`, `optimizer`,
+    `lr_scheduler`, `batches`, `val_set`, `data_schedule`); `init_step_state` sets the rest."""
+
+    config: JobConfig
+    parallel_dims: ParallelDims
+    device: torch.device
+    rank: int
+    step: int
+    model_parts: list[torch.nn.Module]
+    schedule: Any  # a torch.distributed.pipelining schedule, None without PP
+    pp_loss: ScaledLoss | PipelineDistillLoss | None
+    has_first: bool
+    has_last: bool
+    teacher: torch.nn.Module | None
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    loss_parallel: bool
+    optimizer: OptimizersContainer
+    lr_scheduler: LRSchedulersContainer
+    batches: BatchPreparer
+    val_set: Any
+    data_schedule: Any
+
+    def init_step_state(self, compute_dtype: torch.dtype) -> None:
+        """Autocast, the float16 grad scaler, the loss and MoE-statistics meshes."""
+        dims, config = self.parallel_dims, self.config
+        self.autocast = functools.partial(
+            autocast_context, self.device, compute_dtype, dims.fsdp2_managed
+        )
+        self.scaler = build_grad_scaler(
+            self.device, compute_dtype, dims.fsdp2_managed, config.training.loss_scale_init
+        )
+        self._loss_mesh = dims.mesh("dp_cp")
+        # FSDP and DDP average gradients over these ranks; the loss is scaled up to undo it.
+        self._grad_avg_ranks = self._loss_mesh.size() if self._loss_mesh is not None else 1
+        # MoE: load-balance statistics over the ranks of one global microbatch (with tensor
+        # parallel, each tp rank's MoE layers route their own sequence shard).
+        self._moe_stats_mesh = dims.mesh("dp_cp_tp")
+        moe_stats.install_stats_reduction(self.model_parts, self._moe_stats_mesh)
+        self.moe_metrics: dict[str, torch.Tensor] = {}
+        self.pp_microbatches = (
+            config.training.local_batch_size // config.parallelism.pipeline_parallel_microbatch_size
+        )
+
+    def train_step(
+        self, batches: list[tuple[torch.Tensor, torch.Tensor]]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One optimizer step over `batches` (the grad-accumulation microbatches of this rank).
+
+        The loss is the mean over every valid token of the global batch: each token-sum is
+        divided by the global token count (over dp and cp ranks) and multiplied by the number
+        of ranks FSDP/DDP average gradients over, so the gradient is that of the global mean
+        whatever the layout. Returns (loss, grad_norm) as 0-d float32 device tensors, equal on
+        every rank; nothing here waits for the device (no host sync), except float16's loss
+        scaler, which must read the overflow flag.
+        """
+        self.optimizer.zero_grad()
+        # Pinned batches (CUDA) copy without making the host wait for the device.
+        batches = [
+            (i.to(self.device, non_blocking=True), t.to(self.device, non_blocking=True))
+            for i, t in batches
+        ]
+        prepared = self.batches.prepare(self.step, batches)
+        batches = [(i, t) for i, t, _ in prepared]
+        # Every cp rank counts the full sequence, hence the division by cp.
+        local_tokens = torch.stack([(labels != IGNORE_INDEX).sum() for _, labels in batches]).sum()
+        global_tokens = global_sum(local_tokens.float(), self._loss_mesh) / self.parallel_dims.cp
+        scale = self._grad_avg_ranks / global_tokens
+        if self.scaler is not None:  # float16: backward on a dynamically scaled loss
+            scale = self.scaler.scale(scale).reshape(())
+        loss_sum = torch.zeros((), device=self.device)  # this rank's token-loss sum
+        microbatches = len(batches) * (self.pp_microbatches if self.schedule is not None else 1)
+        moe_stats.set_aux_grad_scale(
+            self.model_parts,
+            microbatches,
+            self._grad_avg_ranks * (self.scaler.get_scale() if self.scaler is not None else 1.0),
+        )
+        with maybe_loss_parallel(self.loss_parallel), self.autocast():
+            for inputs, labels, kwargs in prepared:
+                loss_sum += self._forward_backward(inputs, labels, scale, kwargs)
+        if self.scaler is not None:
+            for opt in self.optimizer.optimizers:
+                self.scaler.unscale_(opt)
+        grad_norm = clip_grad_norm_(
+            [p for part in self.model_parts for p in part.parameters()],
+            self.config.training.max_norm,
+            pp_mesh=self.parallel_dims.mesh("pp"),
+        )
+        total = global_sum(global_sum(loss_sum, self._loss_mesh), self.parallel_dims.mesh("pp"))
+        loss = total / global_tokens
+        if self.scaler is not None:
+            stepped = self._scaled_step()
+        else:
+            self.optimizer.step()
+            stepped = True
+        precompute_scales(self.model_parts, self.config.float8, self.parallel_dims.fsdp_enabled)
+        self.lr_scheduler.step()
+        self.moe_metrics = moe_stats.end_step(
+            self.model_parts, self._moe_stats_mesh, microbatches, stepped
+        )
+        return loss.detach(), grad_norm.detach().float()
+
+    def _scaled_step(self) -> bool:
+        """float16: step each optimizer unless a gradient overflowed, then adapt the scale.
+        Returns whether the step was taken."""
+        before = self.scaler.get_scale()
+        for opt in self.optimizer.optimizers:
+            self.scaler.step(opt)
+        self.scaler.update()
+        skipped = self.scaler.get_scale() < before
+        if skipped and self.rank == 0:
+            logger.warning(
+                "step %d skipped: float16 gradients overflowed; loss scale %g → %g",
+                self.step,
+                before,
+                self.scaler.get_scale(),
+            )
+        return not skipped
+
+    def _forward_backward(
+        self, inputs: torch.Tensor, labels: torch.Tensor, scale: torch.Tensor, kwargs: dict
+    ) -> torch.Tensor:
+        """Forward and backward of one (bs, seq) batch (`kwargs`: the model's document-mask
+        keywords, passed to every pipeline stage); returns its detached token-loss sum (0 on
+        pipeline ranks without the last stage)."""
+        context = cp_context(
+            self.parallel_dims.mesh("cp"),
+            inputs,
+            labels,
+            self.model_parts,
+            self.config.parallelism.context_parallel_rotate_method,
+        )
+        if self.schedule is not None:
+            assert self.pp_loss is not None
+            self.pp_loss.scale = scale
+            losses: list[torch.Tensor] = []
+            args = (inputs,) if self.has_first else ()
+            target = labels if self.has_last else None
+            if isinstance(self.pp_loss, PipelineDistillLoss) and self.has_last:
+                self.pp_loss.prepare(inputs, labels, kwargs)  # the teacher runs per microbatch
+                target = self.pp_loss.rows_of(labels)
+            with context:  # every stage's ranks hold their sequence shard of each microbatch
+                self.schedule.step(*args, target=target, losses=losses, **kwargs)
+            if not self.has_last:
+                return torch.zeros((), device=self.device)
+            return sum(local_value(l) for l in losses) / scale
+        model = self.model_parts[0]
+        with context:
+            logits = model(inputs, **kwargs)
+            if self.teacher is not None:
+                with torch.no_grad():
+                    teacher_logits = self.teacher(inputs, **kwargs)
+                d = self.config.distill
+                token_loss = distillation_loss_sum(
+                    logits, teacher_logits, labels, alpha=d.alpha, temperature=d.temperature
+                )
+            else:
+                token_loss = self.loss_fn(logits, labels)
+            (token_loss * scale).backward()
+        return local_value(token_loss)
+
+    @torch.no_grad()
+    def validate(self) -> float:
+        """Mean token loss over `validation.steps` batches of the held-out split."""
+        loader = build_loader(
+            self.val_set,
+            self.config,
+            self.parallel_dims.dp_rank(),
+            self.parallel_dims.dp_degree,
+            schedule=self.data_schedule,  # the mixture of step 1 at every validation
+        )
+        total = torch.zeros((), device=self.device)
+        tokens = torch.zeros((), device=self.device)
+        model = self.model_parts[0]
+        # Validation batches are not training microbatches: the MoE load statistics skip them.
+        with maybe_loss_parallel(self.loss_parallel), moe_stats.stats_paused(model):
+            for _, (inputs, labels) in zip(range(self.config.validation.steps), loader):
+                inputs, labels, kwargs = self.batches.model_inputs(
+                    inputs.to(self.device), labels.to(self.device)
+                )
+                tokens += (labels != IGNORE_INDEX).sum() / self.parallel_dims.cp
+                with cp_context(
+                    self.parallel_dims.mesh("cp"),
+                    inputs,
+                    labels,
+                    self.model_parts,
+                    self.config.parallelism.context_parallel_rotate_method,
+                ):
+                    total += local_value(self.loss_fn(model(inputs, **kwargs), labels))
+        return (global_sum(total, self._loss_mesh) / global_sum(tokens, self._loss_mesh)).item()

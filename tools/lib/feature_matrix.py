@@ -1,0 +1,408 @@
+"""The feature-pair matrix's definitions: the factors and their levels, the pre-flight's
+verdict on each pair (and EP/PP × PEFT triple), and the rows that cover the supported ones.
+`tools/feature_pairs.py` runs it; its docstring gives the method."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+from titanlab.planning.layouts import Layout
+from tools.lib.runs import TINY_RUN
+
+STEPS = 2
+GLOBAL_BATCH = 8
+FP32_TOLERANCE = 1e-5
+LOW_PRECISION_TOLERANCE = 2e-2
+EXPORT_TOLERANCE = 1e-4
+WORLD_SIZE = 2
+
+
+@dataclass(frozen=True)
+class Level:
+    """One value of a factor: the options that select it. `{data}`, `{chat}` and `{seed}` in
+    them stand for the prepared token data, the prepared chat data and the model's seed
+    checkpoint (`Fixtures`)."""
+
+    factor: str
+    name: str
+    args: tuple[str, ...] = ()
+    layout: Layout | None = None
+    low_precision: bool = False
+
+    @property
+    def label(self) -> str:
+        return f"{self.factor}={self.name}"
+
+    @property
+    def option_names(self) -> list[str]:
+        """The `section.key` names this level sets (what a refusal must name)."""
+        names = [a[2:] for a in self.args if a.startswith("--")]
+        if self.layout is not None:
+            names += [f"parallelism.{n}" for n in _LAYOUT_OPTIONS[self.name]]
+        return names
+
+
+def _layout(name: str, layout: Layout) -> Level:
+    return Level("layout", name, layout=layout)
+
+
+_LAYOUT_OPTIONS = {
+    "fsdp2": ["data_parallel_shard_degree"],
+    "ddp2": ["data_parallel_replicate_degree"],
+    "tp2": ["tensor_parallel_degree"],
+    "pp2": ["pipeline_parallel_degree", "pipeline_parallel_schedule"],
+    "cp2": ["context_parallel_degree"],
+    "ep2": ["expert_parallel_degree"],
+}
+_LORA = ("--peft.method", "lora", "--peft.rank", "4")
+
+FACTORS: dict[str, tuple[Level, ...]] = {
+    "model": (
+        Level("model", "dense", ("--model.name", "llama3")),
+        Level("model", "moe", ("--model.name", "qwen3_moe")),
+    ),
+    "layout": (
+        _layout("fsdp2", Layout(1, 2, 1, 1, None, 1)),
+        _layout("ddp2", Layout(2, 1, 1, 1, None, 1)),
+        _layout("tp2", Layout(1, 1, 2, 1, None, 1)),
+        _layout("pp2", Layout(1, 1, 1, 2, "1F1B", 1)),
+        _layout("cp2", Layout(1, 1, 1, 1, None, 1, cp=2)),
+        _layout("ep2", Layout(1, 2, 1, 1, None, 1, ep=2)),
+    ),
+    "peft": (
+        Level("peft", "none"),
+        Level("peft", "lora_attention", (*_LORA, "--peft.target_modules", "wq,wk,wv,wo")),
+        Level("peft", "lora_mlp", (*_LORA, "--peft.target_modules", "w1,w2,w3")),
+        Level("peft", "lora_output", (*_LORA, "--peft.target_modules", "wq,output")),
+        Level("peft", "lora_router", (*_LORA, "--peft.target_modules", "wq,gate")),
+        Level(
+            "peft",
+            "qlora",
+            (*_LORA, "--peft.target_modules", "wq,wk,wv,wo", "--peft.quantize_base", "nf4"),
+        ),
+    ),
+    "distill": (
+        Level("distill", "off"),
+        Level("distill", "on", ("--distill.teacher_path", "{seed}", "--distill.alpha", "0.5")),
+    ),
+    "compile": (
+        Level("compile", "off"),
+        Level("compile", "on", ("--compile.enable", "true")),
+    ),
+    "ac": (
+        Level("ac", "none"),
+        Level("ac", "full", ("--activation_checkpoint.mode", "full")),
+        Level(
+            "ac",
+            "selective_op",
+            (
+                "--activation_checkpoint.mode",
+                "selective",
+                "--activation_checkpoint.selective_ac_option",
+                "op",
+            ),
+        ),
+        Level(
+            "ac",
+            "selective_2",
+            (
+                "--activation_checkpoint.mode",
+                "selective",
+                "--activation_checkpoint.selective_ac_option",
+                "2",
+            ),
+        ),
+    ),
+    "precision": (
+        Level("precision", "fp32"),
+        Level(
+            "precision",
+            "bf16",
+            (
+                "--training.mixed_precision_param",
+                "bfloat16",
+                "--training.mixed_precision_on_cpu",
+                "true",
+            ),
+            low_precision=True,
+        ),
+        Level(
+            "precision",
+            "fp16",
+            (
+                "--training.mixed_precision_param",
+                "float16",
+                "--training.mixed_precision_on_cpu",
+                "true",
+            ),
+            low_precision=True,
+        ),
+    ),
+    "float8": (
+        Level("float8", "off"),
+        Level(
+            "float8",
+            "on",
+            ("--float8.enable", "true", "--float8.emulate", "true"),
+            low_precision=True,
+        ),
+    ),
+    "data": (
+        Level("data", "tokens"),
+        Level("data", "document_mask", ("--data.document_mask", "true")),
+        Level("data", "chat", ("--data.dataset_path", "{chat}")),
+    ),
+}
+FIRST = {factor: levels[0] for factor, levels in FACTORS.items()}
+
+BASE_ARGS = [
+    *TINY_RUN,
+    "--model.flavor",
+    "debugmodel",  # dim 256: every QLoRA target splits into whole NF4 blocks on 2 ranks
+    "--training.steps",
+    str(STEPS),
+    "--training.mixed_precision_param",
+    "float32",
+    "--checkpoint.interval",
+    "1000",
+]
+
+
+@dataclass(frozen=True)
+class Fixtures:
+    """Paths the levels' placeholders stand for: prepared token data, prepared chat data, and a
+    seed checkpoint per model level (made by `make_fixtures`)."""
+
+    data: str
+    chat: str
+    seeds: dict[str, str] = field(default_factory=dict)
+
+    def fill(self, args: list[str], model: str) -> list[str]:
+        subst = {"{data}": self.data, "{chat}": self.chat, "{seed}": self.seeds.get(model, "")}
+        return [subst.get(a, a) for a in args]
+
+
+Row = dict[str, Level]
+
+
+def row_args(row: Row, fixtures: Fixtures, reference: bool = False) -> list[str]:
+    """Command-line options of `row` on 2 ranks, or with `reference` on 1 process (the
+    layout's global microbatches as accumulation steps)."""
+    layout = row["layout"].layout
+    assert layout is not None
+    args = [*BASE_ARGS, "--data.dataset_path", "{data}"]
+    if reference:
+        # The layout's global microbatches (MoE's load-balance loss is taken over each one:
+        # all data-parallel ranks' samples of one accumulation step or pipeline microbatch).
+        micro = layout.grad_accum * (
+            (layout.local_batch_size(GLOBAL_BATCH) or 1) if layout.pp > 1 else 1
+        )
+        args += Layout(1, 1, 1, 1, None, 1).overrides(GLOBAL_BATCH)
+        args += ["--training.local_batch_size", str(GLOBAL_BATCH // micro)]
+    else:
+        args += layout.overrides(GLOBAL_BATCH)
+        if layout.pp > 1:
+            args += ["--parallelism.pipeline_parallel_microbatch_size", "1"]
+    for factor in FACTORS:
+        args += list(row[factor].args)
+    args += ["--checkpoint.initial_load_path", "{seed}"]
+    return fixtures.fill(args, row["model"].name)
+
+
+def _row(*levels: Level) -> Row:
+    row = dict(FIRST)
+    for level in levels:
+        row[level.factor] = level
+    return row
+
+
+def companions(fixtures: Fixtures) -> dict[Level, Level | None]:
+    """For each level the pre-flight refuses next to the first levels alone (expert parallel
+    needs an MoE model), the first level of another factor that makes it valid; its pairs are
+    then judged next to that level, so a refusal belongs to the pair, not to the context. None:
+    no level makes it valid (a LoRA adapter on the router is refused on every model), so each of
+    its pairs is refused for the level itself."""
+    out: dict[Level, Level | None] = {}
+    for levels in FACTORS.values():
+        for level in levels:
+            if verdict(_row(level), fixtures) is None:
+                continue
+            others = (lv for f, lvs in FACTORS.items() if f != level.factor for lv in lvs)
+            out[level] = next(
+                (lv for lv in others if verdict(_row(level, lv), fixtures) is None), None
+            )
+    return out
+
+
+def pair_row(pair: tuple[Level, ...], helpers: dict[Level, Level | None]) -> Row:
+    """The row that judges `pair` (or a triple): first levels, each level's companion, then
+    the levels themselves."""
+    factors = {lv.factor for lv in pair}
+    extra = [h for h in (helpers.get(lv) for lv in pair) if h is not None]
+    return _row(*[lv for lv in extra if lv.factor not in factors], *pair)
+
+
+_VERDICTS: dict[tuple, str | None] = {}
+
+
+def verdict(row: Row, fixtures: Fixtures) -> str | None:
+    """None when the trainer's pre-flight accepts `row` on 2 ranks, else its one-line refusal.
+    Remembered per row (many pairs are judged in the same row: a pair with a first level)."""
+    from titanlab.planning import preflight
+    from titanlab.config.errors import ConfigError
+    from titanlab.config.manager import build_config
+
+    args = tuple(row_args(row, fixtures))
+    if args not in _VERDICTS:
+        try:
+            preflight.check(build_config(list(args)), WORLD_SIZE, WORLD_SIZE)
+            _VERDICTS[args] = None
+        except ConfigError as e:
+            _VERDICTS[args] = str(e)
+    return _VERDICTS[args]
+
+
+def all_pairs() -> list[tuple[Level, Level]]:
+    """Every pair of levels of two different factors, in a fixed order."""
+    levels = [lv for levels in FACTORS.values() for lv in levels]
+    return [(a, b) for a, b in itertools.combinations(levels, 2) if a.factor != b.factor]
+
+
+TRIPLE_LAYOUTS = ("ep2", "pp2")
+
+
+def triple_verdicts(
+    fixtures: Fixtures,
+    helpers: dict[Level, Level | None],
+    verdicts: dict[tuple[Level, Level], str | None],
+) -> dict[tuple[Level, Level, Level], str | None]:
+    """The triples that touch expert or pipeline parallel and PEFT: (EP 2 or PP 2, a PEFT
+    level, a level of any third factor), each whose three pairs are supported, with the
+    pre-flight's verdict on it (judged in `pair_row`). A triple can be refused where none of its
+    pairs is."""
+    supported = {frozenset(p) for p, why in verdicts.items() if why is None}
+    out: dict[tuple[Level, Level, Level], str | None] = {}
+    for layout in FACTORS["layout"]:
+        if layout.name not in TRIPLE_LAYOUTS:
+            continue
+        for peft in FACTORS["peft"]:
+            for factor, levels in FACTORS.items():
+                if factor in ("layout", "peft"):
+                    continue
+                for other in levels:
+                    triple = (layout, peft, other)
+                    if all(frozenset(p) in supported for p in itertools.combinations(triple, 2)):
+                        out[triple] = verdict(pair_row(triple, helpers), fixtures)
+    return out
+
+
+def pair_verdicts(
+    fixtures: Fixtures, helpers: dict[Level, Level | None]
+) -> dict[tuple[Level, Level], str | None]:
+    """Each pair's verdict (None: supported, else the pre-flight's refusal line), judged in
+    `pair_row`."""
+    return {pair: verdict(pair_row(pair, helpers), fixtures) for pair in all_pairs()}
+
+
+def names_both(
+    pair: tuple[Level, Level], message: str, helpers: dict[Level, Level | None] | None = None
+) -> bool:
+    """Whether a refusal names an option of each level of the pair (the model level counts as
+    named by `model.name` or by the model's name, e.g. "MoE" / "qwen3_moe"); a level whose
+    companion (`companions`) is named counts as named, since the pair was judged next to it."""
+
+    def named(level: Level) -> bool:
+        words = level.option_names
+        if level.factor == "model":
+            words = [*words, "MoE", "moe", "expert", "dense", "no experts"]
+        if level.factor == "data" and level.name == "chat":
+            words = [*words, "chat"]
+        return any(w in message for w in words)
+
+    helpers = helpers or {}
+    alone = [lv for lv in pair if lv in helpers and helpers[lv] is None]
+    if alone:  # refused whatever it meets: the refusal must name the level itself
+        return all(named(lv) for lv in alone)
+
+    def via_companion(lv: Level) -> bool:
+        companion = helpers.get(lv)
+        return companion is not None and named(companion)
+
+    return all(named(lv) or via_companion(lv) for lv in pair)
+
+
+def covering_rows(
+    verdicts: dict[tuple[Level, Level], str | None],
+    fixtures: Fixtures,
+    helpers: dict[Level, Level | None],
+    check_rows: bool = True,
+    triples: dict[tuple[Level, Level, Level], str | None] | None = None,
+) -> list[Row]:
+    """Rows in which every supported pair (and every supported triple of `triples`) appears at
+    least once, none holding a refused pair or triple (see the module docstring)."""
+    wanted = [frozenset(p) for p, why in verdicts.items() if why is None]
+    wanted += [frozenset(t) for t, why in (triples or {}).items() if why is None]
+    supported = set(wanted)
+    refused_triples = {frozenset(t) for t, why in (triples or {}).items() if why is not None}
+    uncovered = set(wanted)
+    rows: list[Row] = []
+
+    def subsets(levels: list[Level]) -> set[frozenset[Level]]:
+        return {frozenset(c) for n in (2, 3) for c in itertools.combinations(levels, n)}
+
+    def fits(lv: Level, row: dict[str, Level]) -> bool:
+        others = list(row.values())
+        return all(frozenset((lv, o)) in supported for o in others) and not any(
+            frozenset((lv, *pair)) in refused_triples for pair in itertools.combinations(others, 2)
+        )
+
+    def gain(lv: Level, row: dict[str, Level]) -> int:
+        others = list(row.values())
+        new = [frozenset((lv, o)) for o in others]
+        new += [frozenset((lv, *pair)) for pair in itertools.combinations(others, 2)]
+        return sum(t in uncovered for t in new)
+
+    for seed in wanted:
+        if seed not in uncovered:
+            continue
+        seed_levels = sorted(seed, key=lambda lv: list(FACTORS).index(lv.factor))
+        row = {lv.factor: lv for lv in seed_levels}
+        for factor, levels in FACTORS.items():
+            if factor in row:
+                continue
+            candidates = [lv for lv in levels if fits(lv, row)] or [FIRST[factor]]
+            # The level that covers the most uncovered pairs and triples; ties: the earlier one.
+            row[factor] = max(candidates, key=lambda lv: (gain(lv, row), -levels.index(lv)))
+        full = {factor: row[factor] for factor in FACTORS}
+        if check_rows and verdict(full, fixtures) is not None:
+            full = pair_row(tuple(seed_levels), helpers)
+        rows.append(full)
+        uncovered -= subsets(list(full.values()))
+    return rows
+
+
+def pair_rows(
+    verdicts: dict[tuple[Level, Level], str | None], helpers: dict[Level, Level | None]
+) -> list[Row]:
+    """One row per supported pair (`pair_row`), duplicates removed."""
+    seen, rows = set(), []
+    for pair, why in verdicts.items():
+        row = pair_row(pair, helpers)
+        key = tuple(lv.name for lv in row.values())
+        if why is None and key not in seen:
+            seen.add(key)
+            rows.append(row)
+    return rows
+
+
+def row_name(row: Row) -> str:
+    """The row's non-first levels, e.g. `moe-ep2-lora_attention-distill-selective_op` (a level
+    named "on" is written as its factor)."""
+    parts = [row["model"].name, row["layout"].name]
+    parts += [
+        f if lv.name == "on" else lv.name
+        for f, lv in row.items()
+        if f not in ("model", "layout") and lv != FIRST[f]
+    ]
+    return "-".join(parts)
