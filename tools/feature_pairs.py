@@ -54,7 +54,7 @@ from tools.lib.feature_matrix import (
     row_name,
     triple_verdicts,
 )
-from tools.lib.feature_runs import make_fixtures, run_row, write_doc
+from tools.lib.feature_runs import make_fixtures, run_rows, write_doc
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -98,18 +98,17 @@ def main(argv: list[str] | None = None) -> int:
         if opts.output:
             write_doc(opts.output, verdicts, rows, [], command)
         return 0
-    failed = 0
-    outcomes = []
-    for row in rows:
-        outcome = run_row(row, fixtures, opts.work_dir, opts.compile_backend)
-        outcomes.append(outcome)
-        failed += not outcome.passed
+
+    def report(outcome) -> None:
         print(
             f"{'pass' if outcome.passed else 'FAIL'}  {outcome.row}: "
             f"{outcome.max_abs_diff if outcome.error is None else outcome.error} "
             f"[{outcome.export}] {outcome.seconds:.0f}s",
             flush=True,
         )
+
+    outcomes = run_rows(rows, fixtures, opts.work_dir, opts.compile_backend, on_outcome=report)
+    failed = sum(not o.passed for o in outcomes)
     print(f"supported {len(verdicts) - len(refused)} / refused {len(refused)} / failed {failed}")
     if opts.output:
         write_doc(opts.output, verdicts, rows, outcomes, command)

@@ -65,7 +65,7 @@ def test_supported_pairs_train_like_one_process_and_export_whole(matrix):
     # CI compiles with aot_eager (the capture, where features meet compile); the full run with
     # Inductor.
     backend = "inductor" if FULL else "aot_eager"
-    outcomes = [runs.run_row(row, fixtures, root, backend) for row in rows]
+    outcomes = runs.run_rows(rows, fixtures, root, backend)
     failed = [o for o in outcomes if not o.passed]
     refused = len(verdicts) - len(supported)
     print(f"\nfeature pairs: supported {len(supported)} / refused {refused} / failed "

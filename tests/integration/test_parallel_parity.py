@@ -25,8 +25,8 @@ LAYOUTS = {lay.name: lay for lay in parity_matrix.ci_layouts() + REGRESSIONS}
 
 # Options that are not layouts, each on the layout it changes. Context parallel's ring runs
 # inside each activation-checkpointing mode's recomputation and under torch.compile; the
-# compiled runs without AC are left to `make test-parity-full` (CI's compiled CP run has
-# selective AC on, which covers compile × CP too).
+# compiled runs are left to `make test-parity-full` (CI meets CP × compile × AC in the
+# feature-pair matrix's covering rows).
 CP2 = Layout(1, 1, 1, 1, None, 1, cp=2)
 FULL_ONLY = pytest.mark.skipif(
     os.environ.get("TITANLAB_PARITY_FULL") != "1", reason="make test-parity-full runs it"
@@ -60,10 +60,11 @@ OPTION_ARGS = {
     "cp2_alltoall_compile": ["--compile.enable", "true"],
 }
 # CI runs CP with full and selective-op AC; every-2nd-block AC recomputes the same ring as
-# full AC does, so `make test-parity-full` runs that one.
+# full AC does, so `make test-parity-full` runs that one, and the compiled CP runs (CI meets
+# CP × compile × AC in the feature-pair matrix's covering rows).
 OPTION_PARAMS = [
     pytest.param(name, marks=FULL_ONLY)
-    if name in ("cp2_alltoall_compile", "cp2_ac_selective_2")
+    if name in ("cp2_alltoall_compile", "cp2_ac_selective_2", "cp2_compile_ac_selective_op")
     else name
     for name in OPTIONS
 ]

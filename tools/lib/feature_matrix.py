@@ -249,17 +249,9 @@ _VERDICTS: dict[tuple, str | None] = {}
 def verdict(row: Row, fixtures: Fixtures) -> str | None:
     """None when the trainer's pre-flight accepts `row` on 2 ranks, else its one-line refusal.
     Remembered per row (many pairs are judged in the same row: a pair with a first level)."""
-    from titanlab.planning import preflight
-    from titanlab.config.errors import ConfigError
-    from titanlab.config.manager import build_config
-
     args = tuple(row_args(row, fixtures))
     if args not in _VERDICTS:
-        try:
-            preflight.check(build_config(list(args)), WORLD_SIZE, WORLD_SIZE)
-            _VERDICTS[args] = None
-        except ConfigError as e:
-            _VERDICTS[args] = str(e)
+        _VERDICTS[args] = _verdict_of_args(args)
     return _VERDICTS[args]
 
 
@@ -282,19 +274,47 @@ def triple_verdicts(
     pre-flight's verdict on it (judged in `pair_row`). A triple can be refused where none of its
     pairs is."""
     supported = {frozenset(p) for p, why in verdicts.items() if why is None}
-    out: dict[tuple[Level, Level, Level], str | None] = {}
-    for layout in FACTORS["layout"]:
-        if layout.name not in TRIPLE_LAYOUTS:
-            continue
-        for peft in FACTORS["peft"]:
-            for factor, levels in FACTORS.items():
-                if factor in ("layout", "peft"):
-                    continue
-                for other in levels:
-                    triple = (layout, peft, other)
-                    if all(frozenset(p) in supported for p in itertools.combinations(triple, 2)):
-                        out[triple] = verdict(pair_row(triple, helpers), fixtures)
-    return out
+    triples = [
+        (layout, peft, other)
+        for layout in FACTORS["layout"]
+        if layout.name in TRIPLE_LAYOUTS
+        for peft in FACTORS["peft"]
+        for factor, levels in FACTORS.items()
+        if factor not in ("layout", "peft")
+        for other in levels
+    ]
+    triples = [
+        t for t in triples if all(frozenset(p) in supported for p in itertools.combinations(t, 2))
+    ]
+    prefill_verdicts([pair_row(t, helpers) for t in triples], fixtures)
+    return {t: verdict(pair_row(t, helpers), fixtures) for t in triples}
+
+
+def _verdict_of_args(args: tuple) -> str | None:
+    """`verdict`'s pre-flight on one row's options (in a worker process)."""
+    from titanlab.config.errors import ConfigError
+    from titanlab.config.manager import build_config
+    from titanlab.planning import preflight
+
+    try:
+        preflight.check(build_config(list(args)), WORLD_SIZE, WORLD_SIZE)
+        return None
+    except ConfigError as e:
+        return str(e)
+
+
+def prefill_verdicts(rows: list[Row], fixtures: Fixtures, workers: int = 2) -> None:
+    """Judge `rows` (those not judged yet) on `workers` processes at once and remember the
+    verdicts, so that `verdict` finds them; the pre-flight is single-threaded Python."""
+    todo = list(dict.fromkeys(tuple(row_args(r, fixtures)) for r in rows))
+    todo = [args for args in todo if args not in _VERDICTS]
+    if len(todo) < 2 * workers:
+        return
+    import multiprocessing
+
+    with multiprocessing.get_context("fork").Pool(workers) as pool:
+        for args, why in zip(todo, pool.map(_verdict_of_args, todo, chunksize=8)):
+            _VERDICTS[args] = why
 
 
 def pair_verdicts(
@@ -302,7 +322,9 @@ def pair_verdicts(
 ) -> dict[tuple[Level, Level], str | None]:
     """Each pair's verdict (None: supported, else the pre-flight's refusal line), judged in
     `pair_row`."""
-    return {pair: verdict(pair_row(pair, helpers), fixtures) for pair in all_pairs()}
+    pairs = all_pairs()
+    prefill_verdicts([pair_row(pair, helpers) for pair in pairs], fixtures)
+    return {pair: verdict(pair_row(pair, helpers), fixtures) for pair in pairs}
 
 
 def names_both(

@@ -8,6 +8,8 @@ import hashlib
 import json
 import os
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from tools.lib.feature_matrix import (
@@ -59,13 +61,14 @@ def _run(nproc: int, args: list[str], dump: str) -> str | None:
     return f"exit {proc.returncode}: {failure_line(output)} (log: {dump}/launch.log)"
 
 
-def run_row(
+def launch_row(
     row: Row, fixtures: Fixtures, root: str, compile_backend: str = "inductor"
 ) -> RowOutcome:
-    """Train `row` on 2 ranks and on 1 process, compare the losses, check the export.
-    `compile_backend`: torch.compile's backend where the row compiles (CI's covering rows use
-    "aot_eager": Dynamo's capture and AOTAutograd's joint graph, which is where features meet
-    compile, without Inductor's C++ build; Inductor's numerics are in test_compile.py)."""
+    """Train `row` on 2 ranks and on 1 process (subprocesses) and compare the losses; the
+    export is checked by `finish_row`. `compile_backend`: torch.compile's backend where the row
+    compiles (CI's covering rows use "aot_eager": Dynamo's capture and AOTAutograd's joint
+    graph, which is where features meet compile, without Inductor's C++ build; Inductor's
+    numerics are in test_compile.py)."""
     name = row_name(row)
     start = time.time()
     low = any(lv.low_precision for lv in row.values())
@@ -85,13 +88,49 @@ def run_row(
             out.error = f"logged steps {sorted(got)}, expected 1..{STEPS}"
         else:
             out.max_abs_diff = max(abs(got[s] - want[s]) for s in got)
-    if out.error is None:
-        try:
-            out.export = check_export(row, os.path.join(dump, "checkpoint"), fixtures)
-        except Exception as e:  # the export check's failure is the row's failure
-            out.error = f"export: {type(e).__name__}: {e}"
     out.seconds = time.time() - start
     return out
+
+
+def finish_row(out: RowOutcome, row: Row, fixtures: Fixtures, root: str) -> RowOutcome:
+    """`out` with the row's export checked (`check_export`, in this process) when it trained."""
+    if out.error is None:
+        start = time.time()
+        checkpoint = os.path.join(root, "rows", out.row, "checkpoint")
+        try:
+            out.export = check_export(row, checkpoint, fixtures)
+        except Exception as e:  # the export check's failure is the row's failure
+            out.error = f"export: {type(e).__name__}: {e}"
+        out.seconds += time.time() - start
+    return out
+
+
+def run_row(
+    row: Row, fixtures: Fixtures, root: str, compile_backend: str = "inductor"
+) -> RowOutcome:
+    """One row: `launch_row`, then `finish_row`."""
+    return finish_row(launch_row(row, fixtures, root, compile_backend), row, fixtures, root)
+
+
+def run_rows(
+    rows: list[Row],
+    fixtures: Fixtures,
+    root: str,
+    compile_backend: str = "inductor",
+    on_outcome: Callable[[RowOutcome], None] | None = None,
+) -> list[RowOutcome]:
+    """`run_row` for every row, in order; the launches of the next rows (subprocesses, from a
+    worker thread) run while this process checks the previous row's export, so a 2-core
+    machine is not left with a core idle during the single-process parts. `on_outcome` is called
+    with each finished row, in order."""
+    outcomes = []
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        launched = [pool.submit(launch_row, r, fixtures, root, compile_backend) for r in rows]
+        for row, future in zip(rows, launched):
+            outcomes.append(finish_row(future.result(), row, fixtures, root))
+            if on_outcome is not None:
+                on_outcome(outcomes[-1])
+    return outcomes
 
 
 def check_export(row: Row, checkpoint_root: str, fixtures: Fixtures) -> str:

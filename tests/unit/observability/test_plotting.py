@@ -11,7 +11,7 @@ import pytest
 from titanlab.observability.plotting import DPI, HEIGHT_PX, PANELS, WIDTH_PX, plot_runs
 
 pytest.importorskip("matplotlib")
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 
 def write_run(folder, scale: float, val_every: int = 0) -> list[dict]:

@@ -121,7 +121,7 @@ def test_estimate_memory_tool_prints_table_and_verdict(capsys):
     import importlib.util
     import os
 
-    path = os.path.join(os.path.dirname(__file__), "..", "..", "tools", "estimate_memory.py")
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "..", "tools", "estimate_memory.py")
     spec = importlib.util.spec_from_file_location("estimate_memory_tool", path)
     tool = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tool)

@@ -7,7 +7,9 @@ import sys
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+sys.path.insert(
+    0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+)
 from titanlab.models.llama3 import llama3_flavors
 from titanlab.models.registry import build_model
 from tools import benchmark_decode
