@@ -13,7 +13,7 @@ from conftest import TINY
 # Reads of host tensors are not waits for an accelerator and are left out: torch.optim's
 # Adam/AdamW step counters (host tensors unless `capturable`) and the preemption flag (a host
 # tensor reduced over gloo on every backend; see titanlab/resilience/preemption.py).
-ALLOWED = ("/torch/optim/", "/titanlab/preemption.py")
+ALLOWED = ("/torch/optim/", "/titanlab/resilience/preemption.py")
 
 
 class ScalarReads(TorchDispatchMode):
