@@ -45,7 +45,6 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from tools.lib.feature_matrix import (
-    REPO,
     companions,
     covering_rows,
     names_both,
@@ -55,6 +54,7 @@ from tools.lib.feature_matrix import (
     triple_verdicts,
 )
 from tools.lib.feature_runs import make_fixtures, run_rows, write_doc
+from tools.lib.runs import REPO
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -161,6 +161,15 @@ def test_tools_are_scripts_sharing_only_tools_lib():
     assert wrong == []
 
 
+def test_every_tools_script_imports():
+    """Each script in tools/ (and tools.lib) imports: a name moved or removed elsewhere fails
+    here, not when a user runs the script."""
+    import importlib
+
+    for module in sorted(import_graph("tools")):
+        importlib.import_module(module)
+
+
 def test_the_top_level_holds_thin_entry_points_and_every_package_says_what_it_holds():
     top = sorted(n[:-3] for n in os.listdir(os.path.join(REPO, "titanlab")) if n.endswith(".py"))
     assert set(top) <= ENTRY_POINTS and len(top) <= 6, top
