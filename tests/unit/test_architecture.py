@@ -25,6 +25,7 @@ LAYERS = (
     "distributed",
     "data",
     "checkpoint",
+    "generation",
     "components",
     "metrics",
     "observability",
@@ -32,7 +33,6 @@ LAYERS = (
     "posttrain",
     "planning",
     "trainer",
-    "generation",
     "entry points",
 )
 ENTRY_POINTS = {"__init__", "train", "generate", "preflight", "launcher"}

@@ -20,6 +20,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from titanlab.config.job_config import ConfigError, JobConfig
+from titanlab.data.digit_tasks import DigitVocab
 from titanlab.data.tokenizer import AnyTokenizer, default_tokenizer_path, load_tokenizer
 from titanlab.models.common.decoder import Decoder
 from titanlab.models.registry import (
@@ -37,7 +38,10 @@ logger = logging.getLogger(__name__)
 
 def build_tokenizer(config: JobConfig) -> AnyTokenizer:
     """The tokenizer at `model.tokenizer_path` (tiktoken `tokenizer.model` or HF
-    `tokenizer.json`), or the bundled stdlib BPE when it is empty."""
+    `tokenizer.json`), or the bundled stdlib BPE when it is empty; a reinforcement-learning run
+    on a digit task uses the task's own vocabulary (`titanlab.data.digit_tasks`)."""
+    if config.rl.algorithm != "none":
+        return cast(AnyTokenizer, DigitVocab())  # duck-typed: the ids and names the trainer reads
     path = config.model.tokenizer_path or default_tokenizer_path()
     try:
         return load_tokenizer(path)

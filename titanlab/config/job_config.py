@@ -21,8 +21,10 @@ from titanlab.config.parallelism import Parallelism
 from titanlab.config.peft import Peft
 from titanlab.config.performance import ActivationCheckpoint, Compile, Float8
 from titanlab.config.profiling import Profiling
+from titanlab.config.rl import RL
 
 __all__ = [
+    "RL",
     "ActivationCheckpoint",
     "Checkpoint",
     "Comm",
@@ -71,7 +73,7 @@ class Model:
     flavors."""
 
     flavor: str = "debugmodel"
-    """A published size of the family (llama3: debugmodel, debugmodel_deep, 1B, 3B, 8B, 70B,
+    """A published size of the family (llama3: debugmodel, debugmodel_deep, debugmodel_tiny, 1B, 3B, 8B, 70B,
     405B; qwen3: debugmodel, debugmodel_deep, 0.6B, 1.7B, 4B, 8B, 14B, 32B; qwen3_moe:
     debugmodel, debugmodel_deep, 30B-A3B, 235B-A22B), or `hf`: the
     architecture of `model.hf_config`, or of the `model_args.json` stored in
@@ -358,6 +360,7 @@ class JobConfig:
     float8: Float8 = field(default_factory=Float8)
     peft: Peft = field(default_factory=Peft)
     distill: Distill = field(default_factory=Distill)
+    rl: RL = field(default_factory=RL)
     metrics: Metrics = field(default_factory=Metrics)
     profiling: Profiling = field(default_factory=Profiling)
     data: Data = field(default_factory=Data)
@@ -378,3 +381,34 @@ class JobConfig:
             f"peft.quantize_base={self.peft.quantize_base} needs checkpoint.initial_load_path "
             "(the base model whose weights are quantized)",
         )
+        if self.rl.algorithm != "none":
+            self._validate_rl()
+
+    def _validate_rl(self) -> None:
+        """What reinforcement learning composes with in this version: one line per refusal."""
+        rl, par, name = self.rl, self.parallelism, f"rl.algorithm={self.rl.algorithm}"
+        _require(
+            self.training.local_batch_size % rl.group_size == 0,
+            f"training.local_batch_size={self.training.local_batch_size} (completions per rank) "
+            f"is not a multiple of rl.group_size={rl.group_size}; use a multiple of it",
+        )
+        refused = {
+            "parallelism.pipeline_parallel_degree": par.pipeline_parallel_degree > 1,
+            "parallelism.context_parallel_degree": par.context_parallel_degree > 1,
+            "compile.enable": self.compile.enable,
+            "peft.method": self.peft.method != "none",
+            "distill.teacher_path": bool(self.distill.teacher_path),
+            "float8.enable": self.float8.enable,
+            "validation.enable": self.validation.enable,
+        }
+        for option, on in refused.items():
+            value = getattr(getattr(self, option.split(".")[0]), option.split(".")[1])
+            _require(
+                not on,
+                f"{name} with {option}={value} is not supported; "
+                + (
+                    "use rl.eval_freq for held-out evaluation"
+                    if option == "validation.enable"
+                    else f"leave {option} at its default"
+                ),
+            )

@@ -50,11 +50,13 @@ def param_dtype(config: JobConfig, device: torch.device) -> torch.dtype:
 def loss_parallel_enabled(config: JobConfig, parallel_dims: ParallelDims) -> bool:
     """Whether the logits stay sharded on the vocab under tensor parallel (loss parallel): on
     unless `parallelism.disable_loss_parallel`, or when distilling (the KL to the teacher is
-    taken over whole-vocab rows, so every tp rank gets the full logits of its tokens)."""
+    taken over whole-vocab rows, so every tp rank gets the full logits of its tokens) or
+    sampling (reinforcement learning samples from whole-vocab rows)."""
     return (
         parallel_dims.tp_enabled
         and not config.parallelism.disable_loss_parallel
         and not config.distill.teacher_path
+        and config.rl.algorithm == "none"
     )
 
 

@@ -2,7 +2,8 @@
 checkpoint loading, tensor parallel decode, and the command (`cli`, run by
 `python -m titanlab.generate`).
 
-May import every package but `trainer` and the entry points.
+May import `config`, `models`, `distributed`, `data` and `checkpoint`: it sits below
+`components`, so reinforcement learning's rollouts (`posttrain.rl`) share its sampling.
 """
 
 from titanlab.generation.generate import generate

@@ -55,6 +55,34 @@ def format_moe(extra: dict[str, float]) -> str:
     return "  ".join(parts)
 
 
+def format_rl(extra: dict[str, float]) -> str:
+    """The reinforcement-learning line: rewards (mean ± std, then per function), groups with
+    equal rewards, completion length, KL, clip fractions, ratio max, the largest sampler vs
+    trainer log-probability gap, the rollout's share of the step, and the held-out evaluation."""
+    r = {k[3:]: v for k, v in extra.items() if k.startswith("rl/")}
+    parts = [f"reward: {r['reward_mean']:.4f}±{r['reward_std']:.4f}"]
+    per_fn = [f"{k[7:]} {v:.4f}" for k, v in r.items() if k.startswith("reward/")]
+    if per_fn:
+        parts[0] += f" ({', '.join(per_fn)})"
+    parts.append(f"zero_std_groups: {r['frac_zero_std_groups']:.2f}")
+    parts.append(
+        f"len: {r['completion_len_mean']:.1f}/{r['completion_len_max']:.0f} "
+        f"(truncated {r['truncated_frac']:.2f})"
+    )
+    if "kl" in r:
+        parts.append(f"kl: {r['kl']:.4f}")
+    parts.append(f"clip: {r['clip_low_frac']:.3f}/{r['clip_high_frac']:.3f}")
+    parts.append(f"ratio_max: {r['ratio_max']:.3f}")
+    parts.append(f"sampler_dlogp: {r['sampler_logp_max_diff']:.1e}")
+    total = r["rollout_s"] + r["train_s"]
+    parts.append(f"rollout: {100 * r['rollout_s'] / total if total else 0:.0f}%")
+    if "eval_exact_match" in r:
+        parts.append(
+            f"eval: exact {r['eval_exact_match']:.3f} partial {r['eval_partial_credit']:.3f}"
+        )
+    return "  ".join(parts)
+
+
 def _layer_key(layer: str) -> tuple[int, str]:
     return (int(layer), "") if layer.isdigit() else (1 << 30, layer)
 

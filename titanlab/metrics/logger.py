@@ -15,7 +15,7 @@ from typing import Any, Protocol
 
 import torch
 
-from titanlab.metrics.format import format_line, format_mixture, format_moe
+from titanlab.metrics.format import format_line, format_mixture, format_moe, format_rl
 from titanlab.metrics.system import CpuMeter, memory_fields, memory_kind, reset_peaks
 from titanlab.metrics.window import StepRecord, StepWindow, spread
 
@@ -166,8 +166,10 @@ class MetricsLogger:
             logger.info("%s", format_line(rec, memory_kind(self.device)))
             if val_loss is not None:
                 logger.info("validation: step: %d  val_loss: %.6f", step, val_loss)
-            if extras:
+            if any(k.startswith("moe/") for k in extras):
                 logger.info("step: %d  %s", step, format_moe(extras))
+            if "rl/reward_mean" in extras:
+                logger.info("step: %d  %s", step, format_rl(extras))
             if data_tokens:
                 logger.info("step: %d  %s", step, format_mixture(data_tokens))
             for sink in self.sinks:

@@ -16,6 +16,7 @@ import torch
 
 from titanlab.components import builders as components
 from titanlab.data.build import build_data
+from titanlab.posttrain.rl.checks import check_rl
 from titanlab.posttrain.teacher import teacher_args
 from titanlab.checkpoint import store
 from titanlab.config.job_config import ConfigError, JobConfig
@@ -67,6 +68,7 @@ def check(config: JobConfig, world_size: int, local_world_size: int) -> Plan:
                     "other targets"
                 )
     batch = components.batch_layout(config, parallel_dims.dp_degree)
+    check_rl(config, batch)
     if config.distill.teacher_path:
         teacher_args(config, family, model_args.vocab_size)
     check_memory(model_args, config, world_size, local_world_size, param_dtype(config, device))

@@ -16,6 +16,7 @@ import logging
 import os
 import socket
 import time
+from typing import Any
 
 import torch
 
@@ -46,7 +47,7 @@ from titanlab.posttrain.teacher import build_teacher, join_teacher_load, teacher
 from titanlab.precision.float8 import apply_float8
 from titanlab.resilience.failures import OutOfMemory, TrainingDiverged, is_out_of_memory, oom_line
 from titanlab.resilience.preemption import REQUEUE_EXIT_CODE, Preempted, PreemptionHandler
-from titanlab.trainer import peft_steps
+from titanlab.trainer import peft_steps, rl_steps
 from titanlab.trainer.step import TrainStep
 
 logger = logging.getLogger("titanlab")
@@ -56,6 +57,8 @@ class Trainer(TrainStep):
     """Owns the model parts, optimizer, data and checkpointer of one run; `train()` runs the
     loop. Raises ConfigError (one line) before any process group exists when the config cannot
     run (`titanlab.planning.preflight`)."""
+
+    loader: Any  # the token-window loader, or a reinforcement-learning run's prompt stream
 
     def __init__(self, config: JobConfig) -> None:
         warning_filters.install()
@@ -76,6 +79,7 @@ class Trainer(TrainStep):
         peft_steps.adapt(model, config, compute_dtype)
         parallelize = self._parallelize(model)
         self._build_teacher(parallelize)
+        self.reference = rl_steps.reference(self, parallelize)
         peft_steps.after_parallelize(self.model_parts, config, self.rank, compute_dtype)
         self.optimizer = OptimizersContainer(
             self.model_parts, config.optimizer, self.device,
@@ -88,6 +92,7 @@ class Trainer(TrainStep):
         self.step = 0 if config.checkpoint.create_seed_checkpoint else self.checkpointer.load()
         self._build_metrics(world_size, flops_per_token)
         self.init_step_state(compute_dtype)
+        self.rl = rl_steps.recipe(self)
 
     # --- the recipe's parts, in order ---------------------------------------------------
     def _log_start(self, world_size: int) -> None:
@@ -110,6 +115,10 @@ class Trainer(TrainStep):
         """The train and held-out splits, the batch preparer and the train loader."""
         config, dims = self.config, self.parallel_dims
         dp_rank, dp = dims.dp_rank(), dims.dp_degree
+        if config.rl.algorithm != "none":  # prompts instead of token windows
+            self.val_set = self.data_schedule = None
+            self.loader = rl_steps.prompt_stream(config, dp_rank, self.batch)
+            return
         data = build_data(config, self.tokenizer)
         train_set, self.val_set = data.train, data.val
         self.batches = BatchPreparer(config, data.masking, self.rank, dp_rank)
@@ -256,7 +265,7 @@ class Trainer(TrainStep):
             return self._write_seed_checkpoint()
         gc.disable()
         preemption = PreemptionHandler(self.device)
-        data = iter(self.loader)
+        data = iter(self.loader) if self.rl is None else None
         last = cfg.training.steps
         logger.info("training: steps %d → %d", self.step + 1, last)
         first, begin = self.step, time.perf_counter()
@@ -281,12 +290,18 @@ class Trainer(TrainStep):
         cfg = self.config
         self.step += 1
         self.metrics.begin_step()
-        batches = [next(data) for _ in range(self.batch.grad_accum_steps)]
-        self.metrics.data_ready()
-        self.batches.record(self.step, batches)
         lr = self.lr_scheduler.get_last_lr()[0]  # the lr this step uses
-        with count_step_comms(self.step):  # only when TITANLAB_COMM_COUNT is set
-            loss, grad_norm = self.train_step(batches)
+        evaluate = False
+        if self.rl is not None:
+            self.metrics.data_ready()
+            loss, grad_norm, extra, evaluate = rl_steps.step(self.rl, cfg, self.step, last)
+        else:
+            batches = [next(data) for _ in range(self.batch.grad_accum_steps)]
+            self.metrics.data_ready()
+            self.batches.record(self.step, batches)
+            with count_step_comms(self.step):  # only when TITANLAB_COMM_COUNT is set
+                loss, grad_norm = self.train_step(batches)
+            extra = self.moe_metrics
         if self.step == 1:
             set_train_timeout(cfg.comm.train_timeout_seconds)
         validate = (
@@ -294,7 +309,7 @@ class Trainer(TrainStep):
             and self.val_set is not None
             and self.step % cfg.validation.freq == 0
         )
-        log = validate or self.metrics.should_log(self.step, last)
+        log = validate or evaluate or self.metrics.should_log(self.step, last)
         stop = self.step < last and preemption.should_stop()
         # The host waits for the device only when it needs the values: to log, or before
         # anything that must not happen after a non-finite loss (a checkpoint, the end).
@@ -304,7 +319,7 @@ class Trainer(TrainStep):
             loss=loss,
             grad_norm=grad_norm,
             lr=lr,
-            extra=self.moe_metrics,
+            extra=extra,
             loss_scale=self.scaler.get_scale() if self.scaler is not None and fetch else None,
             fetch=fetch,
         )

@@ -154,6 +154,16 @@ llama3_flavors: dict[str, TransformerModelArgs] = {
         rope_scaling=LLAMA31_SCALING,
         max_seq_len=131072,  # what Llama 3.1's scaling serves
     ),
+    # 2 thin layers: reinforcement-learning tests train it to a task in a few hundred steps.
+    "debugmodel_tiny": TransformerModelArgs(
+        dim=64,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        multiple_of=32,
+        rope_theta=10000.0,
+        max_seq_len=2048,
+    ),
     "1B": _published(
         dim=2048,
         n_layers=16,

@@ -1,0 +1,132 @@
+"""The `[rl]` section: reinforcement learning from verifiable rewards (GRPO) on the same stack."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from titanlab.config.errors import _require
+
+DIGIT_TASKS = ("reverse", "sort")
+
+
+@dataclass
+class RL:
+    algorithm: Literal["none", "grpo"] = "none"
+    """none: pretraining / SFT on `[data]`. grpo: Group Relative Policy Optimization (Shao et
+    al. 2024, arXiv:2402.03300 §4.1): each data-parallel rank draws its own prompts, the policy
+    module samples `group_size` completions of each through its KV cache (no second engine, no
+    weight copy), the reward functions score them, and the step minimizes the clipped surrogate
+    of the group-normalized advantages plus `beta` · k3 KL to the initial model.
+    `training.local_batch_size` counts completions per rank (prompts × group_size)."""
+
+    task: Literal["reverse", "sort"] = "reverse"
+    """Prompt source: an offline verifiable task generated from `debug.seed`, on its own
+    16-token vocabulary (digits, BOS, SEP, EOS; the model's vocab_size comes from it): reverse
+    or sort a string of `task_digits` digits. The answer is the digits then EOS."""
+
+    task_digits: int = 4
+    """Digits per prompt of the task."""
+
+    group_size: int = 8
+    """G: completions sampled per prompt; the advantages are normalized within each group."""
+
+    max_new_tokens: int = 0
+    """Most tokens sampled per completion; 0: the task's answer length (digits + EOS)."""
+
+    temperature: float = 1.0
+    """Sampling temperature (> 0) over the full vocabulary; the trainer's log-probabilities use
+    the same one (logits ÷ temperature)."""
+
+    top_k: int = 0
+    """Sample among the k most likely tokens only (0: all). The ratio then uses log-probabilities
+    of the untruncated distribution, as TRL does."""
+
+    top_p: float = 1.0
+    """Nucleus sampling mass in (0, 1] (1: off)."""
+
+    epsilon_low: float = 0.2
+    """Clip range below 1 of the ratio π_θ/π_old (PPO's ε; Schulman et al. 2017)."""
+
+    epsilon_high: float = 0.2
+    """Clip range above 1; DAPO's clip-higher uses 0.28 (Yu et al. 2025, arXiv:2503.14476)."""
+
+    beta: float = 0.0
+    """Weight of the k3 KL estimate to the reference (the initial model; DeepSeekMath eq. 4);
+    0 builds no reference model (DAPO, Dr. GRPO)."""
+
+    scale_rewards: bool = True
+    """Divide each group's centred rewards by their std (+1e-6); false: Dr. GRPO's r − mean
+    (Liu et al. 2025, arXiv:2503.20783)."""
+
+    loss_aggregation: Literal["token_mean", "sequence_mean"] = "token_mean"
+    """token_mean: Σ over every completion token of the global batch ÷ their number (DAPO; the
+    project's convention, independent of the layout); sequence_mean: the paper's mean of each
+    completion's token mean."""
+
+    iterations: int = 1
+    """μ: optimizer steps on each rollout batch; after the first, the ratio to the sampling
+    policy (π_old) is no longer 1 and the clip acts. `training.steps` counts rollouts; the μ
+    steps of one rollout share its learning rate."""
+
+    dynamic_sampling: bool = False
+    """Drop the groups whose rewards are all equal (zero advantage) from the loss (DAPO)."""
+
+    mask_truncated: bool = False
+    """Leave completions that reached max_new_tokens without EOS out of the loss."""
+
+    rewards: list[str] = field(
+        default_factory=lambda: ["titanlab.posttrain.rl.rewards:partial_credit"]
+    )
+    """Reward functions `module:function`, each `(prompt, completion, metadata) -> float` with
+    token-id lists and the task's metadata dict; built in (titanlab.posttrain.rl.rewards):
+    partial_credit, exact_match, ends_with_eos."""
+
+    reward_weights: list[float] = field(default_factory=list)
+    """Weight of each reward function in the sum (empty: 1 each)."""
+
+    eval_freq: int = 25
+    """Every this many steps (and at the last), greedy exact-match on `eval_prompts` held-out
+    prompts (never drawn for training); 0: off."""
+
+    eval_prompts: int = 64
+    """Held-out prompts of the greedy evaluation."""
+
+    rollout_keep_gathered: bool = False
+    """Keep FSDP's gathered weights for the whole rollout (one all-gather per module instead of
+    one per module per decode step), then reshard every module; costs the whole unsharded
+    model's memory during the rollout."""
+
+    def validate(self) -> None:
+        if self.algorithm == "none":
+            return
+        _require(
+            3 <= self.task_digits <= 64,
+            f"rl.task_digits={self.task_digits} must be in [3, 64] (fewer digits leave no "
+            "held-out prompts)",
+        )
+        _require(
+            self.group_size >= 2,
+            f"rl.group_size={self.group_size} must be >= 2 (a group of 1 has no relative "
+            "advantage)",
+        )
+        _require(self.max_new_tokens >= 0, f"rl.max_new_tokens={self.max_new_tokens} must be >= 0")
+        _require(
+            self.temperature > 0,
+            f"rl.temperature={self.temperature} must be > 0 (GRPO samples its completions)",
+        )
+        _require(self.top_k >= 0, f"rl.top_k={self.top_k} must be >= 0 (0: all tokens)")
+        _require(0 < self.top_p <= 1, f"rl.top_p={self.top_p} must be in (0, 1]")
+        for name in ("epsilon_low", "epsilon_high"):
+            value = getattr(self, name)
+            _require(0 <= value < 1, f"rl.{name}={value} must be in [0, 1)")
+        _require(self.beta >= 0, f"rl.beta={self.beta} must be >= 0")
+        _require(self.iterations >= 1, f"rl.iterations={self.iterations} must be >= 1")
+        _require(bool(self.rewards), "rl.rewards must name at least one `module:function`")
+        _require(
+            not self.reward_weights or len(self.reward_weights) == len(self.rewards),
+            f"rl.reward_weights has {len(self.reward_weights)} values for "
+            f"{len(self.rewards)} rl.rewards; give one per function or none",
+        )
+        _require(self.eval_freq >= 0, f"rl.eval_freq={self.eval_freq} must be >= 0")
+        _require(self.eval_prompts >= 1, f"rl.eval_prompts={self.eval_prompts} must be >= 1")
