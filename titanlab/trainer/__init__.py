@@ -1,7 +1,8 @@
-"""The Trainer: the training recipe (`trainer`), its step (`step`) and the LoRA/QLoRA steps it
-takes around parallelize (`peft_steps`).
+"""The Trainer: the training recipe (`trainer`), its step (`step`), the LoRA/QLoRA steps it
+takes around parallelize (`peft_steps`) and the reinforcement-learning parts that replace the
+data and the step under `[rl]` (`rl_steps`).
 
-May import every package except `generation` and the entry points.
+May import every package except the entry points.
 """
 
 from titanlab.trainer.trainer import Trainer
