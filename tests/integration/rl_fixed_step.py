@@ -1,0 +1,72 @@
+"""One GRPO update of the real Trainer on fixed completions, for layout parity tests.
+
+Run under torchrun: `rl_fixed_step.py OUT [trainer overrides...]`. Every layout sees the same
+global rollout batch (prompts, completions with EOS at various positions, rewards), each
+data-parallel rank its own slice of whole groups; the Trainer's GRPO recipe then runs
+`optimize` (μ = `rl.iterations` optimizer steps, β · k3 to the reference). Rank 0 writes the
+loss, the grad norm and the full parameters after the update to OUT (torch.save).
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+
+import torch
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+from titanlab.config.manager import build_config
+from titanlab.data.digit_tasks import EOS, VOCAB_SIZE
+from titanlab.distributed.utils import global_sum
+from titanlab.posttrain.rl import objectives as obj
+from titanlab.posttrain.rl.rollout import Rollout
+from titanlab.trainer import Trainer
+
+
+def fixed_batch(task, group_size: int, batch: int, new_tokens: int):
+    """(prompts (B, P), completions (B, N), rewards (B,)) the same on every rank and layout."""
+    gen = torch.Generator().manual_seed(1234)
+    prompts = [task.draw(random.Random(i), False)[0] for i in range(batch // group_size)]
+    prompt_ids = torch.tensor(prompts).repeat_interleave(group_size, dim=0)
+    completions = torch.randint(0, 10, (batch, new_tokens), generator=gen)
+    eos_at = torch.randint(0, new_tokens + 1, (batch,), generator=gen)  # N: truncated
+    for b, at in enumerate(eos_at.tolist()):
+        completions[b, at:] = EOS
+    rewards = torch.rand(batch, generator=gen)
+    rewards[:group_size] = 0.5  # one group with equal rewards
+    return prompt_ids, completions, rewards
+
+
+def main(out: str, argv: list[str]) -> None:
+    trainer = Trainer(build_config(argv))
+    rl, dims = trainer.rl, trainer.parallel_dims
+    assert rl is not None
+    local = trainer.config.training.local_batch_size
+    prompts, completions, rewards = fixed_batch(
+        rl.task, rl.rl.group_size, local * dims.dp_degree, rl.max_new_tokens
+    )
+    assert int(completions.max()) < VOCAB_SIZE
+    advantages, _ = obj.group_advantages(rewards, rl.rl.group_size)
+    mask, _ = obj.completion_mask(completions, EOS)
+    mine = slice(dims.dp_rank() * local, (dims.dp_rank() + 1) * local)
+    rollout = Rollout(prompts[mine], completions[mine], torch.zeros(local, rl.max_new_tokens))
+    denominator = global_sum(mask[mine].sum().float(), trainer._loss_mesh).clamp(min=1.0)
+    loss, grad_norm, _ = rl.optimize(rollout, advantages[mine], mask[mine], denominator)
+    params = get_model_state_dict(
+        trainer.model_parts[0], options=StateDictOptions(full_state_dict=True)
+    )
+    if trainer.rank == 0:
+        torch.save(
+            {
+                "loss": loss.item(),
+                "grad_norm": grad_norm.item(),
+                "params": {k: v.detach().clone() for k, v in params.items()},
+            },
+            out,
+        )
+    trainer.close()
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2:])
