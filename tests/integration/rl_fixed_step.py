@@ -17,6 +17,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from titanlab.config.manager import build_config
 from titanlab.data.digit_tasks import EOS, VOCAB_SIZE
+from titanlab.distributed.init import destroy_distributed
 from titanlab.distributed.utils import global_sum
 from titanlab.posttrain.rl import objectives as obj
 from titanlab.posttrain.rl.rollout import Rollout
@@ -65,7 +66,7 @@ def main(out: str, argv: list[str]) -> None:
             out,
         )
     trainer.close()
-    torch.distributed.destroy_process_group()
+    destroy_distributed(barrier=True)
 
 
 if __name__ == "__main__":

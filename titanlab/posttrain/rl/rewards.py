@@ -60,8 +60,8 @@ def load_reward(spec: str, index: int) -> RewardFn:
 class RewardSet:
     """The weighted sum of the configured reward functions, each also reported on its own.
 
-    Raises (from `score`): ValueError, one line, when a function returns a non-number or a
-    non-finite one.
+    Raises (from `score`): ConfigError, one line naming the `rl.rewards` entry, when a function
+    returns a non-number or a non-finite one.
     """
 
     def __init__(self, specs: Sequence[str], weights: Sequence[float]) -> None:
@@ -77,14 +77,16 @@ class RewardSet:
         """(total (B,) float32, {name: (B,) float32 per function})."""
         per_fn: dict[str, torch.Tensor] = {}
         total = torch.zeros(len(completions))
-        for spec, name, fn, w in zip(self.specs, self.names, self.fns, self.weights):
+        for i, (spec, name, fn, w) in enumerate(
+            zip(self.specs, self.names, self.fns, self.weights)
+        ):
             values: list[float] = []
             for p, c, m in zip(prompts, completions, metadata):
                 v = fn(p, c, m)
                 if not isinstance(v, numbers.Real) or not math.isfinite(v):
-                    raise ValueError(
-                        f"reward function {spec} returned {v!r} ({type(v).__name__}); it must "
-                        "return a finite float"
+                    raise ConfigError(
+                        f"rl.rewards[{i}]={spec!r} returned {v!r} ({type(v).__name__}); a "
+                        "reward function must return a finite float"
                     )
                 values.append(float(v))
             scores = torch.tensor(values, dtype=torch.float32)

@@ -65,7 +65,7 @@ def test_a_reward_that_cannot_be_loaded_is_one_line_naming_it(spec, says):
 def test_a_reward_returning_a_non_number_is_one_line(fn):
     rewards = RewardSet([f"{__name__}:{fn}"], [])
     with pytest.raises(
-        ValueError,
-        match=f"reward function {__name__}:{fn} returned .* it must return a finite float",
+        ConfigError,
+        match=rf"rl.rewards\[0\]='{__name__}:{fn}' returned .* must return a finite float",
     ):
         rewards.score([[1]], [[2]], [META])
