@@ -68,8 +68,10 @@ class MetricsLogger:
         # Over the whole run, for the summary.
         self.run_steps, self.run_seconds, self.peak_memory_gib = 0, 0.0, 0.0
         self.run_peaks: dict[str, float] = {}  # each `*peak*` memory field's max over the run
+        self.first: dict[str, Any] = {}  # the run's first logged record
         self.last: dict[str, Any] = {}
         self.last_val: tuple[int, float] | None = None
+        self.last_eval: tuple[int, float] | None = None  # RL: greedy held-out exact match
 
     def should_log(self, step: int, last_step: int) -> bool:
         return step == 1 or step % self.log_freq == 0 or step == last_step
@@ -162,6 +164,9 @@ class MetricsLogger:
             if "peak" in k and k.endswith("_gib"):
                 self.run_peaks[k] = max(self.run_peaks.get(k, 0.0), v)
         self.last = rec
+        self.first = self.first or rec
+        if "rl/eval_exact_match" in rec:
+            self.last_eval = (step, rec["rl/eval_exact_match"])
         if self.rank == 0:
             logger.info("%s", format_line(rec, memory_kind(self.device)))
             if val_loss is not None:

@@ -1,8 +1,9 @@
 """Curves of one or more runs from their `metrics.jsonl`, drawn to one PNG (matplotlib).
 
 Four panels against step: train loss (validation loss dashed, same colour), tokens/s per rank,
-memory (GiB, the log line's headline figure) and gradient norm; one colour per run, with a legend
-naming each run by its folder. matplotlib is an optional extra (`pip install 'titanlab[plot]'`).
+memory (GiB, the log line's headline figure) and gradient norm; for a reinforcement-learning run,
+the mean reward (the greedy held-out exact match dashed), the KL to the reference, tokens/s and
+gradient norm. One colour per run, with a legend naming each run by its folder. matplotlib is an optional extra (`pip install 'titanlab[plot]'`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,14 @@ PANELS = (
     ("loss", "loss"),
     ("tps", "tokens/s per rank"),
     ("memory_gib", "memory (GiB)"),
+    ("grad_norm", "grad norm"),
+)
+# A reinforcement-learning run: its loss is a surrogate, the rewards show the progress (the
+# greedy held-out exact match dashed on the reward panel).
+RL_PANELS = (
+    ("rl/reward_mean", "reward (sampled completions)"),
+    ("rl/kl", "KL to the reference"),
+    ("tps", "tokens/s per rank"),
     ("grad_norm", "grad norm"),
 )
 WIDTH_PX, HEIGHT_PX, DPI = 1600, 1000, 100
@@ -64,13 +73,17 @@ def plot_runs(run_dirs: list[str], out_path: str, labels: list[str] | None = Non
     runs = [read_metrics(d) for d in run_dirs]
     labels = labels or [os.path.basename(os.path.abspath(d)) for d in run_dirs]
     fig, axes = plt.subplots(2, 2, figsize=(WIDTH_PX / DPI, HEIGHT_PX / DPI), dpi=DPI)
-    for ax, (key, title) in zip(axes.flat, PANELS):
+    rl = any("rl/reward_mean" in r for records in runs for r in records)
+    for ax, (key, title) in zip(axes.flat, RL_PANELS if rl else PANELS):
         for i, (records, label) in enumerate(zip(runs, labels)):
             color = f"C{i % 10}"
             ax.plot(*series(records, key), color=color, label=label)
-            if key == "loss" and any("val_loss" in r for r in records):
-                steps, val = series(records, "val_loss")
-                ax.plot(steps, val, color=color, linestyle="--", marker="o", label=f"{label} (val)")
+            dashed = {"loss": ("val_loss", "val"), "rl/reward_mean": ("rl/eval_exact_match",
+                      "held-out exact match")}.get(key)  # fmt: skip
+            if dashed and any(dashed[0] in r for r in records):
+                steps, val = series(records, dashed[0])
+                ax.plot(steps, val, color=color, linestyle="--", marker="o",
+                        label=f"{label} ({dashed[1]})")  # fmt: skip
         ax.set_title(title)
         ax.set_xlabel("step")
         ax.grid(True, alpha=0.3)

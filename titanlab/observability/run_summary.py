@@ -37,8 +37,21 @@ def format_summary(
         "run summary:",
         f"  steps:       {first_step + 1} → {last_step} ({last_step - first_step} done) in "
         f"{datetime.timedelta(seconds=round(wall_s))} wall",
-        f"  train loss:  {loss:.4f} (perplexity {perplexity(loss):.2f}) at step {rec.get('step', '-')}",
     ]
+    if "rl/reward_mean" in rec:  # an RL loss is a surrogate: the rewards say how it went
+        lines.append(
+            f"  reward:      {metrics.first.get('rl/reward_mean', math.nan):.4f} at step "
+            f"{metrics.first.get('step', '-')} → {rec['rl/reward_mean']:.4f} at step "
+            f"{rec['step']} (mean over the sampled completions)"
+        )
+        if metrics.last_eval is not None:
+            step, exact = metrics.last_eval
+            lines.append(f"  held-out:    greedy exact match {exact:.4f} at step {step}")
+    else:
+        lines.append(
+            f"  train loss:  {loss:.4f} (perplexity {perplexity(loss):.2f}) at step "
+            f"{rec.get('step', '-')}"
+        )
     if metrics.last_val is not None:
         step, val = metrics.last_val
         lines.append(f"  val loss:    {val:.4f} (perplexity {perplexity(val):.2f}) at step {step}")
