@@ -38,9 +38,10 @@ logger = logging.getLogger(__name__)
 
 def build_tokenizer(config: JobConfig) -> AnyTokenizer:
     """The tokenizer at `model.tokenizer_path` (tiktoken `tokenizer.model` or HF
-    `tokenizer.json`), or the bundled stdlib BPE when it is empty; a reinforcement-learning run
-    on a digit task uses the task's own vocabulary (`titanlab.data.digit_tasks`)."""
-    if config.rl.algorithm != "none":
+    `tokenizer.json`), or the bundled stdlib BPE when it is empty; a reinforcement-learning or
+    preference run on a digit task (no `rl.data_path`) uses the task's own vocabulary
+    (`titanlab.data.digit_tasks`)."""
+    if config.rl.algorithm != "none" and not config.rl.data_path:
         return cast(AnyTokenizer, DigitVocab())  # duck-typed: the ids and names the trainer reads
     path = config.model.tokenizer_path or default_tokenizer_path()
     try:

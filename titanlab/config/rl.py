@@ -12,13 +12,22 @@ DIGIT_TASKS = ("reverse", "sort")
 
 @dataclass
 class RL:
-    algorithm: Literal["none", "grpo"] = "none"
+    algorithm: Literal["none", "grpo", "dpo"] = "none"
     """none: pretraining / SFT on `[data]`. grpo: Group Relative Policy Optimization (Shao et
     al. 2024, arXiv:2402.03300 §4.1): each data-parallel rank draws its own prompts, the policy
     module samples `group_size` completions of each through its KV cache (no second engine, no
     weight copy), the reward functions score them, and the step minimizes the clipped surrogate
     of the group-normalized advantages plus `beta` · k3 KL to the initial model.
-    `training.local_batch_size` counts completions per rank (prompts × group_size)."""
+    `training.local_batch_size` counts completions per rank (prompts × group_size).
+    dpo: Direct Preference Optimization (Rafailov et al. 2023, arXiv:2305.18290) on preference
+    pairs (`rl.data_path`, or pairs of the digit task: its answer against the answer with one
+    digit changed), `beta` its β, the frozen initial model the reference;
+    `training.local_batch_size` counts pairs per rank."""
+
+    data_path: str = ""
+    """dpo: a JSONL file of `{"prompt", "chosen", "rejected"}` strings, the prompt rendered as a
+    user turn with the tokenizer's chat template (`model.tokenizer_path`), prompt tokens masked;
+    one line in 16 held out for evaluation. Empty: the digit task's pairs on its own vocabulary."""
 
     task: Literal["reverse", "sort"] = "reverse"
     """Prompt source: an offline verifiable task generated from `debug.seed`, on its own
@@ -52,8 +61,9 @@ class RL:
     """Clip range above 1; DAPO's clip-higher uses 0.28 (Yu et al. 2025, arXiv:2503.14476)."""
 
     beta: float = 0.0
-    """Weight of the k3 KL estimate to the reference (the initial model; DeepSeekMath eq. 4);
-    0 builds no reference model (DAPO, Dr. GRPO)."""
+    """grpo: weight of the k3 KL estimate to the reference (the initial model; DeepSeekMath
+    eq. 4), 0 builds no reference model (DAPO, Dr. GRPO). dpo: β of the implicit reward
+    (> 0, e.g. 0.1)."""
 
     scale_rewards: bool = True
     """Divide each group's centred rewards by their std (+1e-6); false: Dr. GRPO's r − mean
@@ -90,7 +100,7 @@ class RL:
     prompts (never drawn for training); 0: off."""
 
     eval_prompts: int = 64
-    """Held-out prompts of the greedy evaluation."""
+    """Held-out prompts of the greedy evaluation (dpo: held-out pairs)."""
 
     rollout_keep_gathered: bool = False
     """Keep FSDP's gathered weights for the whole rollout (one all-gather per module instead of
@@ -121,6 +131,15 @@ class RL:
             value = getattr(self, name)
             _require(0 <= value < 1, f"rl.{name}={value} must be in [0, 1)")
         _require(self.beta >= 0, f"rl.beta={self.beta} must be >= 0")
+        _require(
+            self.algorithm != "dpo" or self.beta > 0,
+            f"rl.beta={self.beta}: DPO's β must be > 0 (e.g. 0.1)",
+        )
+        _require(
+            not self.data_path or self.algorithm == "dpo",
+            f"rl.data_path with rl.algorithm={self.algorithm} is not supported yet; GRPO draws "
+            "prompts from rl.task",
+        )
         _require(self.iterations >= 1, f"rl.iterations={self.iterations} must be >= 1")
         _require(bool(self.rewards), "rl.rewards must name at least one `module:function`")
         _require(

@@ -93,6 +93,18 @@ class DigitTask:
             "share; use task_digits >= 3"
         )
 
+    def preference_pair(
+        self, rng: random.Random, held_out: bool
+    ) -> tuple[list[int], list[int], list[int]]:
+        """(prompt, chosen, rejected): the right answer, and the right answer with one digit
+        changed (both end with EOS)."""
+        prompt, meta = self.draw(rng, held_out)
+        chosen = meta["target"]
+        rejected = list(chosen)
+        at = rng.randrange(self.digits)
+        rejected[at] = (rejected[at] + rng.randrange(1, DIGITS)) % DIGITS
+        return prompt, chosen, rejected
+
     def held_out_set(self, n: int, seed: int) -> list[tuple[list[int], dict]]:
         """`n` distinct held-out examples (fewer when the held-out share has fewer strings)."""
         rng = random.Random(f"held-out:{seed}")

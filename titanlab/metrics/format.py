@@ -60,6 +60,8 @@ def format_rl(extra: dict[str, float]) -> str:
     equal rewards, completion length, KL, clip fractions, ratio max, the largest sampler vs
     trainer log-probability gap, the rollout's share of the step, and the held-out evaluation."""
     r = {k[3:]: v for k, v in extra.items() if k.startswith("rl/")}
+    if "dpo_reward_accuracy" in r:
+        return format_dpo(r)
     parts = [f"reward: {r['reward_mean']:.4f}±{r['reward_std']:.4f}"]
     per_fn = [f"{k[7:]} {v:.4f}" for k, v in r.items() if k.startswith("reward/")]
     if per_fn:
@@ -81,6 +83,20 @@ def format_rl(extra: dict[str, float]) -> str:
             f"eval: exact {r['eval_exact_match']:.3f} partial {r['eval_partial_credit']:.3f}"
         )
     return "  ".join(parts)
+
+
+def format_dpo(r: dict[str, float]) -> str:
+    """DPO's line: implicit rewards of the chosen and rejected completions, the share of pairs
+    ranked right, the margin, and the held-out accuracy."""
+    line = (
+        f"rewards: chosen {r['dpo_reward_chosen']:.4f} rejected {r['dpo_reward_rejected']:.4f}  "
+        f"accuracy: {r['dpo_reward_accuracy']:.3f}  margin: {r['dpo_reward_margin']:.4f}"
+    )
+    if "eval_reward_accuracy" in r:
+        line += (
+            f"  eval: accuracy {r['eval_reward_accuracy']:.3f} margin {r['eval_reward_margin']:.4f}"
+        )
+    return line
 
 
 def _layer_key(layer: str) -> tuple[int, str]:

@@ -71,7 +71,7 @@ class MetricsLogger:
         self.first: dict[str, Any] = {}  # the run's first logged record
         self.last: dict[str, Any] = {}
         self.last_val: tuple[int, float] | None = None
-        self.last_eval: tuple[int, float] | None = None  # RL: greedy held-out exact match
+        self.last_eval: tuple[int, str, float] | None = None  # RL: the held-out figure
 
     def should_log(self, step: int, last_step: int) -> bool:
         return step == 1 or step % self.log_freq == 0 or step == last_step
@@ -165,15 +165,17 @@ class MetricsLogger:
                 self.run_peaks[k] = max(self.run_peaks.get(k, 0.0), v)
         self.last = rec
         self.first = self.first or rec
-        if "rl/eval_exact_match" in rec:
-            self.last_eval = (step, rec["rl/eval_exact_match"])
+        for key, name in (("rl/eval_exact_match", "greedy exact match"),
+                          ("rl/eval_reward_accuracy", "reward accuracy")):  # fmt: skip
+            if key in rec:
+                self.last_eval = (step, name, rec[key])
         if self.rank == 0:
             logger.info("%s", format_line(rec, memory_kind(self.device)))
             if val_loss is not None:
                 logger.info("validation: step: %d  val_loss: %.6f", step, val_loss)
             if any(k.startswith("moe/") for k in extras):
                 logger.info("step: %d  %s", step, format_moe(extras))
-            if "rl/reward_mean" in extras:
+            if any(k.startswith("rl/") for k in extras):
                 logger.info("step: %d  %s", step, format_rl(extras))
             if data_tokens:
                 logger.info("step: %d  %s", step, format_mixture(data_tokens))

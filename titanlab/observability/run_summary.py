@@ -38,15 +38,17 @@ def format_summary(
         f"  steps:       {first_step + 1} → {last_step} ({last_step - first_step} done) in "
         f"{datetime.timedelta(seconds=round(wall_s))} wall",
     ]
-    if "rl/reward_mean" in rec:  # an RL loss is a surrogate: the rewards say how it went
+    rl_key = next((k for k in ("rl/reward_mean", "rl/dpo_reward_accuracy") if k in rec), None)
+    if rl_key:  # an RL loss is a surrogate: the rewards say how it went
+        what = "mean over the sampled completions" if rl_key == "rl/reward_mean" else "accuracy"
         lines.append(
-            f"  reward:      {metrics.first.get('rl/reward_mean', math.nan):.4f} at step "
-            f"{metrics.first.get('step', '-')} → {rec['rl/reward_mean']:.4f} at step "
-            f"{rec['step']} (mean over the sampled completions)"
+            f"  reward:      {metrics.first.get(rl_key, math.nan):.4f} at step "
+            f"{metrics.first.get('step', '-')} → {rec[rl_key]:.4f} at step {rec['step']} "
+            f"({what})"
         )
         if metrics.last_eval is not None:
-            step, exact = metrics.last_eval
-            lines.append(f"  held-out:    greedy exact match {exact:.4f} at step {step}")
+            step, name, value = metrics.last_eval
+            lines.append(f"  held-out:    {name} {value:.4f} at step {step}")
     else:
         lines.append(
             f"  train loss:  {loss:.4f} (perplexity {perplexity(loss):.2f}) at step "

@@ -68,7 +68,7 @@ def check(config: JobConfig, world_size: int, local_world_size: int) -> Plan:
                     "other targets"
                 )
     batch = components.batch_layout(config, parallel_dims.dp_degree)
-    check_rl(config, batch)
+    check_rl(config, batch, tokenizer)
     if config.distill.teacher_path:
         teacher_args(config, family, model_args.vocab_size)
     check_memory(model_args, config, world_size, local_world_size, param_dtype(config, device))

@@ -1,6 +1,6 @@
-"""The Trainer's reinforcement-learning parts (`[rl]`): the prompt stream in place of the data
-loader, the frozen reference, the recipe in place of `train_step`, and its step with the
-held-out evaluation. `titanlab.posttrain.rl` holds the algorithm itself."""
+"""The Trainer's reinforcement-learning and preference parts (`[rl]`): the prompt or pair
+stream in place of the data loader, the frozen reference, the recipe in place of `train_step`,
+and its step with the held-out evaluation. `titanlab.posttrain.rl` holds the algorithms."""
 
 from __future__ import annotations
 
@@ -12,25 +12,39 @@ from torch import nn
 
 from titanlab.config.job_config import JobConfig
 from titanlab.data.digit_tasks import DigitTask
+from titanlab.posttrain.rl.dpo import DPO
 from titanlab.posttrain.rl.grpo import GRPO
+from titanlab.posttrain.rl.pairs import PairStream, read_pairs
 from titanlab.posttrain.rl.prompts import PromptStream
 from titanlab.posttrain.rl.reference import build_reference
 
 logger = logging.getLogger("titanlab")
 
 
-def prompt_stream(config: JobConfig, dp_rank: int, batch: Any) -> PromptStream:
-    """This rank's prompts, checkpointed as the data loader's state."""
-    rl = config.rl
+def data_stream(trainer: Any) -> PromptStream | PairStream:
+    """This rank's prompts (GRPO) or preference pairs (DPO), checkpointed as the data loader's
+    state."""
+    config, dims = trainer.config, trainer.parallel_dims
+    rl, seed = config.rl, config.debug.seed
+    task = DigitTask(rl.task, rl.task_digits)
+    what = f"rl task {rl.task} of {rl.task_digits} digits"
+    if rl.algorithm == "dpo":
+        source: DigitTask | list = task
+        if rl.data_path:
+            source = read_pairs(rl.data_path, trainer.tokenizer)
+            what = f"{len(source)} preference pairs from {rl.data_path}"
+        logger.info("data: %s, %d pairs per rank; batch: %s", what,
+                    config.training.local_batch_size, trainer.batch)  # fmt: skip
+        return PairStream(source, seed, dims.dp_rank(), dims.dp_degree)
     logger.info(
-        "data: rl task %s of %d digits, %d completions per rank (%d per prompt); batch: %s",
-        rl.task, rl.task_digits, config.training.local_batch_size, rl.group_size, batch,
+        "data: %s, %d completions per rank (%d per prompt); batch: %s",
+        what, config.training.local_batch_size, rl.group_size, trainer.batch,
     )  # fmt: skip
-    return PromptStream(DigitTask(rl.task, rl.task_digits), config.debug.seed, dp_rank)
+    return PromptStream(task, seed, dims.dp_rank())
 
 
 def reference(trainer: Any, parallelize) -> nn.Module | None:
-    """The frozen reference policy, only when the KL term is on (`rl.beta > 0`)."""
+    """The frozen reference policy: DPO's, and GRPO's when its KL term is on (`rl.beta > 0`)."""
     config = trainer.config
     if config.rl.algorithm == "none" or config.rl.beta == 0:
         return None
@@ -39,12 +53,13 @@ def reference(trainer: Any, parallelize) -> nn.Module | None:
     )
 
 
-def recipe(trainer: Any) -> GRPO | None:
+def recipe(trainer: Any) -> GRPO | DPO | None:
     """The recipe that replaces `train_step` (None: pretraining or SFT)."""
-    dims = trainer.parallel_dims
-    if trainer.config.rl.algorithm != "grpo":
+    dims, algorithm = trainer.parallel_dims, trainer.config.rl.algorithm
+    if algorithm == "none":
         return None
-    return GRPO(
+    cls = GRPO if algorithm == "grpo" else DPO
+    return cls(
         trainer.config, trainer.model_parts[0], trainer.reference, trainer.optimizer,
         trainer.lr_scheduler, device=trainer.device, dp_mesh=trainer._loss_mesh,
         dp_rank=dims.dp_rank(), dp_degree=dims.dp_degree, tp_degree=dims.tp,
@@ -54,10 +69,10 @@ def recipe(trainer: Any) -> GRPO | None:
 
 
 def step(
-    rl: GRPO, config: JobConfig, step: int, last: int
+    rl: GRPO | DPO, config: JobConfig, step: int, last: int
 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor], bool]:
-    """One RL step, then the greedy held-out evaluation when due (every `rl.eval_freq` steps
-    and at the last). Returns (loss, grad_norm, metrics, whether it evaluated)."""
+    """One step, then the held-out evaluation when due (every `rl.eval_freq` steps and at the
+    last). Returns (loss, grad_norm, metrics, whether it evaluated)."""
     loss, grad_norm, extra = rl.step(step)
     freq = config.rl.eval_freq
     evaluate = bool(freq) and (step % freq == 0 or step == last)

@@ -117,7 +117,7 @@ class Trainer(TrainStep):
         dp_rank, dp = dims.dp_rank(), dims.dp_degree
         if config.rl.algorithm != "none":  # prompts instead of token windows
             self.val_set = self.data_schedule = None
-            self.loader = rl_steps.prompt_stream(config, dp_rank, self.batch)
+            self.loader = rl_steps.data_stream(self)
             return
         data = build_data(config, self.tokenizer)
         train_set, self.val_set = data.train, data.val

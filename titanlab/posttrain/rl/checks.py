@@ -6,12 +6,14 @@ from typing import Any
 
 from titanlab.config.job_config import ConfigError, JobConfig
 from titanlab.data.digit_tasks import DigitTask
+from titanlab.posttrain.rl.pairs import read_pairs
 from titanlab.posttrain.rl.rewards import RewardSet
 
 
-def check_rl(config: JobConfig, batch: Any) -> None:
-    """One rollout batch per step (no gradient accumulation), prompt + completion within
-    `training.seq_len`, and every reward function importable. Raises ConfigError (one line)."""
+def check_rl(config: JobConfig, batch: Any, tokenizer: Any) -> None:
+    """One batch per step (no gradient accumulation), prompt + completion within
+    `training.seq_len`, every reward function importable, DPO's pairs readable. Raises
+    ConfigError (one line)."""
     rl = config.rl
     if rl.algorithm == "none":
         return
@@ -22,6 +24,17 @@ def check_rl(config: JobConfig, batch: Any) -> None:
             f"training.global_batch_size={batch.global_batch_size} must be local_batch_size × "
             f"dp = {per_step} (or -1)"
         )
+    if rl.data_path:  # DPO pairs
+        longest = max(
+            len(p) + max(len(c), len(r)) for p, c, r in read_pairs(rl.data_path, tokenizer)
+        )
+        if longest > config.training.seq_len:
+            raise ConfigError(
+                f"rl.data_path={rl.data_path!r} has a pair of {longest} tokens (prompt + the "
+                f"longer completion) over training.seq_len={config.training.seq_len}; raise "
+                f"seq_len to {longest} or shorten the pairs"
+            )
+        return
     task = DigitTask(rl.task, rl.task_digits)
     need = task.prompt_len + (rl.max_new_tokens or task.answer_len)
     if need > config.training.seq_len:
@@ -30,4 +43,5 @@ def check_rl(config: JobConfig, batch: Any) -> None:
             f"({task.prompt_len} tokens) + rl.max_new_tokens "
             f"({rl.max_new_tokens or task.answer_len}); use seq_len >= {need}"
         )
-    RewardSet(rl.rewards, rl.reward_weights)
+    if rl.algorithm == "grpo":
+        RewardSet(rl.rewards, rl.reward_weights)

@@ -26,6 +26,7 @@ from titanlab.distributed import moe_stats
 from titanlab.distributed.utils import clip_grad_norm_, global_sum
 from titanlab.generation.sampling import SamplingParams
 from titanlab.posttrain.rl import objectives as obj
+from titanlab.posttrain.rl.logprobs import sequence_logprobs
 from titanlab.posttrain.rl.prompts import PromptStream
 from titanlab.posttrain.rl.rewards import RewardSet, exact_match, partial_credit
 from titanlab.posttrain.rl.rollout import Rollout, gathered_weights, sample_completions
@@ -179,16 +180,8 @@ class GRPO:
     def logprobs(self, model: nn.Module, sequences: torch.Tensor) -> torch.Tensor:
         """log π(completion token | everything before it) at the sampling temperature:
         (B, N) float32 for `sequences` = prompts (P tokens) then completions (N tokens)."""
-        inputs, targets = sequences[:, :-1], sequences[:, 1:]
-        length = inputs.shape[1]
-        pad = -length % self.tp_degree  # sequence parallel splits the sequence over tp ranks
-        if pad:
-            inputs = torch.nn.functional.pad(inputs, (0, pad), value=0)
-        logits = model(inputs)[:, :length]
-        if isinstance(logits, torch.distributed.tensor.DTensor):
-            logits = logits.full_tensor()
-        start = sequences.shape[1] - self.max_new_tokens - 1  # the last prompt position
-        return obj.token_logprobs(logits[:, start:], targets[:, start:], self.rl.temperature)
+        logp = sequence_logprobs(model, sequences, self.rl.temperature, self.tp_degree)
+        return logp[:, sequences.shape[1] - self.max_new_tokens - 1 :]
 
     # --- metrics and evaluation ---------------------------------------------------------
     def _metrics(

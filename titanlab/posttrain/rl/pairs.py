@@ -1,0 +1,112 @@
+"""Preference pairs for DPO: (prompt, chosen, rejected) token ids, from a digit task or a JSONL
+file, in a reproducible per-rank order whose position is checkpointed like the data loader's.
+
+JSONL: one `{"prompt": str, "chosen": str, "rejected": str}` per line. The prompt is rendered
+as a user turn with the tokenizer's chat template (`titanlab.data.chat.render_chat_prompt`);
+each completion is its text's tokens followed by the template's end of turn. Line i is held out
+for evaluation when i % 16 == 0 (never drawn for training).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from typing import Any
+
+from titanlab.config.errors import ConfigError
+from titanlab.data.chat import render_chat_prompt
+from titanlab.data.digit_tasks import HELD_OUT_EVERY, DigitTask
+
+Pair = tuple[list[int], list[int], list[int]]
+
+
+def read_pairs(path: str, tokenizer: Any) -> list[Pair]:
+    """Every pair of the JSONL file at `path`, tokenized. Raises ConfigError (one line naming
+    the line) for a missing file, bad JSON, a missing or non-string field, or an empty
+    completion."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = [line for line in f if line.strip()]
+    except OSError as e:
+        raise ConfigError(f"rl.data_path={path!r} cannot be read: {e.strerror}") from None
+    pairs = []
+    for i, line in enumerate(lines, 1):
+        where = f"rl.data_path={path!r} line {i}"
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{where} is not JSON: {e.msg}") from None
+        for key in ("prompt", "chosen", "rejected"):
+            if not isinstance(row, dict) or not isinstance(row.get(key), str):
+                raise ConfigError(
+                    f'{where} needs a string "{key}" (keys: prompt, chosen, rejected)'
+                )
+            if key != "prompt" and not row[key].strip():
+                raise ConfigError(f'{where}: "{key}" is empty; a preference needs two completions')
+        prompt = render_chat_prompt(tokenizer, [{"role": "user", "content": row["prompt"]}])
+        end = prompt.stop_ids[:1]
+        completion = [tokenizer.encode(row[k], bos=False, eos=False) + end
+                      for k in ("chosen", "rejected")]  # fmt: skip
+        pairs.append((prompt.ids, completion[0], completion[1]))
+    if len(pairs) < HELD_OUT_EVERY + 1:
+        raise ConfigError(
+            f"rl.data_path={path!r} has {len(pairs)} pairs; DPO needs at least "
+            f"{HELD_OUT_EVERY + 1} (one in {HELD_OUT_EVERY} is held out)"
+        )
+    return pairs
+
+
+class PairStream:
+    """This data-parallel rank's training pairs: pair i of rank r comes from a generator seeded
+    by (seed, r, i) (digit tasks), or is the (i·dp + r)-th of the training lines in an order
+    reshuffled every epoch (JSONL); the state is the count handed out.
+
+    Args:
+        source: a DigitTask, or the pairs of `read_pairs`.
+    """
+
+    def __init__(self, source: DigitTask | list[Pair], seed: int, dp_rank: int, dp: int) -> None:
+        self.source, self.seed, self.dp_rank, self.dp = source, seed, dp_rank, dp
+        self.drawn = 0
+        if isinstance(source, list):
+            self.train = [p for i, p in enumerate(source) if i % HELD_OUT_EVERY]
+            self.held_out = [p for i, p in enumerate(source) if i % HELD_OUT_EVERY == 0]
+
+    def next(self, n: int) -> list[Pair]:
+        out = []
+        for _ in range(n):
+            if isinstance(self.source, DigitTask):
+                rng = random.Random(f"pair:{self.seed}:{self.dp_rank}:{self.drawn}")
+                out.append(self.source.preference_pair(rng, held_out=False))
+            else:
+                index = self.drawn * self.dp + self.dp_rank
+                epoch, at = divmod(index, len(self.train))
+                order = list(range(len(self.train)))
+                random.Random(f"pairs:{self.seed}:{epoch}").shuffle(order)
+                out.append(self.train[order[at]])
+            self.drawn += 1
+        return out
+
+    def evaluation_pairs(self, n: int) -> list[Pair]:
+        """The held-out pairs (at most `n`), the same on every rank."""
+        if isinstance(self.source, DigitTask):
+            rng = random.Random(f"held-out-pairs:{self.seed}")
+            return [self.source.preference_pair(rng, held_out=True) for _ in range(n)]
+        return self.held_out[:n]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"drawn": self.drawn, "pairs": self._name()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue after the pairs `state` counts. Raises ConfigError for another source's."""
+        if state.get("pairs") != self._name():
+            raise ConfigError(
+                f"the checkpoint's preference pairs are {state.get('pairs')}, this run's are "
+                f"{self._name()}; resume with the same rl.task / rl.data_path"
+            )
+        self.drawn = int(state["drawn"])
+
+    def _name(self) -> str:
+        if isinstance(self.source, DigitTask):
+            return f"{self.source.kind}-{self.source.digits}"
+        return f"jsonl-{len(self.source)}"
