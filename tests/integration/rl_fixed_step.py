@@ -1,9 +1,10 @@
-"""One GRPO update of the real Trainer on fixed completions, for layout parity tests.
+"""One GRPO or DPO update of the real Trainer on fixed data, for layout parity tests.
 
 Run under torchrun: `rl_fixed_step.py OUT [trainer overrides...]`. Every layout sees the same
 global rollout batch (prompts, completions with EOS at various positions, rewards), each
 data-parallel rank its own slice of whole groups; the Trainer's GRPO recipe then runs
-`optimize` (μ = `rl.iterations` optimizer steps, β · k3 to the reference). Rank 0 writes the
+`optimize` (μ = `rl.iterations` optimizer steps, β · k3 to the reference). DPO: fixed digit
+preference pairs, each rank its slice, two `update`s. Rank 0 writes the
 loss, the grad norm and the full parameters after the update to OUT (torch.save).
 """
 
@@ -16,10 +17,11 @@ import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from titanlab.config.manager import build_config
-from titanlab.data.digit_tasks import EOS, VOCAB_SIZE
+from titanlab.data.digit_tasks import EOS, VOCAB_SIZE, DigitTask
 from titanlab.distributed.init import destroy_distributed
 from titanlab.distributed.utils import global_sum
 from titanlab.posttrain.rl import objectives as obj
+from titanlab.posttrain.rl.dpo import DPO
 from titanlab.posttrain.rl.rollout import Rollout
 from titanlab.trainer import Trainer
 
@@ -43,16 +45,28 @@ def main(out: str, argv: list[str]) -> None:
     rl, dims = trainer.rl, trainer.parallel_dims
     assert rl is not None
     local = trainer.config.training.local_batch_size
+    mine = slice(dims.dp_rank() * local, (dims.dp_rank() + 1) * local)
+    if isinstance(rl, DPO):
+        task = DigitTask(trainer.config.rl.task, trainer.config.rl.task_digits)
+        n = local * dims.dp_degree
+        pairs = [task.preference_pair(random.Random(i), False) for i in range(2 * n)]
+        rl.update(pairs[:n][mine])  # the first step's loss is log 2 on every layout
+        loss, grad_norm, _ = rl.update(pairs[n:][mine])
+        return finish(trainer, loss, grad_norm, out)
     prompts, completions, rewards = fixed_batch(
         rl.task, rl.rl.group_size, local * dims.dp_degree, rl.max_new_tokens
     )
     assert int(completions.max()) < VOCAB_SIZE
     advantages, _ = obj.group_advantages(rewards, rl.rl.group_size)
     mask, _ = obj.completion_mask(completions, EOS)
-    mine = slice(dims.dp_rank() * local, (dims.dp_rank() + 1) * local)
     rollout = Rollout(prompts[mine], completions[mine], torch.zeros(local, rl.max_new_tokens))
     denominator = global_sum(mask[mine].sum().float(), trainer._loss_mesh).clamp(min=1.0)
     loss, grad_norm, _ = rl.optimize(rollout, advantages[mine], mask[mine], denominator)
+    finish(trainer, loss, grad_norm, out)
+
+
+def finish(trainer: Trainer, loss: torch.Tensor, grad_norm: torch.Tensor, out: str) -> None:
+    """Rank 0 writes the loss, grad norm and full parameters; every rank ends its group."""
     params = get_model_state_dict(
         trainer.model_parts[0], options=StateDictOptions(full_state_dict=True)
     )
