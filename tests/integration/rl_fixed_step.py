@@ -1,9 +1,10 @@
-"""One GRPO or DPO update of the real Trainer on fixed data, for layout parity tests.
+"""One GRPO, PPO or DPO update of the real Trainer on fixed data, for layout parity tests.
 
 Run under torchrun: `rl_fixed_step.py OUT [trainer overrides...]`. Every layout sees the same
 global rollout batch (prompts, completions with EOS at various positions, rewards), each
 data-parallel rank its own slice of whole groups; the Trainer's GRPO recipe then runs
-`optimize` (μ = `rl.iterations` optimizer steps, β · k3 to the reference). DPO: fixed digit
+`optimize` (μ = `rl.iterations` optimizer steps, β · k3 to the reference); PPO its `update`
+(values, GAE, policy and value losses). DPO: fixed digit
 preference pairs, each rank its slice, two `update`s. Rank 0 writes the
 loss, the grad norm and the full parameters after the update to OUT (torch.save).
 """
@@ -22,6 +23,8 @@ from titanlab.distributed.init import destroy_distributed
 from titanlab.distributed.utils import global_sum
 from titanlab.posttrain.rl import objectives as obj
 from titanlab.posttrain.rl.dpo import DPO
+from titanlab.posttrain.rl.grpo import Scored
+from titanlab.posttrain.rl.ppo import PPO
 from titanlab.posttrain.rl.rollout import Rollout
 from titanlab.trainer import Trainer
 
@@ -60,6 +63,23 @@ def main(out: str, argv: list[str]) -> None:
     advantages, _ = obj.group_advantages(rewards, rl.rl.group_size)
     mask, _ = obj.completion_mask(completions, EOS)
     rollout = Rollout(prompts[mine], completions[mine], torch.zeros(local, rl.max_new_tokens))
+    # A rollout first, as in a run: its forwards without grad leave FSDP's root and output
+    # groups gathered (a gradient clip that listed the parameters then missed their gradients).
+    rl.sample(prompts[mine], rl.params, seed=(0, dims.dp_rank()))
+    if isinstance(rl, PPO):  # values, GAE and the value loss on the same batch
+        truncated = mask[mine].all(dim=1) & (completions[mine][:, -1] != EOS)
+        scored = Scored(
+            rollout,
+            mask[mine],
+            truncated,
+            mask[mine].sum(dim=1),
+            rewards[mine],
+            {},
+            advantages[mine],
+            torch.zeros(local // rl.rl.group_size, dtype=torch.bool),
+        )
+        loss, grad_norm, _ = rl.update(scored)
+        return finish(trainer, loss, grad_norm, out)
     denominator = global_sum(mask[mine].sum().float(), trainer._loss_mesh).clamp(min=1.0)
     loss, grad_norm, _ = rl.optimize(rollout, advantages[mine], mask[mine], denominator)
     finish(trainer, loss, grad_norm, out)

@@ -24,6 +24,7 @@ from titanlab.planning.layouts import apply_layout, enumerate_layouts
 
 CONFIG = os.path.join(REPO, "train_configs", "grpo_debug.toml")
 DPO_CONFIG = os.path.join(REPO, "train_configs", "dpo_debug.toml")
+PPO_CONFIG = os.path.join(REPO, "train_configs", "ppo_debug.toml")
 QUIET = ["--comm.init_timeout_seconds", "120", "--comm.train_timeout_seconds", "120",
          "--debug.deterministic", "true"]  # fmt: skip
 GLOBAL_BATCH = 16  # completions: 4 prompts × group_size 4
@@ -62,7 +63,8 @@ def layouts(family: str, algorithm: str) -> tuple[list, list[str]]:
 
 
 def fixed_args(family: str, algorithm: str) -> list[str]:
-    config, extra = (CONFIG, GRPO_FIXED) if algorithm == "grpo" else (DPO_CONFIG, [])
+    config, extra = {"grpo": (CONFIG, GRPO_FIXED), "ppo": (PPO_CONFIG, GRPO_FIXED),
+                     "dpo": (DPO_CONFIG, [])}[algorithm]  # fmt: skip
     return ["--job.config_file", config, *FIXED, *extra, "--model.name", family,
             "--model.flavor", FAMILIES[family]]  # fmt: skip
 
@@ -83,7 +85,7 @@ FULL_ONLY = pytest.mark.skipif(
 
 
 # CI meets a dense and an MoE family; Qwen3 dense (q/k norms) in make test-parity-full.
-@pytest.mark.parametrize("algorithm", ["grpo", "dpo"])
+@pytest.mark.parametrize("algorithm", ["grpo", "ppo", "dpo"])
 @pytest.mark.parametrize("family", ["llama3", pytest.param("qwen3", marks=FULL_ONLY), "qwen3_moe"])
 def test_one_update_on_fixed_data_equals_one_process_on_every_layout(tmp_path, family, algorithm):
     accepted, refused = layouts(family, algorithm)

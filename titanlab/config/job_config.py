@@ -388,7 +388,7 @@ class JobConfig:
         """What reinforcement learning composes with in this version: one line per refusal."""
         rl, par, name = self.rl, self.parallelism, f"rl.algorithm={self.rl.algorithm}"
         _require(
-            rl.algorithm != "grpo" or self.training.local_batch_size % rl.group_size == 0,
+            rl.algorithm == "dpo" or self.training.local_batch_size % rl.group_size == 0,
             f"training.local_batch_size={self.training.local_batch_size} (completions per rank) "
             f"is not a multiple of rl.group_size={rl.group_size}; use a multiple of it",
         )

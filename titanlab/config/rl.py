@@ -12,13 +12,16 @@ DIGIT_TASKS = ("reverse", "sort")
 
 @dataclass
 class RL:
-    algorithm: Literal["none", "grpo", "dpo"] = "none"
+    algorithm: Literal["none", "grpo", "ppo", "dpo"] = "none"
     """none: pretraining / SFT on `[data]`. grpo: Group Relative Policy Optimization (Shao et
     al. 2024, arXiv:2402.03300 §4.1): each data-parallel rank draws its own prompts, the policy
     module samples `group_size` completions of each through its KV cache (no second engine, no
     weight copy), the reward functions score them, and the step minimizes the clipped surrogate
     of the group-normalized advantages plus `beta` · k3 KL to the initial model.
     `training.local_batch_size` counts completions per rank (prompts × group_size).
+    ppo: Proximal Policy Optimization (Schulman et al. 2017; the RLHF recipe of Ouyang et al.
+    2022) with a value head on the policy's trunk, GAE (`gamma`, `lam`), the clipped value loss,
+    and `beta` · (log π_old − log π_ref) subtracted from each token's reward; same rollouts.
     dpo: Direct Preference Optimization (Rafailov et al. 2023, arXiv:2305.18290) on preference
     pairs (`rl.data_path`, or pairs of the digit task: its answer against the answer with one
     digit changed), `beta` its β, the frozen initial model the reference;
@@ -38,7 +41,8 @@ class RL:
     """Digits per prompt of the task."""
 
     group_size: int = 8
-    """G: completions sampled per prompt; the advantages are normalized within each group."""
+    """G: completions sampled per prompt; GRPO normalizes the advantages within each group
+    (G >= 2), PPO's come from its value head (G >= 1)."""
 
     max_new_tokens: int = 0
     """Most tokens sampled per completion; 0: the task's answer length (digits + EOS)."""
@@ -64,6 +68,22 @@ class RL:
     """grpo: weight of the k3 KL estimate to the reference (the initial model; DeepSeekMath
     eq. 4), 0 builds no reference model (DAPO, Dr. GRPO). dpo: β of the implicit reward
     (> 0, e.g. 0.1)."""
+
+    gamma: float = 1.0
+    """ppo: discount γ of GAE over a completion's tokens."""
+
+    lam: float = 0.95
+    """ppo: λ of GAE (Schulman et al. 2016)."""
+
+    value_coef: float = 0.1
+    """ppo: weight of the value loss in the total loss."""
+
+    value_clip: float = 0.2
+    """ppo: the value's clip range around the rollout's value (PPO2's cliprange_value)."""
+
+    whiten_advantages: bool = True
+    """ppo: normalize the advantages to mean 0, std 1 over the counted tokens of the global
+    batch."""
 
     scale_rewards: bool = True
     """Divide each group's centred rewards by their std (+1e-6); false: Dr. GRPO's r − mean
@@ -116,9 +136,10 @@ class RL:
             "held-out prompts)",
         )
         _require(
-            self.group_size >= 2,
-            f"rl.group_size={self.group_size} must be >= 2 (a group of 1 has no relative "
-            "advantage)",
+            self.group_size >= 2 or (self.algorithm != "grpo" and self.group_size == 1),
+            f"rl.group_size={self.group_size} must be >= 2 (a group of 1 has no relative advantage)"
+            if self.algorithm == "grpo"
+            else f"rl.group_size={self.group_size} must be >= 1",
         )
         _require(self.max_new_tokens >= 0, f"rl.max_new_tokens={self.max_new_tokens} must be >= 0")
         _require(
@@ -141,6 +162,10 @@ class RL:
             "prompts from rl.task",
         )
         _require(self.iterations >= 1, f"rl.iterations={self.iterations} must be >= 1")
+        _require(0 < self.gamma <= 1, f"rl.gamma={self.gamma} must be in (0, 1]")
+        _require(0 <= self.lam <= 1, f"rl.lam={self.lam} must be in [0, 1]")
+        _require(self.value_coef >= 0, f"rl.value_coef={self.value_coef} must be >= 0")
+        _require(self.value_clip > 0, f"rl.value_clip={self.value_clip} must be > 0")
         _require(bool(self.rewards), "rl.rewards must name at least one `module:function`")
         _require(
             not self.reward_weights or len(self.reward_weights) == len(self.rewards),

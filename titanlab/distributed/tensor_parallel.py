@@ -92,6 +92,10 @@ def apply_tp(
         )
     if model.norm is not None:
         top["norm"] = SequenceParallel()
+    if getattr(model, "value_head", None) is not None:
+        # PPO's scalar head reads the final norm's sequence shards: replicated weight, its
+        # gradient summed over the tp ranks like the norms'.
+        top["value_head"] = SequenceParallel()
     if model.output is not None:
         # A LoRA adapter on the head is split like one on wq (A replicated, B by vocab rows).
         head = colwise if lora else ColwiseParallel

@@ -73,6 +73,8 @@ def format_rl(extra: dict[str, float]) -> str:
     )
     if "kl" in r:
         parts.append(f"kl: {r['kl']:.4f}")
+    if "value_loss" in r:  # PPO
+        parts.append(f"value: {r['value_mean']:.4f} (loss {r['value_loss']:.5f})")
     parts.append(f"clip: {r['clip_low_frac']:.3f}/{r['clip_high_frac']:.3f}")
     parts.append(f"ratio_max: {r['ratio_max']:.3f}")
     parts.append(f"sampler_dlogp: {r['sampler_logp_max_diff']:.1e}")

@@ -1,6 +1,6 @@
 """The Trainer's reinforcement-learning and preference parts (`[rl]`): the prompt or pair
-stream in place of the data loader, the frozen reference, the recipe in place of `train_step`,
-and its step with the held-out evaluation. `titanlab.posttrain.rl` holds the algorithms."""
+stream in place of the data loader, PPO's value head, the frozen reference, the recipe in place
+of `train_step`, and its step with the held-out evaluation. `titanlab.posttrain.rl` holds the algorithms."""
 
 from __future__ import annotations
 
@@ -15,8 +15,10 @@ from titanlab.data.digit_tasks import DigitTask
 from titanlab.posttrain.rl.dpo import DPO
 from titanlab.posttrain.rl.grpo import GRPO
 from titanlab.posttrain.rl.pairs import PairStream, read_pairs
+from titanlab.posttrain.rl.ppo import PPO
 from titanlab.posttrain.rl.prompts import PromptStream
 from titanlab.posttrain.rl.reference import build_reference
+from titanlab.posttrain.rl.value_head import add_value_head, zero_value_head
 
 logger = logging.getLogger("titanlab")
 
@@ -43,6 +45,18 @@ def data_stream(trainer: Any) -> PromptStream | PairStream:
     return PromptStream(task, seed, dims.dp_rank())
 
 
+def adapt(model: nn.Module, config: JobConfig) -> None:
+    """PPO: the value head on the policy's trunk, on the meta model (parallelized with it)."""
+    if config.rl.algorithm == "ppo":
+        add_value_head(model)
+
+
+def init_weights(model_parts: list[nn.Module], config: JobConfig) -> None:
+    """After the model's initialization: PPO's value head starts at 0."""
+    if config.rl.algorithm == "ppo":
+        zero_value_head(model_parts)
+
+
 def reference(trainer: Any, parallelize) -> nn.Module | None:
     """The frozen reference policy: DPO's, and GRPO's when its KL term is on (`rl.beta > 0`)."""
     config = trainer.config
@@ -53,12 +67,12 @@ def reference(trainer: Any, parallelize) -> nn.Module | None:
     )
 
 
-def recipe(trainer: Any) -> GRPO | DPO | None:
+def recipe(trainer: Any) -> GRPO | PPO | DPO | None:
     """The recipe that replaces `train_step` (None: pretraining or SFT)."""
     dims, algorithm = trainer.parallel_dims, trainer.config.rl.algorithm
     if algorithm == "none":
         return None
-    cls = GRPO if algorithm == "grpo" else DPO
+    cls = {"grpo": GRPO, "ppo": PPO, "dpo": DPO}[algorithm]
     return cls(
         trainer.config, trainer.model_parts[0], trainer.reference, trainer.optimizer,
         trainer.lr_scheduler, device=trainer.device, dp_mesh=trainer._loss_mesh,
@@ -69,7 +83,7 @@ def recipe(trainer: Any) -> GRPO | DPO | None:
 
 
 def step(
-    rl: GRPO | DPO, config: JobConfig, step: int, last: int
+    rl: GRPO | PPO | DPO, config: JobConfig, step: int, last: int
 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor], bool]:
     """One step, then the held-out evaluation when due (every `rl.eval_freq` steps and at the
     last). Returns (loss, grad_norm, metrics, whether it evaluated)."""

@@ -77,6 +77,7 @@ class Trainer(TrainStep):
         model, flops_per_token = self._build_model()
         compute_dtype = param_dtype(config, self.device)
         peft_steps.adapt(model, config, compute_dtype)
+        rl_steps.adapt(model, config)
         parallelize = self._parallelize(model)
         self._build_teacher(parallelize)
         self.reference = rl_steps.reference(self, parallelize)
@@ -235,6 +236,7 @@ class Trainer(TrainStep):
         )
         if config.peft.method == "lora":
             init_adapters(self.model_parts, config.debug.seed)
+        rl_steps.init_weights(self.model_parts, config)
 
     def _build_metrics(self, world_size: int, flops_per_token: int) -> None:
         config = self.config

@@ -43,5 +43,5 @@ def check_rl(config: JobConfig, batch: Any, tokenizer: Any) -> None:
             f"({task.prompt_len} tokens) + rl.max_new_tokens "
             f"({rl.max_new_tokens or task.answer_len}); use seq_len >= {need}"
         )
-    if rl.algorithm == "grpo":
+    if rl.algorithm != "dpo":
         RewardSet(rl.rewards, rl.reward_weights)

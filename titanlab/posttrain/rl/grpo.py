@@ -11,8 +11,10 @@ the layout.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -30,6 +32,23 @@ from titanlab.posttrain.rl.logprobs import sequence_logprobs
 from titanlab.posttrain.rl.prompts import PromptStream
 from titanlab.posttrain.rl.rewards import RewardSet, exact_match, partial_credit
 from titanlab.posttrain.rl.rollout import Rollout, gathered_weights, sample_completions
+from titanlab.posttrain.rl.value_head import read_values
+
+
+@dataclass
+class Scored:
+    """A scored rollout batch of this rank: mask / truncated from `completion_mask`, lengths
+    (B,) counted tokens, rewards (B,) and per function, group advantages (B,) and the groups
+    whose rewards are all equal."""
+
+    rollout: Rollout
+    mask: torch.Tensor
+    truncated: torch.Tensor
+    lengths: torch.Tensor
+    rewards: torch.Tensor
+    per_fn: dict[str, torch.Tensor]
+    advantages: torch.Tensor
+    zero_std: torch.Tensor
 
 
 class GRPO:
@@ -88,10 +107,25 @@ class GRPO:
         on every rank."""
         rl, G = self.rl, self.rl.group_size
         t0 = time.perf_counter()
+        scored = self.sample_and_score(step)
+        t_rollout = time.perf_counter() - t0
+        advantages = scored.advantages.to(self.device)
+        loss_mask = self.loss_mask(scored)
+        if rl.dynamic_sampling:
+            loss_mask = loss_mask & ~scored.zero_std.to(self.device).repeat_interleave(G)[:, None]
+        per_sequence = rl.loss_aggregation == "sequence_mean"
+        count = loss_mask.any(dim=1).sum() if per_sequence else loss_mask.sum()
+        denominator = global_sum(count.float(), self.dp_mesh).clamp(min=1.0)
+        loss, grad_norm, stats = self.optimize(scored.rollout, advantages, loss_mask, denominator)
+        return loss, grad_norm, self.metrics(scored, stats, t_rollout, t0)
+
+    def sample_and_score(self, step: int) -> Scored:
+        """This step's prompts, `group_size` sampled completions of each, their rewards and
+        the group advantages."""
+        G = self.rl.group_size
         prompts, metadata = self.stream.next(self.config.training.local_batch_size // G)
         prompt_ids = torch.tensor(prompts, device=self.device).repeat_interleave(G, dim=0)
         rollout = self.sample(prompt_ids, self.params, seed=(step, self.dp_rank))
-        t_rollout = time.perf_counter() - t0
         mask, truncated = obj.completion_mask(rollout.completions, EOS)
         lengths = mask.sum(dim=1)
         completions = [row[:n] for row, n in zip(rollout.completions.tolist(), lengths.tolist())]
@@ -100,22 +134,24 @@ class GRPO:
             completions,
             [m for m in metadata for _ in range(G)],
         )
-        advantages, zero_std = obj.group_advantages(rewards, G, rl.scale_rewards)
-        advantages = advantages.to(self.device)
-        loss_mask = mask
-        if rl.mask_truncated:
-            loss_mask = loss_mask & ~truncated[:, None]
-        if rl.dynamic_sampling:
-            loss_mask = loss_mask & ~zero_std.to(self.device).repeat_interleave(G)[:, None]
-        per_sequence = rl.loss_aggregation == "sequence_mean"
-        count = loss_mask.any(dim=1).sum() if per_sequence else loss_mask.sum()
-        denominator = global_sum(count.float(), self.dp_mesh).clamp(min=1.0)
-        loss, grad_norm, stats = self.optimize(rollout, advantages, loss_mask, denominator)
-        t_train = time.perf_counter() - t0 - t_rollout
-        metrics = self._metrics(rewards, per_fn, zero_std, lengths, truncated, stats)
+        advantages, zero_std = obj.group_advantages(rewards, G, self.rl.scale_rewards)
+        return Scored(rollout, mask, truncated, lengths, rewards, per_fn, advantages, zero_std)
+
+    def loss_mask(self, scored: Scored) -> torch.Tensor:
+        """The completion tokens that count: up to the first EOS, and with
+        `rl.mask_truncated` none of a completion that has no EOS. (B, N) bool."""
+        if self.rl.mask_truncated:
+            return scored.mask & ~scored.truncated[:, None]
+        return scored.mask
+
+    def metrics(
+        self, scored: Scored, stats: dict[str, torch.Tensor], t_rollout: float, t0: float
+    ) -> dict[str, torch.Tensor]:
+        s = scored
+        metrics = self._metrics(s.rewards, s.per_fn, s.zero_std, s.lengths, s.truncated, stats)
         metrics["rl/rollout_s"] = torch.tensor(t_rollout)
-        metrics["rl/train_s"] = torch.tensor(t_train)
-        return loss, grad_norm, metrics
+        metrics["rl/train_s"] = torch.tensor(time.perf_counter() - t0 - t_rollout)
+        return metrics
 
     def sample(self, prompt_ids: torch.Tensor, params: SamplingParams, seed: tuple) -> Rollout:
         """Completions of `prompt_ids` from the policy, the sampling generator seeded by `seed`
@@ -134,24 +170,35 @@ class GRPO:
 
     def optimize(
         self, rollout: Rollout, advantages: torch.Tensor, loss_mask: torch.Tensor,
-        denominator: torch.Tensor,
+        denominator: torch.Tensor, *, old_logp: torch.Tensor | None = None,
+        ref_logp: torch.Tensor | None = None, value_targets: tuple | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:  # fmt: skip
         """`rl.iterations` optimizer steps on one rollout batch, then the LR schedule's step.
-        Returns the last iteration's (loss, grad norm) and the per-rank sums the metrics need."""
+
+        advantages: (B,) per completion (GRPO) or (B, N) per token (PPO). GRPO: π_old is the
+        policy of the first iteration and the loss adds β · k3 to the reference. PPO passes
+        `old_logp` (the sampling policy's), `value_targets` = (old values, returns), both
+        (B, N), adding `rl.value_coef` × the clipped value loss, and puts its KL in the
+        rewards instead. Returns the last iteration's (loss, grad norm) and the per-rank sums
+        the metrics need."""
         rl = self.rl
         per_sequence = rl.loss_aggregation == "sequence_mean"
         sequences = torch.cat([rollout.prompts, rollout.completions], dim=1)
-        ref_logp = None
-        if self.reference is not None:
+        kl_in_loss = value_targets is None
+        if self.reference is not None and kl_in_loss:
             with torch.no_grad(), moe_stats.stats_paused(self.reference), self.autocast():
                 ref_logp = self.logprobs(self.reference, sequences)
-        old_logp = None
         stats: dict[str, torch.Tensor] = {}
-        params = [p for p in self.model.parameters()]
+        if old_logp is not None:
+            gap = (old_logp - rollout.sampler_logp).abs()
+            stats["max_sampler_gap"] = torch.where(loss_mask, gap, 0.0).max()
         for iteration in range(rl.iterations):
             self.optimizer.zero_grad()
             moe_stats.set_aux_grad_scale([self.model], 1, self.grad_avg_ranks)
-            with self.autocast():
+            reading: contextlib.AbstractContextManager[list[torch.Tensor]] = (
+                read_values(self.model) if value_targets else contextlib.nullcontext([])
+            )
+            with self.autocast(), reading as values:
                 logp = self.logprobs(self.model, sequences)  # (B, N)
             if old_logp is None:  # μ = 1: ratio 1 in value, gradient ∇ log π (TRL, torchforge)
                 old_logp = logp.detach()
@@ -160,12 +207,22 @@ class GRPO:
             per_token, ratio = obj.clipped_surrogate(
                 logp, old_logp, advantages, rl.epsilon_low, rl.epsilon_high
             )
-            if ref_logp is not None:
+            if ref_logp is not None and kl_in_loss:
                 kl = obj.k3_kl(logp, ref_logp)
                 per_token = per_token + rl.beta * kl
                 stats["kl_sum"] = torch.where(loss_mask, kl.detach(), 0.0).sum()
+            if value_targets is not None:
+                old_values, returns = value_targets
+                value_loss = obj.value_loss(self.completion_slice(values[-1], sequences),
+                                            old_values, returns, rl.value_clip)  # fmt: skip
+                per_token = per_token + rl.value_coef * value_loss
+                stats["value_loss"] = torch.where(loss_mask, value_loss.detach(), 0.0).sum()
             local = obj.aggregate_sum(per_token, loss_mask, per_sequence)
             (local * (self.grad_avg_ranks / denominator)).backward()
+            # The parameters as they are after backward: a forward without grad (the rollout)
+            # leaves FSDP's root and output groups gathered, their modules holding the unsharded
+            # tensors until the next backward reshards them.
+            params = list(self.model.parameters())
             grad_norm = clip_grad_norm_(params, self.config.training.max_norm)
             self.optimizer.step()
             moe_stats.end_step([self.model], self.moe_mesh, 1)
@@ -181,7 +238,13 @@ class GRPO:
         """log π(completion token | everything before it) at the sampling temperature:
         (B, N) float32 for `sequences` = prompts (P tokens) then completions (N tokens)."""
         logp = sequence_logprobs(model, sequences, self.rl.temperature, self.tp_degree)
-        return logp[:, sequences.shape[1] - self.max_new_tokens - 1 :]
+        return self.completion_slice(logp, sequences)
+
+    def completion_slice(self, per_position: torch.Tensor, sequences: torch.Tensor) -> torch.Tensor:
+        """The (B, N) columns of a per-input-position tensor (B, ≥ S − 1) that predict the N
+        completion tokens of `sequences` (B, S)."""
+        start = sequences.shape[1] - self.max_new_tokens - 1  # the last prompt position
+        return per_position[:, start : start + self.max_new_tokens]
 
     # --- metrics and evaluation ---------------------------------------------------------
     def _metrics(

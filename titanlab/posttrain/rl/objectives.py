@@ -88,13 +88,13 @@ def clipped_surrogate(
 
     Args:
         logp: (B, N) float32 log π_θ (with grad); old_logp: (B, N) log π_old (no grad);
-        advantages: (B,) one value per completion.
+        advantages: (B,) one value per completion (GRPO), or (B, N) per token (PPO).
     Returns:
         (loss (B, N) float32, ratio (B, N) detached).
     """
     log_ratio = (logp - old_logp).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
     ratio = torch.exp(log_ratio)
-    adv = advantages[:, None]
+    adv = advantages if advantages.dim() == 2 else advantages[:, None]
     clipped = ratio.clamp(1.0 - epsilon_low, 1.0 + epsilon_high)
     return -torch.minimum(ratio * adv, clipped * adv), ratio.detach()
 
@@ -119,7 +119,40 @@ def clip_fractions(
     """Counts (not fractions: summed over ranks first) of masked tokens clipped below (ratio <
     1 − ε_low with Â < 0) and above (ratio > 1 + ε_high with Â > 0): the tokens whose gradient
     the clip removes."""
-    adv = advantages[:, None]
+    adv = advantages if advantages.dim() == 2 else advantages[:, None]
     low = ((ratio < 1 - eps_low) & (adv < 0) & mask).sum()
     high = ((ratio > 1 + eps_high) & (adv > 0) & mask).sum()
     return low.float(), high.float()
+
+
+def gae(
+    rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalized advantage estimation (Schulman et al. 2016, arXiv:1506.02438, eq. 16):
+    δ_t = r_t + γ V_{t+1} − V_t, Â_t = Σ_l (γλ)^l δ_{t+l}, over each completion's counted
+    tokens (`mask`, a prefix of each row: V after the last counted token is 0).
+
+    Args:
+        rewards, values: (B, N) float32 per token; mask: (B, N) bool.
+    Returns:
+        (advantages (B, N), returns = advantages + values (B, N)), 0 where `mask` is False.
+    """
+    n = rewards.shape[1]
+    advantages = torch.zeros_like(rewards)
+    running = torch.zeros_like(rewards[:, 0])
+    for t in reversed(range(n)):
+        following = values[:, t + 1] * mask[:, t + 1] if t + 1 < n else torch.zeros_like(running)
+        delta = rewards[:, t] + gamma * following - values[:, t]
+        running = torch.where(mask[:, t], delta + gamma * lam * running, 0.0)
+        advantages[:, t] = running
+    returns = torch.where(mask, advantages + values, 0.0)
+    return advantages, returns
+
+
+def value_loss(
+    values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, clip: float
+) -> torch.Tensor:
+    """PPO's clipped value loss per token: ½ max((V − R)², (V_old + clip(V − V_old, ±clip) −
+    R)²) (the PPO2 baselines; TRL's `cliprange_value`). (B, N) float32."""
+    clipped = old_values + (values - old_values).clamp(-clip, clip)
+    return 0.5 * torch.maximum((values - returns) ** 2, (clipped - returns) ** 2)
