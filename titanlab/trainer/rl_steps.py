@@ -24,8 +24,15 @@ logger = logging.getLogger("titanlab")
 
 
 def data_stream(trainer: Any) -> PromptStream | PairStream:
-    """This rank's prompts (GRPO) or preference pairs (DPO), checkpointed as the data loader's
-    state."""
+    """This rank's prompts (GRPO, PPO) or preference pairs (DPO), checkpointed as the data
+    loader's state with the identity of the reference policy, which is rebuilt on resume."""
+    stream = _stream(trainer)
+    config = trainer.config
+    stream.reference = config.checkpoint.initial_load_path or f"seed {config.debug.seed}"
+    return stream
+
+
+def _stream(trainer: Any) -> PromptStream | PairStream:
     config, dims = trainer.config, trainer.parallel_dims
     rl, seed = config.rl, config.debug.seed
     task = DigitTask(rl.task, rl.task_digits)

@@ -16,6 +16,7 @@ from typing import Any
 from titanlab.config.errors import ConfigError
 from titanlab.data.chat import render_chat_prompt
 from titanlab.data.digit_tasks import HELD_OUT_EVERY, DigitTask
+from titanlab.posttrain.rl.prompts import check_reference
 
 Pair = tuple[list[int], list[int], list[int]]
 
@@ -68,6 +69,7 @@ class PairStream:
     def __init__(self, source: DigitTask | list[Pair], seed: int, dp_rank: int, dp: int) -> None:
         self.source, self.seed, self.dp_rank, self.dp = source, seed, dp_rank, dp
         self.drawn = 0
+        self.reference = ""  # what the run's reference policy is (`check_reference`)
         if isinstance(source, list):
             self.train = [p for i, p in enumerate(source) if i % HELD_OUT_EVERY]
             self.held_out = [p for i, p in enumerate(source) if i % HELD_OUT_EVERY == 0]
@@ -95,7 +97,7 @@ class PairStream:
         return self.held_out[:n]
 
     def state_dict(self) -> dict[str, Any]:
-        return {"drawn": self.drawn, "pairs": self._name()}
+        return {"drawn": self.drawn, "pairs": self._name(), "reference": self.reference}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue after the pairs `state` counts. Raises ConfigError for another source's."""
@@ -104,6 +106,7 @@ class PairStream:
                 f"the checkpoint's preference pairs are {state.get('pairs')}, this run's are "
                 f"{self._name()}; resume with the same rl.task / rl.data_path"
             )
+        check_reference(state, self.reference)
         self.drawn = int(state["drawn"])
 
     def _name(self) -> str:

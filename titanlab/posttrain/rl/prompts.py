@@ -23,6 +23,7 @@ class PromptStream:
     def __init__(self, task: DigitTask, seed: int, dp_rank: int) -> None:
         self.task, self.seed, self.dp_rank = task, seed, dp_rank
         self.drawn = 0
+        self.reference = ""  # what the run's reference policy is (`check_reference`)
 
     def next(self, n: int) -> tuple[list[list[int]], list[dict]]:
         """The next `n` (prompt ids, metadata) of this rank, as two lists."""
@@ -36,7 +37,8 @@ class PromptStream:
         return prompts, metadata
 
     def state_dict(self) -> dict[str, Any]:
-        return {"drawn": self.drawn, "task": self.task.kind, "digits": self.task.digits}
+        return {"drawn": self.drawn, "task": self.task.kind, "digits": self.task.digits,
+                "reference": self.reference}  # fmt: skip
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue after the prompts `state` counts. Raises ConfigError when it is the state of
@@ -47,4 +49,16 @@ class PromptStream:
                 f"{state.get('digits')} digits, this run's is {self.task.kind} of "
                 f"{self.task.digits}; resume with the same rl.task and rl.task_digits"
             )
+        check_reference(state, self.reference)
         self.drawn = int(state["drawn"])
+
+
+def check_reference(state: dict[str, Any], reference: str) -> None:
+    """A resumed run must compare against the reference policy it started with (it is rebuilt,
+    not stored). Raises ConfigError (one line) when the checkpoint names another one."""
+    saved = state.get("reference", reference)
+    if saved != reference:
+        raise ConfigError(
+            f"the checkpoint was trained against the reference policy {saved}, this run's is "
+            f"{reference}; resume with the same checkpoint.initial_load_path and debug.seed"
+        )

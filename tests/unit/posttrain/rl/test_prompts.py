@@ -31,3 +31,20 @@ def test_resuming_another_tasks_stream_is_refused_in_one_line():
     state = PromptStream(DigitTask("sort", 5), 0, 0).state_dict()
     with pytest.raises(ConfigError, match="task sort of 5 digits, this run's is reverse of 4"):
         PromptStream(DigitTask("reverse", 4), 0, 0).load_state_dict(state)
+
+
+def test_resuming_against_another_reference_policy_is_refused_in_one_line():
+    from titanlab.config.errors import ConfigError
+
+    stream = PromptStream(DigitTask("reverse", 4), 0, 0)
+    stream.reference = "seed 0"
+    state = stream.state_dict()
+    again = PromptStream(DigitTask("reverse", 4), 0, 0)
+    again.reference = "/ckpt/base"
+    with pytest.raises(
+        ConfigError, match="trained against the reference policy seed 0, this run's is /ckpt/base"
+    ):
+        again.load_state_dict(state)
+    again.reference = "seed 0"
+    again.load_state_dict(state)
+    assert again.drawn == 0
