@@ -18,6 +18,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
+import shutil
 import subprocess
 import sys
 import time
@@ -204,6 +206,10 @@ def _check(proc: subprocess.CompletedProcess) -> None:
         raise RuntimeError(f"reference run failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
 
 
+# torchrun's summary of a rank killed by SIGSEGV (-11) or SIGABRT (-6).
+NATIVE_CRASH = re.compile(r"exitcode\s*:\s*-(?:6|11)\b")
+
+
 def run_layout(
     layout: Layout,
     dataset: str,
@@ -216,20 +222,22 @@ def run_layout(
     `reference`."""
     dump = os.path.join(root, "runs", layout.name)
     start = time.time()
-    proc = launch(
-        layout.world_size,
-        BASE_ARGS
-        + layout.overrides(GLOBAL_BATCH)
-        + [
-            "--data.dataset_path",
-            dataset,
-            "--job.dump_folder",
-            dump,
-            "--checkpoint.initial_load_path",
-            seed,
-            *extra,
-        ],
-    )
+    args = BASE_ARGS + layout.overrides(GLOBAL_BATCH) + [
+        "--data.dataset_path", dataset, "--job.dump_folder", dump,
+        "--checkpoint.initial_load_path", seed, *extra,
+    ]  # fmt: skip
+    proc = launch(layout.world_size, args)
+    if proc.returncode != 0 and NATIVE_CRASH.search(proc.stdout + proc.stderr):
+        # A rank killed by SIGSEGV/SIGABRT inside gloo (seen twice in CI on 8 oversubscribed
+        # CPU ranks with context parallel, each time passing when run again): keep the log
+        # and run the layout once more from scratch. A real fault crashes again.
+        os.makedirs(os.path.dirname(dump), exist_ok=True)
+        with open(f"{dump}-native-crash.log", "w", encoding="utf-8") as f:
+            f.write(proc.stdout + "\n" + proc.stderr)
+        print(f"{layout.name}: a rank died of a signal in gloo; running it once more "
+              f"(log: {dump}-native-crash.log)", flush=True)  # fmt: skip
+        shutil.rmtree(dump, ignore_errors=True)
+        proc = launch(layout.world_size, args)
     seconds = time.time() - start
     if proc.returncode != 0:
         os.makedirs(dump, exist_ok=True)
