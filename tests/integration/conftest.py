@@ -124,3 +124,25 @@ def random_hf_llama_dcp(root, args, max_position_embeddings: int) -> str:
     transformers.LlamaForCausalLM(config).save_pretrained(os.path.join(root, "hf"))
     hf_to_dcp(os.path.join(root, "hf"), os.path.join(root, "dcp"), progress=False)
     return os.path.join(root, "dcp")
+
+
+def worker_pid(rank: int, dump: str) -> int:
+    """PID of the trainer process with RANK=rank whose command line names `dump`."""
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read().decode(errors="replace")
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                env = f.read().decode(errors="replace").split("\0")
+        except OSError:
+            continue
+        if (
+            "titanlab.train" in cmd
+            and dump in cmd
+            and f"RANK={rank}" in env
+            and "torch.distributed.run" not in cmd
+        ):
+            return int(pid)
+    raise AssertionError(f"no rank {rank} process for {dump}")

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from conftest import CONSTANT_LR, REPO, read_metrics, wait_for
+from conftest import CONSTANT_LR, REPO, read_metrics, wait_for, worker_pid
 from titanlab.checkpoint import store
 
 
@@ -66,28 +66,6 @@ def logged_steps(dump):
         return []
     with open(path) as f:
         return [json.loads(line)["step"] for line in f if line.strip()]
-
-
-def worker_pid(rank: int, dump: str) -> int:
-    """PID of the trainer process with RANK=rank whose command line names `dump`."""
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                cmd = f.read().decode(errors="replace")
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                env = f.read().decode(errors="replace").split("\0")
-        except OSError:
-            continue
-        if (
-            "titanlab.train" in cmd
-            and dump in cmd
-            and f"RANK={rank}" in env
-            and "torch.distributed.run" not in cmd
-        ):
-            return int(pid)
-    raise AssertionError(f"no rank {rank} process for {dump}")
 
 
 def test_sigterm_saves_current_step_exits_75_and_resumes_exactly(tiny_dataset, straight, tmp_path):

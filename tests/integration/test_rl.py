@@ -15,7 +15,7 @@ import sys
 import pytest
 import torch
 
-from conftest import REPO, wait_for
+from conftest import REPO, wait_for, worker_pid
 from titanlab.checkpoint import store
 from titanlab.config.job_config import ConfigError
 from titanlab.config.manager import build_config
@@ -159,26 +159,6 @@ def test_grpo_learns_reverse_digits_from_random_init_on_two_ranks(learned):
     assert evals[150] >= 0.9
     assert learned[150]["rl/reward_mean"] > learned[1]["rl/reward_mean"] + 0.5
     assert learned[150]["rl/sampler_logp_max_diff"] < 1e-4  # same module, same kernels
-
-
-def worker_pid(rank: int, dump: str) -> int:
-    """PID of the trainer process with RANK=rank whose command line names `dump`."""
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                cmd = f.read().decode(errors="replace")
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                env = f.read().decode(errors="replace").split("\0")
-        except OSError:
-            continue
-        if (
-            "titanlab.train" in cmd
-            and dump in cmd
-            and f"RANK={rank}" in env
-            and "torch.distributed.run" not in cmd
-        ):
-            return int(pid)
-    raise AssertionError(f"no rank {rank} process for {dump}")
 
 
 def test_sigkill_mid_run_resumes_with_the_same_rewards_and_losses_bit_for_bit(learned, tmp_path):
