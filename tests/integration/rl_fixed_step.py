@@ -1,11 +1,13 @@
 """One GRPO, PPO or DPO update of the real Trainer on fixed data, for layout parity tests.
 
 Run under torchrun: `rl_fixed_step.py OUT [trainer overrides...]`. Every layout sees the same
-global rollout batch (prompts, completions with EOS at various positions, rewards), each
+global rollout batch (prompts of 5 to 7 tokens, completions with EOS at various positions,
+rewards), each
 data-parallel rank its own slice of whole groups; the Trainer's GRPO recipe then runs
 `optimize` (μ = `rl.iterations` optimizer steps, β · k3 to the reference); PPO its `update`
 (values, GAE, policy and value losses). DPO: fixed digit
-preference pairs, each rank its slice, two `update`s. Rank 0 writes the
+preference pairs of prompts of 5 to 7 tokens, each rank its slice, two `update`s. With
+`--peft.method lora` the reference is the policy with its adapters off. Rank 0 writes the
 loss, the grad norm and the full parameters after the update to OUT (torch.save).
 """
 
@@ -25,22 +27,30 @@ from titanlab.posttrain.rl import objectives as obj
 from titanlab.posttrain.rl.dpo import DPO
 from titanlab.posttrain.rl.grpo import Scored
 from titanlab.posttrain.rl.ppo import PPO
-from titanlab.posttrain.rl.rollout import Rollout
+from titanlab.posttrain.rl.rollout import Rollout, left_pad
 from titanlab.trainer import Trainer
 
 
-def fixed_batch(task, group_size: int, batch: int, new_tokens: int):
-    """(prompts (B, P), completions (B, N), rewards (B,)) the same on every rank and layout."""
+def tasks(kind: str, n: int) -> list[DigitTask]:
+    """`n` digit tasks of 3, 4 and 5 digits in turn: prompts of different lengths."""
+    return [DigitTask(kind, 3 + i % 3) for i in range(n)]
+
+
+def fixed_batch(kind: str, group_size: int, batch: int, new_tokens: int):
+    """(prompts (B, P) left-padded, prompt lengths (B,), completions (B, N), rewards (B,)) the
+    same on every rank and layout."""
     gen = torch.Generator().manual_seed(1234)
-    prompts = [task.draw(random.Random(i), False)[0] for i in range(batch // group_size)]
-    prompt_ids = torch.tensor(prompts).repeat_interleave(group_size, dim=0)
+    prompts = [t.draw(random.Random(i), False)[0]
+               for i, t in enumerate(tasks(kind, batch // group_size))]  # fmt: skip
+    padded, lens = left_pad(prompts, torch.device("cpu"))
+    prompt_ids = padded.repeat_interleave(group_size, dim=0)
     completions = torch.randint(0, 10, (batch, new_tokens), generator=gen)
     eos_at = torch.randint(0, new_tokens + 1, (batch,), generator=gen)  # N: truncated
     for b, at in enumerate(eos_at.tolist()):
         completions[b, at:] = EOS
     rewards = torch.rand(batch, generator=gen)
     rewards[:group_size] = 0.5  # one group with equal rewards
-    return prompt_ids, completions, rewards
+    return prompt_ids, lens.repeat_interleave(group_size), completions, rewards
 
 
 def main(out: str, argv: list[str]) -> None:
@@ -50,22 +60,23 @@ def main(out: str, argv: list[str]) -> None:
     local = trainer.config.training.local_batch_size
     mine = slice(dims.dp_rank() * local, (dims.dp_rank() + 1) * local)
     if isinstance(rl, DPO):
-        task = DigitTask(trainer.config.rl.task, trainer.config.rl.task_digits)
         n = local * dims.dp_degree
-        pairs = [task.preference_pair(random.Random(i), False) for i in range(2 * n)]
+        pairs = [t.preference_pair(random.Random(i), False)
+                 for i, t in enumerate(tasks(trainer.config.rl.task, 2 * n))]  # fmt: skip
         rl.update(pairs[:n][mine])  # the first step's loss is log 2 on every layout
         loss, grad_norm, _ = rl.update(pairs[n:][mine])
         return finish(trainer, loss, grad_norm, out)
-    prompts, completions, rewards = fixed_batch(
-        rl.task, rl.rl.group_size, local * dims.dp_degree, rl.max_new_tokens
+    prompts, lens, completions, rewards = fixed_batch(
+        trainer.config.rl.task, rl.rl.group_size, local * dims.dp_degree, rl.max_new_tokens
     )
     assert int(completions.max()) < VOCAB_SIZE
     advantages, _ = obj.group_advantages(rewards, rl.rl.group_size)
     mask, _ = obj.completion_mask(completions, EOS)
-    rollout = Rollout(prompts[mine], completions[mine], torch.zeros(local, rl.max_new_tokens))
+    rollout = Rollout(prompts[mine], completions[mine], torch.zeros(local, rl.max_new_tokens),
+                      lens[mine])  # fmt: skip
     # A rollout first, as in a run: its forwards without grad leave FSDP's root and output
     # groups gathered (a gradient clip that listed the parameters then missed their gradients).
-    rl.sample(prompts[mine], rl.params, seed=(0, dims.dp_rank()))
+    rl.sample(rl.stream.next(local), rl.params, seed=(0, dims.dp_rank()))
     if isinstance(rl, PPO):  # values, GAE and the value loss on the same batch
         truncated = mask[mine].all(dim=1) & (completions[mine][:, -1] != EOS)
         scored = Scored(

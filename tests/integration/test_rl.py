@@ -62,11 +62,17 @@ def layouts(family: str, algorithm: str) -> tuple[list, list[str]]:
     return accepted, refused
 
 
+LORA = ["--peft.method", "lora", "--peft.rank", "4", "--peft.alpha", "8"]
+
+
 def fixed_args(family: str, algorithm: str) -> list[str]:
+    """A run of `algorithm` (grpo, ppo, dpo; `-lora`: training LoRA adapters, the reference
+    being the base with adapters off) on a tiny model of `family`."""
+    base, _, lora = algorithm.partition("-")
     config, extra = {"grpo": (CONFIG, GRPO_FIXED), "ppo": (PPO_CONFIG, GRPO_FIXED),
-                     "dpo": (DPO_CONFIG, [])}[algorithm]  # fmt: skip
-    return ["--job.config_file", config, *FIXED, *extra, "--model.name", family,
-            "--model.flavor", FAMILIES[family]]  # fmt: skip
+                     "dpo": (DPO_CONFIG, [])}[base]  # fmt: skip
+    return ["--job.config_file", config, *FIXED, *extra, *(LORA if lora else []),
+            "--model.name", family, "--model.flavor", FAMILIES[family]]  # fmt: skip
 
 
 def fixed_step(tmp_path, family: str, algorithm: str, layout=None) -> dict:
@@ -83,13 +89,13 @@ FULL = os.environ.get("TITANLAB_PARITY_FULL") == "1"
 FULL_ONLY = pytest.mark.skipif(not FULL, reason="make test-parity-full runs it")
 
 
-# CI meets each algorithm and each kind of model (dense, MoE with EP) once; make
+# CI meets each algorithm, LoRA, and each kind of model (dense, MoE with EP) once; make
 # test-parity-full runs every family × algorithm.
-CI_CASES = {("qwen3_moe", "grpo"), ("llama3", "ppo"), ("llama3", "dpo")}
+CI_CASES = {("qwen3_moe", "grpo"), ("llama3", "ppo"), ("llama3", "dpo"), ("qwen3", "grpo-lora")}
 CASES = [
     pytest.param(family, algorithm, marks=() if (family, algorithm) in CI_CASES else FULL_ONLY)
     for family in FAMILIES
-    for algorithm in ("grpo", "ppo", "dpo")
+    for algorithm in ("grpo", "ppo", "dpo", "grpo-lora", "dpo-lora")
 ]
 
 

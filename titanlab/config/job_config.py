@@ -21,7 +21,7 @@ from titanlab.config.parallelism import Parallelism
 from titanlab.config.peft import Peft
 from titanlab.config.performance import ActivationCheckpoint, Compile, Float8
 from titanlab.config.profiling import Profiling
-from titanlab.config.rl import RL
+from titanlab.config.rl import RL, validate_rl_combinations
 
 __all__ = [
     "RL",
@@ -382,33 +382,4 @@ class JobConfig:
             "(the base model whose weights are quantized)",
         )
         if self.rl.algorithm != "none":
-            self._validate_rl()
-
-    def _validate_rl(self) -> None:
-        """What reinforcement learning composes with in this version: one line per refusal."""
-        rl, par, name = self.rl, self.parallelism, f"rl.algorithm={self.rl.algorithm}"
-        _require(
-            rl.algorithm == "dpo" or self.training.local_batch_size % rl.group_size == 0,
-            f"training.local_batch_size={self.training.local_batch_size} (completions per rank) "
-            f"is not a multiple of rl.group_size={rl.group_size}; use a multiple of it",
-        )
-        refused = {
-            "parallelism.pipeline_parallel_degree": par.pipeline_parallel_degree > 1,
-            "parallelism.context_parallel_degree": par.context_parallel_degree > 1,
-            "compile.enable": self.compile.enable,
-            "peft.method": self.peft.method != "none",
-            "distill.teacher_path": bool(self.distill.teacher_path),
-            "float8.enable": self.float8.enable,
-            "validation.enable": self.validation.enable,
-        }
-        for option, on in refused.items():
-            value = getattr(getattr(self, option.split(".")[0]), option.split(".")[1])
-            _require(
-                not on,
-                f"{name} with {option}={value} is not supported; "
-                + (
-                    "use rl.eval_freq for held-out evaluation"
-                    if option == "validation.enable"
-                    else f"leave {option} at its default"
-                ),
-            )
+            validate_rl_combinations(self)

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from titanlab.config.errors import _require
 
-DIGIT_TASKS = ("reverse", "sort")
+DIGIT_TASKS = ("reverse", "sort", "add")
+R1_FORMAT = r"<think>.*?</think>\s*<answer>.*?</answer>"
 
 
 @dataclass
@@ -28,24 +30,28 @@ class RL:
     `training.local_batch_size` counts pairs per rank."""
 
     data_path: str = ""
-    """dpo: a JSONL file of `{"prompt", "chosen", "rejected"}` strings, the prompt rendered as a
-    user turn with the tokenizer's chat template (`model.tokenizer_path`), prompt tokens masked;
-    one line in 16 held out for evaluation. Empty: the digit task's pairs on its own vocabulary."""
+    """A JSONL file, the prompt of each line rendered as a user turn with the tokenizer's chat
+    template (`model.tokenizer_path`); one line in 16 held out for evaluation. grpo, ppo:
+    `{"prompt", "answer", ...}` strings, the answer and the other fields handed to the reward
+    functions (`rl.max_new_tokens` required); dpo: `{"prompt", "chosen", "rejected"}`, prompt
+    tokens masked. Empty: the digit task (`rl.task`) on its own vocabulary."""
 
-    task: Literal["reverse", "sort"] = "reverse"
-    """Prompt source: an offline verifiable task generated from `debug.seed`, on its own
-    16-token vocabulary (digits, BOS, SEP, EOS; the model's vocab_size comes from it): reverse
-    or sort a string of `task_digits` digits. The answer is the digits then EOS."""
+    task: Literal["reverse", "sort", "add"] = "reverse"
+    """Prompt source without `data_path`: an offline verifiable task generated from
+    `debug.seed`, on its own 16-token vocabulary (digits, BOS, SEP, EOS, PLUS; the model's
+    vocab_size comes from it): reverse or sort a string of `task_digits` digits, or add two
+    numbers of `task_digits` digits. The answer is the digits then EOS."""
 
     task_digits: int = 4
-    """Digits per prompt of the task."""
+    """Digits per prompt of the task (add: per number)."""
 
     group_size: int = 8
     """G: completions sampled per prompt; GRPO normalizes the advantages within each group
     (G >= 2), PPO's come from its value head (G >= 1)."""
 
     max_new_tokens: int = 0
-    """Most tokens sampled per completion; 0: the task's answer length (digits + EOS)."""
+    """Most tokens sampled per completion; 0: the digit task's answer length (digits + EOS;
+    required with `data_path`)."""
 
     temperature: float = 1.0
     """Sampling temperature (> 0) over the full vocabulary; the trainer's log-probabilities use
@@ -108,12 +114,20 @@ class RL:
     rewards: list[str] = field(
         default_factory=lambda: ["titanlab.posttrain.rl.rewards:partial_credit"]
     )
-    """Reward functions `module:function`, each `(prompt, completion, metadata) -> float` with
-    token-id lists and the task's metadata dict; built in (titanlab.posttrain.rl.rewards):
-    partial_credit, exact_match, ends_with_eos."""
+    """Reward functions `module:function`, each `(prompt, completion, metadata) -> float` on the
+    prompt's and the completion's text and the prompt's metadata (`answer`, `finished`, ...;
+    `titanlab.posttrain.rl.rewards`). Built in (titanlab.posttrain.rl.rewards): partial_credit,
+    exact_match, ends_with_eos, matches_format (`format_pattern`); and
+    titanlab.posttrain.rl.math_reward:math_answer, the math-verify checker (pip install
+    math-verify)."""
 
     reward_weights: list[float] = field(default_factory=list)
     """Weight of each reward function in the sum (empty: 1 each)."""
+
+    format_pattern: str = R1_FORMAT
+    """The regular expression `matches_format` wants the whole completion to match (`.` also
+    matches newlines); default DeepSeek-R1's `<think>…</think> <answer>…</answer>`. A JSONL
+    line's own `format_pattern` field wins."""
 
     eval_freq: int = 25
     """Every this many steps (and at the last), greedy exact-match on `eval_prompts` held-out
@@ -157,10 +171,15 @@ class RL:
             f"rl.beta={self.beta}: DPO's β must be > 0 (e.g. 0.1)",
         )
         _require(
-            not self.data_path or self.algorithm == "dpo",
-            f"rl.data_path with rl.algorithm={self.algorithm} is not supported yet; GRPO draws "
-            "prompts from rl.task",
+            not self.data_path or self.algorithm == "dpo" or self.max_new_tokens > 0,
+            f"rl.data_path with rl.algorithm={self.algorithm} needs rl.max_new_tokens > 0 (the "
+            "longest completion to sample)",
         )
+        try:
+            re.compile(self.format_pattern)
+        except re.error as e:
+            _require(False, f"rl.format_pattern={self.format_pattern!r} is not a regular "
+                            f"expression: {e}")  # fmt: skip
         _require(self.iterations >= 1, f"rl.iterations={self.iterations} must be >= 1")
         _require(0 < self.gamma <= 1, f"rl.gamma={self.gamma} must be in (0, 1]")
         _require(0 <= self.lam <= 1, f"rl.lam={self.lam} must be in [0, 1]")
@@ -174,3 +193,40 @@ class RL:
         )
         _require(self.eval_freq >= 0, f"rl.eval_freq={self.eval_freq} must be >= 0")
         _require(self.eval_prompts >= 1, f"rl.eval_prompts={self.eval_prompts} must be >= 1")
+
+
+def validate_rl_combinations(config: Any) -> None:
+    """What reinforcement learning composes with in this version (`config` a JobConfig): one
+    line per refusal. LoRA: GRPO and DPO train the adapters, the reference being the base
+    (adapters off); PPO's value head would train outside the adapters, and sampling needs the
+    policy without adapter dropout."""
+    rl, par, name = config.rl, config.parallelism, f"rl.algorithm={config.rl.algorithm}"
+    peft = config.peft
+    _require(
+        rl.algorithm == "dpo" or config.training.local_batch_size % rl.group_size == 0,
+        f"training.local_batch_size={config.training.local_batch_size} (completions per rank) "
+        f"is not a multiple of rl.group_size={rl.group_size}; use a multiple of it",
+    )
+    refused = {
+        "parallelism.pipeline_parallel_degree": par.pipeline_parallel_degree > 1,
+        "parallelism.context_parallel_degree": par.context_parallel_degree > 1,
+        "compile.enable": config.compile.enable,
+        "peft.method": peft.method != "none" and rl.algorithm == "ppo",
+        "peft.quantize_base": peft.quantize_base != "none",
+        "distill.teacher_path": bool(config.distill.teacher_path),
+        "float8.enable": config.float8.enable,
+        "validation.enable": config.validation.enable,
+    }
+    for option, on in refused.items():
+        section, field_name = option.split(".")
+        value = getattr(getattr(config, section), field_name)
+        hint = {
+            "validation.enable": "use rl.eval_freq for held-out evaluation",
+            "peft.method": "LoRA composes with rl.algorithm grpo and dpo",
+        }.get(option, f"leave {option} at its default")
+        _require(not on, f"{name} with {option}={value} is not supported; {hint}")
+    _require(
+        peft.method == "none" or peft.dropout == 0 or rl.algorithm == "dpo",
+        f"{name} with peft.dropout={peft.dropout} is not supported: the policy that samples "
+        "must be the one trained; use peft.dropout = 0",
+    )

@@ -1,7 +1,8 @@
 """Offline verifiable digit tasks for reinforcement learning, on their own 16-token vocabulary.
 
-A prompt is `[BOS d1 .. dn SEP]`; the answer is the task's digits followed by EOS (reverse: the
-digits backwards; sort: ascending). Nothing is downloaded: every prompt comes from a seeded
+A prompt is `[BOS d1 .. dn SEP]` (add: `[BOS a1 .. an PLUS b1 .. bn SEP]`); the answer is the
+task's digits followed by EOS (reverse: the digits backwards; sort: ascending; add: the decimal
+digits of a + b, without leading zeros). Nothing is downloaded: every prompt comes from a seeded
 generator. The vocabulary is tiny on purpose: with a 4k-token vocabulary a randomly initialized
 policy almost never samples a digit, every group scores 0 and GRPO's gradient is 0
 (`../shared/notes/grpo_design.md`, "A verifiable offline task").
@@ -18,14 +19,17 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 DIGITS = 10
-BOS, SEP, EOS = 10, 11, 12
-VOCAB_SIZE = 16  # ids 13..15 are never produced; 16 divides evenly over tensor-parallel ranks
+BOS, SEP, EOS, PLUS = 10, 11, 12, 13
+VOCAB_SIZE = 16  # ids 14, 15 are never in a prompt or answer; 16 divides over tensor-parallel ranks
 HELD_OUT_EVERY = 16
-_NAMES = {BOS: "<bos>", SEP: "<sep>", EOS: "<eos>"}
+KINDS = ("reverse", "sort", "add")
+# One character per id, so a reward reading the text sees position i of the text at token i.
+GLYPHS = "0123456789^=$+??"
 
 
 class DigitVocab:
-    """The tokenizer of the digit tasks: id d is the digit d, then BOS, SEP, EOS.
+    """The tokenizer of the digit tasks: id d is the digit d, then BOS, SEP, EOS, PLUS; as text
+    one character each: the digit, `^`, `=`, `$`, `+` (`?` for the two unused ids).
 
     Offers what the trainer reads from a tokenizer (`vocab_size`, `bos_id`, `eos_id`, `eot_id`,
     `pad_id`, `path`, `fingerprint`, `encode`, `decode`).
@@ -40,17 +44,19 @@ class DigitVocab:
     fingerprint = "digit-task-vocab-v1"
 
     def encode(self, text: str, *, bos: bool, eos: bool) -> list[int]:
-        """Digits of `text` (other characters are ignored), with BOS/EOS when asked."""
-        ids = [int(c) for c in text if c.isdigit()]
+        """Digits and `+` of `text` (other characters are ignored), with BOS/EOS when asked."""
+        ids = [int(c) if c.isdigit() else PLUS for c in text if c.isdigit() or c == "+"]
         return ([BOS] if bos else []) + ids + ([EOS] if eos else [])
 
     def decode(self, ids: Sequence[int]) -> str:
-        return "".join(str(i) if i < DIGITS else _NAMES.get(i, f"<{i}>") for i in ids)
+        """One character per id (`GLYPHS`)."""
+        return "".join(GLYPHS[i] for i in ids)
 
 
 @dataclass(frozen=True)
 class DigitTask:
-    """`kind` ("reverse" or "sort") over strings of `digits` digits.
+    """`kind` ("reverse", "sort" or "add") over strings of `digits` digits (add: two numbers
+    of `digits` digits each, leading zeros allowed).
 
     Raises:
         ValueError: an unknown kind or fewer than 1 digit.
@@ -60,32 +66,48 @@ class DigitTask:
     digits: int
 
     def __post_init__(self) -> None:
-        if self.kind not in ("reverse", "sort"):
-            raise ValueError(f"task {self.kind!r} is not one of reverse, sort")
+        if self.kind not in KINDS:
+            raise ValueError(f"task {self.kind!r} is not one of {', '.join(KINDS)}")
         if self.digits < 1:
             raise ValueError(f"task digits={self.digits} must be >= 1")
 
     @property
+    def operands(self) -> int:
+        return 2 if self.kind == "add" else 1
+
+    @property
     def prompt_len(self) -> int:
-        return self.digits + 2
+        return self.operands * (self.digits + 1) + 1
 
     @property
     def answer_len(self) -> int:
-        """Tokens of a right answer, EOS included."""
-        return self.digits + 1
+        """Most tokens of a right answer, EOS included (a sum may have one digit more)."""
+        return self.digits + (2 if self.kind == "add" else 1)
 
     def answer(self, digits: Sequence[int]) -> list[int]:
-        body = list(reversed(digits)) if self.kind == "reverse" else sorted(digits)
-        return body + [EOS]
+        """The right completion's ids (EOS last) for a prompt's digits (add: both operands)."""
+        if self.kind == "reverse":
+            return [*reversed(digits), EOS]
+        if self.kind == "sort":
+            return [*sorted(digits), EOS]
+        a = int("".join(map(str, digits[: self.digits])))
+        b = int("".join(map(str, digits[self.digits :])))
+        return [*map(int, str(a + b)), EOS]
 
     def example(self, digits: Sequence[int]) -> tuple[list[int], dict]:
-        """(prompt ids, metadata with the target ids) for one digit string."""
-        return [BOS, *digits, SEP], {"target": self.answer(digits)}
+        """(prompt ids, metadata) for one digit string (add: both operands, concatenated).
+        metadata: `target`, the right completion's ids with EOS; `answer`, its text without."""
+        if self.kind == "add":
+            prompt = [BOS, *digits[: self.digits], PLUS, *digits[self.digits :], SEP]
+        else:
+            prompt = [BOS, *digits, SEP]
+        target = self.answer(digits)
+        return prompt, {"target": target, "answer": "".join(map(str, target[:-1]))}
 
     def draw(self, rng: random.Random, held_out: bool) -> tuple[list[int], dict]:
         """A random example from the held-out share (`held_out`) or from the rest."""
         for _ in range(100 * HELD_OUT_EVERY):
-            digits = [rng.randrange(DIGITS) for _ in range(self.digits)]
+            digits = [rng.randrange(DIGITS) for _ in range(self.digits * self.operands)]
             if is_held_out(digits) == held_out:
                 return self.example(digits)
         raise ValueError(
@@ -101,7 +123,7 @@ class DigitTask:
         prompt, meta = self.draw(rng, held_out)
         chosen = meta["target"]
         rejected = list(chosen)
-        at = rng.randrange(self.digits)
+        at = rng.randrange(len(chosen) - 1)
         rejected[at] = (rejected[at] + rng.randrange(1, DIGITS)) % DIGITS
         return prompt, chosen, rejected
 

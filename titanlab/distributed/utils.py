@@ -57,6 +57,14 @@ def _norm(grads: list[torch.Tensor]) -> torch.Tensor:
     )
 
 
+def global_max(value: torch.Tensor, mesh: DeviceMesh | None) -> torch.Tensor:
+    """Max of a tensor over `mesh` (returns a new tensor; the identity when mesh is None)."""
+    out = value.detach().clone()
+    if mesh is not None and mesh.size() > 1:
+        dist.all_reduce(out, op=dist.ReduceOp.MAX, group=mesh.get_group())
+    return out
+
+
 def global_sum(value: torch.Tensor, mesh: DeviceMesh | None) -> torch.Tensor:
     """Sum a tensor over `mesh` (returns a new tensor; the identity when mesh is None)."""
     out = value.detach().clone()

@@ -82,7 +82,8 @@ def format_rl(extra: dict[str, float]) -> str:
     parts.append(f"rollout: {100 * r['rollout_s'] / total if total else 0:.0f}%")
     if "eval_exact_match" in r:
         parts.append(
-            f"eval: exact {r['eval_exact_match']:.3f} partial {r['eval_partial_credit']:.3f}"
+            f"eval: reward {r.get('eval_reward', 0.0):.3f} exact {r['eval_exact_match']:.3f} "
+            f"partial {r['eval_partial_credit']:.3f}"
         )
     return "  ".join(parts)
 

@@ -12,7 +12,9 @@ activation checkpointing and compile see ordinary modules.
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -57,6 +59,23 @@ class LoRALinear(nn.Linear):
         w = self.weight
         base = nf4_linear(x, w) if is_quantized(w) else F.linear(x, w)
         return base + self.lora_b(self.lora_a(self.dropout(x))) * self.scaling
+
+
+@contextlib.contextmanager
+def adapters_disabled(model: nn.Module) -> Iterator[None]:
+    """Within, every LoRALinear of `model` computes its base Linear only (its scaling is 0, so
+    W x + 0 · B A x is exactly W x); after, the scalings are restored. The base model's output
+    from the adapted module itself, with no second copy of the weights (PEFT's
+    `disable_adapter`)."""
+    layers = [m for m in model.modules() if isinstance(m, LoRALinear)]
+    saved = [m.scaling for m in layers]
+    for m in layers:
+        m.scaling = 0.0
+    try:
+        yield
+    finally:
+        for m, scaling in zip(layers, saved):
+            m.scaling = scaling
 
 
 def _copy_full(param: torch.Tensor, full: torch.Tensor) -> None:

@@ -16,8 +16,8 @@ from titanlab.posttrain.rl.dpo import DPO
 from titanlab.posttrain.rl.grpo import GRPO
 from titanlab.posttrain.rl.pairs import PairStream, read_pairs
 from titanlab.posttrain.rl.ppo import PPO
-from titanlab.posttrain.rl.prompts import PromptStream
-from titanlab.posttrain.rl.reference import build_reference
+from titanlab.posttrain.rl.prompts import PromptStream, read_prompts
+from titanlab.posttrain.rl.reference import AdaptersOff, build_reference
 from titanlab.posttrain.rl.value_head import add_value_head, zero_value_head
 
 logger = logging.getLogger("titanlab")
@@ -45,11 +45,17 @@ def _stream(trainer: Any) -> PromptStream | PairStream:
         logger.info("data: %s, %d pairs per rank; batch: %s", what,
                     config.training.local_batch_size, trainer.batch)  # fmt: skip
         return PairStream(source, seed, dims.dp_rank(), dims.dp_degree)
+    stream_args: dict[str, Any] = {"format_pattern": rl.format_pattern}
+    prompts: DigitTask | list = task
+    if rl.data_path:
+        prompts, stop_ids = read_prompts(rl.data_path, trainer.tokenizer)
+        stream_args.update(tokenizer=trainer.tokenizer, stop_ids=stop_ids)
+        what = f"{len(prompts)} prompts from {rl.data_path}"
     logger.info(
         "data: %s, %d completions per rank (%d per prompt); batch: %s",
         what, config.training.local_batch_size, rl.group_size, trainer.batch,
     )  # fmt: skip
-    return PromptStream(task, seed, dims.dp_rank())
+    return PromptStream(prompts, seed, dims.dp_rank(), dims.dp_degree, **stream_args)
 
 
 def adapt(model: nn.Module, config: JobConfig) -> None:
@@ -65,10 +71,14 @@ def init_weights(model_parts: list[nn.Module], config: JobConfig) -> None:
 
 
 def reference(trainer: Any, parallelize) -> nn.Module | None:
-    """The frozen reference policy: DPO's, and GRPO's when its KL term is on (`rl.beta > 0`)."""
+    """The frozen reference policy: DPO's, and GRPO's when its KL term is on (`rl.beta > 0`);
+    with LoRA the policy itself with its adapters off."""
     config = trainer.config
     if config.rl.algorithm == "none" or config.rl.beta == 0:
         return None
+    if config.peft.method == "lora":
+        logger.info("rl: reference policy = the base model (the policy with its adapters off)")
+        return AdaptersOff(trainer.model_parts[0])
     return build_reference(
         config, trainer.model_args, trainer.device, parallelize, trainer.parallel_dims.world_size
     )

@@ -30,7 +30,31 @@ CASES = {
         ["--parallelism.context_parallel_degree", "2"],
         "rl.algorithm=grpo with parallelism.context_parallel_degree=2 is not supported",
     ),
-    "lora": (["--peft.method", "lora"], "rl.algorithm=grpo with peft.method=lora is not supported"),
+    "lora dropout": (
+        ["--peft.method", "lora", "--peft.dropout", "0.1"],
+        "rl.algorithm=grpo with peft.dropout=0.1 is not supported: the policy that samples",
+    ),
+    "qlora": (
+        [
+            "--peft.method",
+            "lora",
+            "--peft.quantize_base",
+            "nf4",
+            "--checkpoint.initial_load_path",
+            "/base",
+        ],
+        "rl.algorithm=grpo with peft.quantize_base=nf4 is not supported",
+    ),
+    "ppo lora": (
+        ["--rl.algorithm", "ppo", "--peft.method", "lora"],
+        "rl.algorithm=ppo with peft.method=lora is not supported; LoRA composes with "
+        "rl.algorithm grpo and dpo",
+    ),
+    "jsonl without max_new_tokens": (
+        ["--rl.data_path", "prompts.jsonl"],
+        "rl.data_path with rl.algorithm=grpo needs rl.max_new_tokens > 0",
+    ),
+    "format pattern": (["--rl.format_pattern", "(a"], "rl.format_pattern='(a' is not a regular "),
     "too few digits": (["--rl.task_digits", "2"], "rl.task_digits=2 must be in [3, 64]"),
 }
 

@@ -22,7 +22,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from titanlab.config.job_config import JobConfig
 from titanlab.distributed import moe_stats
 from titanlab.distributed.utils import clip_grad_norm_
-from titanlab.posttrain.rl.logprobs import sequence_logprobs
+from titanlab.posttrain.rl.logprobs import batch_width, sequence_logprobs
 from titanlab.posttrain.rl.pairs import Pair, PairStream
 
 
@@ -40,12 +40,14 @@ def dpo_loss(
     return -F.logsigmoid(chosen - rejected), chosen.detach(), rejected.detach()
 
 
-def pack(pairs: list[Pair], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rows prompt + chosen for every pair, then prompt + rejected, right-padded with 0:
-    (sequences (2P, S) int64, target mask (2P, S − 1) bool: the targets that are completion
-    tokens)."""
+def pack(
+    pairs: list[Pair], device: torch.device, width: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows prompt + chosen for every pair, then prompt + rejected, right-padded with 0 to the
+    longest row (or `width`, when longer): (sequences (2P, S) int64, target mask (2P, S − 1)
+    bool: the targets that are completion tokens)."""
     rows = [(p, c) for p, c, _ in pairs] + [(p, r) for p, _, r in pairs]
-    length = max(len(p) + len(c) for p, c in rows)
+    length = max(width, max(len(p) + len(c) for p, c in rows))
     seqs = torch.zeros(len(rows), length, dtype=torch.long)
     mask = torch.zeros(len(rows), length - 1, dtype=torch.bool)
     for i, (p, c) in enumerate(rows):
@@ -94,7 +96,11 @@ class DPO:
         self, model: nn.Module, pairs: list[Pair]
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(chosen (P,), rejected (P,)) summed completion log-probabilities under `model`."""
-        seqs, mask = pack(pairs, self.device)
+        longest = max(len(p) + max(len(c), len(r)) for p, c, r in pairs)
+        width = batch_width(
+            longest, self.model, self.dp_mesh, self.device
+        )  # the same rows on every layout
+        seqs, mask = pack(pairs, self.device, width)
         logp = sequence_logprobs(model, seqs, 1.0, self.tp_degree)
         total = torch.where(mask, logp, 0.0).sum(dim=1)
         return total[: len(pairs)], total[len(pairs) :]

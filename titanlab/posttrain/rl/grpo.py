@@ -23,15 +23,14 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from titanlab.config.job_config import JobConfig
-from titanlab.data.digit_tasks import EOS
 from titanlab.distributed import moe_stats
 from titanlab.distributed.utils import clip_grad_norm_, global_sum
 from titanlab.generation.sampling import SamplingParams
 from titanlab.posttrain.rl import objectives as obj
-from titanlab.posttrain.rl.logprobs import sequence_logprobs
-from titanlab.posttrain.rl.prompts import PromptStream
+from titanlab.posttrain.rl.logprobs import batch_width, sequence_logprobs
+from titanlab.posttrain.rl.prompts import Example, PromptStream
 from titanlab.posttrain.rl.rewards import RewardSet, exact_match, partial_credit
-from titanlab.posttrain.rl.rollout import Rollout, gathered_weights, sample_completions
+from titanlab.posttrain.rl.rollout import Rollout, gathered_weights, left_pad, sample_completions
 from titanlab.posttrain.rl.value_head import read_values
 
 
@@ -96,8 +95,8 @@ class GRPO:
         self.moe_mesh, self.stream = moe_mesh, stream
         self.task = stream.task
         self.rewards = RewardSet(self.rl.rewards, self.rl.reward_weights)
-        self.max_new_tokens = self.rl.max_new_tokens or self.task.answer_len
-        self.eval_set = self.task.held_out_set(self.rl.eval_prompts, config.debug.seed)
+        self.max_new_tokens = self.rl.max_new_tokens or (self.task.answer_len if self.task else 0)
+        self.eval_set = stream.evaluation_prompts(self.rl.eval_prompts)
         self.params = SamplingParams(self.rl.temperature, self.rl.top_k, self.rl.top_p)
 
     # --- one step ------------------------------------------------------------------------
@@ -123,19 +122,29 @@ class GRPO:
         """This step's prompts, `group_size` sampled completions of each, their rewards and
         the group advantages."""
         G = self.rl.group_size
-        prompts, metadata = self.stream.next(self.config.training.local_batch_size // G)
-        prompt_ids = torch.tensor(prompts, device=self.device).repeat_interleave(G, dim=0)
-        rollout = self.sample(prompt_ids, self.params, seed=(step, self.dp_rank))
-        mask, truncated = obj.completion_mask(rollout.completions, EOS)
+        examples = self.stream.next(self.config.training.local_batch_size // G)
+        repeated = [e for e in examples for _ in range(G)]
+        rollout = self.sample(repeated, self.params, seed=(step, self.dp_rank))
+        mask, truncated = obj.completion_mask(rollout.completions, self.stream.stop_ids)
         lengths = mask.sum(dim=1)
-        completions = [row[:n] for row, n in zip(rollout.completions.tolist(), lengths.tolist())]
-        rewards, per_fn = self.rewards.score(
-            [p for p in prompts for _ in range(G)],
-            completions,
-            [m for m in metadata for _ in range(G)],
-        )
+        rewards, per_fn = self.rewards.score(*self.reward_inputs(repeated, rollout, truncated))
         advantages, zero_std = obj.group_advantages(rewards, G, self.rl.scale_rewards)
         return Scored(rollout, mask, truncated, lengths, rewards, per_fn, advantages, zero_std)
+
+    def reward_inputs(
+        self, examples: list[Example], rollout: Rollout, truncated: torch.Tensor
+    ) -> tuple[list[str], list[str], list[dict]]:
+        """What the reward functions read (`titanlab.posttrain.rl.rewards`): each completion's
+        prompt text, its text before the stop token, and a fresh metadata dict with `finished`
+        and `completion_ids`."""
+        prompts, completions, metadata = [], [], []
+        for e, row, cut in zip(examples, rollout.completions.tolist(), truncated.tolist()):
+            n = len(row) if cut else 1 + next(i for i, t in enumerate(row)
+                                              if t in self.stream.stop_ids)  # fmt: skip
+            prompts.append(e.text)
+            completions.append(self.stream.decode(row[: n if cut else n - 1]))
+            metadata.append({**e.metadata, "finished": not cut, "completion_ids": row[:n]})
+        return prompts, completions, metadata
 
     def loss_mask(self, scored: Scored) -> torch.Tensor:
         """The completion tokens that count: up to the first EOS, and with
@@ -153,9 +162,10 @@ class GRPO:
         metrics["rl/train_s"] = torch.tensor(time.perf_counter() - t0 - t_rollout)
         return metrics
 
-    def sample(self, prompt_ids: torch.Tensor, params: SamplingParams, seed: tuple) -> Rollout:
-        """Completions of `prompt_ids` from the policy, the sampling generator seeded by `seed`
-        (so a resumed run samples what an uninterrupted one did)."""
+    def sample(self, examples: list[Example], params: SamplingParams, seed: tuple) -> Rollout:
+        """A completion of each example's prompt from the policy, the sampling generator seeded
+        by `seed` (so a resumed run samples what an uninterrupted one did)."""
+        prompt_ids, prompt_lens = left_pad([e.ids for e in examples], self.device)
         generator = torch.Generator(device=self.device)
         generator.manual_seed(hash_seed(self.config.debug.seed, *seed))
         with (
@@ -164,8 +174,8 @@ class GRPO:
             self.autocast(),
         ):
             return sample_completions(
-                self.model, prompt_ids, self.max_new_tokens, params, generator, EOS,
-                self.tp_degree,
+                self.model, prompt_ids, self.max_new_tokens, params, generator,
+                self.stream.stop_ids, self.tp_degree, prompt_lens,
             )  # fmt: skip
 
     def optimize(
@@ -183,11 +193,10 @@ class GRPO:
         the metrics need."""
         rl = self.rl
         per_sequence = rl.loss_aggregation == "sequence_mean"
-        sequences = torch.cat([rollout.prompts, rollout.completions], dim=1)
         kl_in_loss = value_targets is None
         if self.reference is not None and kl_in_loss:
             with torch.no_grad(), moe_stats.stats_paused(self.reference), self.autocast():
-                ref_logp = self.logprobs(self.reference, sequences)
+                ref_logp = self.logprobs(self.reference, rollout)
         stats: dict[str, torch.Tensor] = {}
         if old_logp is not None:
             gap = (old_logp - rollout.sampler_logp).abs()
@@ -199,7 +208,7 @@ class GRPO:
                 read_values(self.model) if value_targets else contextlib.nullcontext([])
             )
             with self.autocast(), reading as values:
-                logp = self.logprobs(self.model, sequences)  # (B, N)
+                logp = self.logprobs(self.model, rollout)  # (B, N)
             if old_logp is None:  # μ = 1: ratio 1 in value, gradient ∇ log π (TRL, torchforge)
                 old_logp = logp.detach()
                 gap = (old_logp - rollout.sampler_logp).abs()
@@ -213,7 +222,7 @@ class GRPO:
                 stats["kl_sum"] = torch.where(loss_mask, kl.detach(), 0.0).sum()
             if value_targets is not None:
                 old_values, returns = value_targets
-                value_loss = obj.value_loss(self.completion_slice(values[-1], sequences),
+                value_loss = obj.value_loss(rollout.completion_columns(values[-1]),
                                             old_values, returns, rl.value_clip)  # fmt: skip
                 per_token = per_token + rl.value_coef * value_loss
                 stats["value_loss"] = torch.where(loss_mask, value_loss.detach(), 0.0).sum()
@@ -234,17 +243,15 @@ class GRPO:
         loss = global_sum(local.detach(), self.dp_mesh) / denominator
         return loss, grad_norm.detach().float(), stats
 
-    def logprobs(self, model: nn.Module, sequences: torch.Tensor) -> torch.Tensor:
-        """log π(completion token | everything before it) at the sampling temperature:
-        (B, N) float32 for `sequences` = prompts (P tokens) then completions (N tokens)."""
+    def logprobs(self, model: nn.Module, rollout: Rollout) -> torch.Tensor:
+        """log π(completion token | everything before it) at the sampling temperature, from one
+        forward of the rollout's packed sequences (`Rollout.sequences`): (B, N) float32."""
+        if not rollout.width:  # the same rows on every layout (`batch_width`)
+            rollout.width = batch_width(rollout.sequences().shape[1], self.model, self.dp_mesh,
+                                        self.device)  # fmt: skip
+        sequences = rollout.sequences()
         logp = sequence_logprobs(model, sequences, self.rl.temperature, self.tp_degree)
-        return self.completion_slice(logp, sequences)
-
-    def completion_slice(self, per_position: torch.Tensor, sequences: torch.Tensor) -> torch.Tensor:
-        """The (B, N) columns of a per-input-position tensor (B, ≥ S − 1) that predict the N
-        completion tokens of `sequences` (B, S)."""
-        start = sequences.shape[1] - self.max_new_tokens - 1  # the last prompt position
-        return per_position[:, start : start + self.max_new_tokens]
+        return rollout.completion_columns(logp)
 
     # --- metrics and evaluation ---------------------------------------------------------
     def _metrics(
@@ -301,23 +308,24 @@ class GRPO:
         return values.cpu()
 
     def evaluate(self) -> dict[str, float]:
-        """Greedy completions of the held-out prompts (split over the dp ranks): the fraction
-        exactly right and the mean partial credit."""
+        """Greedy completions of the held-out prompts (split over the dp ranks), scored with the
+        reward functions: their weighted mean (`rl/eval_reward`), each function's, and the
+        fraction exactly right and the mean partial credit against the prompts' answers."""
         mine = self.eval_set[self.dp_rank :: self.dp_degree]
-        prompts = [p for p, _ in mine]
-        rollout = self.sample(
-            torch.tensor(prompts, device=self.device), SamplingParams(), seed=(-1, self.dp_rank)
-        )
-        mask, _ = obj.completion_mask(rollout.completions, EOS)
-        exact = partial = 0.0
-        for (p, meta), row, n in zip(mine, rollout.completions.tolist(), mask.sum(1).tolist()):
-            exact += exact_match(p, row[:n], meta)
-            partial += partial_credit(p, row[:n], meta)
-        total = self._reduce(torch.tensor([exact, partial, float(len(mine))]), dist.ReduceOp.SUM)
-        return {
-            "rl/eval_exact_match": float(total[0] / total[2]),
-            "rl/eval_partial_credit": float(total[1] / total[2]),
-        }
+        rollout = self.sample(mine, SamplingParams(), seed=(-1, self.dp_rank))
+        _, truncated = obj.completion_mask(rollout.completions, self.stream.stop_ids)
+        prompts, completions, metadata = self.reward_inputs(mine, rollout, truncated)
+        total, per_fn = self.rewards.score(prompts, completions, metadata)
+        sums = [total.sum(), *(v.sum() for v in per_fn.values())]
+        for fn in (exact_match, partial_credit):
+            sums.append(
+                torch.tensor(sum(map(fn, prompts, completions, metadata)), dtype=torch.float)
+            )
+        sums.append(torch.tensor(float(len(mine))))
+        *values, count = self._reduce(torch.stack(sums), dist.ReduceOp.SUM).tolist()
+        names = ["rl/eval_reward", *(f"rl/eval_reward/{k}" for k in per_fn),
+                 "rl/eval_exact_match", "rl/eval_partial_credit"]  # fmt: skip
+        return {name: v / max(count, 1.0) for name, v in zip(names, values)}
 
 
 def hash_seed(*parts: int) -> int:

@@ -6,9 +6,29 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from titanlab.distributed.utils import global_max
+from titanlab.models.common.decoder import moe_layers
 from titanlab.posttrain.rl.objectives import token_logprobs
+
+WIDTH_MULTIPLE = 8
+
+
+def batch_width(local: int, model: nn.Module, dp_mesh: DeviceMesh | None,
+                device: torch.device) -> int:  # fmt: skip
+    """The width (tokens per row) a data-parallel rank pads its batch to, `local` being its
+    longest row. A dense model: `local` (causal attention keeps right padding out of every
+    real position). A model with MoE layers: the longest row over the ranks, raised so the
+    inputs (width − 1) are a multiple of 8, so every layout forwards the same rows, padding
+    included: an MoE layer's load-balance statistics count every token of the global batch,
+    and a tensor-parallel degree dividing 8 splits the sequence without adding any token.
+    (One all-reduce of an integer.)"""
+    if not moe_layers(model):
+        return local
+    width = int(global_max(torch.tensor(local, device=device), dp_mesh))
+    return width + (-(width - 1) % WIDTH_MULTIPLE)
 
 
 def sequence_logprobs(

@@ -10,6 +10,8 @@ unscaled advantages (Liu et al. 2025, arXiv:2503.20783).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 
@@ -17,21 +19,26 @@ LOG_RATIO_LIMIT = 20.0  # |log π_θ/π_old| and |log π_ref/π_θ| clamp: exp s
 STD_EPS = 1e-6
 
 
-def completion_mask(completions: torch.Tensor, eos_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Which sampled tokens count, by position: every token up to and including the first EOS.
+def completion_mask(
+    completions: torch.Tensor, stop_ids: int | Sequence[int]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Which sampled tokens count, by position: every token up to and including the first stop
+    token (EOS, or any of `stop_ids`).
 
     Tokens after it are padding whatever their id (padding may itself be EOS), so the mask is
-    never inferred from the token ids after the first EOS.
+    never inferred from the token ids after the first stop token.
 
     Args:
         completions: (B, N) int64 sampled tokens.
     Returns:
-        (mask (B, N) bool, truncated (B,) bool: no EOS within the N tokens).
+        (mask (B, N) bool, truncated (B,) bool: no stop token within the N tokens).
     """
     n = completions.shape[1]
     index = torch.arange(n, device=completions.device)
-    first_eos = torch.where(completions == eos_id, index, n).min(dim=1).values  # (B,)
-    return index[None, :] <= first_eos[:, None], first_eos == n
+    ids = [stop_ids] if isinstance(stop_ids, int) else list(stop_ids)
+    stops = torch.isin(completions, torch.tensor(ids, device=completions.device))
+    first_stop = torch.where(stops, index, n).min(dim=1).values  # (B,)
+    return index[None, :] <= first_stop[:, None], first_stop == n
 
 
 def group_advantages(

@@ -39,15 +39,14 @@ class PPO(GRPO):
         LR step. Returns (loss, grad norm, metrics) over the global batch."""
         t0 = time.perf_counter() if t0 is None else t0
         rollout, loss_mask = scored.rollout, self.loss_mask(scored)
-        sequences = torch.cat([rollout.prompts, rollout.completions], dim=1)
         with torch.no_grad(), moe_stats.stats_paused(self.model), self.autocast():
             with read_values(self.model) as values:
-                old_logp = self.logprobs(self.model, sequences)
-            old_values = self.completion_slice(values[-1], sequences)
+                old_logp = self.logprobs(self.model, rollout)
+            old_values = rollout.completion_columns(values[-1])
             ref_logp = None
             if self.reference is not None:
                 with moe_stats.stats_paused(self.reference):
-                    ref_logp = self.logprobs(self.reference, sequences)
+                    ref_logp = self.logprobs(self.reference, rollout)
         advantages, returns, kl = self.advantages(scored, loss_mask, old_logp, ref_logp, old_values)
         denominator = global_sum(loss_mask.sum().float(), self.dp_mesh).clamp(min=1.0)
         loss, grad_norm, stats = self.optimize(

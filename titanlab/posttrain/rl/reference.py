@@ -1,4 +1,5 @@
-"""The frozen reference policy of the KL term: the run's initial model, sharded like the policy."""
+"""The frozen reference policy of the KL term and of DPO: the run's initial model, sharded like
+the policy; with LoRA, the policy module itself with its adapters off (no second model)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_mo
 from titanlab.checkpoint import store
 from titanlab.components import builders as components
 from titanlab.config.job_config import ConfigError, JobConfig
+from titanlab.peft.lora import adapters_disabled
 
 logger = logging.getLogger(__name__)
 
@@ -55,3 +57,22 @@ def build_reference(
         "rl: reference policy = %s", path or f"the initial weights (seed {config.debug.seed})"
     )
     return reference.eval()
+
+
+class AdaptersOff(nn.Module):
+    """The base model of a LoRA policy as the reference: a forward of the policy module (the
+    same sharded weights) inside `adapters_disabled`. With adapters starting at B = 0, this is
+    exactly the initial policy, as a separate frozen copy would be, at no extra memory.
+
+    Args:
+        policy: the LoRA-adapted, parallelized policy (its adapters' `scaling` is set to 0 for
+            the duration of each forward only).
+    """
+
+    def __init__(self, policy: nn.Module) -> None:
+        super().__init__()
+        self.policy = policy
+
+    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        with adapters_disabled(self.policy):
+            return self.policy(*args, **kwargs)

@@ -1,10 +1,16 @@
 """Reward functions: `(prompt, completion, metadata) -> float`, named in the config as
 `module:function` and combined by weights (`rl.rewards`, `rl.reward_weights`).
 
-`prompt` and `completion` are lists of token ids (the completion ends at its first EOS,
-included, when it has one); `metadata` is the task's dict for the prompt (the digit tasks give
-`target`, the right completion's ids with EOS). Functions must be deterministic and cheap: each
-rank scores only its own completions.
+`prompt` is the prompt's text (a JSONL line's `"prompt"` as written, before the chat template; a
+digit task's one character per token, `titanlab.data.digit_tasks.GLYPHS`); `completion` is the
+decoded text of the sampled tokens before the first stop token (EOS / end of turn). `metadata`
+is a fresh dict per completion: the prompt's fields (`answer`, the reference answer's text; a
+JSONL line's other fields; a digit task's `target` ids) plus `finished` (the completion ended
+with a stop token within `rl.max_new_tokens`), `completion_ids` (its token ids, the stop token
+included when finished) and `format_pattern` (`rl.format_pattern`, unless the line sets its
+own). Functions must be deterministic and cheap: each rank scores only its own completions.
+The arguments follow TRL's reward functions (prompts, completions, dataset columns as keyword
+arguments) and verl's `compute_score` (solution string, ground truth), one completion a call.
 """
 
 from __future__ import annotations
@@ -12,32 +18,44 @@ from __future__ import annotations
 import importlib
 import math
 import numbers
+import re
 from collections.abc import Callable, Sequence
 
 import torch
 
 from titanlab.config.errors import ConfigError
-from titanlab.data.digit_tasks import EOS
 
-RewardFn = Callable[[Sequence[int], Sequence[int], dict], float]
-
-
-def partial_credit(prompt: Sequence[int], completion: Sequence[int], metadata: dict) -> float:
-    """Fraction of the target's positions (EOS included) the completion gets right, in [0, 1]:
-    a signal from the first step on, where exact match would give all-zero groups."""
-    target = metadata["target"]
-    right = sum(1 for a, b in zip(completion, target) if a == b)
-    return right / len(target)
+RewardFn = Callable[[str, str, dict], float]
 
 
-def exact_match(prompt: Sequence[int], completion: Sequence[int], metadata: dict) -> float:
-    """1.0 when the completion is exactly the target (EOS included), else 0.0."""
-    return float(list(completion) == list(metadata["target"]))
+def partial_credit(prompt: str, completion: str, metadata: dict) -> float:
+    """Share of the answer's positions the completion gets right, stopping right after it
+    counting as one more position, in [0, 1]: a signal from the first step on, where exact
+    match gives all-zero groups. On a digit task this is the share of the target's tokens (EOS
+    included) sampled right."""
+    answer = metadata["answer"]
+    right = sum(1 for a, b in zip(completion, answer) if a == b)
+    right += bool(metadata["finished"]) and len(completion) == len(answer)
+    return right / (len(answer) + 1)
 
 
-def ends_with_eos(prompt: Sequence[int], completion: Sequence[int], metadata: dict) -> float:
-    """Format reward: 1.0 when the completion ended (sampled EOS) within max_new_tokens."""
-    return float(bool(completion) and completion[-1] == metadata.get("eos_id", EOS))
+def exact_match(prompt: str, completion: str, metadata: dict) -> float:
+    """1.0 when the completion stopped and is the answer (surrounding whitespace ignored)."""
+    finished = bool(metadata["finished"])
+    return float(finished and completion.strip() == metadata["answer"].strip())
+
+
+def ends_with_eos(prompt: str, completion: str, metadata: dict) -> float:
+    """Format reward: 1.0 when the completion stopped (sampled EOS / end of turn) within
+    `rl.max_new_tokens`."""
+    return float(bool(metadata["finished"]))
+
+
+def matches_format(prompt: str, completion: str, metadata: dict) -> float:
+    """Format reward: 1.0 when the whole completion matches `metadata["format_pattern"]` (a
+    Python regular expression, `.` matching newlines too), e.g. DeepSeek-R1's
+    `<think>…</think><answer>…</answer>` (`rl.format_pattern`)."""
+    return float(re.fullmatch(metadata["format_pattern"], completion, re.DOTALL) is not None)
 
 
 def load_reward(spec: str, index: int) -> RewardFn:
@@ -61,7 +79,7 @@ class RewardSet:
     """The weighted sum of the configured reward functions, each also reported on its own.
 
     Raises (from `score`): ConfigError, one line naming the `rl.rewards` entry, when a function
-    returns a non-number or a non-finite one.
+    raises, or returns a non-number or a non-finite one.
     """
 
     def __init__(self, specs: Sequence[str], weights: Sequence[float]) -> None:
@@ -71,10 +89,9 @@ class RewardSet:
         self.weights = list(weights) if weights else [1.0] * len(self.fns)
 
     def score(
-        self, prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]],
-        metadata: Sequence[dict],
-    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:  # fmt: skip
-        """(total (B,) float32, {name: (B,) float32 per function})."""
+        self, prompts: Sequence[str], completions: Sequence[str], metadata: Sequence[dict]
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """(total (B,) float32, {name: (B,) float32 per function}) of B completions."""
         per_fn: dict[str, torch.Tensor] = {}
         total = torch.zeros(len(completions))
         for i, (spec, name, fn, w) in enumerate(
@@ -82,7 +99,13 @@ class RewardSet:
         ):
             values: list[float] = []
             for p, c, m in zip(prompts, completions, metadata):
-                v = fn(p, c, m)
+                try:
+                    v = fn(p, c, m)
+                except Exception as e:
+                    raise ConfigError(
+                        f"rl.rewards[{i}]={spec!r} raised {type(e).__name__}: {e} (on the "
+                        f"completion {c[:40]!r})"
+                    ) from None
                 if not isinstance(v, numbers.Real) or not math.isfinite(v):
                     raise ConfigError(
                         f"rl.rewards[{i}]={spec!r} returned {v!r} ({type(v).__name__}); a "

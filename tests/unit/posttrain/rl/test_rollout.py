@@ -73,6 +73,39 @@ def test_cached_decode_equals_recompute_and_sampler_logprobs_equal_the_trainers(
     assert torch.all(torch.where(mask, 0.0, cached.sampler_logp) == 0)
 
 
+@pytest.mark.parametrize("tp_degree", [1, 2])
+def test_prompts_of_different_lengths_sample_as_alone_and_score_the_same_in_the_trainer(
+    tp_degree,
+):
+    """A batch of prompts of 5, 7 and 8 tokens (left-padded for the KV cache, packed left for
+    the recompute) gives each prompt the greedy completion it gets alone, and the trainer's
+    forward of the packed sequences gives the sampler's log-probabilities."""
+    import random
+
+    from titanlab.posttrain.rl.logprobs import sequence_logprobs
+    from titanlab.posttrain.rl.rollout import left_pad
+
+    model = tiny()
+    ids = [DigitTask("reverse", d).draw(random.Random(d), False)[0] for d in (3, 5, 6, 5)]
+    alone = []
+    with torch.no_grad():
+        for p in ids:
+            gen = torch.Generator().manual_seed(0)
+            r = sample_completions(model, torch.tensor([p]), N, SamplingParams(0.0), gen, EOS)
+            alone.append(r.completions[0])
+        padded, lens = left_pad(ids, torch.device("cpu"))
+        gen = torch.Generator().manual_seed(0)
+        batch = sample_completions(model, padded, N, SamplingParams(0.0), gen, [EOS, 14],
+                                   tp_degree, lens)  # fmt: skip
+        logp = batch.completion_columns(sequence_logprobs(model, batch.sequences(), 1.0))
+    assert padded.shape == (4, 8) and lens.tolist() == [5, 7, 8, 7]
+    assert torch.equal(batch.completions, torch.stack(alone))
+    assert batch.sequences()[0, :5].tolist() == ids[0]
+    mask, _ = obj.completion_mask(batch.completions, [EOS, 14])
+    gap = torch.where(mask, (logp - batch.sampler_logp).abs(), 0.0).max().item()
+    assert gap < 1e-5, gap
+
+
 def _fsdp_worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
     init_gloo(rank, world, init_file)
     ok = False
