@@ -1,8 +1,9 @@
-"""GRPO, PPO and DPO end to end on CPU ranks: one update on fixed data equals one process under
-every 2-rank layout the trainer accepts for it; from random init, 2 ranks learn reverse-4-digits
-to a greedy held-out exact match >= 0.9 within 200 steps (GRPO), raise the mean reward by >= 0.3
-(PPO), and rank held-out preference pairs right more than 90% of the time (DPO); a GRPO run
-killed with SIGKILL resumes with the same rewards and losses, bit for bit."""
+"""GRPO, PPO and DPO end to end on CPU ranks: one update on fixed data (prompts of different
+lengths) equals one process under every 2-rank layout the trainer accepts for it, LoRA included;
+from random init, 2 ranks learn reverse-4-digits to a greedy held-out exact match >= 0.9 within
+100 steps (GRPO), raise the mean reward by >= 0.3 within 70 (PPO), and rank held-out preference
+pairs right more than 90% of the time (DPO); a GRPO run killed with SIGKILL resumes with the same
+rewards and losses, bit for bit, and so does a GRPO run on JSONL prompts."""
 
 from __future__ import annotations
 
@@ -92,7 +93,7 @@ FULL_ONLY = pytest.mark.skipif(not FULL, reason="make test-parity-full runs it")
 
 # CI meets each algorithm, LoRA, and each kind of model (dense, MoE with EP) once; make
 # test-parity-full runs every family × algorithm.
-CI_CASES = {("qwen3_moe", "grpo"), ("llama3", "ppo"), ("llama3", "dpo"), ("qwen3", "grpo-lora")}
+CI_CASES = {("qwen3_moe", "grpo"), ("llama3", "ppo"), ("qwen3", "dpo-lora")}
 CASES = [
     pytest.param(family, algorithm, marks=() if (family, algorithm) in CI_CASES else FULL_ONLY)
     for family in FAMILIES
@@ -119,9 +120,10 @@ def test_one_update_on_fixed_data_equals_one_process_on_every_layout(tmp_path, f
               f"{got['grad_norm']:.6f} vs {single['grad_norm']:.6f}, max |Δparam| {diff:.2e}")  # fmt: skip
         assert got["loss"] == pytest.approx(single["loss"], abs=1e-5)
         assert got["grad_norm"] == pytest.approx(single["grad_norm"], abs=1e-5)
-        # Adam divides each gradient by its own running RMS, so a 1e-7 difference in a
-        # near-zero gradient moves its weight by up to ~lr: parameters get a looser bound.
-        assert diff < 5e-5
+        # Adam divides each gradient by its own running RMS (+ eps 1e-8), so a 1e-7 difference
+        # in a gradient near eps (LoRA's B starts at 0) moves its weight by a few % of lr (3e-3)
+        # over two steps: parameters get a bound relative to lr.
+        assert diff < 0.05 * 3e-3
 
 
 def records(dump: str) -> dict[int, dict]:
@@ -145,10 +147,10 @@ def start(
 @pytest.fixture(scope="module")
 def learned(tmp_path_factory) -> dict[int, dict]:
     """The records of train_configs/grpo_debug.toml as shipped (2 ranks from random init, a
-    greedy held-out evaluation every 25 steps), cut to 150 of its 200 steps to keep CI short
-    (constant LR: the first 150 steps are the same)."""
+    greedy held-out evaluation every 25 steps), cut to 100 of its 200 steps to keep CI short
+    (constant LR: the first 100 steps are the same)."""
     dump = str(tmp_path_factory.mktemp("grpo"))
-    run = start(dump, "--checkpoint.enable", "false", "--training.steps", "150")
+    run = start(dump, "--checkpoint.enable", "false", "--training.steps", "100")
     out, _ = run.communicate(timeout=900)
     assert run.returncode == 0, out[-4000:]
     return records(dump)
@@ -159,13 +161,13 @@ def test_grpo_learns_reverse_digits_from_random_init_on_two_ranks(learned):
     first = min((s for s, v in evals.items() if v >= 0.9), default=None)
     print(
         f"\ngreedy held-out exact match by step: {evals}; first >= 0.9 at step {first}; "
-        f"sampled reward {learned[1]['rl/reward_mean']:.3f} → {learned[150]['rl/reward_mean']:.3f}"
+        f"sampled reward {learned[1]['rl/reward_mean']:.3f} → {learned[100]['rl/reward_mean']:.3f}"
     )
     assert evals[25] < 0.5  # it starts from nothing
-    assert first is not None and first <= 150
-    assert evals[150] >= 0.9
-    assert learned[150]["rl/reward_mean"] > learned[1]["rl/reward_mean"] + 0.5
-    assert learned[150]["rl/sampler_logp_max_diff"] < 1e-4  # same module, same kernels
+    assert first is not None and first <= 100
+    assert evals[100] >= 0.9
+    assert learned[100]["rl/reward_mean"] > learned[1]["rl/reward_mean"] + 0.5
+    assert learned[100]["rl/sampler_logp_max_diff"] < 1e-4  # same module, same kernels
 
 
 def test_sigkill_mid_run_resumes_with_the_same_rewards_and_losses_bit_for_bit(learned, tmp_path):
@@ -254,21 +256,20 @@ def test_dpo_ranks_held_out_pairs_right_after_training_from_random_init(tmp_path
     assert "held-out:    reward accuracy" in out and "(accuracy)" in out  # the run summary
 
 
-@FULL_ONLY  # CI meets PPO in the layout parity; its learning run (36 s) is in make test-parity-full
 def test_ppo_raises_the_mean_reward_from_random_init(tmp_path):
-    """train_configs/ppo_debug.toml on 2 ranks, cut to 100 of its 200 steps to keep CI short
-    (constant LR: the first 100 steps are the same): the sampled completions' mean reward over
-    steps 91-100 is at least 0.3 above steps 1-10."""
+    """train_configs/ppo_debug.toml on 2 ranks, cut to 70 of its 200 steps to keep CI short
+    (constant LR: the first 70 steps are the same; measured: +0.36 by step 60, +0.53 by 100):
+    the sampled completions' mean reward over steps 61-70 is at least 0.3 above steps 1-10."""
     dump = str(tmp_path / "ppo")
-    run = start(dump, "--checkpoint.enable", "false", "--training.steps", "100", config=PPO_CONFIG)
+    run = start(dump, "--checkpoint.enable", "false", "--training.steps", "70", config=PPO_CONFIG)
     out, _ = run.communicate(timeout=900)
     assert run.returncode == 0, out[-4000:]
     got = records(dump)
     first = sum(got[s]["rl/reward_mean"] for s in range(1, 11)) / 10
-    last = sum(got[s]["rl/reward_mean"] for s in range(91, 101)) / 10
+    last = sum(got[s]["rl/reward_mean"] for s in range(61, 71)) / 10
     print(
-        f"\nPPO mean reward: steps 1-10 {first:.3f} → steps 91-100 {last:.3f} (+{last - first:.3f}); "
-        f"value loss {got[1]['rl/value_loss']:.4f} → {got[100]['rl/value_loss']:.4f}"
+        f"\nPPO mean reward: steps 1-10 {first:.3f} → steps 61-70 {last:.3f} (+{last - first:.3f}); "
+        f"value loss {got[1]['rl/value_loss']:.4f} → {got[70]['rl/value_loss']:.4f}"
     )
     assert last - first >= 0.3
-    assert got[100]["rl/sampler_logp_max_diff"] < 1e-4
+    assert got[70]["rl/sampler_logp_max_diff"] < 1e-4
