@@ -44,19 +44,19 @@ def torchrun(nproc: int, args: list[str], timeout: int = 300) -> subprocess.Comp
     return run
 
 
-def layouts(family: str, algorithm: str) -> tuple[list, list[str]]:
-    """The 2-rank layouts the trainer accepts for a run of `algorithm` on `family` (asked of
-    the same pre-flight the trainer runs), and the one-line refusals of the others."""
+def layouts(family: str, algorithm: str, world: int = 2) -> tuple[list, list[str]]:
+    """The layouts of `world` ranks the trainer accepts for a run of `algorithm` on `family`
+    (asked of the same pre-flight the trainer runs), and the one-line refusals of the others."""
     base = build_config(fixed_args(family, algorithm))
     accepted, refused = [], []
     moe = family == "qwen3_moe"
-    for layout in enumerate_layouts(2, grad_accum=(1,), with_ep=moe):
+    for layout in enumerate_layouts(world, grad_accum=(1,), with_ep=moe):
         if moe and layout.ep == 1 and layout.pp == 1 and layout.dp_shard * layout.tp > 1:
             continue  # MoE layouts shard the experts with EP (refused otherwise, tested elsewhere)
         try:
             cfg = apply_layout(base, layout, GLOBAL_BATCH)
             cfg.validate()
-            preflight.check(cfg, 2, 2)
+            preflight.check(cfg, world, world)
         except ConfigError as e:
             refused.append(f"{layout.name}: {e}")
             continue
@@ -113,6 +113,23 @@ def test_one_update_on_fixed_data_equals_one_process_on_every_layout(tmp_path, f
     single = fixed_step(tmp_path, family, algorithm)
     if not FULL:  # DDP (replicated weights) is the plainest layout: make test-parity-full
         accepted = [layout for layout in accepted if layout.dp_kind != "ddp"]
+    assert_layouts_match(tmp_path, family, algorithm, accepted, single)
+
+
+@FULL_ONLY
+@pytest.mark.parametrize("algorithm", ["grpo", "ppo", "dpo"])
+def test_one_update_equals_one_process_on_every_4_rank_layout_hsdp_included(tmp_path, algorithm):
+    """The same on 4 ranks (one group of completions, or 4 pairs, per dp rank): HSDP 2 × 2,
+    FSDP 2 × TP 2, TP 4, ... (every layout the trainer accepts)."""
+    accepted, refused = layouts("llama3", algorithm, world=4)
+    names = sorted(layout.name for layout in accepted)
+    print(f"\nllama3 {algorithm} on 4 ranks: layouts {names}; refused {len(refused)}")
+    assert "ws4-hsdp2x2" in names and all("\n" not in r for r in refused)
+    single = fixed_step(tmp_path, "llama3", algorithm)
+    assert_layouts_match(tmp_path, "llama3", algorithm, accepted, single)
+
+
+def assert_layouts_match(tmp_path, family: str, algorithm: str, accepted: list, single: dict):
     for layout in accepted:
         got = fixed_step(tmp_path, family, algorithm, layout)
         diff = max((got["params"][k] - v).abs().max().item() for k, v in single["params"].items())

@@ -9,14 +9,13 @@ for evaluation when i % 16 == 0 (never drawn for training).
 
 from __future__ import annotations
 
-import json
 import random
 from typing import Any
 
 from titanlab.config.errors import ConfigError
 from titanlab.data.chat import render_chat_prompt
 from titanlab.data.digit_tasks import HELD_OUT_EVERY, DigitTask
-from titanlab.posttrain.rl.prompts import check_reference
+from titanlab.posttrain.rl.prompts import check_reference, jsonl_rows
 
 Pair = tuple[list[int], list[int], list[int]]
 
@@ -25,24 +24,10 @@ def read_pairs(path: str, tokenizer: Any) -> list[Pair]:
     """Every pair of the JSONL file at `path`, tokenized. Raises ConfigError (one line naming
     the line) for a missing file, bad JSON, a missing or non-string field, or an empty
     completion."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            lines = [line for line in f if line.strip()]
-    except OSError as e:
-        raise ConfigError(f"rl.data_path={path!r} cannot be read: {e.strerror}") from None
     pairs = []
-    for i, line in enumerate(lines, 1):
-        where = f"rl.data_path={path!r} line {i}"
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{where} is not JSON: {e.msg}") from None
-        for key in ("prompt", "chosen", "rejected"):
-            if not isinstance(row, dict) or not isinstance(row.get(key), str):
-                raise ConfigError(
-                    f'{where} needs a string "{key}" (keys: prompt, chosen, rejected)'
-                )
-            if key != "prompt" and not row[key].strip():
+    for where, row in jsonl_rows(path, ("prompt", "chosen", "rejected")):
+        for key in ("chosen", "rejected"):
+            if not row[key].strip():
                 raise ConfigError(f'{where}: "{key}" is empty; a preference needs two completions')
         prompt = render_chat_prompt(tokenizer, [{"role": "user", "content": row["prompt"]}])
         end = prompt.stop_ids[:1]

@@ -34,22 +34,9 @@ def read_prompts(path: str, tokenizer: Any) -> tuple[list[Example], list[int]]:
     """Every prompt of the JSONL file at `path`, tokenized, and the template's stop ids (the
     first one ends a completion). Raises ConfigError (one line naming the line) for a missing
     file, bad JSON, a missing or non-string `prompt` / `answer`, or fewer than 17 lines."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            lines = [line for line in f if line.strip()]
-    except OSError as e:
-        raise ConfigError(f"rl.data_path={path!r} cannot be read: {e.strerror}") from None
     examples: list[Example] = []
     stop_ids: list[int] = []
-    for i, line in enumerate(lines, 1):
-        where = f"rl.data_path={path!r} line {i}"
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{where} is not JSON: {e.msg}") from None
-        for key in ("prompt", "answer"):
-            if not isinstance(row, dict) or not isinstance(row.get(key), str):
-                raise ConfigError(f'{where} needs a string "{key}" (keys: prompt, answer)')
+    for where, row in jsonl_rows(path, ("prompt", "answer")):
         if not row["prompt"].strip():
             raise ConfigError(f'{where}: "prompt" is empty')
         rendered = render_chat_prompt(tokenizer, [{"role": "user", "content": row["prompt"]}])
@@ -62,6 +49,29 @@ def read_prompts(path: str, tokenizer: Any) -> tuple[list[Example], list[int]]:
             f"{HELD_OUT_EVERY + 1} are needed (one in {HELD_OUT_EVERY} is held out)"
         )
     return examples, stop_ids
+
+
+def jsonl_rows(path: str, keys: tuple[str, ...]) -> list[tuple[str, dict[str, Any]]]:
+    """(where, row) for each non-blank line of the JSONL file at `path` (`rl.data_path`), every
+    one a dict with a string under each of `keys`; `where` names the line for errors. Raises
+    ConfigError (one line) for a missing file, bad JSON or a missing / non-string key."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = [line for line in f if line.strip()]
+    except OSError as e:
+        raise ConfigError(f"rl.data_path={path!r} cannot be read: {e.strerror}") from None
+    rows = []
+    for i, line in enumerate(lines, 1):
+        where = f"rl.data_path={path!r} line {i}"
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{where} is not JSON: {e.msg}") from None
+        for key in keys:
+            if not isinstance(row, dict) or not isinstance(row.get(key), str):
+                raise ConfigError(f'{where} needs a string "{key}" (keys: {", ".join(keys)})')
+        rows.append((where, row))
+    return rows
 
 
 class PromptStream:
