@@ -1,6 +1,16 @@
-"""2-process FSDP2 trains to the same losses as 1 process on the same global batch."""
+"""2-process FSDP2 trains to the same losses as 1 process on the same global batch, with
+gradient accumulation, and with the chunked fused linear + cross-entropy loss."""
 
 STEPS = 5
+_SINGLE: dict[str, dict[int, float]] = {}
+
+
+def single_process(train) -> dict[int, float]:
+    """The 1-process losses (global batch 4), run once for this module's tests."""
+    if "losses" not in _SINGLE:
+        run = train(1, "--training.steps", str(STEPS), "--training.local_batch_size", "4")
+        _SINGLE["losses"] = run.check().losses
+    return _SINGLE["losses"]
 
 
 def assert_close(a: dict[int, float], b: dict[int, float], tol: float) -> None:
@@ -11,16 +21,26 @@ def assert_close(a: dict[int, float], b: dict[int, float], tol: float) -> None:
 
 def test_fsdp2_matches_single_process(train):
     # Global batch 4 samples: 1 process × local 4, and 2 FSDP ranks × local 2.
-    single = train(1, "--training.steps", str(STEPS), "--training.local_batch_size", "4").check()
+    single = single_process(train)
     fsdp = train(2, "--training.steps", str(STEPS), "--training.local_batch_size", "2").check()
-    assert_close(single.losses, fsdp.losses, 1e-5)
+    assert_close(single, fsdp.losses, 1e-5)
     # The run trains: loss goes down over the 5 steps.
-    assert single.losses[STEPS] < single.losses[1]
+    assert single[STEPS] < single[1]
+
+
+def test_fused_linear_cross_entropy_on_fsdp2_matches_the_unfused_single_process(train):
+    """The output head and the loss fused over chunks of 100 tokens (the logits never whole),
+    on 2 FSDP ranks: the same losses as the plain head on 1 process, within 1e-5."""
+    single = single_process(train)
+    fused = train(2, "--training.steps", str(STEPS), "--training.local_batch_size", "2",
+                  "--loss.fused_linear_cross_entropy", "true", "--loss.chunk_size", "100").check()  # fmt: skip
+    print(f"\nfused FSDP 2 vs plain 1 process: {fused.losses} vs {single}")
+    assert_close(single, fused.losses, 1e-5)
 
 
 def test_gradient_accumulation_matches_single_process(train):
     # 2 ranks × local 1 × 2 accumulation steps = the same global batch of 4.
-    single = train(1, "--training.steps", str(STEPS), "--training.local_batch_size", "4").check()
+    single = single_process(train)
     accum = train(
         2,
         "--training.steps",
@@ -31,4 +51,4 @@ def test_gradient_accumulation_matches_single_process(train):
         "4",
     ).check()
     assert "grad_accum_steps=2" in accum.stdout
-    assert_close(single.losses, accum.losses, 1e-5)
+    assert_close(single, accum.losses, 1e-5)

@@ -19,7 +19,13 @@ from titanlab.config.distill import Distill
 from titanlab.config.errors import ConfigError, _require
 from titanlab.config.parallelism import Parallelism
 from titanlab.config.peft import Peft
-from titanlab.config.performance import ActivationCheckpoint, Compile, Float8
+from titanlab.config.performance import (
+    ActivationCheckpoint,
+    Compile,
+    Float8,
+    Loss,
+    validate_loss_combinations,
+)
 from titanlab.config.profiling import Profiling
 from titanlab.config.rl import RL, validate_rl_combinations
 
@@ -358,6 +364,7 @@ class JobConfig:
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
     compile: Compile = field(default_factory=Compile)
     float8: Float8 = field(default_factory=Float8)
+    loss: Loss = field(default_factory=Loss)
     peft: Peft = field(default_factory=Peft)
     distill: Distill = field(default_factory=Distill)
     rl: RL = field(default_factory=RL)
@@ -381,5 +388,6 @@ class JobConfig:
             f"peft.quantize_base={self.peft.quantize_base} needs checkpoint.initial_load_path "
             "(the base model whose weights are quantized)",
         )
+        validate_loss_combinations(self)
         if self.rl.algorithm != "none":
             validate_rl_combinations(self)

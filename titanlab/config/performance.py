@@ -1,10 +1,10 @@
 """Sections that trade compute for memory or speed: `[activation_checkpoint]`, `[compile]`,
-`[float8]`."""
+`[float8]`, `[loss]`."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from titanlab.config.errors import ConfigError, _require  # noqa: F401
 
@@ -69,3 +69,56 @@ class Float8:
 
     def validate(self) -> None:
         _require(all(self.filter_fqns), f"float8.filter_fqns={self.filter_fqns} has an empty name")
+
+
+@dataclass
+class Loss:
+    fused_linear_cross_entropy: bool = False
+    """Compute the output head and the cross-entropy together over chunks of `chunk_size`
+    tokens, so the (tokens × vocab) logits never exist whole (Liger's FusedLinearCrossEntropy;
+    Wijmans et al. 2024, arXiv:2411.09009): at a 128k vocabulary the logits of one 8k-token
+    sequence are 4 GiB in fp32. Same loss and gradients within fp32 rounding. Data parallel
+    (FSDP, HSDP, DDP) and one process; refused with TP, PP, CP, distillation, RL and a LoRA
+    adapter on the output head."""
+
+    chunk_size: int = 1024
+    """Tokens per chunk of the fused loss (1 .. local_batch_size × seq_len); the largest
+    transient is chunk_size × vocab fp32 logits and their gradient."""
+
+    def validate(self) -> None:
+        _require(self.chunk_size >= 1, f"loss.chunk_size={self.chunk_size} must be >= 1")
+
+
+def validate_loss_combinations(config: Any) -> None:
+    """What the fused loss composes with in this version (`config` a JobConfig): one line per
+    refusal, naming both options."""
+    loss, par = config.loss, config.parallelism
+    if not loss.fused_linear_cross_entropy:
+        return
+    tokens = config.training.local_batch_size * config.training.seq_len
+    _require(
+        loss.chunk_size <= tokens,
+        f"loss.chunk_size={loss.chunk_size} is larger than a microbatch "
+        f"(training.local_batch_size × seq_len = {tokens} tokens); use 1 .. {tokens}",
+    )
+    refused = {
+        "parallelism.tensor_parallel_degree": par.tensor_parallel_degree > 1,
+        "parallelism.pipeline_parallel_degree": par.pipeline_parallel_degree > 1,
+        "parallelism.context_parallel_degree": par.context_parallel_degree > 1,
+        "distill.teacher_path": bool(config.distill.teacher_path),
+        "rl.algorithm": config.rl.algorithm != "none",
+    }
+    for option, on in refused.items():
+        section, name = option.split(".")
+        value = getattr(getattr(config, section), name)
+        _require(
+            not on,
+            f"loss.fused_linear_cross_entropy=true with {option}={value} is not supported; "
+            f"leave {option} at its default or the fused loss off",
+        )
+    peft = config.peft
+    _require(
+        peft.method == "none" or "output" not in peft.target_modules,
+        "loss.fused_linear_cross_entropy=true with peft.target_modules containing 'output' is "
+        "not supported (the fused head has no adapter); adapt the other layers",
+    )

@@ -27,6 +27,7 @@ from titanlab.distributed.context_parallel import cp_context
 from titanlab.distributed.parallel_dims import ParallelDims
 from titanlab.distributed.utils import clip_grad_norm_, global_sum
 from titanlab.posttrain.distill import PipelineDistillLoss, distillation_loss_sum
+from titanlab.components.fused_ce import fused_targets
 from titanlab.precision.float8 import precompute_scales
 from titanlab.precision.mixed import autocast_context, build_grad_scaler
 
@@ -183,6 +184,11 @@ class TrainStep:
             return sum(local_value(l) for l in losses) / scale
         model = self.model_parts[0]
         with context:
+            if self.config.loss.fused_linear_cross_entropy:  # the model's forward ends in the loss
+                with fused_targets(model, labels):
+                    token_loss = model(inputs, **kwargs)
+                (token_loss * scale).backward()
+                return local_value(token_loss)
             logits = model(inputs, **kwargs)
             if self.teacher is not None:
                 with torch.no_grad():
@@ -223,5 +229,9 @@ class TrainStep:
                     self.model_parts,
                     self.config.parallelism.context_parallel_rotate_method,
                 ):
-                    total += local_value(self.loss_fn(model(inputs, **kwargs), labels))
+                    if self.config.loss.fused_linear_cross_entropy:
+                        with fused_targets(model, labels):
+                            total += local_value(model(inputs, **kwargs))
+                    else:
+                        total += local_value(self.loss_fn(model(inputs, **kwargs), labels))
         return (global_sum(total, self._loss_mesh) / global_sum(tokens, self._loss_mesh)).item()

@@ -38,6 +38,7 @@ from titanlab.models.common.decoder import Decoder, count_active_params, count_p
 from titanlab.observability import warning_filters
 from titanlab.observability.profiling import StepProfiler
 from titanlab.observability.run_summary import end_of_run
+from titanlab.components.fused_ce import use_fused_loss
 from titanlab.peft.lora import init_adapters
 from titanlab.peft.qlora import to_empty_keeping_quantized
 from titanlab.planning import preflight
@@ -77,6 +78,8 @@ class Trainer(TrainStep):
         model, flops_per_token = self._build_model()
         compute_dtype = param_dtype(config, self.device)
         peft_steps.adapt(model, config, compute_dtype)
+        if config.loss.fused_linear_cross_entropy:
+            use_fused_loss(model, config.loss.chunk_size)
         rl_steps.adapt(model, config)
         parallelize = self._parallelize(model)
         self._build_teacher(parallelize)
