@@ -1,5 +1,7 @@
 """2-process FSDP2 trains to the same losses as 1 process on the same global batch, with
-gradient accumulation, and with the chunked fused linear + cross-entropy loss."""
+gradient accumulation; and the chunked fused linear + cross-entropy loss on FSDP 2 and TP 2."""
+
+import pytest
 
 STEPS = 5
 _SINGLE: dict[str, dict[int, float]] = {}
@@ -28,13 +30,22 @@ def test_fsdp2_matches_single_process(train):
     assert single[STEPS] < single[1]
 
 
-def test_fused_linear_cross_entropy_on_fsdp2_matches_the_unfused_single_process(train):
+@pytest.mark.parametrize(
+    ("layout", "local"),
+    [(["--parallelism.data_parallel_shard_degree", "2"], "2"),
+     (["--parallelism.tensor_parallel_degree", "2", "--parallelism.data_parallel_shard_degree",
+       "1"], "4")],
+    ids=["fsdp2", "tp2"],
+)  # fmt: skip
+def test_fused_linear_cross_entropy_matches_the_unfused_single_process(train, layout, local):
     """The output head and the loss fused over chunks of 100 tokens (the logits never whole),
-    on 2 FSDP ranks: the same losses as the plain head on 1 process, within 1e-5."""
+    on 2 FSDP ranks or 2 TP ranks (the head split by vocabulary, its log-sum-exp all-reduced):
+    the same losses as the plain head on 1 process, within 1e-5."""
     single = single_process(train)
-    fused = train(2, "--training.steps", str(STEPS), "--training.local_batch_size", "2",
-                  "--loss.fused_linear_cross_entropy", "true", "--loss.chunk_size", "100").check()  # fmt: skip
-    print(f"\nfused FSDP 2 vs plain 1 process: {fused.losses} vs {single}")
+    fused = train(2, "--training.steps", str(STEPS), "--training.local_batch_size", local,
+                  "--loss.fused_linear_cross_entropy", "true", "--loss.chunk_size", "100",
+                  *layout).check()  # fmt: skip
+    print(f"\nfused {layout} vs plain 1 process: {fused.losses} vs {single}")
     assert_close(single, fused.losses, 1e-5)
 
 

@@ -18,46 +18,67 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor, Partial
 
 from titanlab.data.labels import IGNORE_INDEX
 
 
+def _chunked(
+    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_size: int,
+    grads: tuple[bool, bool], group: Any = None, offset: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """(Σ CE, d/d hidden, d/d weight) of hidden (N, D) against labels (N,) through weight
+    (V_local, D), rows [offset, offset + V_local) of the vocabulary (all of it without
+    `group`); a gradient is an empty tensor unless asked for in `grads`. With a tp `group`,
+    one MAX and one SUM all-reduce per chunk give the log-sum-exp over the whole vocabulary,
+    and the hidden states' gradient is this rank's partial sum."""
+    n, v_local = hidden.shape[0], weight.shape[0]
+    grad_h = torch.empty_like(hidden) if grads[0] else hidden.new_empty(0)
+    grad_w = (
+        weight.new_zeros(weight.shape, dtype=torch.float32) if grads[1] else weight.new_empty(0)
+    )
+    total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+    for start in range(0, n, chunk_size):
+        h, y = hidden[start : start + chunk_size], labels[start : start + chunk_size]
+        logits = (h @ weight.t()).float()  # (c, V_local): the only vocabulary-sized tensor
+        keep = y != IGNORE_INDEX
+        local = y - offset
+        mine = keep & (local >= 0) & (local < v_local)  # the label's row is on this rank
+        index = local.clamp(0, v_local - 1)[:, None]
+        peak = logits.max(dim=-1).values
+        if group is not None:
+            dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
+        picked = torch.where(mine, logits.gather(1, index)[:, 0], 0.0)
+        sums = torch.stack([torch.exp(logits - peak[:, None]).sum(-1), picked])
+        if group is not None:
+            dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=group)
+        lse = peak + torch.log(sums[0])
+        total += torch.where(keep, lse - sums[1], 0.0).sum()
+        if grads[0] or grads[1]:  # d(Σ CE)/d logits = softmax − onehot, 0 where ignored
+            g = torch.exp(logits - lse[:, None])
+            g.scatter_add_(1, index, torch.where(mine, -1.0, 0.0)[:, None])
+            g = g.mul_(keep[:, None]).to(h.dtype)
+            if grads[0]:
+                grad_h[start : start + chunk_size] = g @ weight
+            if grads[1]:
+                grad_w.add_(g.t().float() @ h.float())
+    return total, grad_h, grad_w
+
+
 class _LinearCrossEntropySum(torch.autograd.Function):
+    """The loss and both gradients in forward (`_chunked`); backward scales them."""
+
     @staticmethod
-    def forward(ctx, hidden, weight, labels, chunk_size: int):  # type: ignore[override]
-        n = hidden.shape[0]
-        want_h = ctx.needs_input_grad[0]
-        want_w = ctx.needs_input_grad[1]
-        grad_h = torch.empty_like(hidden) if want_h else None
-        grad_w = (
-            torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_w else None
-        )
-        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
-        for start in range(0, n, chunk_size):
-            h = hidden[start : start + chunk_size]  # (c, D)
-            y = labels[start : start + chunk_size]  # (c,)
-            logits = (h @ weight.t()).float()  # (c, V)
-            lse = torch.logsumexp(logits, dim=-1)  # (c,)
-            keep = y != IGNORE_INDEX
-            target = y.clamp(min=0)
-            picked = logits.gather(1, target[:, None])[:, 0]
-            total += torch.where(keep, lse - picked, 0.0).sum()
-            if want_h or want_w:
-                g = torch.softmax(logits, dim=-1)  # reuses nothing: logits die with the chunk
-                g.scatter_add_(1, target[:, None], torch.full_like(picked, -1.0)[:, None])
-                g.mul_(keep[:, None])
-                g = g.to(h.dtype)
-                if want_h:
-                    grad_h[start : start + chunk_size] = g @ weight
-                if want_w:
-                    grad_w.add_(g.t().float() @ h.float())
-        ctx.save_for_backward(
-            grad_h if want_h else torch.empty(0), grad_w if want_w else torch.empty(0)
-        )
+    def forward(ctx, hidden, weight, labels, chunk_size, group, offset):  # type: ignore[override]
+        grads = (bool(ctx.needs_input_grad[0]), bool(ctx.needs_input_grad[1]))
+        total, grad_h, grad_w = _chunked(hidden, weight, labels, chunk_size, grads, group, offset)
+        ctx.save_for_backward(grad_h, grad_w)
         ctx.weight_dtype = weight.dtype
         return total
 
@@ -66,7 +87,7 @@ class _LinearCrossEntropySum(torch.autograd.Function):
         grad_h, grad_w = ctx.saved_tensors
         dh = grad_h * grad_out.to(grad_h.dtype) if ctx.needs_input_grad[0] else None
         dw = (grad_w * grad_out).to(ctx.weight_dtype) if ctx.needs_input_grad[1] else None
-        return dh, dw, None, None
+        return dh, dw, None, None, None, None
 
 
 def linear_cross_entropy_sum(
@@ -83,23 +104,31 @@ def linear_cross_entropy_sum(
     Raises:
         ValueError: chunk_size <= 0.
     """
+    return _apply(hidden, weight, labels, chunk_size, None, 0)
+
+
+def vocab_parallel_linear_cross_entropy_sum(
+    hidden: DTensor, weight: DTensor, labels: torch.Tensor, chunk_size: int
+) -> torch.Tensor:
+    """`linear_cross_entropy_sum` under tensor parallel: `hidden` (..., D) a DTensor replicated
+    over the 1-D tp mesh of `weight` (V, D), a DTensor sharded by rows (`Shard(0)`, as
+    ColwiseParallel splits a head); `labels` the same on every tp rank. Returns the 0-dim fp32
+    sum, equal on every tp rank (a plain tensor); the gradients reach `hidden` as partial sums
+    (reduced by its DTensor) and `weight` as its shards."""
+    mesh = weight.device_mesh
+    v, per = weight.shape[0], -(-weight.shape[0] // mesh.size())  # torch.chunk's split
+    offset = min(mesh.get_local_rank() * per, v)
+    h = hidden.to_local(grad_placements=[Partial()])
+    return _apply(h, weight.to_local(), labels, chunk_size, mesh.get_group(), offset)
+
+
+def _apply(hidden, weight, labels, chunk_size: int, group, offset: int) -> torch.Tensor:
     if chunk_size <= 0:
         raise ValueError(f"chunk_size={chunk_size} must be > 0")
     flat, flat_labels = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)
     if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
-        return _LinearCrossEntropySum.apply(flat, weight, flat_labels, chunk_size)
-    total = torch.zeros((), dtype=torch.float32, device=hidden.device)
-    for start in range(0, flat.shape[0], chunk_size):  # no gradient: the loss alone
-        logits = (flat[start : start + chunk_size] @ weight.t()).float()
-        total += _chunk_loss(logits, flat_labels[start : start + chunk_size])
-    return total
-
-
-def _chunk_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Σ CE of one chunk's fp32 logits (c, V) and labels (c,)."""
-    keep = labels != IGNORE_INDEX
-    picked = logits.gather(1, labels.clamp(min=0)[:, None])[:, 0]
-    return torch.where(keep, torch.logsumexp(logits, dim=-1) - picked, 0.0).sum()
+        return _LinearCrossEntropySum.apply(flat, weight, flat_labels, chunk_size, group, offset)
+    return _chunked(flat, weight, flat_labels, chunk_size, (False, False), group, offset)[0]
 
 
 class FusedLossHead(nn.Linear):
@@ -111,6 +140,8 @@ class FusedLossHead(nn.Linear):
     before parallelism is applied, so FSDP's hooks on the head (gather, reshard, reduce-scatter)
     run as for the plain Linear."""
 
+    returns_loss = True  # tensor parallel splits it with `FusedHeadParallel`
+
     def __init__(self, in_features: int, out_features: int, chunk_size: int) -> None:
         super().__init__(in_features, out_features, bias=False)
         self.chunk_size = chunk_size
@@ -119,6 +150,11 @@ class FusedLossHead(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.labels is None:
             return F.linear(x, self.weight)
+        if isinstance(self.weight, DTensor):  # tensor parallel (`FusedHeadParallel`)
+            assert isinstance(x, DTensor)
+            return vocab_parallel_linear_cross_entropy_sum(
+                x, self.weight, self.labels, self.chunk_size
+            )
         return linear_cross_entropy_sum(x, self.weight, self.labels, self.chunk_size)
 
 
@@ -126,6 +162,7 @@ def use_fused_loss(model: nn.Module, chunk_size: int) -> None:
     """Swap `model.output` (a bias-free nn.Linear; the model on any device, meta included) for
     a `FusedLossHead` holding the same weight Parameter."""
     old = model.output
+    assert isinstance(old, nn.Linear) and old.bias is None, "the output head is a bias-free Linear"
     with torch.device(old.weight.device):
         head = FusedLossHead(old.in_features, old.out_features, chunk_size)
     head.weight = old.weight

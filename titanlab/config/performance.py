@@ -77,9 +77,10 @@ class Loss:
     """Compute the output head and the cross-entropy together over chunks of `chunk_size`
     tokens, so the (tokens × vocab) logits never exist whole (Liger's FusedLinearCrossEntropy;
     Wijmans et al. 2024, arXiv:2411.09009): at a 128k vocabulary the logits of one 8k-token
-    sequence are 4 GiB in fp32. Same loss and gradients within fp32 rounding. Data parallel
-    (FSDP, HSDP, DDP) and one process; refused with TP, PP, CP, distillation, RL and a LoRA
-    adapter on the output head."""
+    sequence are 4 GiB in fp32. Same loss and gradients within fp32 rounding. One process, data
+    parallel (FSDP, HSDP, DDP) and tensor parallel (the head split by vocabulary, the log-sum-exp
+    all-reduced over the tp ranks); refused with PP, CP, distillation, RL and a LoRA adapter on
+    the output head."""
 
     chunk_size: int = 1024
     """Tokens per chunk of the fused loss (1 .. local_batch_size × seq_len); the largest
@@ -102,7 +103,6 @@ def validate_loss_combinations(config: Any) -> None:
         f"(training.local_batch_size × seq_len = {tokens} tokens); use 1 .. {tokens}",
     )
     refused = {
-        "parallelism.tensor_parallel_degree": par.tensor_parallel_degree > 1,
         "parallelism.pipeline_parallel_degree": par.pipeline_parallel_degree > 1,
         "parallelism.context_parallel_degree": par.context_parallel_degree > 1,
         "distill.teacher_path": bool(config.distill.teacher_path),

@@ -31,7 +31,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -68,6 +68,21 @@ def block_styles(float8_comm: bool, lora: bool = False) -> tuple[type, type, typ
     return ColwiseParallel, RowwiseParallel, PrepareModuleInput
 
 
+class FusedHeadParallel(ColwiseParallel):
+    """Column-wise (vocab rows) split of a head that returns the loss (`returns_loss`, the
+    fused loss's `titanlab.components.fused_ce.FusedLossHead`): in training its forward returns the
+    summed loss as a plain tensor, equal on every tp rank, which passes through; logits
+    (outside `fused_targets`) are laid out as ColwiseParallel lays them out."""
+
+    @staticmethod
+    def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
+        if not isinstance(outputs, DTensor):
+            return outputs
+        return ColwiseParallel._prepare_output_fn(
+            output_layouts, use_local_output, mod, outputs, device_mesh
+        )
+
+
 def apply_tp(
     model: Decoder,
     tp_mesh: DeviceMesh,
@@ -99,6 +114,8 @@ def apply_tp(
     if model.output is not None:
         # A LoRA adapter on the head is split like one on wq (A replicated, B by vocab rows).
         head = colwise if lora else ColwiseParallel
+        if getattr(model.output, "returns_loss", False):  # components.fused_ce.FusedLossHead
+            head = FusedHeadParallel
         top["output"] = head(
             input_layouts=Shard(1),
             output_layouts=Shard(-1) if loss_parallel else Replicate(),

@@ -11,15 +11,16 @@ FUSED = ["--loss.fused_linear_cross_entropy", "true"]
 CASES = {
     "chunk 0": (["--loss.chunk_size", "0"], "loss.chunk_size=0 must be >= 1"),
     "chunk over a microbatch": (
-        ["--loss.chunk_size", "5000", "--training.local_batch_size", "2",
-         "--training.seq_len", "2048"],
+        [
+            "--loss.chunk_size",
+            "5000",
+            "--training.local_batch_size",
+            "2",
+            "--training.seq_len",
+            "2048",
+        ],
         "loss.chunk_size=5000 is larger than a microbatch (training.local_batch_size × seq_len "
         "= 4096 tokens); use 1 .. 4096",
-    ),  # fmt: skip
-    "tp": (
-        ["--parallelism.tensor_parallel_degree", "2"],
-        "loss.fused_linear_cross_entropy=true with parallelism.tensor_parallel_degree=2 is not "
-        "supported",
     ),
     "pp": (["--parallelism.pipeline_parallel_degree", "2"], "with parallelism.pipeline_parallel"),
     "distill": (["--distill.teacher_path", "/t"], "with distill.teacher_path=/t is not supported"),
