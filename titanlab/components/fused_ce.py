@@ -163,7 +163,7 @@ def use_fused_loss(model: nn.Module, chunk_size: int) -> None:
     a `FusedLossHead` holding the same weight Parameter."""
     old = model.output
     assert isinstance(old, nn.Linear) and old.bias is None, "the output head is a bias-free Linear"
-    with torch.device(old.weight.device):
+    with torch.device("meta"):  # no initialization drawn: the weight is the old head's
         head = FusedLossHead(old.in_features, old.out_features, chunk_size)
     head.weight = old.weight
     model.output = head
