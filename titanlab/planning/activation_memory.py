@@ -84,6 +84,7 @@ def trace_activation_bytes(
     compiled_blocks: bool = False,
     compiled_loss: bool = False,
     float8: Any = None,
+    fused_chunk: int = 0,
 ) -> ActivationBytes:
     """Trace forward + loss of 1- and 2-block versions of the model on fake tensors.
 
@@ -97,12 +98,16 @@ def trace_activation_bytes(
             saved bytes are read from the compiled forward graph (`titanlab.planning.compiled_saved`).
         float8: the run's `Float8` config when float8 training is on (its Linear layers then
             keep float8 copies of their inputs and weights), traced in torchao's emulate mode.
+        fused_chunk: the fused linear cross-entropy's chunk size (0: the plain head and loss);
+            its head keeps no logits, but the gradients of its input and weight, computed in
+            forward.
     Returns:
         bytes per block for each AC mode and for the head; cached per arguments (a trace takes
         about a second for the 8B shapes, whatever seq is; a compiled one a few seconds).
     """
     from titanlab.planning.compiled_saved import saved_bytes_compiled
     from titanlab.distributed.activation_checkpoint import apply_ac
+    from titanlab.components.fused_ce import fused_targets, use_fused_loss
     from titanlab.components.loss import cross_entropy_sum
     from titanlab.models.common.decoder import moe_layers
     from titanlab.models.registry import build_model
@@ -123,6 +128,8 @@ def trace_activation_bytes(
             )
             apply_float8(model, emulated, torch.device("cpu"), fsdp_enabled=False)
         apply_ac(model, "selective" if mode == "op" else mode, "op")
+        if fused_chunk:
+            use_fused_loss(model, fused_chunk)
         return model
 
     def precision():
@@ -137,8 +144,12 @@ def trace_activation_bytes(
             tokens = torch.zeros(batch, seq, dtype=torch.long)
             counter = LiveTensorBytes()
             with counter, precision():
-                out = model(tokens)
-                if with_loss:
+                if fused_chunk and with_loss:
+                    with fused_targets(model, tokens):
+                        out = model(tokens)
+                else:
+                    out = model(tokens)
+                if with_loss and not fused_chunk:
                     out = cross_entropy_sum(out, tokens)
             held = counter.live() - (out.untyped_storage().nbytes() if with_loss else 0)
             del out
@@ -170,12 +181,15 @@ def trace_activation_bytes(
         compiled_blocks,
         compiled_loss,
         repr(float8),
+        fused_chunk,
     )
     if key not in _CACHE:
         one = {mode: live_after_forward(1, mode) for mode in ("none", "full", "op")}
         eager = {mode: live_after_forward(2, mode) - one[mode] for mode in one}
         head = one["none"] - eager["none"]
-        if compiled_loss:  # the head up to the logits, run eagerly, then the compiled loss
+        if (
+            compiled_loss and not fused_chunk
+        ):  # the head up to the logits, run eagerly, then the compiled loss
             head = live_after_forward(1, "none", with_loss=False) - eager["none"]
             head += compiled_loss_bytes()
         per_block = eager

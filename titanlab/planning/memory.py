@@ -136,6 +136,7 @@ def estimate_memory(
         compiled_blocks=compiled and "model" in config.compile.components,
         compiled_loss=compiled_loss,
         float8=config.float8 if config.float8.enable else None,
+        fused_chunk=config.loss.chunk_size if config.loss.fused_linear_cross_entropy else 0,
     )
     block = {mode: n // tp for mode, n in traced.per_block.items()}
     mode, option = (
@@ -159,6 +160,8 @@ def estimate_memory(
         if compiled_loss
         else 2 * b * s_local * model_args.vocab_size * 4
     )
+    if config.loss.fused_linear_cross_entropy:  # one chunk's fp32 logits and their gradient
+        logits_grads = 2 * min(config.loss.chunk_size, b * s_local) * model_args.vocab_size * 4
     dp = world_size // (tp * pp * cp)
     ep = p.expert_parallel_degree
     moes = moe_layers(model)

@@ -18,6 +18,7 @@ from torch.profiler._memory_profiler import MemoryProfileTimeline
 
 from titanlab.config.job_config import JobConfig
 from titanlab.distributed.activation_checkpoint import apply_ac
+from titanlab.components.fused_ce import fused_targets, use_fused_loss
 from titanlab.components.loss import cross_entropy_sum
 from titanlab.planning.memory import estimate_memory
 from titanlab.models.llama3 import llama3_flavors
@@ -53,6 +54,9 @@ def measured_peak(args, cfg: JobConfig, autocast: bool = False) -> int:
     model.init_weights()
     apply_ac(model, cfg.activation_checkpoint.mode, cfg.activation_checkpoint.selective_ac_option)
     loss_fn = cross_entropy_sum
+    fused = cfg.loss.fused_linear_cross_entropy
+    if fused:
+        use_fused_loss(model, cfg.loss.chunk_size)
     if cfg.compile.enable:
         torch._dynamo.reset()
         for block in model.layers.values():
@@ -63,7 +67,11 @@ def measured_peak(args, cfg: JobConfig, autocast: bool = False) -> int:
 
     def step():
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-            loss_fn(model(tokens[:, :-1]), tokens[:, 1:]).backward()
+            if fused:
+                with fused_targets(model, tokens[:, 1:]):
+                    model(tokens[:, :-1]).backward()
+            else:
+                loss_fn(model(tokens[:, :-1]), tokens[:, 1:]).backward()
         optimizer.step()
         optimizer.zero_grad()
 
@@ -107,3 +115,18 @@ def test_compiled_and_autocast_estimates_within_15_percent(precision):
     )
     assert abs(predicted - measured) / measured < 0.15, (predicted, measured)
     assert predicted != eager  # the estimate did change with the way the run executes
+
+
+def test_fused_loss_estimate_within_15_percent_and_below_the_plain_head():
+    """The fused linear cross-entropy (chunks of 128 tokens): the estimate traces its head,
+    which keeps the gradients of its input and weight instead of the logits."""
+    cfg = config("none", "op")
+    cfg.loss.fused_linear_cross_entropy, cfg.loss.chunk_size = True, 128
+    args = MODELS["llama3"]
+    predicted = estimate_memory(args, cfg, 1, torch.float32).peak_tensors
+    measured = measured_peak(args, cfg)
+    plain = estimate_memory(args, config("none", "op"), 1, torch.float32).peak_tensors
+    print(f"fused: predicted {predicted / 2**20:.1f} MiB, measured {measured / 2**20:.1f} MiB, "
+          f"plain head predicted {plain / 2**20:.1f} MiB")  # fmt: skip
+    assert abs(predicted - measured) / measured < 0.15, (predicted, measured)
+    assert predicted < plain
