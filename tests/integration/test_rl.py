@@ -65,16 +65,18 @@ def layouts(family: str, algorithm: str, world: int = 2) -> tuple[list, list[str
 
 
 LORA = ["--peft.method", "lora", "--peft.rank", "4", "--peft.alpha", "8"]
+FUSED = ["--loss.fused_linear_cross_entropy", "true", "--loss.chunk_size", "24"]
 
 
 def fixed_args(family: str, algorithm: str) -> list[str]:
     """A run of `algorithm` (grpo, ppo, dpo; `-lora`: training LoRA adapters, the reference
     being the base with adapters off) on a tiny model of `family`."""
-    base, _, lora = algorithm.partition("-")
+    base, _, option = algorithm.partition("-")
     config, extra = {"grpo": (CONFIG, GRPO_FIXED), "ppo": (PPO_CONFIG, GRPO_FIXED),
                      "dpo": (DPO_CONFIG, [])}[base]  # fmt: skip
-    return ["--job.config_file", config, *FIXED, *extra, *(LORA if lora else []),
-            "--model.name", family, "--model.flavor", FAMILIES[family]]  # fmt: skip
+    extra = [*extra, *{"": [], "lora": LORA, "fused": FUSED}[option]]
+    return ["--job.config_file", config, *FIXED, *extra, "--model.name", family,
+            "--model.flavor", FAMILIES[family]]  # fmt: skip
 
 
 def fixed_step(tmp_path, family: str, algorithm: str, layout=None) -> dict:
@@ -127,6 +129,22 @@ def test_one_update_equals_one_process_on_every_4_rank_layout_hsdp_included(tmp_
     assert "ws4-hsdp2x2" in names and all("\n" not in r for r in refused)
     single = fixed_step(tmp_path, "llama3", algorithm)
     assert_layouts_match(tmp_path, "llama3", algorithm, accepted, single)
+
+
+@FULL_ONLY
+@pytest.mark.parametrize("algorithm", ["grpo", "ppo", "dpo"])
+def test_log_probabilities_from_the_fused_head_give_the_plain_heads_update(tmp_path, algorithm):
+    """`loss.fused_linear_cross_entropy`: the objectives' log-probabilities come from the head
+    chunk by chunk (backward recomputes each chunk's logits); one update on 1 process and on
+    FSDP 2 equals the plain head's on 1 process."""
+    plain = fixed_step(tmp_path, "llama3", algorithm)
+    fsdp = next(lay for lay in layouts("llama3", algorithm)[0] if lay.name == "ws2-fsdp2")
+    for layout in (None, fsdp):
+        got = fixed_step(tmp_path, "llama3", f"{algorithm}-fused", layout)
+        print(f"\n{algorithm} fused {layout.name if layout else '1 process'}: loss "
+              f"{got['loss']:.8f} vs plain {plain['loss']:.8f}")  # fmt: skip
+        assert got["loss"] == pytest.approx(plain["loss"], abs=1e-5)
+        assert got["grad_norm"] == pytest.approx(plain["grad_norm"], abs=1e-5)
 
 
 def assert_layouts_match(tmp_path, family: str, algorithm: str, accepted: list, single: dict):

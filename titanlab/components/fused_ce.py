@@ -131,6 +131,65 @@ def _apply(hidden, weight, labels, chunk_size: int, group, offset: int) -> torch
     return _chunked(flat, weight, flat_labels, chunk_size, (False, False), group, offset)[0]
 
 
+class _ChunkedLogprobs(torch.autograd.Function):
+    """log softmax(hidden @ weightᵀ / T)[target] per token, chunk by chunk. Unlike the loss,
+    what multiplies each log-probability is known only in backward (the RL objective comes
+    after), so backward recomputes each chunk's logits from the saved hidden states: one more
+    head matmul, and still no (tokens × vocab) tensor."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, temperature: float, chunk_size: int):  # type: ignore[override]
+        out = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+        for start in range(0, hidden.shape[0], chunk_size):
+            logits = (hidden[start : start + chunk_size] @ weight.t()).float() / temperature
+            picked = logits.gather(1, targets[start : start + chunk_size, None])[:, 0]
+            out[start : start + chunk_size] = picked - torch.logsumexp(logits, dim=-1)
+        ctx.save_for_backward(hidden, weight, targets)
+        ctx.temperature, ctx.chunk_size = temperature, chunk_size
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):  # type: ignore[override]
+        hidden, weight, targets = ctx.saved_tensors
+        want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grad_h = torch.empty_like(hidden) if want_h else None
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        for start in range(0, hidden.shape[0], ctx.chunk_size):
+            h = hidden[start : start + ctx.chunk_size]
+            t, go = (
+                targets[start : start + ctx.chunk_size],
+                grad_out[start : start + ctx.chunk_size],
+            )
+            logits = (h @ weight.t()).float() / ctx.temperature
+            # d logp_i / d logits_i = (onehot − softmax) / T, times the incoming gradient
+            g = torch.softmax(logits, dim=-1).mul_(-go[:, None])
+            g.scatter_add_(1, t[:, None], go[:, None].float())
+            g = g.div_(ctx.temperature).to(h.dtype)
+            if want_h:
+                grad_h[start : start + ctx.chunk_size] = g @ weight
+            if want_w:
+                grad_w.add_(g.t().float() @ h.float())
+        return grad_h, grad_w.to(weight.dtype) if want_w else None, None, None, None
+
+
+def chunked_token_logprobs(
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float,
+    chunk_size: int = 1024,
+) -> torch.Tensor:  # fmt: skip
+    """log softmax(hidden @ weightᵀ / temperature)[targets] per position without materializing
+    the logits: equal to `titanlab.posttrain.rl.objectives.token_logprobs(F.linear(hidden,
+    weight), targets, temperature)`.
+
+    Args:
+        hidden: (..., D); weight: (V, D); targets: (...) int64 (every one a vocabulary id).
+    Returns:
+        (...) float32, differentiable w.r.t. hidden and weight.
+    """
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    out = _ChunkedLogprobs.apply(flat, weight, targets.reshape(-1), temperature, chunk_size)
+    return out.view(targets.shape)
+
+
 class FusedLossHead(nn.Linear):
     """The output head of a model trained with the chunked fused loss: a bias-free Linear (its
     `weight` keeps the name, so checkpoints and exports are unchanged) that returns logits as
@@ -146,10 +205,16 @@ class FusedLossHead(nn.Linear):
         super().__init__(in_features, out_features, bias=False)
         self.chunk_size = chunk_size
         self.labels: torch.Tensor | None = None
+        self.temperature = 0.0  # > 0: return log-probabilities of `labels` (`fused_logprobs`)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.labels is None:
             return F.linear(x, self.weight)
+        if self.temperature:  # `fused_logprobs`
+            assert not isinstance(self.weight, DTensor), "tensor parallel: not yet"
+            return chunked_token_logprobs(
+                x, self.weight, self.labels, self.temperature, self.chunk_size
+            )
         if isinstance(self.weight, DTensor):  # tensor parallel (`FusedHeadParallel`)
             assert isinstance(x, DTensor)
             return vocab_parallel_linear_cross_entropy_sum(
@@ -180,3 +245,16 @@ def fused_targets(model: nn.Module, labels: torch.Tensor) -> Iterator[None]:
         yield
     finally:
         head.labels = None
+
+
+@contextlib.contextmanager
+def fused_logprobs(model: nn.Module, targets: torch.Tensor, temperature: float) -> Iterator[None]:
+    """Within, `model(inputs)` returns log softmax(logits / temperature)[targets] per position
+    ((bs, seq) float32) instead of logits: the RL and preference objectives' forward."""
+    head = model.output
+    assert isinstance(head, FusedLossHead), "use_fused_loss(model) first"
+    head.labels, head.temperature = targets, temperature
+    try:
+        yield
+    finally:
+        head.labels, head.temperature = None, 0.0

@@ -79,8 +79,9 @@ class Loss:
     Wijmans et al. 2024, arXiv:2411.09009): at a 128k vocabulary the logits of one 8k-token
     sequence are 4 GiB in fp32. Same loss and gradients within fp32 rounding. One process, data
     parallel (FSDP, HSDP, DDP) and tensor parallel (the head split by vocabulary, the log-sum-exp
-    all-reduced over the tp ranks); refused with PP, CP, distillation, RL and a LoRA adapter on
-    the output head."""
+    all-reduced over the tp ranks). RL and DPO take their log-probabilities from the head chunk by
+    chunk too (tp 1). Refused with PP, CP, distillation, RL under TP and a LoRA adapter on the
+    output head."""
 
     chunk_size: int = 1024
     """Tokens per chunk of the fused loss (1 .. local_batch_size × seq_len); the largest
@@ -106,7 +107,6 @@ def validate_loss_combinations(config: Any) -> None:
         "parallelism.pipeline_parallel_degree": par.pipeline_parallel_degree > 1,
         "parallelism.context_parallel_degree": par.context_parallel_degree > 1,
         "distill.teacher_path": bool(config.distill.teacher_path),
-        "rl.algorithm": config.rl.algorithm != "none",
     }
     for option, on in refused.items():
         section, name = option.split(".")
@@ -116,6 +116,13 @@ def validate_loss_combinations(config: Any) -> None:
             f"loss.fused_linear_cross_entropy=true with {option}={value} is not supported; "
             f"leave {option} at its default or the fused loss off",
         )
+    _require(
+        config.rl.algorithm == "none" or par.tensor_parallel_degree == 1,
+        f"loss.fused_linear_cross_entropy=true with rl.algorithm={config.rl.algorithm} and "
+        f"parallelism.tensor_parallel_degree={par.tensor_parallel_degree} is not supported "
+        "(the fused log-probabilities are not split by vocabulary yet); use tp 1 or the plain "
+        "loss",
+    )
     peft = config.peft
     _require(
         peft.method == "none" or "output" not in peft.target_modules,

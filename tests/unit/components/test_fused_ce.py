@@ -76,3 +76,20 @@ def test_the_fused_head_returns_logits_or_the_loss_and_keeps_the_weight_name():
         got = model(tokens)
     assert got.dim() == 0 and torch.allclose(got, want, atol=1e-4, rtol=0)
     assert model(tokens).shape == (2, 12, VOCAB_SIZE)  # logits again after the context
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_chunked_logprobs_and_their_gradients_equal_the_full_logits(temperature):
+    from titanlab.components.fused_ce import chunked_token_logprobs
+    from titanlab.posttrain.rl.objectives import token_logprobs
+
+    hidden, weight, labels = case(2)
+    labels = labels.clamp(min=0)
+    upstream = torch.randn(labels.shape, generator=torch.Generator().manual_seed(3))
+    want = token_logprobs(F.linear(hidden, weight), labels, temperature)
+    want_h, want_w = torch.autograd.grad((want * upstream).sum(), (hidden, weight))
+    got = chunked_token_logprobs(hidden, weight, labels, temperature, chunk_size=10)
+    got_h, got_w = torch.autograd.grad((got * upstream).sum(), (hidden, weight))
+    assert got.shape == labels.shape and torch.allclose(got, want, atol=1e-5, rtol=0)
+    assert torch.allclose(got_h, want_h, atol=1e-5, rtol=0)
+    assert torch.allclose(got_w, want_w, atol=1e-5, rtol=0)

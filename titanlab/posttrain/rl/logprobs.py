@@ -9,6 +9,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from titanlab.components.fused_ce import FusedLossHead, fused_logprobs
 from titanlab.distributed.utils import global_max
 from titanlab.models.common.decoder import moe_layers
 from titanlab.posttrain.rl.objectives import token_logprobs
@@ -42,9 +43,14 @@ def sequence_logprobs(
         tp_degree: under tensor parallel the sequence is padded to a multiple of it (sequence
             parallel splits it) and the logits are gathered whole.
     Returns:
-        (B, S − 1) float32.
+        (B, S − 1) float32. With the fused loss's head (`loss.fused_linear_cross_entropy`)
+        the log-probabilities come chunk by chunk from the head (no logits tensor).
     """
     inputs, targets = sequences[:, :-1], sequences[:, 1:]
+    inner = getattr(model, "policy", model)  # the LoRA reference wraps the policy
+    if isinstance(getattr(inner, "output", None), FusedLossHead):  # `loss.fused_...`: no logits
+        with fused_logprobs(inner, targets, temperature):
+            return model(inputs)
     length = inputs.shape[1]
     pad = -length % tp_degree
     logits = model(F.pad(inputs, (0, pad), value=0) if pad else inputs)[:, :length]

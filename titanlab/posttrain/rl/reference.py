@@ -14,6 +14,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_mo
 
 from titanlab.checkpoint import store
 from titanlab.components import builders as components
+from titanlab.components.fused_ce import use_fused_loss
 from titanlab.config.job_config import ConfigError, JobConfig
 from titanlab.peft.lora import adapters_disabled
 
@@ -32,6 +33,8 @@ def build_reference(
         ConfigError: `initial_load_path` holds no weights of this model's shape.
     """
     reference = components.build_meta_model(model_args)
+    if config.loss.fused_linear_cross_entropy:  # the policy's head, for the same numbers
+        use_fused_loss(reference, config.loss.chunk_size)
     plain = dataclasses.replace(
         config,
         activation_checkpoint=dataclasses.replace(config.activation_checkpoint, mode="none"),
