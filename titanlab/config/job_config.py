@@ -25,6 +25,7 @@ from titanlab.config.performance import (
     Float8,
     Loss,
     validate_loss_combinations,
+    validate_offload,
 )
 from titanlab.config.profiling import Profiling
 from titanlab.config.rl import RL, validate_rl_combinations
@@ -389,5 +390,6 @@ class JobConfig:
             "(the base model whose weights are quantized)",
         )
         validate_loss_combinations(self)
+        validate_offload(self)
         if self.rl.algorithm != "none":
             validate_rl_combinations(self)

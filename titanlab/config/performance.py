@@ -19,6 +19,12 @@ class ActivationCheckpoint:
     """For mode=selective: `op` (save matmul and attention outputs, recompute the cheap ops) or an
     integer N (checkpoint every N-th block fully)."""
 
+    offload: bool = False
+    """Move what each block saves for backward to pinned host memory as it is saved (a side CUDA
+    stream), and back when backward needs it (torchtune's activation offloading, through
+    `saved_tensors_hooks`); composes with any mode (a checkpointed block saves only its input).
+    On CPU a no-op, logged. Not with compile."""
+
     def validate(self) -> None:
         opt = self.selective_ac_option
         _require(
@@ -89,6 +95,15 @@ class Loss:
 
     def validate(self) -> None:
         _require(self.chunk_size >= 1, f"loss.chunk_size={self.chunk_size} must be >= 1")
+
+
+def validate_offload(config: Any) -> None:
+    """Activation offloading's refusals (`config` a JobConfig): one line each."""
+    _require(
+        not (config.activation_checkpoint.offload and config.compile.enable),
+        "activation_checkpoint.offload=true with compile.enable=true is not supported (the "
+        "saved-tensor hooks stay outside compiled graphs); turn one off",
+    )
 
 
 def validate_loss_combinations(config: Any) -> None:

@@ -25,6 +25,7 @@ from torch.distributed.fsdp import (
 
 from titanlab.config.job_config import JobConfig
 from titanlab.distributed.activation_checkpoint import apply_ac
+from titanlab.distributed.activation_offload import apply_offload
 from titanlab.distributed.expert_parallel import apply_ep
 from titanlab.distributed.parallel_dims import ParallelDims
 from titanlab.distributed.tensor_parallel import apply_tp
@@ -63,7 +64,7 @@ def loss_parallel_enabled(config: JobConfig, parallel_dims: ParallelDims) -> boo
 def parallelize_model(
     model: Decoder, parallel_dims: ParallelDims, config: JobConfig, device: torch.device
 ) -> Decoder:
-    """Apply, in order, TP → EP → AC → compile → FSDP2/HSDP/DDP to `model` (the whole model, or
+    """Apply, in order, TP → EP → AC (and activation offloading) → compile → FSDP2/HSDP/DDP to `model` (the whole model, or
     one pipeline stage of it) in place. Returns the same model object.
     """
     if parallel_dims.tp_enabled:
@@ -84,6 +85,8 @@ def parallelize_model(
     apply_ac(
         model, config.activation_checkpoint.mode, config.activation_checkpoint.selective_ac_option
     )
+    if config.activation_checkpoint.offload:
+        apply_offload(list(model.layers.values()), device)
     if config.compile.enable and "model" in config.compile.components:
         apply_compile(model, config.compile.backend)
     if parallel_dims.dp_replicate_enabled and not parallel_dims.fsdp_enabled:

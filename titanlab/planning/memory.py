@@ -153,6 +153,8 @@ def estimate_memory(
         acts = checkpointed * block["full"] + (layers - checkpointed) * block["none"]
     else:
         acts = layers * block["none"]
+    if config.activation_checkpoint.offload and torch.cuda.is_available():
+        acts = max(block.values())  # in host memory but for the block in use (on CPU: a no-op)
     # Eager: the gradients of the fp32 log-softmax and of the fp32 upcast; a compiled loss
     # writes the logits' gradient in their own dtype in one fused kernel.
     logits_grads = (

@@ -43,3 +43,9 @@ def test_the_fused_loss_composes_with_data_parallel_and_lora_elsewhere():
     config = build_config([*FUSED, "--peft.method", "lora", "--parallelism.data_parallel_shard_degree",
                            "2"])  # fmt: skip
     assert config.loss.fused_linear_cross_entropy and config.loss.chunk_size == 1024
+
+
+def test_offloading_with_compile_is_one_line():
+    with pytest.raises(ConfigError) as e:
+        build_config(["--activation_checkpoint.offload", "true", "--compile.enable", "true"])
+    assert str(e.value).startswith("activation_checkpoint.offload=true with compile.enable=true")
