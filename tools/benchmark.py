@@ -6,8 +6,8 @@
 
 Trainer rows: `torch.distributed.run -m titanlab.train`, debug model, seq 256, global batch 16
 split over the ranks, no checkpoint or validation, log_freq 1; eager/compile × AC
-none/selective/full × 1/2 ranks (FSDP) × fp32/bf16 (quick: eager, none, fp32; overhead: only
-the 1-rank eager fp32 row and its baseline). Baseline rows:
+none/selective/full × 1/2 ranks (FSDP) × fp32/bf16 (quick: eager, none, fp32; overhead: the
+1-rank AC-none rows beside their baselines, fp32/bf16 × eager/compiled). Baseline rows:
 one process running titanlab's `Transformer` in a plain loop (fused AdamW, `F.cross_entropy`,
 `clip_grad_norm_`, batches by numpy memmap from the same shards) per precision and compile.
 
@@ -72,12 +72,12 @@ from tools.lib.bench import (  # noqa: F401 (the names tests and readers find he
 
 def matrix(kind: str) -> list[Run]:
     """The runs of `kind` (full, quick or none), trainer rows first; else a ValueError."""
-    if kind in ("quick", "overhead", "none"):
-        return {
-            "quick": [Run(ranks=1), Run(ranks=2), Run(ranks=0)],
-            "overhead": [Run(ranks=1), Run(ranks=0)],
-            "none": [],
-        }[kind]
+    if kind == "overhead":  # each trainer row beside its baseline, so repeats interleave pairs
+        return [
+            Run(c, "none", r, p) for p in ("fp32", "bf16") for c in (False, True) for r in (1, 0)
+        ]
+    if kind in ("quick", "none"):
+        return {"quick": [Run(ranks=1), Run(ranks=2), Run(ranks=0)], "none": []}[kind]
     if kind != "full":
         raise ValueError(f"matrix={kind!r} is invalid; use 'full', 'quick', 'overhead' or 'none'")
     runs = [
@@ -202,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
         default="full",
         choices=["full", "quick", "overhead", "none"],
         help="quick: eager, AC none, fp32, 1 and 2 ranks; overhead: 1 rank vs the "
-        "baseline; none: only --gpu-8b",
+        "baseline in fp32/bf16, eager/compiled; none: only --gpu-8b",
     )
     p.add_argument(
         "--repeats", type=int, default=1, help="run the matrix this many times, interleaved"

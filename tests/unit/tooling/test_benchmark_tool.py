@@ -137,7 +137,13 @@ def test_matrix():
     full = benchmark.matrix("full")
     trainer = [r for r in full if r.ranks]
     assert len(trainer) == len(set(trainer)) == 2 * 3 * 2 * 2 and len(full) - len(trainer) == 4
-    assert [r.ranks for r in benchmark.matrix("overhead")] == [1, 0]
+    overhead = benchmark.matrix("overhead")  # every precision and compile mode, paired
+    assert [r.ranks for r in overhead] == [1, 0] * 4
+    assert {(r.precision, r.compile) for r in overhead[::2]} == {
+        (p, c) for p in ("fp32", "bf16") for c in (False, True)
+    }
+    assert all(a.precision == b.precision and a.compile == b.compile
+               for a, b in zip(overhead[::2], overhead[1::2]))  # fmt: skip
     with pytest.raises(ValueError, match="quick"):
         benchmark.matrix("huge")
 
