@@ -1,18 +1,19 @@
 """LoRA fine-tuning: titanlab against transformers + peft on the same model and work, side by side.
 
     python tools/benchmark_finetune.py [--seq 512,2048] [--hidden 512] [--layers 8]
-        [--vocab 32768] [--rank 16] [--steps 3] [--warmup 1] [--threads 2] [--budget-gib 16]
+        [--vocab 32768,131072] [--rank 16] [--steps 3] [--warmup 1] [--threads 2] [--budget-gib 16]
         [--out docs/performance.md]
 
-One Hugging Face `LlamaForCausalLM` (hidden `--hidden`, `--layers` layers, head dim 64, vocab
-`--vocab`, untied head; random weights, seed 0) is saved locally and imported into titanlab with
+For each vocabulary size of `--vocab`, one Hugging Face `LlamaForCausalLM` (hidden `--hidden`,
+`--layers` layers, head dim 64, untied head; random weights, seed 0) is saved locally and imported into titanlab with
 `convert_checkpoint from-hf`. Every row trains LoRA adapters of rank `--rank` (alpha 2 × rank,
 no dropout) on the attention query and value projections (titanlab `wq, wv`; peft `q_proj,
 v_proj`), AdamW lr 1e-4, gradient clipping at 1.0, fp32, batch 1 of `--seq` tokens, in one
 process with `--threads` intra-op threads:
 
 - titanlab: the real trainer (`python -m titanlab.train`, `model.flavor = "hf"`,
-  `checkpoint.initial_load_path` the import), with the fused linear cross-entropy and without;
+  `checkpoint.initial_load_path` the import), with the fused linear cross-entropy (its
+  default chunks of 256 tokens) and without;
   tokens from the bundled corpus; step time from its per-step tokens/s (log_freq 1);
 - transformers + peft: `get_peft_model` on the same folder (SDPA attention), a plain loop of
   forward with labels, backward, clip, step; random token ids below 4096 (the same range).
@@ -48,8 +49,8 @@ TAG = "finetune"
 LR = 1e-4
 
 
-def build_hf(out: str, a: argparse.Namespace) -> None:
-    """The shared model as a Hugging Face folder (random weights, seed 0)."""
+def build_hf(out: str, vocab: int, a: argparse.Namespace) -> None:
+    """The shared model of vocabulary `vocab` as a Hugging Face folder (random weights, seed 0)."""
     import dataclasses
 
     import torch
@@ -60,10 +61,10 @@ def build_hf(out: str, a: argparse.Namespace) -> None:
     heads = a.hidden // 64
     args = dataclasses.replace(
         llama3_flavors["debugmodel"], dim=a.hidden, n_layers=a.layers, n_heads=heads,
-        n_kv_heads=heads, vocab_size=a.vocab, max_seq_len=max(a.seqs),
+        n_kv_heads=heads, vocab_size=vocab, max_seq_len=max(a.seqs),
     )  # fmt: skip
     config = LlamaConfig(
-        vocab_size=a.vocab, hidden_size=args.dim, intermediate_size=args.ffn_hidden_dim(),
+        vocab_size=vocab, hidden_size=args.dim, intermediate_size=args.ffn_hidden_dim(),
         num_hidden_layers=args.n_layers, num_attention_heads=heads, num_key_value_heads=heads,
         rms_norm_eps=args.norm_eps, rope_theta=args.rope_theta,
         max_position_embeddings=args.max_seq_len, tie_word_embeddings=False,
@@ -72,8 +73,11 @@ def build_hf(out: str, a: argparse.Namespace) -> None:
     LlamaForCausalLM(config).save_pretrained(out)
 
 
-def titanlab_row(dcp: str, data: str, seq: int, fused: bool, a: argparse.Namespace) -> dict:
+def titanlab_row(
+    dcp: str, data: str, seq: int, vocab: int, fused: bool, a: argparse.Namespace
+) -> dict:
     name = "titanlab LoRA" + (" · fused loss" if fused else " · plain loss")
+    row = {"name": name, "seq": seq, "vocab": vocab}
     with tempfile.TemporaryDirectory(prefix="titanlab_ft_") as dump:
         cmd = [
             sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
@@ -92,12 +96,12 @@ def titanlab_row(dcp: str, data: str, seq: int, fused: bool, a: argparse.Namespa
         proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
         path = os.path.join(dump, "metrics.jsonl")
         if proc.returncode or not os.path.exists(path):
-            return {"name": name, "seq": seq, "error": failure_line(proc.stdout + proc.stderr)}
+            return dict(row, error=failure_line(proc.stdout + proc.stderr))
         with open(path, encoding="utf-8") as f:
             records = [json.loads(line) for line in f]
     times = bench.step_times(records, seq, a.warmup)
     peak = max(r["memory_gib"] for r in records)
-    return {"name": name, "seq": seq, "step_s": statistics.median(times), "peak_gib": peak}
+    return dict(row, step_s=statistics.median(times), peak_gib=peak)
 
 
 def peft_child(hf: str, seq: int, a: argparse.Namespace) -> None:
@@ -128,25 +132,26 @@ def peft_child(hf: str, seq: int, a: argparse.Namespace) -> None:
         if step >= a.warmup:
             times.append(time.perf_counter() - start)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-    print(json.dumps({"name": "transformers + peft", "seq": seq,
-                      "step_s": statistics.median(times), "peak_gib": peak}))  # fmt: skip
+    print(json.dumps({"step_s": statistics.median(times), "peak_gib": peak}))
 
 
-def peft_row(hf: str, seq: int, a: argparse.Namespace) -> dict:
+def peft_row(hf: str, seq: int, vocab: int, a: argparse.Namespace) -> dict:
+    row = {"name": "transformers + peft", "seq": seq, "vocab": vocab}
     cmd = [sys.executable, os.path.abspath(__file__), "--peft-child", "--hf", hf, "--seq",
            str(seq), "--rank", str(a.rank), "--steps", str(a.steps), "--warmup", str(a.warmup),
            "--threads", str(a.threads)]  # fmt: skip
     env = dict(os.environ, OMP_NUM_THREADS=str(a.threads))
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
     if proc.returncode:
-        return {"name": "transformers + peft", "seq": seq, "error": failure_line(proc.stderr)}
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+        return dict(row, error=failure_line(proc.stderr))
+    return dict(row, **json.loads(proc.stdout.strip().splitlines()[-1]))
 
 
-def longest(rows: list[dict], name: str, budget: float) -> str:
-    """The sequence length at which a straight line through `name`'s measured peaks reaches
-    `budget` GiB (an extrapolation), as text."""
-    points = [(r["seq"], r["peak_gib"]) for r in rows if r["name"] == name and "error" not in r]
+def longest(rows: list[dict], name: str, vocab: int, budget: float) -> str:
+    """The sequence length at which a straight line through `name`'s measured peaks at `vocab`
+    reaches `budget` GiB (an extrapolation), as text."""
+    points = [(r["seq"], r["peak_gib"]) for r in rows
+              if r["name"] == name and r["vocab"] == vocab and "error" not in r]  # fmt: skip
     if len(points) < 2:
         return "n/a"
     (s0, m0), (s1, m1) = points[0], points[-1]
@@ -164,28 +169,30 @@ def render(rows: list[dict], a: argparse.Namespace, command: str) -> str:
     lines = [
         f"Machine: {cpu_model()}, {os.cpu_count()} cores, {ram_gib():.0f} GiB RAM; torch "
         f"{torch.__version__}, fp32, {a.threads} threads, 1 process. Llama of hidden "
-        f"{a.hidden}, {a.layers} layers, vocab {a.vocab:,}; LoRA rank {a.rank} on q/v, AdamW; "
+        f"{a.hidden}, {a.layers} layers; LoRA rank {a.rank} on q/v, AdamW; "
         f"batch 1; median of {a.steps} steps after {a.warmup} (method: "
         "`tools/benchmark_finetune.py`).",
         f"Command: `{command}`",
         "",
-        "| run | seq_len | s / step | vs peft | peak RSS GiB | vs peft |",
-        "|---|---|---|---|---|---|",
+        "| run | vocab | seq_len | s / step | vs peft | peak RSS GiB | vs peft |",
+        "|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         peer = next((p for p in rows if p["name"] == "transformers + peft" and p["seq"] == r["seq"]
-                     and "error" not in p), None)  # fmt: skip
+                     and p["vocab"] == r["vocab"] and "error" not in p), None)  # fmt: skip
+        head = f"| {r['name']} | {r['vocab']:,} | {r['seq']} |"
         if "error" in r:
-            lines.append(f"| {r['name']} | {r['seq']} | failed: {r['error']} | | | |")
+            lines.append(f"{head} failed: {r['error']} | | | |")
             continue
         speed = f"{peer['step_s'] / r['step_s']:.2f}×" if peer else "n/a"
         memory = f"{r['peak_gib'] / peer['peak_gib']:.2f}×" if peer else "n/a"
-        lines.append(f"| {r['name']} | {r['seq']} | {r['step_s']:.3f} | {speed} | "
-                     f"{r['peak_gib']:.2f} | {memory} |")  # fmt: skip
+        lines.append(f"{head} {r['step_s']:.3f} | {speed} | {r['peak_gib']:.2f} | {memory} |")
     names = list(dict.fromkeys(r["name"] for r in rows))
-    fits = ", ".join(f"{n} {longest(rows, n, a.budget_gib)}" for n in names)
     lines += ["", f"Longest sequence within {a.budget_gib:g} GiB (extrapolated from the peaks "
-              f"above): {fits} tokens."]  # fmt: skip
+              "above):"]  # fmt: skip
+    for vocab in a.vocabs:
+        fits = ", ".join(f"{n} {longest(rows, n, vocab, a.budget_gib)}" for n in names)
+        lines.append(f"- vocab {vocab:,}: {fits} tokens.")
     return "\n".join(lines)
 
 
@@ -194,7 +201,7 @@ def main() -> None:
     p.add_argument("--seq", default="512,2048", help="comma-separated sequence lengths")
     p.add_argument("--hidden", type=int, default=512)
     p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--vocab", type=int, default=32768)
+    p.add_argument("--vocab", default="32768,131072", help="comma-separated vocabulary sizes")
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--warmup", type=int, default=1)
@@ -205,19 +212,23 @@ def main() -> None:
     p.add_argument("--hf", help=argparse.SUPPRESS)
     a = p.parse_args()
     a.seqs = [int(s) for s in a.seq.split(",")]
+    a.vocabs = [int(v) for v in a.vocab.split(",")]
     if a.peft_child:
         return peft_child(a.hf, a.seqs[0], a)
     with tempfile.TemporaryDirectory(prefix="titanlab_ft_") as work:
-        hf, dcp, data = (os.path.join(work, n) for n in ("hf", "dcp", "data"))
-        build_hf(hf, a)
-        convert = [sys.executable, os.path.join(REPO, "tools", "convert_checkpoint.py"),
-                   "from-hf", hf, dcp, "--quiet"]  # fmt: skip
-        subprocess.run(convert, cwd=REPO, check=True, capture_output=True)
+        data = os.path.join(work, "data")
         prepare_corpus(data, max(a.seqs) * (a.warmup + a.steps + 1))
         rows = []
-        for seq in a.seqs:
-            rows += [titanlab_row(dcp, data, seq, True, a), titanlab_row(dcp, data, seq, False, a),
-                     peft_row(hf, seq, a)]  # fmt: skip
+        for vocab in a.vocabs:
+            hf, dcp = (os.path.join(work, f"{n}-{vocab}") for n in ("hf", "dcp"))
+            build_hf(hf, vocab, a)
+            convert = [sys.executable, os.path.join(REPO, "tools", "convert_checkpoint.py"),
+                       "from-hf", hf, dcp, "--quiet"]  # fmt: skip
+            subprocess.run(convert, cwd=REPO, check=True, capture_output=True)
+            for seq in a.seqs:
+                rows += [titanlab_row(dcp, data, seq, vocab, True, a),
+                         titanlab_row(dcp, data, seq, vocab, False, a),
+                         peft_row(hf, seq, vocab, a)]  # fmt: skip
     command = "python tools/benchmark_finetune.py " + shlex.join(sys.argv[1:])
     bench.publish(a.out, TAG, render(rows, a, command.strip()))
 

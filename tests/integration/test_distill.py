@@ -1,7 +1,7 @@
 """Distillation in the trainer: a debug-model teacher (trained 30 steps) distilled into the
 smaller debugmodel_deep student under FSDP 2 for 50 steps lowers the student's KL to the teacher
-on a fixed batch by at least 30%; under TP 2 and PP 2 the losses equal 1 process; a teacher with another
-vocabulary is one line."""
+on a fixed batch by at least 30%; under TP 2 and PP 2 the losses equal 1 process, as does the
+fused (chunked) distillation loss under FSDP 2; a teacher with another vocabulary is one line."""
 
 import json
 import os
@@ -96,6 +96,27 @@ def test_distillation_under_a_layout_equals_one_process(
     two.check()
     assert sorted(two.losses) == [1, 2, 3, 4]
     assert max(abs(two.losses[s] - one.losses[s]) for s in one.losses) <= 1e-5, (one, two)
+
+
+def test_fused_distillation_on_fsdp2_equals_the_plain_loss_on_one_process(
+    teacher_ckpt, student_seed, tiny_dataset, tmp_path
+):
+    """`loss.fused_linear_cross_entropy` with a teacher: the student's and the teacher's heads
+    and the distillation loss over chunks of 100 tokens (neither logits tensor whole), under
+    FSDP 2 (the teacher's head weight read as gathered in its forward), against the plain
+    losses of 1 process."""
+    common = [*TINY, "--model.flavor", "debugmodel_deep", "--data.dataset_path", tiny_dataset,
+              "--training.steps", "4", "--training.local_batch_size", "4",
+              "--checkpoint.initial_load_path", os.path.join(student_seed, "checkpoint", "step-0"),
+              "--distill.teacher_path", teacher_ckpt, "--distill.alpha", "0.5",
+              "--distill.temperature", "2"]  # fmt: skip
+    one = launch(1, [*common, "--job.dump_folder", str(tmp_path / "one")]).check()
+    fused = launch(2, [*common, "--job.dump_folder", str(tmp_path / "fused"),
+                       "--training.local_batch_size", "2", "--loss.fused_linear_cross_entropy",
+                       "true", "--loss.chunk_size", "100"]).check()  # fmt: skip
+    print(f"\nfused distillation FSDP 2 vs plain 1 process: {fused.losses} vs {one.losses}")
+    assert sorted(fused.losses) == [1, 2, 3, 4]
+    assert max(abs(fused.losses[s] - one.losses[s]) for s in one.losses) <= 1e-5
 
 
 def test_a_teacher_with_another_vocabulary_is_one_line(teacher_ckpt, tiny_dataset, tmp_path):

@@ -17,6 +17,7 @@ unfused head does under autocast) and the softmax / log-sum-exp in fp32.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 from typing import Any
 
@@ -55,13 +56,14 @@ def _chunked(
         if group is not None:
             dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
         picked = torch.where(mine, logits.gather(1, index)[:, 0], 0.0)
-        sums = torch.stack([torch.exp(logits - peak[:, None]).sum(-1), picked])
+        g = logits.sub_(peak[:, None]).exp_()  # in place: one (c, V) tensor in all
+        sums = torch.stack([g.sum(-1), picked])
         if group is not None:
             dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=group)
         lse = peak + torch.log(sums[0])
         total += torch.where(keep, lse - sums[1], 0.0).sum()
         if grads[0] or grads[1]:  # d(Σ CE)/d logits = softmax − onehot, 0 where ignored
-            g = torch.exp(logits - lse[:, None])
+            g.mul_(torch.exp(peak - lse)[:, None])
             g.scatter_add_(1, index, torch.where(mine, -1.0, 0.0)[:, None])
             g = g.mul_(keep[:, None]).to(h.dtype)
             if grads[0]:
@@ -71,13 +73,15 @@ def _chunked(
     return total, grad_h, grad_w
 
 
-class _LinearCrossEntropySum(torch.autograd.Function):
-    """The loss and both gradients in forward (`_chunked`); backward scales them."""
+class _GradientsInForward(torch.autograd.Function):
+    """A loss whose gradients w.r.t. (hidden, weight) are computed with it, in forward, by
+    `compute(grads) -> (total, grad_h, grad_w)` (`_chunked`, `_distill_chunks`); backward
+    scales them by the incoming gradient."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, chunk_size, group, offset):  # type: ignore[override]
+    def forward(ctx, hidden, weight, compute):  # type: ignore[override]
         grads = (bool(ctx.needs_input_grad[0]), bool(ctx.needs_input_grad[1]))
-        total, grad_h, grad_w = _chunked(hidden, weight, labels, chunk_size, grads, group, offset)
+        total, grad_h, grad_w = compute(grads)
         ctx.save_for_backward(grad_h, grad_w)
         ctx.weight_dtype = weight.dtype
         return total
@@ -87,7 +91,7 @@ class _LinearCrossEntropySum(torch.autograd.Function):
         grad_h, grad_w = ctx.saved_tensors
         dh = grad_h * grad_out.to(grad_h.dtype) if ctx.needs_input_grad[0] else None
         dw = (grad_w * grad_out).to(ctx.weight_dtype) if ctx.needs_input_grad[1] else None
-        return dh, dw, None, None, None, None
+        return dh, dw, None
 
 
 def linear_cross_entropy_sum(
@@ -126,9 +130,87 @@ def _apply(hidden, weight, labels, chunk_size: int, group, offset: int) -> torch
     if chunk_size <= 0:
         raise ValueError(f"chunk_size={chunk_size} must be > 0")
     flat, flat_labels = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)
+    compute = functools.partial(_chunked, flat, weight, flat_labels, chunk_size, group=group,
+                                offset=offset)  # fmt: skip
+    return _with_gradients(flat, weight, compute)
+
+
+def _with_gradients(hidden: torch.Tensor, weight: torch.Tensor, compute) -> torch.Tensor:
     if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
-        return _LinearCrossEntropySum.apply(flat, weight, flat_labels, chunk_size, group, offset)
-    return _chunked(flat, weight, flat_labels, chunk_size, (False, False), group, offset)[0]
+        return _GradientsInForward.apply(hidden, weight, compute)
+    return compute((False, False))[0]
+
+
+def _distill_chunks(
+    hidden: torch.Tensor, weight: torch.Tensor, teacher_hidden: torch.Tensor,
+    teacher_weight: torch.Tensor, labels: torch.Tensor, chunk_size: int, alpha: float,
+    temperature: float, grads: tuple[bool, bool],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """(Σ distillation loss, d/d hidden, d/d weight) over target tokens, chunk by chunk: the
+    loss of `titanlab.posttrain.distill` (α · CE + (1 − α) · T² · KL(p_t,T ‖ p_s,T)), whose
+    gradient w.r.t. the student's logits is α (softmax(s) − onehot) + (1 − α) T (softmax(s/T)
+    − softmax(t/T)) on target positions, 0 elsewhere."""
+    n = hidden.shape[0]
+    grad_h = torch.empty_like(hidden) if grads[0] else hidden.new_empty(0)
+    grad_w = (
+        weight.new_zeros(weight.shape, dtype=torch.float32) if grads[1] else weight.new_empty(0)
+    )
+    total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+    t = temperature
+    for start in range(0, n, chunk_size):
+        h, y = hidden[start : start + chunk_size], labels[start : start + chunk_size]
+        student = (h @ weight.t()).float()  # (c, V): with the teacher's, 4 such tensors at most
+        teacher = (teacher_hidden[start : start + chunk_size] @ teacher_weight.t()).float()
+        keep = (y != IGNORE_INDEX)[:, None]
+        index = y.clamp(min=0)[:, None]
+        log_pt_t = torch.log_softmax(teacher.div_(t), dim=-1)
+        del teacher
+        log_ps_t = torch.log_softmax(student / t, dim=-1)
+        log_p = torch.log_softmax(student, dim=-1)
+        del student
+        hard = -log_p.gather(1, index)
+        pt_t = log_pt_t.exp()
+        kl = log_pt_t.sub_(log_ps_t).mul_(pt_t).sum(-1, keepdim=True)
+        del log_pt_t
+        total += torch.where(keep, alpha * hard + (1.0 - alpha) * t**2 * kl, 0.0).sum()
+        if grads[0] or grads[1]:
+            g = log_p.exp_().mul_(alpha)
+            g.scatter_add_(1, index, torch.full_like(hard, -alpha))
+            g.add_(log_ps_t.exp_().sub_(pt_t), alpha=(1.0 - alpha) * t)
+            g = g.mul_(keep).to(h.dtype)
+            if grads[0]:
+                grad_h[start : start + chunk_size] = g @ weight
+            if grads[1]:
+                grad_w.add_(g.t().float() @ h.float())
+    return total, grad_h, grad_w
+
+
+def linear_distillation_loss_sum(
+    hidden: torch.Tensor, weight: torch.Tensor, teacher_hidden: torch.Tensor,
+    teacher_weight: torch.Tensor, labels: torch.Tensor, *, alpha: float, temperature: float,
+    chunk_size: int = 1024,
+) -> torch.Tensor:  # fmt: skip
+    """`titanlab.posttrain.distill.distillation_loss_sum` of the student's logits hidden @
+    weightᵀ and the teacher's teacher_hidden @ teacher_weightᵀ, without materializing either:
+    at most one chunk of each (chunk_size × V, fp32) exists at once.
+
+    Args:
+        hidden: (..., D) the student's final-norm output; weight: (V, D) its head.
+        teacher_hidden: (..., D_t) the teacher's; teacher_weight: (V, D_t) (no gradient).
+        labels: (...) int64, -100 ignored. alpha in [0, 1]; temperature > 0; chunk_size > 0.
+    Returns:
+        0-dim fp32 tensor, differentiable w.r.t. hidden and weight.
+    Raises:
+        ValueError: chunk_size <= 0.
+    """
+    if chunk_size <= 0:
+        raise ValueError(f"chunk_size={chunk_size} must be > 0")
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    compute = functools.partial(
+        _distill_chunks, flat, weight, teacher_hidden.reshape(-1, teacher_hidden.shape[-1]),
+        teacher_weight.detach(), labels.reshape(-1), chunk_size, alpha, temperature,
+    )  # fmt: skip
+    return _with_gradients(flat, weight, compute)
 
 
 class _ChunkedLogprobs(torch.autograd.Function):
@@ -206,10 +288,23 @@ class FusedLossHead(nn.Linear):
         self.chunk_size = chunk_size
         self.labels: torch.Tensor | None = None
         self.temperature = 0.0  # > 0: return log-probabilities of `labels` (`fused_logprobs`)
+        self.distill: tuple[torch.Tensor, torch.Tensor, float, float] | None = None
+        self.captured: tuple[torch.Tensor, torch.Tensor] | None = None  # `teacher_hidden`
+        self.capture = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.capture:  # `teacher_hidden`: the input and the (gathered) weight, no logits
+            self.captured = (x, self.weight)
+            return x
         if self.labels is None:
             return F.linear(x, self.weight)
+        if self.distill is not None:  # `fused_distillation`
+            assert not isinstance(self.weight, DTensor), "tensor parallel: not yet"
+            t_hidden, t_weight, alpha, t = self.distill
+            return linear_distillation_loss_sum(
+                x, self.weight, t_hidden, t_weight, self.labels, alpha=alpha, temperature=t,
+                chunk_size=self.chunk_size,
+            )  # fmt: skip
         if self.temperature:  # `fused_logprobs`
             assert not isinstance(self.weight, DTensor), "tensor parallel: not yet"
             return chunked_token_logprobs(
@@ -258,3 +353,38 @@ def fused_logprobs(model: nn.Module, targets: torch.Tensor, temperature: float) 
         yield
     finally:
         head.labels, head.temperature = None, 0.0
+
+
+def teacher_hidden(
+    teacher: nn.Module, inputs: torch.Tensor, **kwargs: Any
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The teacher's forward up to its head, for `fused_distillation`: (hidden (bs, seq, D_t),
+    head weight (V, D_t)). The weight is the one the head's forward saw: under FSDP the
+    all-gathered tensor of the norm + head group, which is never resharded after forward
+    (`titanlab.distributed.parallelize`), so it stays valid until the next forward."""
+    head = teacher.output
+    assert isinstance(head, FusedLossHead), "use_fused_loss(teacher) first"
+    head.capture = True
+    try:
+        teacher(inputs, **kwargs)
+        assert head.captured is not None
+        hidden, weight = head.captured
+    finally:
+        head.capture, head.captured = False, None
+    return hidden, weight
+
+
+@contextlib.contextmanager
+def fused_distillation(
+    model: nn.Module, labels: torch.Tensor, teacher: tuple[torch.Tensor, torch.Tensor],
+    alpha: float, temperature: float,
+) -> Iterator[None]:  # fmt: skip
+    """Within, `model(inputs)` returns the summed distillation loss against `labels` and the
+    teacher's (hidden, head weight) from `teacher_hidden` (`linear_distillation_loss_sum`)."""
+    head = model.output
+    assert isinstance(head, FusedLossHead), "use_fused_loss(model) first"
+    head.labels, head.distill = labels, (*teacher, alpha, temperature)
+    try:
+        yield
+    finally:
+        head.labels, head.distill = None, None

@@ -162,8 +162,10 @@ def estimate_memory(
         if compiled_loss
         else 2 * b * s_local * model_args.vocab_size * 4
     )
-    if config.loss.fused_linear_cross_entropy:  # one chunk's fp32 logits and their gradient
-        logits_grads = 2 * min(config.loss.chunk_size, b * s_local) * model_args.vocab_size * 4
+    if config.loss.fused_linear_cross_entropy:  # one chunk's fp32 logits, turned in place into
+        # their gradient (and, in a 16-bit compute dtype, the matmul's output before the upcast)
+        chunk = min(config.loss.chunk_size, b * s_local) * model_args.vocab_size
+        logits_grads = chunk * (4 + (elem if elem < 4 else 0))
     dp = world_size // (tp * pp * cp)
     ep = p.expert_parallel_degree
     moes = moe_layers(model)

@@ -27,7 +27,7 @@ from titanlab.distributed.context_parallel import cp_context
 from titanlab.distributed.parallel_dims import ParallelDims
 from titanlab.distributed.utils import clip_grad_norm_, global_sum
 from titanlab.posttrain.distill import PipelineDistillLoss, distillation_loss_sum
-from titanlab.components.fused_ce import fused_targets
+from titanlab.components.fused_ce import fused_distillation, fused_targets, teacher_hidden
 from titanlab.precision.float8 import precompute_scales
 from titanlab.precision.mixed import autocast_context, build_grad_scaler
 
@@ -185,7 +185,14 @@ class TrainStep:
         model = self.model_parts[0]
         with context:
             if self.config.loss.fused_linear_cross_entropy:  # the model's forward ends in the loss
-                with fused_targets(model, labels):
+                if self.teacher is not None:
+                    with torch.no_grad():
+                        teacher = teacher_hidden(self.teacher, inputs, **kwargs)
+                    d = self.config.distill
+                    loss_in = fused_distillation(model, labels, teacher, d.alpha, d.temperature)
+                else:
+                    loss_in = fused_targets(model, labels)
+                with loss_in:
                     token_loss = model(inputs, **kwargs)
                 (token_loss * scale).backward()
                 return local_value(token_loss)

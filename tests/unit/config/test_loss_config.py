@@ -23,7 +23,10 @@ CASES = {
         "= 4096 tokens); use 1 .. 4096",
     ),
     "pp": (["--parallelism.pipeline_parallel_degree", "2"], "with parallelism.pipeline_parallel"),
-    "distill": (["--distill.teacher_path", "/t"], "with distill.teacher_path=/t is not supported"),
+    "distill under tp": (
+        ["--distill.teacher_path", "/t", "--parallelism.tensor_parallel_degree", "2"],
+        "with distill.teacher_path and parallelism.tensor_parallel_degree=2 is not supported",
+    ),
     "lora on the head": (
         ["--peft.method", "lora", "--peft.target_modules", "wq,output"],
         "with peft.target_modules containing 'output' is not supported",
@@ -42,7 +45,7 @@ def test_bad_fused_loss_config_is_one_line(case):
 def test_the_fused_loss_composes_with_data_parallel_and_lora_elsewhere():
     config = build_config([*FUSED, "--peft.method", "lora", "--parallelism.data_parallel_shard_degree",
                            "2"])  # fmt: skip
-    assert config.loss.fused_linear_cross_entropy and config.loss.chunk_size == 1024
+    assert config.loss.fused_linear_cross_entropy and config.loss.chunk_size == 256
 
 
 def test_offloading_with_compile_is_one_line():
