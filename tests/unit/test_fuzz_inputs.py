@@ -10,6 +10,7 @@ asserts how many it tried.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -55,6 +56,24 @@ TRIED: dict[str, int] = {}
 
 def _count(name: str) -> None:
     TRIED[name] = TRIED.get(name, 0) + 1
+
+
+def tries_at_least(name: str, minimum: int):
+    """The fuzzer test below (Hypothesis-wrapped) must have run `minimum` examples counted as
+    `name` by the time it returns (a fuzzer whose strategy filters everything out fails)."""
+
+    def wrap(test):
+        @functools.wraps(test)
+        def checked(*args, **kwargs):
+            before = TRIED.get(name, 0)
+            test(*args, **kwargs)
+            tried = TRIED.get(name, 0) - before
+            print(f"fuzz inputs tried ({name}): {tried}")
+            assert tried >= minimum, (name, tried)
+
+        return checked
+
+    return wrap
 
 
 def assert_one_error_line(code: int, err: str, prefix: str) -> None:
@@ -108,6 +127,7 @@ option = st.tuples(
 )
 
 
+@tries_at_least("config", 200)
 @fuzz(250)
 @given(
     nproc=st.integers(-1, 9),
@@ -220,6 +240,7 @@ def corrupt_dataset(path: str, kind: str, which, arg) -> None:
             json.dump(meta, f)
 
 
+@tries_at_least("dataset", 100)
 @fuzz(150)
 @given(corruptions=st.lists(corruption, min_size=1, max_size=2))
 def test_corrupt_datasets_fail_with_one_line(corruptions, dataset, tmp_path_factory, capsys):
@@ -264,6 +285,7 @@ def checkpoint(tmp_path_factory):
     return str(root)
 
 
+@tries_at_least("checkpoint", 50)
 @fuzz(80)
 @given(
     kind=st.sampled_from(["truncate", "delete", "metadata_bytes", "metadata_truncate", "extra"]),
@@ -351,6 +373,7 @@ tool_args = st.lists(
 )
 
 
+@tries_at_least("prepare_data", 80)
 @fuzz(120)
 @given(
     args=tool_args,
@@ -375,6 +398,7 @@ def test_prepare_data_inputs_fail_with_one_line(
         assert not [f for f in files_under(out) if ".tmp" in f or f.endswith(".partial")]
 
 
+@tries_at_least("convert_checkpoint", 80)
 @fuzz(120)
 @given(
     command=st.sampled_from(["to-hf", "from-hf", "x"]),
@@ -406,11 +430,3 @@ def test_convert_checkpoint_inputs_fail_with_one_line(
     assert_one_error_line(code, capsys.readouterr().err, "convert_checkpoint: error:")
     if code != 0 and out.exists():  # a failed conversion leaves nothing that looks complete
         assert not (out / "config.json").exists() and not (out / ".metadata").exists()
-
-
-def test_fuzzers_tried_their_inputs():
-    """Runs last in this module: every fuzzer ran its examples (printed with -s)."""
-    print(f"fuzz inputs tried: {TRIED}")
-    assert TRIED.get("config", 0) >= 200 and TRIED.get("dataset", 0) >= 100
-    assert TRIED.get("checkpoint", 0) >= 50 and TRIED.get("prepare_data", 0) >= 80
-    assert TRIED.get("convert_checkpoint", 0) >= 80
