@@ -2,14 +2,15 @@
 
     python tools/benchmark_finetune.py [--seq 512,2048] [--hidden 512] [--layers 8]
         [--vocab 32768,131072] [--rank 16] [--steps 3] [--warmup 1] [--threads 2] [--budget-gib 16]
-        [--out docs/performance.md]
+        [--liger] [--out docs/performance.md]
 
 For each vocabulary size of `--vocab`, one Hugging Face `LlamaForCausalLM` (hidden `--hidden`,
 `--layers` layers, head dim 64, untied head; random weights, seed 0) is saved locally and imported into titanlab with
 `convert_checkpoint from-hf`. Every row trains LoRA adapters of rank `--rank` (alpha 2 × rank,
 no dropout) on the attention query and value projections (titanlab `wq, wv`; peft `q_proj,
-v_proj`), AdamW lr 1e-4, gradient clipping at 1.0, fp32, batch 1 of `--seq` tokens, in one
-process with `--threads` intra-op threads:
+v_proj`), AdamW lr 1e-4, gradient clipping at 1.0, batch 1 of `--seq` tokens, in one process:
+on CPU in fp32 with `--threads` intra-op threads, on a CUDA GPU in bf16 (titanlab's default
+mixed precision; peft's model loaded in bf16 under autocast):
 
 - titanlab: the real trainer (`python -m titanlab.train`, `model.flavor = "hf"`,
   `checkpoint.initial_load_path` the import), with the fused linear cross-entropy (its
@@ -17,14 +18,17 @@ process with `--threads` intra-op threads:
   tokens from the bundled corpus; step time from its per-step tokens/s (log_freq 1);
 - transformers + peft: `get_peft_model` on the same folder (SDPA attention), a plain loop of
   forward with labels, backward, clip, step; random token ids below 4096 (the same range).
+- `--liger` (CUDA, liger-kernel installed): also titanlab with `kernels.liger` and the fused
+  loss, and transformers + peft after Liger's `apply_liger_kernel_to_llama` (a second peer).
 
-Step time: median over `--steps` steps after `--warmup`. Memory: the peak resident set of the
-whole process (`ru_maxrss`; on CPU every byte the step allocates lands there). Longest sequence
+Step time: median over `--steps` steps after `--warmup`. Memory: on CPU the peak resident set
+of the whole process (`ru_maxrss`; every byte the step allocates lands there), on CUDA
+`max_memory_allocated` (titanlab's `mem_peak_allocated_gib`). Longest sequence
 within `--budget-gib`: from a straight line through each row's measured peaks (memory grows
 linearly with the sequence at these lengths; attention through SDPA keeps no seq² tensor), so it
 is an extrapolation, marked as such. peft and transformers are benchmark-only dependencies
 (`pip install 'titanlab[bench]' peft`); titanlab never imports them. The table replaces the
-`<!-- benchmark:finetune:begin/end -->` block of `--out`.
+`<!-- benchmark:finetune:begin/end -->` block of `--out` (`finetune-cuda` on a GPU).
 """
 
 from __future__ import annotations
@@ -74,9 +78,11 @@ def build_hf(out: str, vocab: int, a: argparse.Namespace) -> None:
 
 
 def titanlab_row(
-    dcp: str, data: str, seq: int, vocab: int, fused: bool, a: argparse.Namespace
-) -> dict:
+    dcp: str, data: str, seq: int, vocab: int, fused: bool, a: argparse.Namespace,
+    liger: bool = False,
+) -> dict:  # fmt: skip
     name = "titanlab LoRA" + (" · fused loss" if fused else " · plain loss")
+    name += " · Liger" if liger else ""
     row = {"name": name, "seq": seq, "vocab": vocab}
     with tempfile.TemporaryDirectory(prefix="titanlab_ft_") as dump:
         cmd = [
@@ -91,6 +97,7 @@ def titanlab_row(
             "--metrics.log_freq", "1", "--peft.method", "lora", "--peft.rank", str(a.rank),
             "--peft.alpha", str(2 * a.rank), "--peft.target_modules", "wq,wv",
             "--loss.fused_linear_cross_entropy", str(fused).lower(),
+            "--kernels.liger", str(liger).lower(),
         ]  # fmt: skip
         env = dict(os.environ, OMP_NUM_THREADS=str(a.threads), PYTHONUNBUFFERED="1")
         proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
@@ -100,7 +107,8 @@ def titanlab_row(
         with open(path, encoding="utf-8") as f:
             records = [json.loads(line) for line in f]
     times = bench.step_times(records, seq, a.warmup)
-    peak = max(r["memory_gib"] for r in records)
+    key = "mem_peak_allocated_gib" if a.cuda else "memory_gib"  # as peft's row measures
+    peak = max(r[key] for r in records)
     return dict(row, step_s=statistics.median(times), peak_gib=peak)
 
 
@@ -111,8 +119,14 @@ def peft_child(hf: str, seq: int, a: argparse.Namespace) -> None:
     from transformers import LlamaForCausalLM
 
     torch.set_num_threads(a.threads)
-    model = LlamaForCausalLM.from_pretrained(hf, torch_dtype=torch.float32,
-                                             attn_implementation="sdpa")  # fmt: skip
+    if a.liger:  # Liger's patches of transformers' Llama (RMSNorm, SwiGLU, RoPE, fused loss)
+        from liger_kernel.transformers import apply_liger_kernel_to_llama
+
+        apply_liger_kernel_to_llama()
+    device = torch.device("cuda" if a.cuda else "cpu")
+    dtype = torch.bfloat16 if a.cuda else torch.float32
+    model = LlamaForCausalLM.from_pretrained(hf, dtype=dtype, attn_implementation="sdpa")
+    model.to(device)
     lora = LoraConfig(r=a.rank, lora_alpha=2 * a.rank, lora_dropout=0.0,
                       target_modules=["q_proj", "v_proj"])  # fmt: skip
     model = get_peft_model(model, lora)
@@ -122,24 +136,31 @@ def peft_child(hf: str, seq: int, a: argparse.Namespace) -> None:
     gen = torch.Generator().manual_seed(0)
     times = []
     for step in range(a.warmup + a.steps):
-        ids = torch.randint(0, 4096, (1, seq), generator=gen)
+        ids = torch.randint(0, 4096, (1, seq), generator=gen).to(device)
         start = time.perf_counter()
-        loss = model(input_ids=ids, labels=ids).loss
+        with torch.autocast(device.type, dtype=dtype, enabled=a.cuda):
+            loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        loss.item()  # waits for the device
         if step >= a.warmup:
             times.append(time.perf_counter() - start)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    peak = (
+        torch.cuda.max_memory_allocated() / 2**30
+        if a.cuda
+        else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    )
     print(json.dumps({"step_s": statistics.median(times), "peak_gib": peak}))
 
 
-def peft_row(hf: str, seq: int, vocab: int, a: argparse.Namespace) -> dict:
-    row = {"name": "transformers + peft", "seq": seq, "vocab": vocab}
+def peft_row(hf: str, seq: int, vocab: int, a: argparse.Namespace, liger: bool = False) -> dict:
+    row = {"name": "transformers + peft" + (" + Liger" if liger else ""), "seq": seq,
+           "vocab": vocab}  # fmt: skip
     cmd = [sys.executable, os.path.abspath(__file__), "--peft-child", "--hf", hf, "--seq",
            str(seq), "--rank", str(a.rank), "--steps", str(a.steps), "--warmup", str(a.warmup),
-           "--threads", str(a.threads)]  # fmt: skip
+           "--threads", str(a.threads)] + (["--liger"] if liger else [])  # fmt: skip
     env = dict(os.environ, OMP_NUM_THREADS=str(a.threads))
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
     if proc.returncode:
@@ -166,15 +187,21 @@ def render(rows: list[dict], a: argparse.Namespace, command: str) -> str:
 
     from titanlab.observability.hostinfo import cpu_model, ram_gib
 
+    where = (
+        f"{torch.cuda.get_device_name()}; torch {torch.__version__}, bf16"
+        if a.cuda
+        else f"{cpu_model()}, {os.cpu_count()} cores, {ram_gib():.0f} GiB RAM; torch "
+        f"{torch.__version__}, fp32, {a.threads} threads"
+    )
+    memory = "peak allocated GiB" if a.cuda else "peak RSS GiB"
     lines = [
-        f"Machine: {cpu_model()}, {os.cpu_count()} cores, {ram_gib():.0f} GiB RAM; torch "
-        f"{torch.__version__}, fp32, {a.threads} threads, 1 process. Llama of hidden "
+        f"Machine: {where}, 1 process. Llama of hidden "
         f"{a.hidden}, {a.layers} layers; LoRA rank {a.rank} on q/v, AdamW; "
         f"batch 1; median of {a.steps} steps after {a.warmup} (method: "
         "`tools/benchmark_finetune.py`).",
         f"Command: `{command}`",
         "",
-        "| run | vocab | seq_len | s / step | vs peft | peak RSS GiB | vs peft |",
+        f"| run | vocab | seq_len | s / step | vs peft | {memory} | vs peft |",
         "|---|---|---|---|---|---|---|",
     ]
     for r in rows:
@@ -208,10 +235,18 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--budget-gib", type=float, default=16.0)
     p.add_argument("--out", default=os.path.join(REPO, "docs", "performance.md"))
+    p.add_argument("--liger", action="store_true",
+                   help="CUDA: also rows with Liger's kernels (titanlab kernels.liger; peft + "
+                   "apply_liger_kernel_to_llama); needs liger-kernel")  # fmt: skip
     p.add_argument("--peft-child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--hf", help=argparse.SUPPRESS)
     a = p.parse_args()
     a.seqs = [int(s) for s in a.seq.split(",")]
+    import torch
+
+    a.cuda = torch.cuda.is_available()
+    if a.liger and not a.cuda and not a.peft_child:
+        raise SystemExit("error: --liger needs a CUDA GPU (Liger's kernels are Triton)")
     a.vocabs = [int(v) for v in a.vocab.split(",")]
     if a.peft_child:
         return peft_child(a.hf, a.seqs[0], a)
@@ -229,8 +264,11 @@ def main() -> None:
                 rows += [titanlab_row(dcp, data, seq, vocab, True, a),
                          titanlab_row(dcp, data, seq, vocab, False, a),
                          peft_row(hf, seq, vocab, a)]  # fmt: skip
+                if a.liger:
+                    rows += [titanlab_row(dcp, data, seq, vocab, True, a, liger=True),
+                             peft_row(hf, seq, vocab, a, liger=True)]  # fmt: skip
     command = "python tools/benchmark_finetune.py " + shlex.join(sys.argv[1:])
-    bench.publish(a.out, TAG, render(rows, a, command.strip()))
+    bench.publish(a.out, TAG + ("-cuda" if a.cuda else ""), render(rows, a, command.strip()))
 
 
 def prepare_corpus(out: str, tokens: int) -> None:

@@ -291,6 +291,7 @@ class FusedLossHead(nn.Linear):
         self.distill: tuple[torch.Tensor, torch.Tensor, float, float] | None = None
         self.captured: tuple[torch.Tensor, torch.Tensor] | None = None  # `teacher_hidden`
         self.capture = False
+        self.liger = False  # `titanlab.components.liger.apply_liger`: Liger's loss kernel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.capture:  # `teacher_hidden`: the input and the (gathered) weight, no logits
@@ -315,6 +316,10 @@ class FusedLossHead(nn.Linear):
             return vocab_parallel_linear_cross_entropy_sum(
                 x, self.weight, self.labels, self.chunk_size
             )
+        if self.liger:
+            from titanlab.components.liger import liger_linear_cross_entropy_sum
+
+            return liger_linear_cross_entropy_sum(x, self.weight, self.labels)
         return linear_cross_entropy_sum(x, self.weight, self.labels, self.chunk_size)
 
 

@@ -23,8 +23,10 @@ from titanlab.config.performance import (
     ActivationCheckpoint,
     Compile,
     Float8,
+    Kernels,
     Loss,
     validate_loss_combinations,
+    validate_kernels,
     validate_offload,
 )
 from titanlab.config.profiling import Profiling
@@ -366,6 +368,7 @@ class JobConfig:
     compile: Compile = field(default_factory=Compile)
     float8: Float8 = field(default_factory=Float8)
     loss: Loss = field(default_factory=Loss)
+    kernels: Kernels = field(default_factory=Kernels)
     peft: Peft = field(default_factory=Peft)
     distill: Distill = field(default_factory=Distill)
     rl: RL = field(default_factory=RL)
@@ -391,5 +394,6 @@ class JobConfig:
         )
         validate_loss_combinations(self)
         validate_offload(self)
+        validate_kernels(self)
         if self.rl.algorithm != "none":
             validate_rl_combinations(self)

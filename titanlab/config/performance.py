@@ -51,6 +51,21 @@ class Compile:
 
 
 @dataclass
+class Kernels:
+    liger: bool = False
+    """Liger Kernel's Triton kernels on a CUDA GPU (`pip install 'titanlab[liger]'`; Hsu et al.
+    2024, arXiv:2410.10989): RMSNorm and the SwiGLU product swapped into the model's modules
+    (same parameters and names, so checkpoints are unchanged), and with
+    `loss.fused_linear_cross_entropy` Liger's fused linear cross-entropy in the head. RoPE
+    stays titanlab's: Liger's kernel rotates the halves of each head (Hugging Face's layout),
+    titanlab the interleaved pairs. Refused without the package, without CUDA, and under
+    tensor parallel (the norms see sequence-sharded DTensors)."""
+
+    def validate(self) -> None:
+        pass  # the package and the device are checked before launch (`check_liger`)
+
+
+@dataclass
 class Float8:
     enable: bool = False
     """Train the Linear layers in float8 through torchao (needs `pip install 'titanlab[float8]'`
@@ -97,6 +112,18 @@ class Loss:
 
     def validate(self) -> None:
         _require(self.chunk_size >= 1, f"loss.chunk_size={self.chunk_size} must be >= 1")
+
+
+def validate_kernels(config: Any) -> None:
+    """Liger's refusals that need no machine (`config` a JobConfig); the package and CUDA are
+    checked before launch (`titanlab.components.liger.check_liger`)."""
+    tp = config.parallelism.tensor_parallel_degree
+    _require(
+        not config.kernels.liger or tp == 1,
+        f"kernels.liger=true with parallelism.tensor_parallel_degree={tp} is not supported "
+        "(Liger's RMSNorm takes plain tensors, not sequence-sharded DTensors); use tp 1 or "
+        "kernels.liger=false",
+    )
 
 
 def validate_offload(config: Any) -> None:

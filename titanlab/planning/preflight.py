@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from titanlab.components import builders as components
+from titanlab.components.liger import check_liger
 from titanlab.data.build import build_data
 from titanlab.posttrain.rl.checks import check_rl
 from titanlab.posttrain.teacher import teacher_args
@@ -53,6 +54,7 @@ def check(config: JobConfig, world_size: int, local_world_size: int) -> Plan:
     if config.peft.method == "lora":  # the target names, on a meta-device model
         meta = components.build_meta_model(model_args)
         targets = lora_targets(meta, config.peft, config.model.name)
+    check_liger(config.kernels.liger, device)
     parallel_dims = check_parallel_layout(config, world_size, model_args, device.type)
     if config.peft.quantize_base == "nf4":  # each NF4 weight must split into whole blocks
         shards, tp = parallel_dims.dp_shard * parallel_dims.cp, parallel_dims.tp

@@ -39,6 +39,7 @@ from titanlab.observability import warning_filters
 from titanlab.observability.profiling import StepProfiler
 from titanlab.observability.run_summary import end_of_run
 from titanlab.components.fused_ce import use_fused_loss
+from titanlab.components.liger import apply_liger
 from titanlab.peft.lora import init_adapters
 from titanlab.peft.qlora import to_empty_keeping_quantized
 from titanlab.planning import preflight
@@ -80,6 +81,8 @@ class Trainer(TrainStep):
         peft_steps.adapt(model, config, compute_dtype)
         if config.loss.fused_linear_cross_entropy:
             use_fused_loss(model, config.loss.chunk_size)
+        if config.kernels.liger:
+            logger.info("kernels: Liger on %d modules", apply_liger(model))
         rl_steps.adapt(model, config)
         parallelize = self._parallelize(model)
         self._build_teacher(parallelize)
