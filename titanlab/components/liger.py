@@ -88,16 +88,14 @@ def apply_liger(model: nn.Module) -> int:
     """Swap `model`'s RMSNorms and SwiGLU feed-forwards for their Liger versions (class swaps:
     parameters untouched) and mark a fused-loss head to use Liger's loss. Returns the number
     of modules swapped."""
-    from titanlab.components.fused_ce import FusedLossHead
-
     swapped = 0
     for module in model.modules():
         if type(module) is nn.RMSNorm:
             module.__class__ = LigerRMSNorm
         elif type(module) is FeedForward:
             module.__class__ = LigerFeedForward
-        elif isinstance(module, FusedLossHead):
-            module.liger = True
+        elif getattr(module, "returns_loss", False):  # the fused loss's head (`fused_ce`)
+            module.liger = True  # type: ignore[assignment]
         else:
             continue
         swapped += 1
