@@ -1,7 +1,7 @@
 """GRPO, PPO and DPO end to end on CPU ranks: one update on fixed data (prompts of different
 lengths) equals one process under every 2-rank layout the trainer accepts for it, LoRA included;
 from random init, 2 ranks learn reverse-4-digits to a greedy held-out exact match >= 0.9 within
-100 steps (GRPO), raise the mean reward by >= 0.3 within 70 (PPO), and rank held-out preference
+200 steps (GRPO), raise the mean reward by >= 0.3 within 70 (PPO), and rank held-out preference
 pairs right more than 90% of the time (DPO); a GRPO run killed with SIGKILL resumes with the same
 rewards and losses, bit for bit, and so does a GRPO run on JSONL prompts."""
 
@@ -183,11 +183,12 @@ def start(
 
 @pytest.fixture(scope="module")
 def learned(tmp_path_factory) -> dict[int, dict]:
-    """The records of train_configs/grpo_debug.toml as shipped (2 ranks from random init, a
-    greedy held-out evaluation every 25 steps), cut to 100 of its 200 steps to keep CI short
-    (constant LR: the first 100 steps are the same)."""
+    """The records of train_configs/grpo_debug.toml as shipped (2 ranks from random init, 200
+    steps, a greedy held-out evaluation every 25 steps). Measured: >= 0.9 by step 100 on an
+    Intel Xeon VM (0.94), by step 125 on an AMD EPYC one (0.81 at 100): the CPU's kernels change
+    the trajectory, so the test holds the issue's bound, 200 steps."""
     dump = str(tmp_path_factory.mktemp("grpo"))
-    run = start(dump, "--checkpoint.enable", "false", "--training.steps", "100")
+    run = start(dump, "--checkpoint.enable", "false")
     out, _ = run.communicate(timeout=900)
     assert run.returncode == 0, out[-4000:]
     return records(dump)
@@ -198,13 +199,13 @@ def test_grpo_learns_reverse_digits_from_random_init_on_two_ranks(learned):
     first = min((s for s, v in evals.items() if v >= 0.9), default=None)
     print(
         f"\ngreedy held-out exact match by step: {evals}; first >= 0.9 at step {first}; "
-        f"sampled reward {learned[1]['rl/reward_mean']:.3f} → {learned[100]['rl/reward_mean']:.3f}"
+        f"sampled reward {learned[1]['rl/reward_mean']:.3f} → {learned[200]['rl/reward_mean']:.3f}"
     )
     assert evals[25] < 0.5  # it starts from nothing
-    assert first is not None and first <= 100
-    assert evals[100] >= 0.9
-    assert learned[100]["rl/reward_mean"] > learned[1]["rl/reward_mean"] + 0.5
-    assert learned[100]["rl/sampler_logp_max_diff"] < 1e-4  # same module, same kernels
+    assert first is not None and first <= 200
+    assert evals[200] >= 0.9
+    assert learned[200]["rl/reward_mean"] > learned[1]["rl/reward_mean"] + 0.5
+    assert learned[200]["rl/sampler_logp_max_diff"] < 1e-4  # same module, same kernels
 
 
 def test_sigkill_mid_run_resumes_with_the_same_rewards_and_losses_bit_for_bit(learned, tmp_path):
