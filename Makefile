@@ -10,8 +10,13 @@ CONFIG ?= train_configs/debug_model.toml
 PYTEST_ARGS ?=
 TESTS ?= tests
 # The unit tests run on UNIT_WORKERS processes (pytest-xdist: they are independent and mostly
-# single-process); the integration tests one at a time (each run already uses 2-8 ranks).
+# single-process). The integration tests run on INTEGRATION_WORKERS processes, a test module per
+# worker (--dist loadscope keeps a module's shared fixtures in one process): each run uses 2-8
+# ranks, but its start-up, rendezvous and single-process parts leave cores idle that a second
+# module fills. Tests marked `serial` (a wall-clock bound, the Slurm cluster) run afterwards,
+# alone.
 UNIT_WORKERS ?= 2
+INTEGRATION_WORKERS ?= 2
 
 .PHONY: train test setup clean check lint format benchmark test-parity-full gpu-check llama-cpp
 
@@ -35,7 +40,8 @@ train: setup
 test: setup
 ifeq ($(TESTS),tests)
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -rs -n $(UNIT_WORKERS) --cov=titanlab --cov-report= $(PYTEST_ARGS) tests/unit
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -rs --durations=10 --cov=titanlab --cov-append --cov-report=term:skip-covered $(PYTEST_ARGS) tests/integration
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -rs --durations=10 -n $(INTEGRATION_WORKERS) --dist loadscope -m "not serial" --cov=titanlab --cov-append --cov-report= $(PYTEST_ARGS) tests/integration
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -rs --durations=10 -m serial --cov=titanlab --cov-append --cov-report=term:skip-covered $(PYTEST_ARGS) tests/integration
 else
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -rs --durations=10 --cov=titanlab --cov-report=term:skip-covered $(PYTEST_ARGS) $(TESTS)
 endif

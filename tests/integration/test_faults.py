@@ -99,6 +99,7 @@ def test_killed_rank_restarts_group_and_finishes_with_same_losses(tiny_dataset, 
     assert [got[s] for s in range(11, 21)] == [straight[s] for s in range(11, 21)]
 
 
+@pytest.mark.serial  # holds a wall-clock bound: the report within the timeout plus a margin
 def test_hung_rank_fails_within_timeout_naming_rank_and_step(tiny_dataset, tmp_path):
     dump = str(tmp_path / "hung")
     timeout_s = 10

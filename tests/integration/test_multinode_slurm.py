@@ -15,11 +15,14 @@ from slurm_cluster import SlurmTestCluster
 from titanlab.checkpoint import store
 
 ENABLE = "TITANLAB_SLURM_TESTS"
-pytestmark = pytest.mark.skipif(
-    os.environ.get(ENABLE) != "1",
-    reason=f"needs a Slurm test cluster: run as root with {ENABLE}=1 (installs slurm-wlm and "
-    "munge, creates network namespaces, edits /etc/hosts; all undone afterwards)",
-)
+pytestmark = [
+    pytest.mark.skipif(
+        os.environ.get(ENABLE) != "1",
+        reason=f"needs a Slurm test cluster: run as root with {ENABLE}=1 (installs slurm-wlm "
+        "and munge, creates network namespaces, edits /etc/hosts; all undone afterwards)",
+    ),
+    pytest.mark.serial,  # one cluster per machine: its daemons, namespaces and /etc/hosts
+]
 SCRIPT = os.path.join(REPO, "multinode_trainer.slurm")
 
 
