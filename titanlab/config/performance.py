@@ -23,7 +23,8 @@ class ActivationCheckpoint:
     """Move what each block saves for backward to pinned host memory as it is saved (a side CUDA
     stream), and back when backward needs it (torchtune's activation offloading, through
     `saved_tensors_hooks`); composes with any mode (a checkpointed block saves only its input).
-    On CPU a no-op, logged. Not with compile."""
+    Needs a CUDA GPU (refused before launch on CPU, where activations already live in host
+    memory). Not with compile."""
 
     def validate(self) -> None:
         opt = self.selective_ac_option

@@ -7,8 +7,8 @@ On CUDA each saved tensor is copied into pinned host memory on a side stream (th
 the next ops; the tensor is kept alive for that stream until the copy ends), and copied back
 before use in backward. Parameters and small tensors (under `min_bytes`) stay where they are.
 It composes with activation checkpointing: a checkpointed block saves only its input, which is
-then what moves. On CPU activations already live in host memory: `apply_offload` does nothing
-there and says so.
+then what moves. On CPU activations already live in host memory: the pre-flight refuses the
+option there (`check_offload`), and `apply_offload` called on CPU does nothing and says so.
 """
 
 from __future__ import annotations
@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from titanlab.config.errors import ConfigError
 
 logger = logging.getLogger("titanlab")
 
@@ -60,6 +62,20 @@ class OffloadSavedTensors(torch.autograd.graph.saved_tensors_hooks):
         if done is not None:
             done.synchronize()
         return host.to(device, non_blocking=True)
+
+
+def check_offload(enabled: bool, device: torch.device) -> None:
+    """Before launch: offloading asked for on a device without it (CPU, where activations
+    already live in host memory) is refused.
+
+    Raises:
+        ConfigError: one line naming the option and the device.
+    """
+    if enabled and device.type != "cuda":
+        raise ConfigError(
+            f"activation_checkpoint.offload=true needs a CUDA GPU; on {device.type} the "
+            "activations already live in host memory; set activation_checkpoint.offload=false"
+        )
 
 
 def apply_offload(blocks: list[nn.Module], device: torch.device) -> OffloadSavedTensors | None:

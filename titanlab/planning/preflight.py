@@ -22,6 +22,7 @@ from titanlab.posttrain.teacher import teacher_args
 from titanlab.checkpoint import store
 from titanlab.config.job_config import ConfigError, JobConfig
 from titanlab.data.tokenizer import AnyTokenizer
+from titanlab.distributed.activation_offload import check_offload
 from titanlab.distributed.parallel_dims import ParallelDims
 from titanlab.distributed.parallelize import param_dtype
 from titanlab.distributed.tensor_parallel import linear_split_dims
@@ -55,6 +56,7 @@ def check(config: JobConfig, world_size: int, local_world_size: int) -> Plan:
         meta = components.build_meta_model(model_args)
         targets = lora_targets(meta, config.peft, config.model.name)
     check_liger(config.kernels.liger, device)
+    check_offload(config.activation_checkpoint.offload, device)
     parallel_dims = check_parallel_layout(config, world_size, model_args, device.type)
     if config.peft.quantize_base == "nf4":  # each NF4 weight must split into whole blocks
         shards, tp = parallel_dims.dp_shard * parallel_dims.cp, parallel_dims.tp

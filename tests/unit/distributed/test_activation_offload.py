@@ -54,6 +54,24 @@ def test_offloaded_saved_tensors_give_the_same_gradients(ac):
         assert torch.allclose(got[name], g, atol=1e-6, rtol=0), name
 
 
+def test_asking_for_offloading_without_a_gpu_is_one_line_before_launch(tmp_path):
+    from titanlab.config.job_config import ConfigError
+    from titanlab.config.manager import build_config
+    from titanlab.planning import preflight
+
+    config = build_config(["--activation_checkpoint.offload", "true", "--job.dump_folder",
+                           str(tmp_path / "run"), "--model.flavor", "debugmodel"])  # fmt: skip
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA GPU is here: offloading is accepted")
+    with pytest.raises(ConfigError) as e:
+        preflight.check(config, 1, 1)
+    assert str(e.value) == (
+        "activation_checkpoint.offload=true needs a CUDA GPU; on cpu the activations already "
+        "live in host memory; set activation_checkpoint.offload=false"
+    )
+    assert not (tmp_path / "run").exists()  # nothing written
+
+
 def test_on_cpu_apply_offload_is_a_no_op_that_says_so(caplog):
     with caplog.at_level(logging.INFO, logger="titanlab"):
         assert apply_offload([], torch.device("cpu")) is None
