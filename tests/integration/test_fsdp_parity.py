@@ -1,5 +1,6 @@
 """2-process FSDP2 trains to the same losses as 1 process on the same global batch, with
-gradient accumulation; and the chunked fused linear + cross-entropy loss on FSDP 2 and TP 2."""
+gradient accumulation; and the chunked fused linear + cross-entropy loss on FSDP 2, TP 2, CP 2
+and PP 2."""
 
 import pytest
 
@@ -34,13 +35,18 @@ def test_fsdp2_matches_single_process(train):
     ("layout", "local"),
     [(["--parallelism.data_parallel_shard_degree", "2"], "2"),
      (["--parallelism.tensor_parallel_degree", "2", "--parallelism.data_parallel_shard_degree",
+       "1"], "4"),
+     (["--parallelism.context_parallel_degree", "2", "--parallelism.data_parallel_shard_degree",
+       "1"], "4"),
+     (["--parallelism.pipeline_parallel_degree", "2", "--parallelism.data_parallel_shard_degree",
        "1"], "4")],
-    ids=["fsdp2", "tp2"],
+    ids=["fsdp2", "tp2", "cp2", "pp2"],
 )  # fmt: skip
 def test_fused_linear_cross_entropy_matches_the_unfused_single_process(train, layout, local):
     """The output head and the loss fused over chunks of 100 tokens (the logits never whole),
-    on 2 FSDP ranks or 2 TP ranks (the head split by vocabulary, its log-sum-exp all-reduced):
-    the same losses as the plain head on 1 process, within 1e-5."""
+    on 2 FSDP ranks, 2 TP ranks (the head split by vocabulary, its log-sum-exp all-reduced),
+    2 CP ranks (each its sequence shard) or 2 pipeline stages (4 microbatches; the last stage's
+    forward ends in the loss): the same losses as the plain head on 1 process, within 1e-5."""
     single = single_process(train)
     fused = train(2, "--training.steps", str(STEPS), "--training.local_batch_size", local,
                   "--loss.fused_linear_cross_entropy", "true", "--loss.chunk_size", "100",

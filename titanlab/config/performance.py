@@ -100,10 +100,12 @@ class Loss:
     tokens, so the (tokens × vocab) logits never exist whole (Liger's FusedLinearCrossEntropy;
     Wijmans et al. 2024, arXiv:2411.09009): at a 128k vocabulary the logits of one 8k-token
     sequence are 4 GiB in fp32. Same loss and gradients within fp32 rounding. One process, data
-    parallel (FSDP, HSDP, DDP) and tensor parallel (the head split by vocabulary, the log-sum-exp
-    all-reduced over the tp ranks). RL and DPO take their log-probabilities from the head chunk by
-    chunk too (tp 1), and distillation its loss (the teacher's head too; tp 1). Refused with PP,
-    CP, RL or distillation under TP, and a LoRA adapter on the output head."""
+    parallel (FSDP, HSDP, DDP), tensor parallel (the head split by vocabulary, the log-sum-exp
+    all-reduced over the tp ranks), context parallel (each rank's sequence shard) and pipeline
+    parallel (the last stage's forward ends in the loss). RL and DPO take their
+    log-probabilities from the head chunk by chunk too (tp 1), and distillation its loss (the
+    teacher's head too; tp 1, pp 1). Refused with RL or distillation under TP, distillation
+    under PP, and a LoRA adapter on the output head."""
 
     chunk_size: int = 256
     """Tokens per chunk of the fused loss (1 .. local_batch_size × seq_len); the largest
@@ -148,18 +150,13 @@ def validate_loss_combinations(config: Any) -> None:
         f"loss.chunk_size={loss.chunk_size} is larger than a microbatch "
         f"(training.local_batch_size × seq_len = {tokens} tokens); use 1 .. {tokens}",
     )
-    refused = {
-        "parallelism.pipeline_parallel_degree": par.pipeline_parallel_degree > 1,
-        "parallelism.context_parallel_degree": par.context_parallel_degree > 1,
-    }
-    for option, on in refused.items():
-        section, name = option.split(".")
-        value = getattr(getattr(config, section), name)
-        _require(
-            not on,
-            f"loss.fused_linear_cross_entropy=true with {option}={value} is not supported; "
-            f"leave {option} at its default or the fused loss off",
-        )
+    _require(
+        not config.distill.teacher_path or par.pipeline_parallel_degree == 1,
+        f"loss.fused_linear_cross_entropy=true with distill.teacher_path and "
+        f"parallelism.pipeline_parallel_degree={par.pipeline_parallel_degree} is not supported "
+        "(the pipeline's distillation loss takes the last stage's logits); use pp 1 or the "
+        "plain loss",
+    )
     _require(
         config.rl.algorithm == "none" or par.tensor_parallel_degree == 1,
         f"loss.fused_linear_cross_entropy=true with rl.algorithm={config.rl.algorithm} and "

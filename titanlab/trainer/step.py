@@ -28,6 +28,7 @@ from titanlab.distributed.parallel_dims import ParallelDims
 from titanlab.distributed.utils import clip_grad_norm_, global_sum
 from titanlab.posttrain.distill import PipelineDistillLoss, distillation_loss_sum
 from titanlab.components.fused_ce import fused_distillation, fused_targets, teacher_hidden
+from titanlab.components.fused_pipeline import LABELS
 from titanlab.precision.float8 import precompute_scales
 from titanlab.precision.mixed import autocast_context, build_grad_scaler
 
@@ -177,6 +178,8 @@ class TrainStep:
             if isinstance(self.pp_loss, PipelineDistillLoss) and self.has_last:
                 self.pp_loss.prepare(inputs, labels, kwargs)  # the teacher runs per microbatch
                 target = self.pp_loss.rows_of(labels)
+            if self.config.loss.fused_linear_cross_entropy:  # every stage's `take_labels`
+                kwargs = {**kwargs, LABELS: labels}  # hands them to the fused head
             # every stage's ranks hold their sequence shard of each microbatch; the schedule
             # runs forward and backward together, so both run under autocast
             with context, self.autocast():

@@ -39,6 +39,7 @@ from titanlab.observability import warning_filters
 from titanlab.observability.profiling import StepProfiler
 from titanlab.observability.run_summary import end_of_run
 from titanlab.components.fused_ce import use_fused_loss
+from titanlab.components.fused_pipeline import returned_loss, take_labels
 from titanlab.components.liger import apply_liger
 from titanlab.peft.lora import init_adapters
 from titanlab.peft.qlora import to_empty_keeping_quantized
@@ -189,14 +190,18 @@ class Trainer(TrainStep):
         self.pp_loss = None
         if dims.pp_enabled:
             d = config.distill
+            fused = config.loss.fused_linear_cross_entropy  # the last stage ends in the loss
             self.pp_loss = (
                 PipelineDistillLoss(d.alpha, d.temperature)
                 if d.teacher_path
-                else ScaledLoss(self.loss_fn)
+                else ScaledLoss(returned_loss if fused else self.loss_fn)
             )
             self.schedule, self.model_parts, self.has_first, self.has_last = pipeline_model(
                 model, dims, config, self.device, prepare, self.pp_loss
             )
+            if fused:
+                for part in self.model_parts:
+                    take_labels(part)
         else:
             prepare(model)
             to_empty_keeping_quantized(model, self.device)

@@ -56,6 +56,7 @@ _LAYOUT_OPTIONS = {
     "ep2": ["expert_parallel_degree"],
 }
 _LORA = ("--peft.method", "lora", "--peft.rank", "4")
+_FUSED_LOSS = ("--loss.fused_linear_cross_entropy", "true", "--loss.chunk_size", "32")
 
 FACTORS: dict[str, tuple[Level, ...]] = {
     "model": (
@@ -147,6 +148,11 @@ FACTORS: dict[str, tuple[Level, ...]] = {
             ("--float8.enable", "true", "--float8.emulate", "true"),
             low_precision=True,
         ),
+    ),
+    "loss": (
+        Level("loss", "plain"),
+        # 32-token chunks: a microbatch (4 × 64 tokens per rank) is 8 of them
+        Level("loss", "fused", _FUSED_LOSS),
     ),
     "data": (
         Level("data", "tokens"),

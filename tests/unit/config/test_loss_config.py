@@ -22,7 +22,10 @@ CASES = {
         "loss.chunk_size=5000 is larger than a microbatch (training.local_batch_size × seq_len "
         "= 4096 tokens); use 1 .. 4096",
     ),
-    "pp": (["--parallelism.pipeline_parallel_degree", "2"], "with parallelism.pipeline_parallel"),
+    "distill under pp": (
+        ["--distill.teacher_path", "/t", "--parallelism.pipeline_parallel_degree", "2"],
+        "with distill.teacher_path and parallelism.pipeline_parallel_degree=2 is not supported",
+    ),
     "distill under tp": (
         ["--distill.teacher_path", "/t", "--parallelism.tensor_parallel_degree", "2"],
         "with distill.teacher_path and parallelism.tensor_parallel_degree=2 is not supported",

@@ -1,0 +1,55 @@
+"""The chunked fused loss under pipeline parallel: the last stage's forward ends in the loss.
+
+`torch.distributed.pipelining` calls `loss_fn(stage_output, target)` on the last stage, after
+its forward, so the head would have to return logits. With `loss.fused_linear_cross_entropy`
+the head (`FusedLossHead`) computes the loss itself, inside the stage's forward, where FSDP has
+gathered its weight. So the trainer gives the schedule each batch's labels as a keyword
+(`labels=`, split into microbatches along dim 0 as the inputs are, and under context parallel
+sharded along the sequence as they are); `take_labels` pops the keyword in every stage before
+its forward and hands it to the stage's head, if it has one, for that forward only. The
+stage's output is then its microbatch's token-loss sum ((1,) fp32), which `returned_loss`
+passes to the schedule as the loss.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from titanlab.components.fused_ce import FusedLossHead
+
+LABELS = "labels"
+
+
+def take_labels(stage: nn.Module) -> None:
+    """Hooks on `stage` (a pipeline stage's module): before its forward, the `labels` keyword
+    ((microbatch, seq) int64, -100 ignored) is removed and set on `stage.output` when that is a
+    `FusedLossHead`; after it, the head's labels are cleared (a later forward returns logits)."""
+    head = getattr(stage, "output", None)
+    head = head if isinstance(head, FusedLossHead) else None
+
+    def before(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict]:
+        labels = kwargs.pop(LABELS, None)
+        if head is not None:
+            head.labels = labels
+        return args, kwargs
+
+    def after(module: nn.Module, args: tuple, output: Any) -> Any:
+        if head is None or head.labels is None:  # no labels given: logits
+            return None
+        head.labels = None
+        # (1,): the schedule concatenates the last stage's outputs along dim 0 at the end of
+        # the step, which a 0-dim tensor does not allow
+        return output.reshape(1)
+
+    stage.register_forward_pre_hook(before, with_kwargs=True)
+    stage.register_forward_hook(after)
+
+
+def returned_loss(loss_sum: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The pipeline's `loss_fn` with the fused head: the last stage's output already is the
+    microbatch's token-loss sum ((1,) fp32, see `take_labels`); returned 0-dim. `labels` were
+    used by the head."""
+    return loss_sum.reshape(())
