@@ -21,6 +21,27 @@ from titanlab.data.tokenizer import default_tokenizer_path
 from titanlab.metrics import parse_log_line
 from tools.lib.runs import CONSTANT_LR, REPO, TINY_RUN, checkpoint_every  # noqa: F401 (re-exported)
 
+# The modules that take longest (seconds of a 2-worker CI run on 2 cores), started first: `make
+# test` gives each pytest-xdist worker a module at a time in collection order (--dist
+# loadscope), so a long module that starts last keeps one worker busy after the other is done.
+LONGEST_FIRST = (
+    "test_parallel_parity.py",  # ~840 s
+    "test_feature_pairs.py",  # ~800 s
+    "test_rl.py",  # ~500 s
+    "test_qwen3_moe.py",  # ~500 s
+)
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """Run the modules of `LONGEST_FIRST` first, in that order; the rest keep theirs."""
+
+    def rank(item) -> int:
+        name = os.path.basename(str(item.fspath))
+        return LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)
+
+    items.sort(key=rank)  # stable: within a module, and among the rest, the order is kept
+
+
 # A tiny run of the debug model (6 layers, dim 256, 64-token windows), 2 samples per rank.
 TINY = [*TINY_RUN, "--training.local_batch_size", "2"]
 

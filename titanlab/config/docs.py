@@ -48,9 +48,16 @@ def type_name(tp: Any) -> str:
     return getattr(tp, "__name__", str(tp))
 
 
+@functools.cache
+def field_types(cls: type) -> dict[str, Any]:
+    """`typing.get_type_hints(cls)`, computed once per class (it evaluates every annotation
+    string each call; a config build asks for it once per option). Do not mutate."""
+    return typing.get_type_hints(cls)
+
+
 def sections() -> list[tuple[str, type]]:
     """(section name, dataclass) for every section of JobConfig, in declaration order."""
-    hints = typing.get_type_hints(JobConfig)
+    hints = field_types(JobConfig)
     return [(f.name, hints[f.name]) for f in dataclasses.fields(JobConfig)]
 
 
@@ -68,7 +75,7 @@ def format_help() -> str:
     ]
     for sec_name, sec_cls in sections():
         lines += ["", f"[{sec_name}]"]
-        hints = typing.get_type_hints(sec_cls)
+        hints = field_types(sec_cls)
         docs = field_docs(sec_cls)
         for f in dataclasses.fields(sec_cls):
             lines.append(
@@ -90,7 +97,7 @@ def table_fields(tp: Any) -> list[tuple[str, str, str]]:
     item = typing.get_args(tp)[0]
     if not (isinstance(item, type) and dataclasses.is_dataclass(item)):
         return []
-    hints, docs = typing.get_type_hints(item), field_docs(item)
+    hints, docs = field_types(item), field_docs(item)
     return [
         (f.name, type_name(hints[f.name]), docs.get(f.name, "")) for f in dataclasses.fields(item)
     ]
@@ -100,7 +107,7 @@ def markdown_reference() -> str:
     """The README's config reference as Markdown tables, one per section."""
     out = []
     for sec_name, sec_cls in sections():
-        hints = typing.get_type_hints(sec_cls)
+        hints = field_types(sec_cls)
         docs = field_docs(sec_cls)
         out += [
             f"#### `[{sec_name}]`",

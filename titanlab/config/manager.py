@@ -15,7 +15,7 @@ from typing import Any
 
 import tomli
 
-from titanlab.config.docs import sections, type_name
+from titanlab.config.docs import field_types, sections, type_name
 from titanlab.config.job_config import ConfigError, JobConfig
 
 _TRUE = {"true", "1", "yes", "on"}
@@ -36,7 +36,7 @@ def _section_class(name: str) -> type:
 
 def _field_type(section: str, key: str) -> Any:
     cls = _section_class(section)
-    hints = typing.get_type_hints(cls)
+    hints = field_types(cls)
     if key not in hints:
         valid = [f"{section}.{k}" for k in hints]
         raise ConfigError(
@@ -63,7 +63,7 @@ def _coerce_table_list(cls: type, name: str, value: Any, from_cli: bool) -> list
             ) from None
     if not isinstance(value, list) or not all(isinstance(v, dict) for v in value):
         raise ConfigError(f"{name} must be an array of tables ([[{name}]] or {example})")
-    hints = typing.get_type_hints(cls)
+    hints = field_types(cls)
     out = []
     for i, table in enumerate(value):
         for k in table:
