@@ -360,6 +360,10 @@ def names_both(
     return all(named(lv) or via_companion(lv) for lv in pair)
 
 
+CANDIDATE_SEEDS = 64
+"""Candidate rows built per step of `covering_rows` (one per uncovered pair, in order)."""
+
+
 def covering_rows(
     verdicts: dict[tuple[Level, Level], str | None],
     fixtures: Fixtures,
@@ -368,7 +372,15 @@ def covering_rows(
     triples: dict[tuple[Level, Level, Level], str | None] | None = None,
 ) -> list[Row]:
     """Rows in which every supported pair (and every supported triple of `triples`) appears at
-    least once, none holding a refused pair or triple (see the module docstring)."""
+    least once, none holding a refused pair or triple (see the module docstring).
+
+    AETG (Cohen et al. 1997): each step builds candidate rows, each from one uncovered pair (the
+    first `CANDIDATE_SEEDS` still uncovered) completed factor by factor with the level that
+    covers the most uncovered pairs and triples, and keeps the candidate that covers the most
+    (ties: the earlier seed) among those the pre-flight accepts (a combination of more levels
+    may be refused where its pairs are not); if it refuses them all, the first seed's own row
+    (`pair_row`). One candidate per step, replaced by its seed's own row when refused, took 36
+    rows on this matrix."""
     wanted = [frozenset(p) for p, why in verdicts.items() if why is None]
     wanted += [frozenset(t) for t, why in (triples or {}).items() if why is None]
     supported = set(wanted)
@@ -388,12 +400,11 @@ def covering_rows(
     def gain(lv: Level, row: dict[str, Level]) -> int:
         others = list(row.values())
         new = [frozenset((lv, o)) for o in others]
-        new += [frozenset((lv, *pair)) for pair in itertools.combinations(others, 2)]
+        if refused_triples or triples:
+            new += [frozenset((lv, *pair)) for pair in itertools.combinations(others, 2)]
         return sum(t in uncovered for t in new)
 
-    for seed in wanted:
-        if seed not in uncovered:
-            continue
+    def complete(seed: frozenset[Level]) -> Row:
         seed_levels = sorted(seed, key=lambda lv: list(FACTORS).index(lv.factor))
         row = {lv.factor: lv for lv in seed_levels}
         for factor, levels in FACTORS.items():
@@ -402,11 +413,26 @@ def covering_rows(
             candidates = [lv for lv in levels if fits(lv, row)] or [FIRST[factor]]
             # The level that covers the most uncovered pairs and triples; ties: the earlier one.
             row[factor] = max(candidates, key=lambda lv: (gain(lv, row), -levels.index(lv)))
-        full = {factor: row[factor] for factor in FACTORS}
-        if check_rows and verdict(full, fixtures) is not None:
-            full = pair_row(tuple(seed_levels), helpers)
+        return {factor: row[factor] for factor in FACTORS}
+
+    while uncovered:
+        seeds = [w for w in wanted if w in uncovered][:CANDIDATE_SEEDS]
+        built = [(seed, complete(seed)) for seed in seeds]
+        # Most newly covered first; sorted() is stable, so ties keep the earlier seed.
+        built.sort(key=lambda sr: -len(subsets(list(sr[1].values())) & uncovered))
+        accepted = (
+            (seed, full)
+            for seed, full in built
+            if not check_rows or verdict(full, fixtures) is None
+        )
+        seed, full = next(accepted, (None, None))
+        if seed is None or full is None:  # every candidate refused: the first seed's own row
+            seed = built[0][0]
+            levels = sorted(seed, key=lambda lv: list(FACTORS).index(lv.factor))
+            full = pair_row(tuple(levels), helpers)
         rows.append(full)
         uncovered -= subsets(list(full.values()))
+        uncovered.discard(seed)
     return rows
 
 
