@@ -22,6 +22,7 @@ from titanlab.observability.warning_filters import MESSAGES
 pytest.importorskip("wandb")
 pytest.importorskip("tensorboard")
 pytest.importorskip("matplotlib")
+pytest.importorskip("mlflow")
 
 TRACKING = [
     "--metrics.log_freq", "2",
@@ -29,6 +30,7 @@ TRACKING = [
     "--metrics.enable_wandb", "true",
     "--metrics.wandb_mode", "offline",
     "--metrics.wandb_tags", "ci,cpu",
+    "--metrics.enable_mlflow", "true",
     "--validation.enable", "true",
     "--validation.freq", "3",
     "--validation.steps", "2",
@@ -137,3 +139,21 @@ def test_run_report_metrics_and_trackers_continue_across_a_resume(tiny_dataset, 
         if h["_step"] in by_step:
             assert h["loss"] == pytest.approx(by_step[h["_step"]]["loss"])
     assert history[-1]["tps_total"] == pytest.approx(by_step[9]["tps_total"])
+    # MLflow, read back through its client from the store in the dump folder: one run across
+    # the resume, the config as params, every logged step once, the summary and the plot.
+    from mlflow.tracking import MlflowClient
+
+    from titanlab.metrics.mlflow_sink import default_uri
+
+    client = MlflowClient(tracking_uri=default_uri(str(dump)))
+    (run,) = client.search_runs([client.get_experiment_by_name("titanlab").experiment_id])
+    assert run.info.run_name == "obs" and run.info.status == "FINISHED"
+    assert run.data.params["training.steps"] == "7" and run.data.params["model.name"] == "llama3"
+    mlflow_loss = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "loss")}
+    assert sorted(mlflow_loss) == [1, 2, 3, 4, 6, 7, 8, 9]  # as W&B: 7 was sent before the crash
+    assert mlflow_loss[9] == pytest.approx(by_step[9]["loss"])
+    assert {a.path for a in client.list_artifacts(run.info.run_id)} == {"loss.png",
+                                                                       "run_summary.txt"}  # fmt: skip
+    text = client.download_artifacts(run.info.run_id, "run_summary.txt", str(tmp_path))
+    with open(text, encoding="utf-8") as f:
+        assert "→ 9" in f.read()

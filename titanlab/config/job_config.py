@@ -291,6 +291,23 @@ class Metrics:
     """auto: $WANDB_MODE when set, else online when an API key is configured and api.wandb.ai
     answers, else offline (upload later with `wandb sync <dump_folder>/wandb/offline-run-*`)."""
 
+    enable_mlflow: bool = False
+    """Also send the metrics to MLflow (rank 0; needs `pip install 'titanlab[mlflow]'`): the
+    config as params, every logged number as a metric at its step, the run summary and
+    loss.png as artifacts at the end. A resumed run continues the same MLflow run."""
+
+    mlflow_tracking_uri: str = ""
+    """MLflow tracking store or server (e.g. `http://host:5000`, `sqlite:///path/mlflow.db`).
+    Empty: a SQLite store in `<dump_folder>/mlflow/` (`mlflow ui --backend-store-uri
+    sqlite:///<dump_folder>/mlflow/mlflow.db` shows it). An http(s) server must answer before
+    launch."""
+
+    mlflow_experiment: str = "titanlab"
+    """MLflow experiment name (created when missing)."""
+
+    mlflow_run_name: str = ""
+    """MLflow run name. Empty: the dump folder's name."""
+
     save_plot: bool = True
     """At the end of the run, rank 0 draws loss, validation loss, tokens/s, memory and grad norm
     against step to `<dump_folder>/loss.png` (needs matplotlib: `pip install 'titanlab[plot]'`;

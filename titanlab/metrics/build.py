@@ -11,7 +11,7 @@ from titanlab.metrics.sinks import JsonlSink, TensorBoardSink
 
 
 def build_sinks(config: JobConfig, start_step: int) -> list[Sink]:
-    """`<dump_folder>/metrics.jsonl` always; TensorBoard and W&B when enabled. `start_step` is
+    """`<dump_folder>/metrics.jsonl` always; TensorBoard, W&B and MLflow when enabled. `start_step` is
     the step the run resumed from (0 for a new run): each sink continues its curve from there.
 
     Raises:
@@ -31,6 +31,19 @@ def build_sinks(config: JobConfig, start_step: int) -> list[Sink]:
                 run_name=m.wandb_run_name,
                 tags=list(m.wandb_tags),
                 mode=m.wandb_mode,
+                config=to_dict(config),
+                start_step=start_step,
+            )
+        )
+    if m.enable_mlflow:
+        from titanlab.metrics.mlflow_sink import MlflowSink
+
+        sinks.append(
+            MlflowSink(
+                dump_folder=dump,
+                tracking_uri=m.mlflow_tracking_uri,
+                experiment=m.mlflow_experiment,
+                run_name=m.mlflow_run_name,
                 config=to_dict(config),
                 start_step=start_step,
             )

@@ -191,6 +191,13 @@ class MetricsLogger:
             return math.nan
         return self.tokens_per_step * self.run_steps / self.run_seconds / self.world_size
 
+    def artifacts(self, summary: str, files: list[str]) -> None:
+        """Hand the run summary and the end-of-run files (loss.png) to the sinks that keep
+        artifacts (MLflow)."""
+        for sink in self.sinks:
+            if hasattr(sink, "artifacts"):
+                sink.artifacts(summary, files)
+
     def close(self) -> None:
         for sink in self.sinks:
             sink.close()

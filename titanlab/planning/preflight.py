@@ -24,6 +24,7 @@ from titanlab.config.job_config import ConfigError, JobConfig
 from titanlab.data.tokenizer import AnyTokenizer
 from titanlab.distributed.activation_offload import check_offload
 from titanlab.distributed.parallel_dims import ParallelDims
+from titanlab.metrics.mlflow_sink import check_mlflow
 from titanlab.distributed.parallelize import param_dtype
 from titanlab.distributed.tensor_parallel import linear_split_dims
 from titanlab.planning.layouts import check_parallel_layout
@@ -57,6 +58,7 @@ def check(config: JobConfig, world_size: int, local_world_size: int) -> Plan:
         targets = lora_targets(meta, config.peft, config.model.name)
     check_liger(config.kernels.liger, device)
     check_offload(config.activation_checkpoint.offload, device)
+    check_mlflow(config.metrics.enable_mlflow, config.metrics.mlflow_tracking_uri)
     parallel_dims = check_parallel_layout(config, world_size, model_args, device.type)
     if config.peft.quantize_base == "nf4":  # each NF4 weight must split into whole blocks
         shards, tp = parallel_dims.dp_shard * parallel_dims.cp, parallel_dims.tp

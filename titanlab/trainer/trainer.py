@@ -361,11 +361,14 @@ class Trainer(TrainStep):
         return {name: n * self.config.training.seq_len for name, n in samples.items()}
 
     def _finish_run(self, first: int, wall_s: float) -> None:
-        """Rank 0: draw the curves (metrics.save_plot) and print the run summary."""
+        """Rank 0: draw the curves (metrics.save_plot), give the trackers the summary and the
+        plot, and print the summary."""
         self.checkpointer.wait()
+        summary = end_of_run(self.config, self.metrics, self.checkpointer, self.device, first,
+                             self.step, wall_s)  # fmt: skip
+        self.metrics.artifacts(summary, [os.path.join(self.config.job.dump_folder, "loss.png")])
         self.metrics.close()  # trackers flush and finish before the summary is printed
-        logger.info("%s", end_of_run(self.config, self.metrics, self.checkpointer, self.device,
-                                     first, self.step, wall_s))  # fmt: skip
+        logger.info("%s", summary)
 
     def _diverged(self, step: int, loss: float) -> None:
         last = self.checkpointer.last_complete()

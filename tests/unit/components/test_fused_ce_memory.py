@@ -10,7 +10,7 @@ import subprocess
 import sys
 
 SCRIPT = r"""
-import dataclasses, json, resource, sys
+import dataclasses, json, sys
 import torch
 from titanlab.components.fused_ce import fused_targets, use_fused_loss
 from titanlab.components.loss import cross_entropy_sum
@@ -31,7 +31,14 @@ if fused:
 tokens = torch.randint(0, 32768, (1, 1024))
 labels = torch.randint(0, 32768, (1, 1024))
 optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
-before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+def status_kib(field):
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
+# The peak so far includes the transients of building the model: reset it to the current
+# resident size (Linux: writing 5 to clear_refs resets VmHWM), so the step's own peak shows.
+with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")
+before = status_kib("VmRSS")
 if fused:
     with fused_targets(model, labels):
         loss = model(tokens)
@@ -39,7 +46,7 @@ else:
     loss = cross_entropy_sum(model(tokens), labels)
 loss.backward()
 optimizer.step()
-after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+after = status_kib("VmHWM")
 print(json.dumps({"added_kib": after - before, "loss": loss.item()}))
 """
 
