@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from titanlab.config.manager import build_config
 from titanlab.data.digit_tasks import EOS, VOCAB_SIZE, DigitTask
-from titanlab.distributed.init import destroy_distributed
+from titanlab.distributed.init import destroy_distributed, exit_process
 from titanlab.distributed.utils import global_sum
 from titanlab.posttrain.rl import objectives as obj
 from titanlab.posttrain.rl.dpo import DPO
@@ -116,3 +116,4 @@ def finish(trainer: Trainer, loss: torch.Tensor, grad_norm: torch.Tensor, out: s
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2:])
+    exit_process(0)  # no interpreter finalization under torchrun (a gloo thread can abort there)

@@ -1,13 +1,19 @@
 """Start the gloo process group of one spawned test rank (`torch.multiprocessing.spawn`): one
 intra-op thread, a file rendezvous, a 60 s timeout. The worker ends it in a `finally` with
-`destroy_distributed(barrier=ok)` (`titanlab.distributed.init`), which waits for every rank."""
+`destroy_distributed(barrier=ok)` (`titanlab.distributed.init`), which waits for every rank;
+`spawn` starts the ranks and ends each without interpreter finalization."""
 
 from __future__ import annotations
 
+import os
+import sys
+from collections.abc import Callable
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
 
 
 def init_gloo(rank: int, world: int, init_file: str) -> None:
@@ -19,3 +25,20 @@ def init_gloo(rank: int, world: int, init_file: str) -> None:
         world_size=world,
         timeout=timedelta(seconds=60),
     )
+
+
+def _run_then_exit(rank: int, fn: Callable[..., None], *args: Any) -> None:
+    """`fn(rank, *args)`, then the process ends without interpreter finalization (as the
+    trainer's `exit_process` does): a gloo worker thread was seen, under CPU load, to abort a
+    correct rank there with "terminate called without an active exception". An exception in
+    `fn` propagates as usual (the spawn wrapper reports it and exits 1)."""
+    fn(rank, *args)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def spawn(fn: Callable[..., None], args: tuple, nprocs: int) -> None:
+    """`torch.multiprocessing.spawn(fn, args, nprocs)` whose ranks skip finalization after a
+    normal return (`_run_then_exit`)."""
+    mp.spawn(_run_then_exit, args=(fn, *args), nprocs=nprocs, join=True)

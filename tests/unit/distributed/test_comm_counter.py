@@ -9,11 +9,10 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from titanlab.distributed import comm_counter
 from titanlab.distributed.comm_counter import CommCounter, count_step_comms
-from gloo_group import init_gloo
+from gloo_group import init_gloo, spawn
 from titanlab.distributed.init import destroy_distributed
 
 F32 = 4  # bytes per float32 element
@@ -52,7 +51,7 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
 
 
 def test_counter_bytes_two_ranks(tmp_path):
-    mp.spawn(_worker, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
+    spawn(_worker, (2, str(tmp_path / "init"), str(tmp_path)), 2)
     for rank in range(2):
         kinds = json.loads((tmp_path / f"rank{rank}.json").read_text())["kinds"]
         # distribute_tensor also scatters the source (a "scatter" entry, not checked here).

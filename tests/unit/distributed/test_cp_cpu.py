@@ -11,11 +11,10 @@ import sys
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from titanlab.distributed import cp_cpu
-from gloo_group import init_gloo
+from gloo_group import init_gloo, spawn
 from titanlab.distributed.init import destroy_distributed
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
@@ -63,7 +62,7 @@ def _worker(rank: int, world: int, rotate: str, init_file: str, out_dir: str) ->
 @pytest.mark.parametrize("world, rotate", [(2, "allgather"), (2, "alltoall"), (4, "alltoall")])
 def test_ring_attention_equals_one_rank(world, rotate, tmp_path):
     init = str(tmp_path / "init")
-    mp.spawn(_worker, args=(world, rotate, init, str(tmp_path)), nprocs=world, join=True)
+    spawn(_worker, (world, rotate, init, str(tmp_path)), world)
     result = torch.load(tmp_path / "result.pt")
     worst = 0.0
     for name, want, got in zip(("output", "dq", "dk", "dv"), result["want"], result["got"]):

@@ -10,9 +10,8 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from gloo_group import init_gloo
+from gloo_group import init_gloo, spawn
 from titanlab.distributed.init import destroy_distributed
 from titanlab.models.common.moe import MoE, MoEArgs
 
@@ -71,7 +70,7 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
 @pytest.mark.parametrize("world", [2, 4])
 def test_dispatch_and_combine_equal_the_unsplit_layer(world, tmp_path):
     init = str(tmp_path / "init")
-    mp.spawn(_worker, args=(world, init, str(tmp_path)), nprocs=world, join=True)
+    spawn(_worker, (world, init, str(tmp_path)), world)
     reference = _layer()
     worst = 0.0
     for rank in range(world):

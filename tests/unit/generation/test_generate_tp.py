@@ -10,10 +10,9 @@ import sys
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "distributed"))
-from gloo_group import init_gloo
+from gloo_group import init_gloo, spawn
 from titanlab.distributed.init import destroy_distributed
 from titanlab.generation import SamplingParams, generate
 from titanlab.generation.tensor_parallel import apply_generation_tp
@@ -58,7 +57,7 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str, family: str) ->
 
 @pytest.mark.parametrize("family", ["llama3", "qwen3"])
 def test_tp2_greedy_equals_one_process(tmp_path, family):
-    mp.spawn(_worker, args=(2, str(tmp_path / "init"), str(tmp_path), family), nprocs=2)
+    spawn(_worker, (2, str(tmp_path / "init"), str(tmp_path), family), 2)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     for r in ranks:
         assert r["tp"] == r["single"]

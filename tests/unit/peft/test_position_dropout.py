@@ -9,10 +9,9 @@ import sys
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "distributed"))
-from gloo_group import init_gloo
+from gloo_group import init_gloo, spawn
 from titanlab.distributed.init import destroy_distributed
 from titanlab.peft.dropout import PositionDropout, keep_mask
 
@@ -70,7 +69,7 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
 
 
 def test_tensor_parallel_ranks_drop_what_one_process_drops(tmp_path):
-    mp.spawn(_worker, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
+    spawn(_worker, (2, str(tmp_path / "init"), str(tmp_path)), 2)
     x = torch.arange(2 * 8 * 12, dtype=torch.float32).view(2, 8, 12) + 1
     torch.manual_seed(3)
     want = PositionDropout(0.4).train()(x)

@@ -11,7 +11,6 @@ import sys
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from titanlab.data.digit_tasks import EOS, VOCAB_SIZE, DigitTask
 from titanlab.generation.sampling import SamplingParams
@@ -22,7 +21,7 @@ from titanlab.posttrain.rl.rollout import gathered_weights, sample_completions
 sys.path.insert(
     0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(__file__))), "distributed")
 )
-from gloo_group import init_gloo
+from gloo_group import init_gloo, spawn
 
 N = 5
 
@@ -143,7 +142,7 @@ def _fsdp_worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
 
 
 def test_keeping_weights_gathered_all_gathers_once_per_module_and_reshards_every_module(tmp_path):
-    mp.spawn(_fsdp_worker, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2)
+    spawn(_fsdp_worker, (2, str(tmp_path / "init"), str(tmp_path)), 2)
     for rank in range(2):
         got = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert got["counts"]["True"] == got["modules"] == 3  # 2 blocks + the root
