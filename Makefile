@@ -40,7 +40,7 @@ train: setup
 test: setup
 ifeq ($(TESTS),tests)
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -rs -n $(UNIT_WORKERS) --cov=titanlab --cov-report= $(PYTEST_ARGS) tests/unit
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -rs --durations=10 -n $(INTEGRATION_WORKERS) --dist loadscope -m "not serial" --cov=titanlab --cov-append --cov-report= $(PYTEST_ARGS) tests/integration
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -rs --durations=10 -n $(INTEGRATION_WORKERS) --dist loadscope --no-loadscope-reorder -m "not serial" --cov=titanlab --cov-append --cov-report= $(PYTEST_ARGS) tests/integration
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -rs --durations=10 -m serial --cov=titanlab --cov-append --cov-report=term:skip-covered $(PYTEST_ARGS) tests/integration
 else
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -rs --durations=10 --cov=titanlab --cov-report=term:skip-covered $(PYTEST_ARGS) $(TESTS)

@@ -1,7 +1,8 @@
 """Fixtures for end-to-end tests: a tiny prepared dataset and a launcher of the real entry point.
 
 Every multi-process run goes through torchrun (`python -m torch.distributed.run`) on gloo with
-one intra-op thread per rank and short timeouts, exactly as a user launches titanlab.
+one intra-op thread per rank and short timeouts, exactly as a user launches titanlab; a
+single-process run is `python -m titanlab.train`, the documented launch without torchrun.
 """
 
 from __future__ import annotations
@@ -19,16 +20,30 @@ from titanlab.data.default_corpus import default_corpus_files
 from titanlab.data.prepare import prepare_data
 from titanlab.data.tokenizer import default_tokenizer_path
 from titanlab.metrics import parse_log_line
-from tools.lib.runs import CONSTANT_LR, REPO, TINY_RUN, checkpoint_every  # noqa: F401 (re-exported)
+from tools.lib.runs import (  # noqa: F401 (re-exported)
+    CONSTANT_LR,
+    REPO,
+    TINY_RUN,
+    checkpoint_every,
+    launch_command,
+)
 
-# The modules that take longest (seconds of a 2-worker CI run on 2 cores), started first: `make
-# test` gives each pytest-xdist worker a module at a time in collection order (--dist
-# loadscope), so a long module that starts last keeps one worker busy after the other is done.
+# The modules that take longest (seconds of test time in a 2-worker CI run on 2 cores), started
+# first, longest first: `make test` hands each pytest-xdist worker a module at a time in this
+# order (--dist loadscope --no-loadscope-reorder; xdist would otherwise order modules by their
+# number of tests), so the last modules to start are short ones and the two workers end close
+# together.
 LONGEST_FIRST = (
-    "test_parallel_parity.py",  # ~840 s
-    "test_feature_pairs.py",  # ~800 s
-    "test_rl.py",  # ~500 s
-    "test_qwen3_moe.py",  # ~500 s
+    "test_feature_pairs.py",  # ~930 s
+    "test_parallel_parity.py",  # ~700 s
+    "test_rl.py",  # ~600 s
+    "test_qwen3_moe.py",  # ~420 s
+    "test_data_mixture.py",  # ~160 s
+    "test_resume.py",  # ~160 s
+    "test_faults.py",  # ~140 s
+    "test_qwen3.py",  # ~140 s
+    "test_generation_exports.py",  # ~110 s
+    "test_compile.py",  # ~95 s
 )
 
 
@@ -76,15 +91,7 @@ def launch(
 ) -> RunResult:
     """Run `titanlab.train` under torchrun with `nproc` ranks; parse the `step: N  loss: X` lines."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    cmd = entry or [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc_per_node={nproc}",
-        "-m",
-        "titanlab.train",
-    ]
+    cmd = entry or launch_command(nproc, ["-m", "titanlab.train"])
     proc = subprocess.run(
         cmd + args, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout
     )

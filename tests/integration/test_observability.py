@@ -31,6 +31,7 @@ TRACKING = [
     "--metrics.wandb_mode", "offline",
     "--metrics.wandb_tags", "ci,cpu",
     "--metrics.enable_mlflow", "true",
+    "--metrics.save_plot", "true",
     "--validation.enable", "true",
     "--validation.freq", "3",
     "--validation.steps", "2",

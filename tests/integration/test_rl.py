@@ -12,12 +12,11 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 
 import pytest
 import torch
 
-from conftest import REPO, wait_for, worker_pid
+from conftest import REPO, launch_command, wait_for, worker_pid
 from titanlab.checkpoint import store
 from titanlab.config.job_config import ConfigError
 from titanlab.config.manager import build_config
@@ -40,8 +39,7 @@ FAMILIES = {"llama3": "debugmodel_tiny", "qwen3": "debugmodel_deep", "qwen3_moe"
 
 def torchrun(nproc: int, args: list[str], timeout: int = 300) -> subprocess.CompletedProcess:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc_per_node={nproc}", *args]  # fmt: skip
+    cmd = launch_command(nproc, args)
     run = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     return run

@@ -6,6 +6,7 @@ one is visible, else CPU. A plain `python -m titanlab.train` (no torchrun) runs 
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import socket
@@ -118,11 +119,15 @@ def exit_process(status: int) -> None:
     Under torchrun (WORLD_SIZE > 1) the output is flushed and interpreter finalization is
     skipped: a gloo worker thread was seen, under CPU load, to abort a rank there with
     "terminate called without an active exception" after a correct run, turning its exit
-    status into a failure. A single process exits normally.
+    status into a failure. A single process exits normally (exit handlers, module teardown)
+    with every object alive at this point frozen out of the garbage collector first
+    (`gc.freeze`): the collections of finalization otherwise walk every object torch's imports
+    made, 0.7 s of each run's end on CPU, for memory the OS takes back anyway.
     """
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         logging.shutdown()
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(status)
+    gc.freeze()
     sys.exit(status)

@@ -1,9 +1,10 @@
-"""Running the trainer from tools and tests: the overrides of a tiny CPU run, a torchrun launch,
-its losses, and the line of a failed launch that says why.
+"""Running the trainer from tools and tests: the overrides of a tiny CPU run, a launch (torchrun
+for several ranks), its losses, and the line of a failed launch that says why.
 
 `TINY_RUN` is what every small end-to-end run uses: the debug model's config, 64-token windows,
-a 2-step warmup, a loss line every step, no validation, deterministic kernels and 120 s
-process-group timeouts (a hung rank fails fast). `CONSTANT_LR` makes the learning rate not
+a 2-step warmup, a loss line every step, no validation, deterministic kernels, 120 s
+process-group timeouts (a hung rank fails fast) and no loss.png at the end (drawing it is ~1 s
+of a 7 s run; the observability tests ask for it). `CONSTANT_LR` makes the learning rate not
 depend on `training.steps` (2 warmup steps, then constant), so a 10-step run resumed to 20 steps
 follows the same schedule as a 20-step run.
 """
@@ -35,6 +36,8 @@ TINY_RUN = [
     "120",
     "--comm.train_timeout_seconds",
     "120",
+    "--metrics.save_plot",
+    "false",
 ]
 
 CONSTANT_LR = ["--lr_scheduler.warmup_steps", "2", "--lr_scheduler.decay_ratio", "0"]
@@ -66,19 +69,22 @@ def failure_line(log: str, limit: int = 300) -> str:
     return (hits[0] if hits else (lines or ["(no output)"])[-1])[:limit]
 
 
+def launch_command(nproc: int, target: list[str]) -> list[str]:
+    """The command that runs `target` (`["-m", "titanlab.train"]` or `[script.py]`) on `nproc`
+    ranks: torchrun (standalone rendezvous) for several, plain `python` for one, the documented
+    single-process launch (torchrun's own agent adds ~1.8 s of start and exit to a 1-process
+    run)."""
+    if nproc == 1:
+        return [sys.executable, *target]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+            f"--nproc_per_node={nproc}", *target]  # fmt: skip
+
+
 def launch(nproc: int, args: list[str], timeout: int = 900) -> subprocess.CompletedProcess:
-    """`titanlab.train` under torchrun (gloo on CPU), one intra-op thread per rank."""
+    """`titanlab.train` on `nproc` ranks (gloo on CPU, `launch_command`), one intra-op thread
+    per rank."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc_per_node={nproc}",
-        "-m",
-        "titanlab.train",
-        *args,
-    ]
+    cmd = launch_command(nproc, ["-m", "titanlab.train", *args])
     return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
 
 
