@@ -35,10 +35,22 @@ from tools.lib.comm_predict import (  # re-exported: the tests use comm_bytes.*
     Layout,
     histogram,
     model_args,
+    param_bytes,
+    parameter_traffic,
     predict,
 )
 
-__all__ = ["LAYOUTS", "Layout", "histogram", "measure", "model_args", "predict"]
+__all__ = [
+    "LAYOUTS",
+    "Layout",
+    "histogram",
+    "losses",
+    "measure",
+    "model_args",
+    "param_bytes",
+    "parameter_traffic",
+    "predict",
+]
 
 
 def make_dataset(out: str) -> str:
@@ -59,7 +71,7 @@ def measure(lay: Layout, dataset: str, workdir: str, timeout: int = 600) -> list
     """Run 2 steps of `lay` with the counter on; return each rank's step-2 `kinds` dict.
 
     Raises RuntimeError with the run's output tail when the run fails."""
-    prefix = os.path.join(workdir, lay.name.replace(" ", "_").replace("×", "x").replace(",", ""))
+    prefix = _prefix(lay, workdir)
     for old in glob.glob(prefix + ".rank*.json"):
         os.remove(old)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", TITANLAB_COMM_COUNT=prefix)
@@ -93,6 +105,8 @@ def measure(lay: Layout, dataset: str, workdir: str, timeout: int = 600) -> list
         "120",
         "--comm.train_timeout_seconds",
         "120",
+        "--loss.fused_linear_cross_entropy",
+        "false",
         *lay.overrides(),
     ]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
@@ -106,6 +120,17 @@ def measure(lay: Layout, dataset: str, workdir: str, timeout: int = 600) -> list
         with open(f"{prefix}.rank{r}.json", encoding="utf-8") as f:
             ranks.append(json.load(f)["kinds"])
     return ranks
+
+
+def _prefix(lay: Layout, workdir: str) -> str:
+    return os.path.join(workdir, lay.name.replace(" ", "_").replace("×", "x").replace(",", ""))
+
+
+def losses(lay: Layout, workdir: str) -> dict[int, float]:
+    """The losses by step of `lay`'s run under `workdir` (after `measure`)."""
+    from tools.lib.runs import read_losses
+
+    return read_losses(_prefix(lay, workdir) + "_dump")
 
 
 def table_rows(lay: Layout, measured: list[dict], args) -> list[tuple]:

@@ -67,6 +67,7 @@ def layouts(family: str, algorithm: str, world: int = 2) -> tuple[list, list[str
 
 LORA = ["--peft.method", "lora", "--peft.rank", "4", "--peft.alpha", "8"]
 FUSED = ["--loss.fused_linear_cross_entropy", "true", "--loss.chunk_size", "24"]
+PLAIN = ["--loss.fused_linear_cross_entropy", "false"]
 
 
 def fixed_args(family: str, algorithm: str) -> list[str]:
@@ -75,7 +76,7 @@ def fixed_args(family: str, algorithm: str) -> list[str]:
     base, _, option = algorithm.partition("-")
     config, extra = {"grpo": (CONFIG, GRPO_FIXED), "ppo": (PPO_CONFIG, GRPO_FIXED),
                      "dpo": (DPO_CONFIG, [])}[base]  # fmt: skip
-    extra = [*extra, *{"": [], "lora": LORA, "fused": FUSED}[option]]
+    extra = [*extra, *{"": PLAIN, "lora": [*PLAIN, *LORA], "fused": FUSED}[option]]
     return ["--job.config_file", config, *FIXED, *extra, "--model.name", family,
             "--model.flavor", FAMILIES[family]]  # fmt: skip
 

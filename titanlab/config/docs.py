@@ -11,6 +11,7 @@ import dataclasses
 import functools
 import inspect
 import textwrap
+import types
 import typing
 from typing import Any
 
@@ -40,6 +41,8 @@ def type_name(tp: Any) -> str:
     """Short human name of a field type: int, float, bool, str, list[str], or 'a' | 'b' choices."""
     if typing.get_origin(tp) is typing.Literal:
         return " | ".join(str(a) for a in typing.get_args(tp))
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        return " | ".join(type_name(a) for a in typing.get_args(tp))
     if typing.get_origin(tp) is list:
         item = typing.get_args(tp)[0]
         if dataclasses.is_dataclass(item):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import types
 import typing
 from typing import Any
 
@@ -101,6 +102,13 @@ def _coerce_typed(tp: Any, name: str, value: Any, from_cli: bool) -> Any:
     """`value` as type `tp` (for option `name`), or ConfigError naming it."""
     where = f"{name}={value!r}"
     origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):  # e.g. bool | Literal["auto"]: the first arm
+        for arm in typing.get_args(tp):  # that takes the value
+            try:
+                return _coerce_typed(arm, name, value, from_cli)
+            except ConfigError:
+                pass
+        raise ConfigError(f"{where} is not valid; valid: {', '.join(_spellings(tp))}")
     if origin is typing.Literal:
         choices = typing.get_args(tp)
         if value not in choices:
@@ -150,6 +158,25 @@ def _coerce_typed(tp: Any, name: str, value: Any, from_cli: bool) -> Any:
     raise AssertionError(f"unsupported config type {type_name(tp)} for {name}")
 
 
+def _spellings(tp: Any) -> list[str]:
+    """How the values of type `tp` are written (for an error line): true/false, the choices of
+    a Literal, or the type's name."""
+    if tp is bool:
+        return ["true", "false"]
+    if typing.get_origin(tp) is typing.Literal:
+        return [str(c) for c in typing.get_args(tp)]
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        return [s for arm in typing.get_args(tp) for s in _spellings(arm)]
+    return [type_name(tp)]
+
+
+def _takes_bool(tp: Any) -> bool:
+    """Whether a bare `--section.key` (no value) means true for a field of type `tp`."""
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        return bool in typing.get_args(tp)
+    return tp is bool
+
+
 def _set(config: JobConfig, dotted: str, value: Any, from_cli: bool) -> None:
     if "." not in dotted:
         raise ConfigError(f"option --{dotted} must look like --section.key")
@@ -174,7 +201,7 @@ def _split_cli(argv: list[str]) -> list[tuple[str, str]]:
         else:
             if "." in name:
                 sec, key = name.split(".", 1)
-                if _field_type(sec, key) is not bool:
+                if not _takes_bool(_field_type(sec, key)):
                     raise ConfigError(f"option --{name} needs a value")
             value, i = "true", i + 1
         pairs.append((name, value))

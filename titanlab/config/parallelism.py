@@ -8,6 +8,9 @@ from typing import Literal
 from titanlab.config.errors import ConfigError, _require  # noqa: F401
 
 CPRotateMethod = Literal["allgather", "alltoall"]
+ShardingStrategy = Literal["", "FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"]
+# FSDP1's (and DeepSpeed users') names for the ZeRO stages.
+STRATEGY_STAGES = {"FULL_SHARD": 3, "SHARD_GRAD_OP": 2, "NO_SHARD": 0, "HYBRID_SHARD": 3}
 PipelineSchedule = Literal[
     "GPipe",
     "1F1B",
@@ -26,6 +29,26 @@ class Parallelism:
 
     data_parallel_shard_degree: int = -1
     """dp_shard: FSDP2 sharding degree. -1: whatever the other degrees leave of the world size."""
+
+    zero_stage: int = 3
+    """What the data-parallel ranks (dp_shard) split among themselves, by ZeRO's stages
+    (Rajbhandari et al. 2020, arXiv:1910.02054), on FSDP2 and DDP:
+    3: parameters, gradients and optimizer state (`fully_shard`: each block's parameters are
+    all-gathered for its forward and again for its backward);
+    2: gradients and optimizer state: each block's parameters are all-gathered once per step
+    and kept through every microbatch's forward and backward (`reshard_after_forward=False`,
+    not resharded between gradient-accumulation microbatches), gradients reduce-scattered per
+    microbatch;
+    1: optimizer state: as 2, but the whole gradients accumulate over the microbatches and
+    are reduce-scattered once per step;
+    0: nothing (DDP: the dp_shard ranks become replicas, gradients all-reduced).
+    Bytes sent per step (Ψ the gradient bytes, §7 of the paper): 3Ψ at stage 3, 2Ψ at 0-2.
+    With training.enable_cpu_offload, stages 2 and 3 are ZeRO-Offload."""
+
+    fsdp_sharding_strategy: ShardingStrategy = ""
+    """The same choice by FSDP1's names: FULL_SHARD (zero_stage 3), SHARD_GRAD_OP (2),
+    NO_SHARD (0), HYBRID_SHARD (3 within each of data_parallel_replicate_degree replicas,
+    i.e. HSDP; needs both degrees > 1). Empty: zero_stage decides."""
 
     fsdp_reshard_after_forward: Literal["default", "always", "never"] = "default"
     """Free gathered parameters after forward (saves memory, costs an all-gather in backward).
@@ -97,3 +120,26 @@ class Parallelism:
         ):
             value = getattr(self, key)
             _require(value >= 1, f"parallelism.{key}={value} must be >= 1")
+        _require(
+            self.zero_stage in (0, 1, 2, 3),
+            f"parallelism.zero_stage={self.zero_stage} is not valid; valid: 0, 1, 2, 3",
+        )
+        strategy = self.fsdp_sharding_strategy
+        _require(
+            not strategy or self.zero_stage in (3, STRATEGY_STAGES[strategy]),
+            f"parallelism.fsdp_sharding_strategy={strategy} means zero_stage "
+            f"{STRATEGY_STAGES.get(strategy)}, not parallelism.zero_stage={self.zero_stage}; set "
+            "one of them",
+        )
+        _require(
+            self.zero_stage_in_force not in (1, 2) or self.fsdp_reshard_after_forward != "always",
+            f"parallelism.zero_stage={self.zero_stage_in_force} keeps parameters gathered from "
+            "forward to backward, not parallelism.fsdp_reshard_after_forward=always; use "
+            "zero_stage 3 or fsdp_reshard_after_forward=default",
+        )
+
+    @property
+    def zero_stage_in_force(self) -> int:
+        """The ZeRO stage in force: `fsdp_sharding_strategy`'s when set, else `zero_stage`."""
+        strategy = self.fsdp_sharding_strategy
+        return STRATEGY_STAGES[strategy] if strategy else self.zero_stage

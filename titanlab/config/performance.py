@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from titanlab.config.errors import ConfigError, _require  # noqa: F401
+from titanlab.config.errors import ConfigError, _require
 
 
 @dataclass
@@ -95,7 +95,7 @@ class Float8:
 
 @dataclass
 class Loss:
-    fused_linear_cross_entropy: bool = False
+    fused_linear_cross_entropy: bool | Literal["auto"] = "auto"
     """Compute the output head and the cross-entropy together over chunks of `chunk_size`
     tokens, so the (tokens × vocab) logits never exist whole (Liger's FusedLinearCrossEntropy;
     Wijmans et al. 2024, arXiv:2411.09009): at a 128k vocabulary the logits of one 8k-token
@@ -104,8 +104,10 @@ class Loss:
     all-reduced over the tp ranks), context parallel (each rank's sequence shard) and pipeline
     parallel (the last stage's forward ends in the loss). RL and DPO take their
     log-probabilities from the head chunk by chunk too (tp 1), and distillation its loss (the
-    teacher's head too; tp 1, pp 1). Refused with RL or distillation under TP, distillation
-    under PP, and a LoRA adapter on the output head."""
+    teacher's head too; tp 1, pp 1). true is refused with RL or distillation under TP,
+    distillation under PP, and a LoRA adapter on the output head; auto (the default) is true
+    where none of those applies and a microbatch holds more than `chunk_size` tokens (then
+    the whole logits never exist), false elsewhere (`fused_loss`)."""
 
     chunk_size: int = 256
     """Tokens per chunk of the fused loss (1 .. local_batch_size × seq_len); the largest
@@ -138,12 +140,50 @@ def validate_offload(config: Any) -> None:
     )
 
 
+def fused_loss(config: Any) -> bool:
+    """Whether the run computes the fused linear cross-entropy (`config` a JobConfig): the
+    option when true or false; for auto, true when a microbatch (local_batch_size × seq_len
+    tokens) holds more than `loss.chunk_size` tokens and nothing the fused loss refuses is set.
+    Depends on the config alone, so every rank, the pre-flight and the memory estimator agree."""
+    option = config.loss.fused_linear_cross_entropy
+    if option != "auto":
+        return bool(option)
+    tokens = config.training.local_batch_size * config.training.seq_len
+    if tokens <= config.loss.chunk_size:
+        return False
+    try:
+        _check_fused_loss_combinations(config)
+    except ConfigError:
+        return False
+    return True
+
+
+def loss_description(config: Any, vocab_size: int) -> str:
+    """The start-up line's words for the loss: fused (chunk, and that auto chose it) or plain,
+    with the fp32 logits of a microbatch that the fused loss never holds whole."""
+    tokens = config.training.local_batch_size * config.training.seq_len
+    logits = f"{tokens * vocab_size * 4 / 2**20:.0f} MiB"
+    chose = " (auto)" if config.loss.fused_linear_cross_entropy == "auto" else ""
+    if fused_loss(config):
+        chunk = config.loss.chunk_size
+        return (
+            f"fused linear cross-entropy{chose}, chunks of {chunk} tokens (the {logits} of fp32 "
+            f"logits of a microbatch never held whole; {chunk * vocab_size * 4 / 2**20:.0f} MiB "
+            "at a time)"
+        )
+    return f"cross-entropy on the whole logits{chose} ({logits} in fp32 per microbatch)"
+
+
 def validate_loss_combinations(config: Any) -> None:
-    """What the fused loss composes with in this version (`config` a JobConfig): one line per
-    refusal, naming both options."""
+    """What `loss.fused_linear_cross_entropy=true` composes with in this version (`config` a
+    JobConfig): one line per refusal, naming both options (auto falls back to the plain loss
+    instead, `fused_loss`)."""
+    if config.loss.fused_linear_cross_entropy is True:
+        _check_fused_loss_combinations(config)
+
+
+def _check_fused_loss_combinations(config: Any) -> None:
     loss, par = config.loss, config.parallelism
-    if not loss.fused_linear_cross_entropy:
-        return
     tokens = config.training.local_batch_size * config.training.seq_len
     _require(
         loss.chunk_size <= tokens,

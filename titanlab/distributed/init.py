@@ -9,7 +9,6 @@ from __future__ import annotations
 import gc
 import logging
 import os
-import socket
 import sys
 from datetime import timedelta
 
@@ -21,12 +20,6 @@ from torch.distributed import distributed_c10d
 def device_type() -> str:
     """'cuda' when a CUDA device is visible, else 'cpu'."""
     return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def init_distributed(init_timeout_s: int) -> tuple[torch.device, int, int]:
@@ -44,7 +37,7 @@ def init_distributed(init_timeout_s: int) -> tuple[torch.device, int, int]:
             WORLD_SIZE="1",
             LOCAL_WORLD_SIZE="1",
             MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(_free_port()),
+            MASTER_PORT="0",  # the store binds a port the OS picks (`_attempt_store`)
         )
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if device_type() == "cuda":
@@ -74,14 +67,17 @@ def _attempt_store(rank: int, world_size: int, timeout: timedelta) -> dist.Store
     to connect ("Connection refused").
     """
     agent_hosts_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
+    port = int(os.environ["MASTER_PORT"])
     store = dist.TCPStore(
         os.environ["MASTER_ADDR"],
-        int(os.environ["MASTER_PORT"]),
+        port,
         world_size,
         is_master=not agent_hosts_store and rank == 0,
         timeout=timeout,
         multi_tenant=True,
     )
+    if port == 0:  # a world of one without torchrun: bound where the OS chose, no race for it
+        os.environ["MASTER_PORT"] = str(store.port)
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     return dist.PrefixStore(f"titanlab/attempt_{attempt}", store)
 

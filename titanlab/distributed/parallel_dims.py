@@ -16,6 +16,8 @@ dp_replicate under HSDP). `dp_shard` is then the flattened (efsdp, dp_shard_in_e
 
 from __future__ import annotations
 
+import dataclasses
+
 import warnings
 from dataclasses import dataclass, field
 
@@ -25,6 +27,42 @@ from titanlab.config.job_config import ConfigError
 
 MESH_ORDER = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 EP_MESH_ORDER = ("pp", "dp_replicate", "efsdp", "dp_shard_in_ep", "cp", "tp")
+
+
+def check_zero_stage(parallelism, dims: ParallelDims) -> None:
+    """The ZeRO stage (`parallelism.zero_stage` or `fsdp_sharding_strategy`) against the
+    degrees, before stage 0 turns the dp_shard ranks into replicas. Raises ConfigError (one
+    line) for a stage that means nothing on this layout or that it cannot be."""
+    stage, strategy = parallelism.zero_stage_in_force, parallelism.fsdp_sharding_strategy
+    name = (
+        f"parallelism.fsdp_sharding_strategy={strategy}"
+        if strategy
+        else f"parallelism.zero_stage={stage}"
+    )
+    if strategy == "HYBRID_SHARD" and (dims.dp_replicate == 1 or dims.dp_shard == 1):
+        raise ConfigError(
+            f"{name} needs data_parallel_replicate_degree > 1 and data_parallel_shard_degree > 1 "
+            f"(HSDP), not {dims.dp_replicate} and {dims.dp_shard}; or use FULL_SHARD"
+        )
+    if stage == 0:
+        if dims.cp > 1 or dims.ep > 1:
+            degree = "context_parallel" if dims.cp > 1 else "expert_parallel"
+            raise ConfigError(
+                f"{name} (DDP, nothing sharded) with parallelism.{degree}_degree="
+                f"{dims.cp if dims.cp > 1 else dims.ep} is not supported (its ranks shard the "
+                "parameters with FSDP); use zero_stage 1, 2 or 3"
+            )
+        if dims.dp_replicate * dims.dp_shard == 1:
+            raise ConfigError(
+                f"{name} (DDP) with no data-parallel ranks (data_parallel_replicate_degree × "
+                "data_parallel_shard_degree = 1) means nothing; use zero_stage 3 (the default)"
+            )
+    if stage in (1, 2) and dims.dp_shard * dims.cp == 1:
+        raise ConfigError(
+            f"{name} with no ranks to shard over (data_parallel_shard_degree × "
+            "context_parallel_degree = 1) shards nothing; use data_parallel_shard_degree > 1 or "
+            "zero_stage 3 (the default)"
+        )
 
 
 @dataclass
@@ -77,8 +115,9 @@ class ParallelDims:
 
     @classmethod
     def from_config(cls, parallelism, world_size: int) -> ParallelDims:
-        """Build from the `[parallelism]` config section."""
-        return cls(
+        """Build from the `[parallelism]` config section. At ZeRO stage 0 (DDP) the dp_shard
+        ranks replicate instead: dp_replicate × dp_shard replicas, dp_shard 1."""
+        dims = cls(
             dp_replicate=parallelism.data_parallel_replicate_degree,
             dp_shard=parallelism.data_parallel_shard_degree,
             cp=parallelism.context_parallel_degree,
@@ -87,6 +126,12 @@ class ParallelDims:
             world_size=world_size,
             ep=parallelism.expert_parallel_degree,
         )
+        check_zero_stage(parallelism, dims)
+        if parallelism.zero_stage_in_force == 0 and dims.dp_shard > 1:
+            dims = dataclasses.replace(
+                dims, dp_replicate=dims.dp_replicate * dims.dp_shard, dp_shard=1
+            )
+        return dims
 
     # --- which parallelisms are on -------------------------------------------------------
     @property

@@ -107,7 +107,9 @@ def parallelize_model(
             cpu_offload=config.training.enable_cpu_offload,
             pin_memory=device.type == "cuda",
             reshard_after_forward=reshard_policy(
-                config.parallelism.fsdp_reshard_after_forward, pp_enabled=parallel_dims.pp_enabled
+                config.parallelism.fsdp_reshard_after_forward,
+                pp_enabled=parallel_dims.pp_enabled,
+                zero_stage=config.parallelism.zero_stage_in_force,
             ),
             experts=expert_fsdp(parallel_dims, device),
         )
@@ -178,16 +180,18 @@ def apply_ddp(
     replicate(model, mesh=dp_mesh, mp_policy=mp)
 
 
-def reshard_policy(option: str, pp_enabled: bool) -> bool:
+def reshard_policy(option: str, pp_enabled: bool, zero_stage: int = 3) -> bool:
     """Whether blocks free their gathered parameters after forward.
 
-    default: yes, except under pipeline parallel, where a stage runs several microbatches'
-    forwards before their backwards and resharding would all-gather again each time.
+    ZeRO stages 1 and 2: no (the parameters stay gathered through backward). Stage 3, by
+    `option`: always, never, or default: yes, except under pipeline parallel, where a stage
+    runs several microbatches' forwards before their backwards and resharding would all-gather
+    again each time.
     """
+    if zero_stage in (1, 2) or option == "never":
+        return False
     if option == "always":
         return True
-    if option == "never":
-        return False
     return not pp_enabled
 
 

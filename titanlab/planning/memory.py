@@ -40,6 +40,7 @@ from typing import cast
 import torch
 from torch import nn
 
+from titanlab.config.performance import fused_loss
 from titanlab.config.job_config import ConfigError, JobConfig
 
 GIB = 2**30
@@ -116,6 +117,9 @@ def estimate_memory(
     dp_shard = p.data_parallel_shard_degree
     if dp_shard == -1:
         dp_shard = max(world_size // (p.data_parallel_replicate_degree * tp * pp * cp), 1)
+    stage = p.zero_stage_in_force
+    if stage == 0:  # DDP: the dp_shard ranks replicate (ParallelDims.from_config)
+        dp_shard = 1
     shard = dp_shard * cp * tp * pp
     elem = torch.finfo(compute_dtype).bits // 8
 
@@ -136,7 +140,7 @@ def estimate_memory(
         compiled_blocks=compiled and "model" in config.compile.components,
         compiled_loss=compiled_loss,
         float8=config.float8 if config.float8.enable else None,
-        fused_chunk=config.loss.chunk_size if config.loss.fused_linear_cross_entropy else 0,
+        fused_chunk=config.loss.chunk_size if fused_loss(config) else 0,
     )
     block = {mode: n // tp for mode, n in traced.per_block.items()}
     mode, option = (
@@ -162,7 +166,7 @@ def estimate_memory(
         if compiled_loss
         else 2 * b * s_local * model_args.vocab_size * 4
     )
-    if config.loss.fused_linear_cross_entropy:  # one chunk's fp32 logits, turned in place into
+    if fused_loss(config):  # one chunk's fp32 logits, turned in place into
         # their gradient (and, in a 16-bit compute dtype, the matmul's output before the upcast)
         chunk = min(config.loss.chunk_size, b * s_local) * model_args.vocab_size
         logits_grads = chunk * (4 + (elem if elem < 4 else 0))
@@ -186,9 +190,14 @@ def estimate_memory(
     on_gpu = torch.cuda.is_available()
     return MemoryEstimate(
         params=4 * n_params // shard,
-        grads=4 * n_params // shard,
+        # ZeRO-1 accumulates whole gradients over the microbatches (one reduce-scatter a step)
+        grads=4 * n_params // (shard // (dp_shard * cp) if stage == 1 and accumulating else shard),
         optimizer=8 * n_params // shard,
-        gathered_params=2 * gathered_block * elem if dp_shard * cp > 1 else 0,
+        # ZeRO-3 holds about two blocks gathered (the one running, the next prefetched);
+        # stages 1 and 2 keep every block of the stage gathered from forward to backward.
+        gathered_params=(layers if stage in (1, 2) else 2) * gathered_block * elem
+        if dp_shard * cp > 1
+        else 0,
         activations=acts,
         logits=(traced.head + logits_grads) // tp,
         overhead=(2 if on_gpu else 1) * GIB // 2,

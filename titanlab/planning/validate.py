@@ -17,6 +17,13 @@ def validate_layout(config: JobConfig, dims: ParallelDims, model_args, device_ty
     t = config.training
     heads, kv_heads = model_args.n_heads, model_args.kv_heads
     _validate_experts(config, dims, model_args)
+    stage = config.parallelism.zero_stage_in_force
+    if t.enable_cpu_offload and stage in (0, 1):
+        raise ConfigError(
+            f"training.enable_cpu_offload=true with parallelism.zero_stage={stage} is not "
+            "supported (ZeRO-Offload keeps sharded parameters and gradients in CPU memory: "
+            "stages 2 and 3); use zero_stage 2 or 3"
+        )
     if dims.tp > 1:
         if heads % dims.tp or kv_heads % dims.tp:
             raise ConfigError(

@@ -13,6 +13,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
+from titanlab.config.performance import fused_loss
 from titanlab.checkpoint import store
 from titanlab.components.fused_ce import use_fused_loss
 from titanlab.config.job_config import ConfigError, JobConfig
@@ -63,7 +64,7 @@ def build_teacher(config: JobConfig, args: Any, device: torch.device, paralleliz
     no parameter requiring grad."""
     with torch.device("meta"):
         teacher = cast(Decoder, build_model(args))
-    if config.loss.fused_linear_cross_entropy:  # the student's loss reads its hidden states
+    if fused_loss(config):  # the student's loss reads its hidden states
         use_fused_loss(teacher, config.loss.chunk_size)
     plain = dataclasses.replace(
         config,

@@ -15,7 +15,9 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.distributed.fsdp import FSDPModule
 
+from titanlab.config.performance import fused_loss
 from titanlab.components.loss import ScaledLoss, local_value, maybe_loss_parallel
 from titanlab.components.optim import LRSchedulersContainer, OptimizersContainer
 from titanlab.config.job_config import JobConfig
@@ -115,7 +117,9 @@ class TrainStep:
             self._grad_avg_ranks * (self.scaler.get_scale() if self.scaler is not None else 1.0),
         )
         with maybe_loss_parallel(self.loss_parallel):
-            for inputs, labels, kwargs in prepared:
+            for i, (inputs, labels, kwargs) in enumerate(prepared):
+                if self.schedule is None and len(prepared) > 1:
+                    self._set_microbatch_sync(last=i == len(prepared) - 1)
                 loss_sum += self._forward_backward(inputs, labels, scale, kwargs)
         if self.scaler is not None:
             for opt in self.optimizer.optimizers:
@@ -138,6 +142,22 @@ class TrainStep:
             self.model_parts, self._moe_stats_mesh, microbatches, stepped
         )
         return loss.detach(), grad_norm.detach().float()
+
+    def _set_microbatch_sync(self, last: bool) -> None:
+        """Gradient accumulation by ZeRO stage (`parallelism.zero_stage`), set before each
+        microbatch (the pipeline schedules do the same for their own microbatches): stages 1
+        and 2 keep the parameters gathered until the last microbatch's backward (one
+        all-gather per step); stage 1 also accumulates whole gradients and reduce-scatters them
+        once, and stage 0 (DDP) all-reduces once, after the last microbatch. Stage 3 gathers
+        and reduce-scatters per microbatch (FSDP2's default)."""
+        stage = self.config.parallelism.zero_stage_in_force
+        for part in self.model_parts:
+            if not isinstance(part, FSDPModule):
+                continue
+            if stage in (1, 2):
+                part.set_reshard_after_backward(last)
+            if stage in (0, 1):
+                part.set_requires_gradient_sync(last)
 
     def _scaled_step(self) -> bool:
         """float16: step each optimizer unless a gradient overflowed, then adapt the scale.
@@ -178,7 +198,7 @@ class TrainStep:
             if isinstance(self.pp_loss, PipelineDistillLoss) and self.has_last:
                 self.pp_loss.prepare(inputs, labels, kwargs)  # the teacher runs per microbatch
                 target = self.pp_loss.rows_of(labels)
-            if self.config.loss.fused_linear_cross_entropy:  # every stage's `take_labels`
+            if fused_loss(self.config):  # every stage's `take_labels`
                 kwargs = {**kwargs, LABELS: labels}  # hands them to the fused head
             # every stage's ranks hold their sequence shard of each microbatch; the schedule
             # runs forward and backward together, so both run under autocast
@@ -201,7 +221,7 @@ class TrainStep:
         model's forward, then the cross-entropy or the distillation loss, or the fused head's."""
         model = self.model_parts[0]
         d = self.config.distill
-        if self.config.loss.fused_linear_cross_entropy:  # the model's forward ends in the loss
+        if fused_loss(self.config):  # the model's forward ends in the loss
             if self.teacher is not None:
                 with torch.no_grad():
                     teacher = teacher_hidden(self.teacher, inputs, **kwargs)
@@ -246,7 +266,7 @@ class TrainStep:
                     self.model_parts,
                     self.config.parallelism.context_parallel_rotate_method,
                 ):
-                    if self.config.loss.fused_linear_cross_entropy:
+                    if fused_loss(self.config):
                         with fused_targets(model, labels):
                             total += local_value(model(inputs, **kwargs))
                     else:

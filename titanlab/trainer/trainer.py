@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from titanlab.config.performance import fused_loss, loss_description
 from titanlab.checkpoint import Checkpointer, store
 from titanlab.components import builders as components
 from titanlab.components.loss import ScaledLoss, build_loss_fn
@@ -80,8 +81,9 @@ class Trainer(TrainStep):
         model, flops_per_token = self._build_model()
         compute_dtype = param_dtype(config, self.device)
         peft_steps.adapt(model, config, compute_dtype)
-        if config.loss.fused_linear_cross_entropy:
+        if fused_loss(config):
             use_fused_loss(model, config.loss.chunk_size)
+        logger.info("loss: %s", loss_description(config, self.model_args.vocab_size))
         if config.kernels.liger:
             logger.info("kernels: Liger on %d modules", apply_liger(model))
         rl_steps.adapt(model, config)
@@ -190,7 +192,7 @@ class Trainer(TrainStep):
         self.pp_loss = None
         if dims.pp_enabled:
             d = config.distill
-            fused = config.loss.fused_linear_cross_entropy  # the last stage ends in the loss
+            fused = fused_loss(config)  # the last stage ends in the loss
             self.pp_loss = (
                 PipelineDistillLoss(d.alpha, d.temperature)
                 if d.teacher_path

@@ -204,7 +204,8 @@ def run_trainer(
     extra: tuple[str, ...] = (),
 ) -> Result:
     """Train `warmup + steps` steps of `model`'s debugmodel (plus `extra` options) under
-    torchrun; summarize rank 0's metrics.jsonl."""
+    torchrun, with the plain cross-entropy (the plain loop's; `extra` may turn the fused loss
+    on); summarize rank 0's metrics.jsonl."""
     local = GLOBAL_BS // run.ranks
     threads = threads if run.ranks == 1 else 1
     with tempfile.TemporaryDirectory(prefix="titanlab_bench_") as dump:
@@ -246,6 +247,8 @@ def run_trainer(
             "bfloat16" if run.precision == "bf16" else "float32",
             "--training.mixed_precision_on_cpu",
             str(run.precision == "bf16").lower(),
+            "--loss.fused_linear_cross_entropy",  # the plain loop's loss: the same work
+            "false",
             *extra,
         ]
         env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1")

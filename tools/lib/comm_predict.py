@@ -30,10 +30,17 @@ class Layout:
     loss_parallel: bool = True
     cp: int = 1
     cp_rotate: str = "allgather"
+    zero_stage: int = 3
+    grad_accum: int = 1  # microbatches per step (FSDP or DDP alone)
 
     def overrides(self) -> list[str]:
         p = "--parallelism."
+        global_batch = LOCAL_BS * self.dp_replicate * self.dp_shard * self.grad_accum
         return [
+            p + "zero_stage",
+            str(self.zero_stage),
+            "--training.global_batch_size",
+            str(global_batch),
             p + "data_parallel_replicate_degree",
             str(self.dp_replicate),
             p + "data_parallel_shard_degree",
@@ -68,6 +75,10 @@ LAYOUTS = [
     Layout("CP 2 (allgather)", 2, cp=2),
     Layout("CP 2 (alltoall)", 2, cp=2, cp_rotate="alltoall"),
     Layout("CP 2 × TP 2 (alltoall)", 4, cp=2, tp=2, cp_rotate="alltoall"),
+    *(
+        Layout(f"ZeRO-{stage}, dp 2, grad accum 2", 2, dp_shard=2, zero_stage=stage, grad_accum=2)
+        for stage in (0, 1, 2, 3)
+    ),
 ]
 
 
@@ -148,20 +159,40 @@ def predict(lay: Layout, args, rank: int) -> list[Term]:
     terms: list[Term] = []
     # Pipeline: the microbatches each rank's forward and backward run over.
     n_fwd, fb = (b // MICROBATCH, MICROBATCH) if lay.pp > 1 else (1, b)
+    ga, stage = lay.grad_accum, lay.zero_stage
+    assert ga == 1 or (lay.pp == tp == cp == 1), "grad accumulation: FSDP or DDP alone"
+    if stage == 0:  # DDP: the dp_shard ranks replicate; one all-reduce per unit per step
+        replicas = lay.dp_replicate * lay.dp_shard
+        # `replicate` per block, then the root: embedding, norm and output together
+        block = _fsdp_bytes(shapes["block"], 1)
+        root = sum(_fsdp_bytes(shapes[u], 1) for u in shapes if u != "block")
+        terms.append(Term("all_reduce", "DDP block grads", n_blocks, block, replicas))
+        terms.append(Term("all_reduce", "DDP root grads (embedding, norm, output)", 1, root,
+                          replicas))  # fmt: skip
     # FSDP shards over dp_shard × cp (the `dp_shard_cp` mesh).
     n_shard = lay.dp_shard * cp
-    fsdp = n_shard > 1
+    fsdp = n_shard > 1 and stage != 0
     if fsdp:
-        reshard = lay.pp == 1  # parallelize.reshard_policy("default")
+        # ZeRO-3: gathered for each microbatch's forward and (resharded after forward but
+        # under PP, parallelize.reshard_policy) again for its backward, grads reduce-scattered
+        # per microbatch. ZeRO-2: gathered once per step, kept; grads per microbatch. ZeRO-1:
+        # gathered once, grads reduce-scattered once.
+        reshard = lay.pp == 1 and stage == 3
+        gathers = ga if stage == 3 else 1
+        scatters = 1 if stage == 1 else ga
         for unit in shapes:
             count = n_blocks if unit == "block" else 1
             size = _fsdp_bytes(shapes[unit], n_shard)
-            terms.append(Term("all_gather", f"FSDP {unit} params, forward", count, size, n_shard))
+            terms.append(
+                Term("all_gather", f"FSDP {unit} params, forward", count * gathers, size, n_shard)
+            )
             if reshard and unit != "norm+output":
                 terms.append(
-                    Term("all_gather", f"FSDP {unit} params, backward", count, size, n_shard)
+                    Term("all_gather", f"FSDP {unit} params, backward", count * ga, size, n_shard)
                 )
-            terms.append(Term("reduce_scatter", f"FSDP {unit} grads", count, size, n_shard))
+            terms.append(
+                Term("reduce_scatter", f"FSDP {unit} grads", count * scatters, size, n_shard)
+            )
             if lay.dp_replicate > 1:
                 terms.append(
                     Term(
@@ -252,6 +283,29 @@ def _ring_terms(lay: Layout, args, calls: int, tokens: int) -> list[Term]:
     if lay.cp_rotate == "allgather":
         return [Term("all_gather", "CP ring: kv shards (fwd + bwd)", 2 * calls, n * kv, n), grads]
     return [Term("all_to_all", "CP ring: kv shards (fwd + bwd)", 2 * calls * (n - 1), kv, n), grads]
+
+
+def param_bytes(args, modules: tuple[str, ...] = ()) -> int:
+    """Ψ: the fp32 bytes of the model's parameters (those under `modules` when given)."""
+    from titanlab.components.builders import build_meta_model
+
+    model = build_meta_model(args)
+    return sum(
+        p.numel() * F32
+        for n, p in model.named_parameters()
+        if not modules or n.split(".")[0] in modules
+    )
+
+
+def parameter_traffic(kinds: dict) -> int:
+    """What ZeRO's §7 counts of one rank's step (`kinds` as comm_counter writes them): the
+    bytes all-gathered and reduce-scattered, and twice those all-reduced (a ring all-reduce is
+    a reduce-scatter then an all-gather), the (n − 1) / n of a ring left out as the paper does.
+    The token count and the grad-norm all-reduces are a few hundred bytes of it."""
+    return sum(
+        kinds.get(kind, {}).get("bytes", 0) * weight
+        for kind, weight in (("all_gather", 1), ("reduce_scatter", 1), ("all_reduce", 2))
+    )
 
 
 def histogram(terms: list[Term]) -> dict[str, dict[str, int]]:

@@ -150,7 +150,7 @@ FACTORS: dict[str, tuple[Level, ...]] = {
         ),
     ),
     "loss": (
-        Level("loss", "plain"),
+        Level("loss", "plain", ("--loss.fused_linear_cross_entropy", "false")),
         # 32-token chunks: a microbatch (4 × 64 tokens per rank) is 8 of them
         Level("loss", "fused", _FUSED_LOSS),
     ),

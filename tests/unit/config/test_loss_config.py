@@ -55,3 +55,43 @@ def test_offloading_with_compile_is_one_line():
     with pytest.raises(ConfigError) as e:
         build_config(["--activation_checkpoint.offload", "true", "--compile.enable", "true"])
     assert str(e.value).startswith("activation_checkpoint.offload=true with compile.enable=true")
+
+
+def test_auto_fuses_where_a_microbatch_holds_more_than_a_chunk_and_nothing_refuses_it():
+    """The default (auto): fused above one chunk per microbatch; plain at or below it, and
+    where `true` would be refused (the same case then runs, with the plain loss, instead of
+    failing); true / false as given. Written as the option, so every rank agrees."""
+    from titanlab.config.performance import fused_loss
+
+    def resolved(*args: str) -> bool:
+        config = build_config(["--training.local_batch_size", "2", *args])
+        assert config.loss.fused_linear_cross_entropy == "auto"
+        return fused_loss(config)
+
+    assert build_config([]).loss.fused_linear_cross_entropy == "auto"
+    assert resolved("--training.seq_len", "2048")  # 4096 tokens > 256
+    assert not resolved("--training.seq_len", "128")  # 256 tokens: one chunk, nothing saved
+    assert resolved("--training.seq_len", "128", "--loss.chunk_size", "64")
+    for refused_with_true in CASES.values():
+        args = refused_with_true[0]
+        if "--loss.chunk_size" not in args:  # chunk 0 is refused whatever the loss
+            assert not resolved("--training.seq_len", "2048", *args), args
+    assert not fused_loss(build_config(["--loss.fused_linear_cross_entropy", "false",
+                                        "--training.seq_len", "2048"]))  # fmt: skip
+    assert fused_loss(build_config([*FUSED, "--training.local_batch_size", "1",
+                                    "--training.seq_len", "256"]))  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "value, want", [("true", True), ("false", False), ("auto", "auto"), ("on", True)]
+)
+def test_the_option_takes_a_bool_or_auto_from_the_command_line(value, want):
+    assert build_config(["--loss.fused_linear_cross_entropy", value]).loss.fused_linear_cross_entropy == want  # fmt: skip
+
+
+def test_a_value_that_is_neither_a_bool_nor_auto_is_one_line():
+    with pytest.raises(ConfigError) as e:
+        build_config(["--loss.fused_linear_cross_entropy", "maybe"])
+    assert str(e.value) == (
+        "loss.fused_linear_cross_entropy='maybe' is not valid; valid: true, false, auto"
+    )

@@ -18,7 +18,9 @@ def model_args(flavor: str, vocab: int, seq: int):
 
 
 def job(flavor="8B", seq=8192, local_batch=1, ac="none", memory_check=True) -> JobConfig:
+    """A JobConfig with the plain loss (the fused loss, auto's choice here, has its own test)."""
     c = JobConfig()
+    c.loss.fused_linear_cross_entropy = False
     c.model.flavor = flavor
     c.training.seq_len, c.training.local_batch_size = seq, local_batch
     c.training.memory_check = memory_check
@@ -56,6 +58,32 @@ def test_8b_logits_and_gathered_blocks():
     block_params = 4096 * (4096 + 1024 + 1024 + 4096) + 3 * 4096 * 14336 + 2 * 4096
     assert est.gathered_params == 2 * block_params * 2  # two bf16 blocks in flight
     assert estimate_8b(world_size=1).gathered_params == 0  # nothing to gather without sharding
+
+
+def test_auto_takes_the_fused_loss_and_its_one_chunk_of_logits_at_8k_tokens():
+    config = job()
+    config.loss.fused_linear_cross_entropy = "auto"
+    est = estimate_memory(model_args("8B", 128256, 8192), config, 8, torch.bfloat16)
+    # A chunk's fp32 logits and bf16 matmul output, and the head weight's fp32 gradient (the
+    # fused head computes it in forward); no (tokens × vocab) tensor.
+    chunk, weight_grad = 256 * 128256 * (4 + 2), 128256 * 4096 * 4
+    assert chunk + weight_grad <= est.logits <= chunk + weight_grad + 4 * 8192 * 4096 * 4
+    assert estimate_8b().logits > 3 * 8192 * 128256 * 4 > 4 * est.logits  # plain: 3 fp32 logits
+
+
+def test_zero_stages_change_what_is_sharded_and_what_stays_gathered():
+    def estimate(stage: int, accumulate: bool = False):
+        config = job()
+        config.parallelism.zero_stage = stage
+        if accumulate:
+            config.training.global_batch_size = 16  # 8 ranks × 1 sample × 2 microbatches
+        return estimate_memory(model_args("8B", 128256, 8192), config, 8, torch.bfloat16)
+
+    three, two, one, zero = (estimate(s) for s in (3, 2, 1, 0))
+    assert three.params == two.params == one.params == zero.params // 8
+    assert two.gathered_params == one.gathered_params == 16 * three.gathered_params  # 32 / 2
+    assert zero.gathered_params == 0 and zero.optimizer == 8 * three.optimizer
+    assert estimate(1, accumulate=True).grads == 8 * estimate(2, accumulate=True).grads
 
 
 def test_activation_checkpointing_order():

@@ -17,6 +17,7 @@ from torch.profiler import ProfilerActivity, profile
 from torch.profiler._memory_profiler import MemoryProfileTimeline
 
 from titanlab.config.job_config import JobConfig
+from titanlab.config.performance import fused_loss
 from titanlab.distributed.activation_checkpoint import apply_ac
 from titanlab.components.fused_ce import fused_targets, use_fused_loss
 from titanlab.components.loss import cross_entropy_sum
@@ -39,8 +40,10 @@ BATCH, SEQ = 4, 256
 
 
 def config(mode: str, option: str) -> JobConfig:
+    """The plain loss (auto would fuse 1024 tokens; the fused loss has its own test below)."""
     c = JobConfig()
     c.training.seq_len, c.training.local_batch_size = SEQ, BATCH
+    c.loss.fused_linear_cross_entropy = False
     c.activation_checkpoint.mode, c.activation_checkpoint.selective_ac_option = mode, option
     return c
 
@@ -54,7 +57,7 @@ def measured_peak(args, cfg: JobConfig, autocast: bool = False) -> int:
     model.init_weights()
     apply_ac(model, cfg.activation_checkpoint.mode, cfg.activation_checkpoint.selective_ac_option)
     loss_fn = cross_entropy_sum
-    fused = cfg.loss.fused_linear_cross_entropy
+    fused = fused_loss(cfg)
     if fused:
         use_fused_loss(model, cfg.loss.chunk_size)
     if cfg.compile.enable:

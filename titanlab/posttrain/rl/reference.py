@@ -12,6 +12,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
+from titanlab.config.performance import fused_loss
 from titanlab.checkpoint import store
 from titanlab.components import builders as components
 from titanlab.components.fused_ce import use_fused_loss
@@ -33,7 +34,7 @@ def build_reference(
         ConfigError: `initial_load_path` holds no weights of this model's shape.
     """
     reference = components.build_meta_model(model_args)
-    if config.loss.fused_linear_cross_entropy:  # the policy's head, for the same numbers
+    if fused_loss(config):  # the policy's head, for the same numbers
         use_fused_loss(reference, config.loss.chunk_size)
     plain = dataclasses.replace(
         config,
