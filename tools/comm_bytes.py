@@ -67,22 +67,10 @@ def make_dataset(out: str) -> str:
     return out
 
 
-def measure(lay: Layout, dataset: str, workdir: str, timeout: int = 600) -> list[dict]:
-    """Run 2 steps of `lay` with the counter on; return each rank's step-2 `kinds` dict.
-
-    Raises RuntimeError with the run's output tail when the run fails."""
-    prefix = _prefix(lay, workdir)
-    for old in glob.glob(prefix + ".rank*.json"):
-        os.remove(old)
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", TITANLAB_COMM_COUNT=prefix)
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc_per_node={lay.nproc}",
-        "-m",
-        "titanlab.train",
+def train_args(lay: Layout, dataset: str, dump: str, steps: int) -> list[str]:
+    """The trainer's options for `steps` steps of `lay`: `debugmodel_deep`, seq 64, local
+    batch 2 per microbatch, no checkpoint or validation, the plain cross-entropy."""
+    return [
         "--job.config_file",
         os.path.join(REPO, "train_configs", "debug_model.toml"),
         "--model.flavor",
@@ -92,7 +80,7 @@ def measure(lay: Layout, dataset: str, workdir: str, timeout: int = 600) -> list
         "--training.local_batch_size",
         str(LOCAL_BS),
         "--training.steps",
-        str(STEPS),
+        str(steps),
         "--checkpoint.enable",
         "false",
         "--validation.enable",
@@ -100,7 +88,7 @@ def measure(lay: Layout, dataset: str, workdir: str, timeout: int = 600) -> list
         "--data.dataset_path",
         dataset,
         "--job.dump_folder",
-        prefix + "_dump",
+        dump,
         "--comm.init_timeout_seconds",
         "120",
         "--comm.train_timeout_seconds",
@@ -109,6 +97,26 @@ def measure(lay: Layout, dataset: str, workdir: str, timeout: int = 600) -> list
         "false",
         *lay.overrides(),
     ]
+
+
+def measure(
+    lay: Layout, dataset: str, workdir: str, timeout: int = 600, extra: tuple[str, ...] = ()
+) -> list[dict]:
+    """Run 2 steps of `lay` (plus `extra` options) with the counter on; return each rank's
+    step-2 `kinds` dict. The run's dump folder is `dump_folder(lay, workdir)`.
+
+    Raises RuntimeError with the run's output tail when the run fails."""
+    from tools.lib.runs import launch_command
+
+    prefix = _prefix(lay, workdir)
+    for old in glob.glob(prefix + ".rank*.json"):
+        os.remove(old)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", TITANLAB_COMM_COUNT=prefix)
+    cmd = (
+        launch_command(lay.nproc, ["-m", "titanlab.train"])
+        + train_args(lay, dataset, dump_folder(lay, workdir), STEPS)
+        + list(extra)
+    )
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
         raise RuntimeError(
@@ -126,11 +134,16 @@ def _prefix(lay: Layout, workdir: str) -> str:
     return os.path.join(workdir, lay.name.replace(" ", "_").replace("×", "x").replace(",", ""))
 
 
+def dump_folder(lay: Layout, workdir: str) -> str:
+    """The `job.dump_folder` of `lay`'s run under `workdir`."""
+    return _prefix(lay, workdir) + "_dump"
+
+
 def losses(lay: Layout, workdir: str) -> dict[int, float]:
     """The losses by step of `lay`'s run under `workdir` (after `measure`)."""
     from tools.lib.runs import read_losses
 
-    return read_losses(_prefix(lay, workdir) + "_dump")
+    return read_losses(dump_folder(lay, workdir))
 
 
 def table_rows(lay: Layout, measured: list[dict], args) -> list[tuple]:

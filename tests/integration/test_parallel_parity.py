@@ -3,7 +3,8 @@
 The layouts are generated, not listed: `tools/parity_matrix.py` enumerates every layout of 1, 2,
 4 and 8 ranks, the trainer's validator keeps the valid ones, and CI runs the pairwise subset
 (every pair of features that can meet, meets once: PP × DDP, PP × HSDP, HSDP × TP, each schedule
-× each data-parallel kind, PP × TP × FSDP on 8 ranks, ...). `make test-parity-full` runs them all.
+× each data-parallel kind, PP × TP × FSDP on 8 ranks, each ZeRO stage and offload × each
+parallelism, ...). `make test-parity-full` runs them all.
 Every run starts from one seed checkpoint, uses the same global batch of 8 samples × 64 tokens,
 fp32 and deterministic mode; the losses of steps 1-5 must equal the 1-process run's within 1e-5.
 """
@@ -33,7 +34,6 @@ FULL_ONLY = pytest.mark.skipif(
 )
 OPTIONS = {
     "tp2_no_loss_parallel": Layout(1, 1, 2, 1, None, 1),
-    "fsdp2_cpu_offload": Layout(1, 2, 1, 1, None, 1),
     "cp2_ac_full": CP2,
     "cp2_ac_selective_op": CP2,
     "cp2_ac_selective_2": CP2,
@@ -42,7 +42,6 @@ OPTIONS = {
 }
 OPTION_ARGS = {
     "tp2_no_loss_parallel": ["--parallelism.disable_loss_parallel", "true"],
-    "fsdp2_cpu_offload": ["--training.enable_cpu_offload", "true"],
     "cp2_ac_full": ["--activation_checkpoint.mode", "full"],
     "cp2_ac_selective_op": ["--activation_checkpoint.mode", "selective"],
     "cp2_ac_selective_2": [

@@ -1,8 +1,9 @@
 """A checkpoint saved under FSDP 4 resumes under other layouts and continues the same losses.
 
-The uninterrupted run is FSDP 4 for 6 steps. Its step-3 checkpoint (model, optimizer, LR
-schedule, data position) is then loaded under FSDP 2 × TP 2, PP 2 × FSDP 2 and one process,
-each of which trains steps 4-6; their losses must equal the uninterrupted run's within 1e-5.
+The uninterrupted run is FSDP 4 (ZeRO stage 3) for 6 steps. Its step-3 checkpoint (model,
+optimizer, LR schedule, data position) is then loaded under FSDP 2 × TP 2 at ZeRO stage 1,
+PP 2 × FSDP 2 at stage 2, DDP on 4 ranks (stage 0: nothing sharded) and one process, each of
+which trains steps 4-6; their losses must equal the uninterrupted run's within 1e-5.
 DCP reshards the model and optimizer state, and the sampler converts the data position to
 the new number of data-parallel ranks.
 """
@@ -27,9 +28,11 @@ COMMON = [
     "--checkpoint.export_at_end",
     "false",
 ]
+ZERO = "--parallelism.zero_stage"
 TARGETS = {
-    "fsdp2_tp2": (4, 4, ["--parallelism.tensor_parallel_degree", "2"]),
-    "pp2_fsdp2": (4, 4, ["--parallelism.pipeline_parallel_degree", "2"]),
+    "fsdp2_tp2_zero1": (4, 4, ["--parallelism.tensor_parallel_degree", "2", ZERO, "1"]),
+    "pp2_fsdp2_zero2": (4, 4, ["--parallelism.pipeline_parallel_degree", "2", ZERO, "2"]),
+    "ddp4_zero0": (4, 2, [ZERO, "0"]),
     "single_process": (1, 8, []),
 }
 

@@ -12,9 +12,12 @@ Every `profile_freq` steps it closes a window of `profiler_active` recorded step
   categorized as parameter, gradient, optimizer state, activation, temporary, ...):
   `rank{R}_step{N}.html` (a plot; needs matplotlib) or `rank{R}_step{N}.json.gz`, and
   `rank{R}_step{N}_peak.json`: `window_peak_bytes`, the most bytes of tensors allocated during
-  the window alive at once (the step's activations and temporaries), and, where torch's
-  categorization succeeds, `peak_bytes` (every tensor, parameters and optimizer state
-  included) with `by_category`, each category's bytes at that peak.
+  the window alive at once (the step's activations and temporaries); `peak_live_bytes`, the
+  most bytes of every tensor alive at once (the tensors alive when the window began,
+  `live_at_window_start_bytes`, counted by `live_tensor_bytes`, plus the window's running sum
+  of allocations and frees, less the frees of older tensors the profiler cannot see); and, where torch's categorization succeeds,
+  `peak_bytes` (the same peak by torch's own accounting) with `by_category`, each category's
+  bytes at that peak.
 
 N is the training step that ends the window. Sources: the PyTorch docs of `torch.profiler`
 (schedule, `export_chrome_trace`, `export_memory_timeline`) and "Understanding CUDA Memory
@@ -24,6 +27,7 @@ Usage" (`torch.cuda.memory._record_memory_history`).
 from __future__ import annotations
 
 import contextlib
+import gc
 import gzip
 import json
 import logging
@@ -69,6 +73,7 @@ class StepProfiler(contextlib.AbstractContextManager):
         self.prof: torch.profiler.profile | None = None
         self.steps_done = 0
         self.last_step = 0
+        self.window_base: int | None = None  # live tensor bytes when the window began
 
     # --- context manager -----------------------------------------------------------------
     def __enter__(self) -> StepProfiler:
@@ -122,6 +127,8 @@ class StepProfiler(contextlib.AbstractContextManager):
         self.steps_done += 1
         if self.prof is not None:
             self.prof.step()
+            if self.cpu_timeline and self.window_base is None and _recording(self.prof):
+                self.window_base = live_tensor_bytes(self.device.type)
         if self.cuda_history and self.steps_done % self.cfg.profile_freq == 0:
             self._dump_cuda(f"rank{self.rank}_step{train_step}.pickle")
 
@@ -158,16 +165,31 @@ class StepProfiler(contextlib.AbstractContextManager):
             prof.export_chrome_trace(path)
             logger.info("profiler trace: %s", path)
         if self.cpu_timeline:
-            self._write_cpu_timeline(prof, step)
+            end = live_tensor_bytes(self.device.type)  # between steps: every tensor is seen
+            self._write_cpu_timeline(prof, step, live_at_end=end)
 
     def _write_cpu_timeline(
-        self, prof: torch.profiler.profile, step: int, name: str | None = None
+        self,
+        prof: torch.profiler.profile,
+        step: int,
+        name: str | None = None,
+        live_at_end: int | None = None,
     ) -> str:
-        """Write the window's timeline and `<name>_peak.json`; return the timeline's path."""
+        """Write the window's timeline and `<name>_peak.json`; return the timeline's path.
+        With `live_at_end` (the window ended between steps) also the peak of every live tensor:
+        the profiler records no free of a tensor allocated before the window, so the bytes the
+        window's running sum misses at its end (start + sum - end) were freed unseen; they are
+        taken as freed before the peak, as the previous step's gradients are (zero_grad at the
+        start of a step)."""
         os.makedirs(self.snapshots, exist_ok=True)
         base = os.path.join(self.snapshots, name or f"rank{self.rank}_step{step}")
         times, window = allocation_timeline(prof)
         peak: dict[str, Any] = {"window_peak_bytes": max(window, default=0)}
+        if self.window_base is not None and live_at_end is not None and window:
+            unseen_frees = max(0, self.window_base + window[-1] - live_at_end)
+            peak["live_at_window_start_bytes"] = self.window_base
+            peak["peak_live_bytes"] = self.window_base - unseen_frees + max(0, *window)
+        self.window_base = None
         try:
             from torch.profiler._memory_profiler import MemoryProfileTimeline
 
@@ -199,6 +221,26 @@ class StepProfiler(contextlib.AbstractContextManager):
             peak["window_peak_bytes"] / 2**20,
         )
         return path
+
+
+def live_tensor_bytes(device_type: str = "cpu") -> int:
+    """Bytes of the distinct storages of every tensor on `device_type` that Python objects hold
+    now (found through the garbage collector's list of tracked objects): parameters, their
+    gradients, optimizer state, FSDP's buffers. A tensor subclass that wraps others (DTensor,
+    float8, NF4) counts through its inner tensors; tensors held only by C++ (autograd's saved
+    tensors mid-step) are not seen, so call it between steps."""
+    storages: dict[int, int] = {}
+    for obj in gc.get_objects():
+        if not issubclass(type(obj), torch.Tensor) or obj.device.type != device_type:
+            continue
+        try:
+            storage = obj.untyped_storage()
+            ptr, nbytes = storage.data_ptr(), storage.nbytes()
+        except (RuntimeError, NotImplementedError, TypeError):
+            continue  # a wrapper subclass without storage of its own: its parts are counted
+        if ptr:
+            storages[ptr] = max(storages.get(ptr, 0), nbytes)
+    return sum(storages.values())
 
 
 def _recording(prof: torch.profiler.profile) -> bool:

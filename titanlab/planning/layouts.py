@@ -48,6 +48,13 @@ class Layout:
     cp_rotate: str = "allgather"
     """How context parallel's ring passes the KV shards (`parallelism.
     context_parallel_rotate_method`); meaningful only when cp > 1."""
+    zero_stage: int = 3
+    """`parallelism.zero_stage`: 3 (FSDP2's full sharding) unless the layout is a ZeRO variant;
+    stages 0-2 change only what the dp_shard × cp ranks hold, so they are enumerated only where
+    there are such ranks."""
+    offload: bool = False
+    """ZeRO-Offload (`training.enable_cpu_offload`): sharded parameters, gradients and optimizer
+    state in host memory."""
 
     @property
     def world_size(self) -> int:
@@ -78,7 +85,20 @@ class Layout:
             parts.append(f"pp{self.pp}-{self.schedule}")
         if self.grad_accum > 1:
             parts.append(f"ga{self.grad_accum}")
+        if self.variants:
+            parts.append(f"zero{self.zero_stage}")
+        if self.offload:
+            parts.append("offload")
         return "-".join(parts)
+
+    @property
+    def variants(self) -> frozenset[str]:
+        """The ZeRO variant this layout is, as features: `zero0`-`zero2` for a stage other than
+        3, `offload` with its stage (`zero3` included); empty for FSDP2's default (stage 3, no
+        offload)."""
+        if self.zero_stage == 3 and not self.offload:
+            return frozenset()
+        return frozenset({f"zero{self.zero_stage}"} | ({"offload"} if self.offload else set()))
 
     @property
     def features(self) -> frozenset[str]:
@@ -102,7 +122,7 @@ class Layout:
                 out.add("pp4")
         if self.grad_accum > 1:
             out.add("grad_accum")
-        return frozenset(out)
+        return frozenset(out) | self.variants
 
     @property
     def tags(self) -> frozenset[str]:
@@ -144,6 +164,10 @@ class Layout:
             out += ["--parallelism.pipeline_parallel_schedule", self.schedule]
         if self.cp > 1:
             out += ["--parallelism.context_parallel_rotate_method", self.cp_rotate]
+        if self.zero_stage != 3:
+            out += ["--parallelism.zero_stage", str(self.zero_stage)]
+        if self.offload:
+            out += ["--training.enable_cpu_offload", "true"]
         return out
 
 
@@ -166,12 +190,16 @@ def enumerate_layouts(
     grad_accum: tuple[int, ...] = (1, 2),
     with_ep: bool = False,
     schedules: tuple[str, ...] = SCHEDULES,
+    zero_stages: tuple[int, ...] = (3,),
+    offload: tuple[bool, ...] = (False,),
 ) -> list[Layout]:
     """Every candidate layout of `world_size` ranks: each ordered factorization into
     (dp_replicate, dp_shard, cp, tp, pp) (cp only when `with_cp`), each of `schedules` when
-    pp > 1, each gradient-accumulation count, each of CP's rotate methods when cp > 1, and
-    with `with_ep` each expert-parallel degree that divides dp_shard × cp × tp (1 included).
-    Validity is not checked here (see `check_layout`)."""
+    pp > 1, each gradient-accumulation count, each of CP's rotate methods when cp > 1, with
+    `with_ep` each expert-parallel degree that divides dp_shard × cp × tp (1 included), and
+    where dp_shard × cp > 1 each ZeRO stage of `zero_stages` with and without offload as
+    `offload` lists (elsewhere the stage changes nothing: stage 3 only). Validity is not
+    checked here (see `check_layout`)."""
     out = []
     for rep, shard, cp, tp, pp in _factorizations(world_size, 5):
         if cp > 1 and not with_cp:
@@ -179,10 +207,12 @@ def enumerate_layouts(
         borrowable = shard * cp * tp
         eps = [e for e in range(1, borrowable + 1) if borrowable % e == 0] if with_ep else [1]
         rotates = CP_ROTATE_METHODS if cp > 1 else ("allgather",)
-        for schedule, ga, ep, rotate in itertools.product(
-            schedules if pp > 1 else (None,), grad_accum, eps, rotates
+        sharded = shard * cp > 1
+        zero = list(itertools.product(zero_stages, offload)) if sharded else [(3, False)]
+        for schedule, ga, ep, rotate, (stage, off) in itertools.product(
+            schedules if pp > 1 else (None,), grad_accum, eps, rotates, zero
         ):
-            out.append(Layout(rep, shard, tp, pp, schedule, ga, cp, ep, rotate))
+            out.append(Layout(rep, shard, tp, pp, schedule, ga, cp, ep, rotate, stage, off))
     return out
 
 
@@ -208,9 +238,13 @@ def apply_layout(config: JobConfig, layout: Layout, global_batch_size: int) -> J
         pipeline_parallel_schedule=cast(
             "PipelineSchedule", layout.schedule or config.parallelism.pipeline_parallel_schedule
         ),
+        zero_stage=layout.zero_stage,
     )
     t = dataclasses.replace(
-        config.training, local_batch_size=local, global_batch_size=global_batch_size
+        config.training,
+        local_batch_size=local,
+        global_batch_size=global_batch_size,
+        enable_cpu_offload=layout.offload or config.training.enable_cpu_offload,
     )
     return dataclasses.replace(config, parallelism=p, training=t)
 
@@ -241,6 +275,13 @@ def check_layout(
     return None
 
 
+def _family(feature: str) -> str:
+    """The parallelism a feature belongs to: `pp:1F1B` and `pp4` are pp, `ep4` and `efsdp` ep."""
+    if feature.startswith("pp"):
+        return "pp"
+    return "ep" if feature.startswith("e") and feature != "ep" else feature
+
+
 LAUNCH_COST = 2
 """A launch's fixed cost (start-up, rendezvous, the reference's share), in ranks' worth."""
 
@@ -254,10 +295,23 @@ def pairwise_subset(layouts: list[Layout], must: tuple[frozenset[str], ...] = ()
     deterministic. A run's cost is its ranks plus `LAUNCH_COST`: on a 2-core CPU a 2-rank
     parity run takes ~7 s, a 4-rank one ~12 s and an 8-rank one ~22 s, so an 8-rank layout is
     worth it only where it covers more than twice what a 2-rank one does.
+
+    A ZeRO variant (`Layout.variants`) changes only when the data-parallel ranks gather and
+    reduce, so it must meet each parallelism (dp kind, tp, cp, pp, ep, grad_accum), not each
+    pipeline schedule or degree; and the pairs of the other features must be met at FSDP2's
+    default (stage 3, no offload), so a variant layout covers only its own pairs.
     """
 
     def pairs(lay: Layout) -> set[frozenset[str]]:
         feats = sorted(lay.features)
+        if lay.variants:
+            coarse = {_family(f) for f in feats if f not in lay.variants}
+            own = sorted(lay.variants)
+            return (
+                {frozenset([v]) for v in own if v != "zero3"}
+                | {frozenset(p) for p in itertools.combinations(own, 2)}
+                | {frozenset((v, f)) for v in own if v != "zero3" for f in coarse}
+            )
         single = {frozenset([f]) for f in feats}  # a feature alone counts too
         return single | {frozenset(p) for p in itertools.combinations(feats, 2)}
 

@@ -69,3 +69,26 @@ def test_cpu_memory_timeline_peak_is_the_windows_live_tensors(tmp_path):
         with gzip.open(series, "rt") as f:
             times, sizes = json.load(f)
         assert len(times) == len(sizes) > 0
+
+
+def test_cpu_peak_live_bytes_counts_the_tensors_from_before_the_window(tmp_path):
+    """A 4 MB tensor that lives through every step (like a parameter) and an 8 MB one freed in
+    the first recorded step (like last step's gradients) before the 12 MB of the step are
+    allocated: the peak of every live tensor is 4 + 12 MB, the window's own peak 12 MB."""
+    cfg = Profiling(enable_memory_snapshot=True, profile_freq=2, profiler_warmup=0)
+    keep = torch.ones(MB)
+    view = keep[: MB // 2]  # a view: its storage is counted once
+    old = [torch.ones(2 * MB)]
+    with StepProfiler(cfg, str(tmp_path), rank=0, device=torch.device("cpu")) as prof:
+        for step in (1, 2):
+            if step == 2:
+                old.clear()
+            a, b = torch.ones(MB), torch.ones(2 * MB)
+            (a.sum() + b.sum() + view.sum()).item()
+            del a, b
+            prof.step(step)
+    with open(tmp_path / "memory_snapshot" / "rank0_step2_peak.json") as f:
+        peak = json.load(f)
+    assert 12 * MB <= peak["live_at_window_start_bytes"] <= 12 * MB + 4096
+    assert 16 * MB <= peak["peak_live_bytes"] <= 16 * MB + 4096
+    assert 12 * MB <= peak["window_peak_bytes"] <= 12 * MB + 64

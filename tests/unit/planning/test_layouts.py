@@ -33,10 +33,38 @@ def test_enumeration_is_every_factorization_schedule_and_accumulation():
 
 
 def test_layout_names_are_unique_and_readable():
-    layouts = [l for ws in (1, 2, 4, 8) for l in enumerate_layouts(ws)]
+    zero = {"zero_stages": (0, 1, 2, 3), "offload": (False, True), "with_cp": True}
+    layouts = [l for ws in (1, 2, 4, 8) for l in enumerate_layouts(ws, **zero)]
     assert len({l.name for l in layouts}) == len(layouts)
     assert Layout(2, 1, 1, 2, "1F1B", 2).name == "ws4-ddp2-pp2-1F1B-ga2"
     assert Layout(2, 2, 2, 1, None, 1).name == "ws8-hsdp2x2-tp2"
+    assert Layout(1, 2, 1, 1, None, 1, zero_stage=1).name == "ws2-fsdp2-zero1"
+    assert Layout(1, 2, 1, 1, None, 1, offload=True).name == "ws2-fsdp2-zero3-offload"
+
+
+def test_zero_stages_are_enumerated_only_where_ranks_shard():
+    zero = {"zero_stages": (0, 1, 2, 3), "offload": (False, True)}
+    layouts = enumerate_layouts(2, with_cp=True, grad_accum=(1,), **zero)
+    by_degrees: dict[tuple, set] = {}
+    for lay in layouts:
+        key = (lay.dp_replicate, lay.dp_shard, lay.cp, lay.tp, lay.pp)
+        by_degrees.setdefault(key, set()).add((lay.zero_stage, lay.offload))
+    every = set(itertools.product((0, 1, 2, 3), (False, True)))
+    assert by_degrees[(1, 2, 1, 1, 1)] == every and by_degrees[(1, 1, 2, 1, 1)] == every
+    assert by_degrees[(2, 1, 1, 1, 1)] == {(3, False)} == by_degrees[(1, 1, 1, 2, 1)]
+    args = Layout(1, 2, 1, 1, None, 1, zero_stage=2, offload=True).overrides(8)
+    assert args[args.index("--parallelism.zero_stage") + 1] == "2"
+    assert args[args.index("--training.enable_cpu_offload") + 1] == "true"
+    assert "--parallelism.zero_stage" not in Layout(1, 2, 1, 1, None, 1).overrides(8)
+
+
+def test_the_validator_refuses_the_zero_stages_a_layout_cannot_mean(verdicts):
+    refused = {lay.name: why for lay, why in verdicts if why}
+    valid = {lay.name for lay, why in verdicts if why is None}
+    assert "zero_stage=0" in refused["ws2-cp2-zero0"]  # DDP cannot shard the sequence's ranks
+    assert "enable_cpu_offload" in refused["ws2-fsdp2-zero1-offload"]
+    assert {"ws2-fsdp2-zero0", "ws2-fsdp2-zero1", "ws2-fsdp2-zero2-offload"} <= valid
+    assert "ws8-hsdp2x2-tp2-zero0" in valid
 
 
 def test_overrides_keep_the_global_batch():
@@ -48,7 +76,9 @@ def test_overrides_keep_the_global_batch():
 
 
 def test_every_candidate_is_accepted_or_refused_with_one_line(verdicts):
-    assert len(verdicts) == sum(len(enumerate_layouts(ws, with_cp=True)) for ws in (1, 2, 4, 8))
+    zero = {"zero_stages": (0, 1, 2, 3), "offload": (False, True)}
+    candidates = [enumerate_layouts(ws, with_cp=True, **zero) for ws in (1, 2, 4, 8)]
+    assert len(verdicts) == sum(map(len, candidates))
     refusals = [why for _, why in verdicts if why is not None]
     assert refusals and all("\n" not in why and why for why in refusals)
     valid = {lay.name for lay, why in verdicts if why is None}
@@ -73,11 +103,36 @@ def test_ci_subset_covers_every_pair_that_can_meet(verdicts):
     assert set(subset) <= set(valid)
 
     def pairs(lays):
+        """Pairs of features met at FSDP2's default (stage 3, no offload)."""
         return {
-            frozenset(p) for lay in lays for p in itertools.combinations(sorted(lay.features), 2)
+            frozenset(p)
+            for lay in lays
+            if lay.zero_stage == 3 and not lay.offload
+            for p in itertools.combinations(sorted(lay.features), 2)
         }
 
+    def zero_pairs(lays):
+        """(ZeRO stage or offload, parallelism) pairs, the schedules and degrees as one, and
+        offload with each stage it can have."""
+        out = set()
+        for lay in lays:
+            parallelisms = {
+                "pp" if lay.pp > 1 else None,
+                "tp" if lay.tp > 1 else None,
+                "cp" if lay.cp > 1 else None,
+                "grad_accum" if lay.grad_accum > 1 else None,
+                lay.dp_kind,
+            } - {None}
+            variant = {f"stage{lay.zero_stage}"} if lay.zero_stage != 3 else set()
+            variant |= {"offload"} if lay.offload else set()
+            out |= {(v, p) for v in variant for p in parallelisms | {""}}
+            out |= {("offload", f"stage{lay.zero_stage}")} if lay.offload else set()
+        return out
+
     assert pairs(valid) == pairs(subset)
+    assert zero_pairs(valid) == zero_pairs(subset)
+    have = {v for v, _ in zero_pairs(subset)} | {p for v, p in zero_pairs(subset) if v == "offload"}
+    assert {"stage0", "stage1", "stage2", "offload", "stage3"} <= have, have
     names = {lay.name for lay in subset}
     kinds = {(lay.dp_kind, lay.schedule) for lay in subset}
     for schedule in (
