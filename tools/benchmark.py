@@ -1,6 +1,6 @@
 """Speed and memory of the real trainer against a plain PyTorch loop of the same model and batch.
 
-    python tools/benchmark.py [--matrix full|quick|overhead|none] [--steps 20] [--warmup 5] [--decode]
+    python tools/benchmark.py [--matrix full|quick|overhead|zero|none] [--steps 20] [--warmup 5] [--decode]
                               [--repeats 1] [--threads 1] [--out docs/performance.md]
                               [--gpu-8b [--gpu-layers 4]]
 
@@ -17,6 +17,12 @@ vs baseline = tps per intra-op thread ÷ the baseline's (on CUDA: tps ÷ tps). O
 baseline use `--threads` threads, each of 2 ranks one. Step times are exact: with log_freq 1
 the trainer's tps of step k is tokens_per_step ÷ (time from logging step k-1 to logging step
 k), so step time = local batch × seq_len ÷ tps.
+
+`--matrix zero`: the ZeRO stage table (tools/lib/zero_bench.py): stages 0-3 and ZeRO-Offload on
+2 data-parallel ranks, each with the memory per rank the pre-flight estimate predicts and the
+CPU memory timeline measures, the bytes each rank communicates per step (checked against the
+closed forms), and the step time; `--repeats` runs per row (default here 3). Written to the
+`cpu-zero` block of `--out`.
 
 `--repeats N` runs the whole matrix N times, interleaved (A B A B ...), so slow drifts of a
 shared machine hit every row alike; a row then reports the median over repeats and, in
@@ -88,6 +94,22 @@ def matrix(kind: str) -> list[Run]:
         for r in (1, 2)
     ]
     return runs + [Run(c, "none", 0, p) for p in ("fp32", "bf16") for c in (False, True)]
+
+
+def zero_table(out: str, about: str, repeats: int) -> int:
+    """Measure and publish the ZeRO stage table (`tools/lib/zero_bench.py`)."""
+    import tempfile
+
+    from tools.lib import comm_measure, zero_bench
+
+    work = tempfile.mkdtemp(prefix="titanlab_zero_")
+    dataset = comm_measure.make_dataset(os.path.join(work, "data"))
+    rows = []
+    for stage, offload in zero_bench.STAGES:
+        print(f"running ZeRO-{stage}{' + offload' if offload else ''} ...", flush=True)
+        rows.append(zero_bench.run_row(stage, offload, dataset, work, repeats))
+    publish(out, "cpu-zero", f"{about}\n\n{zero_bench.DESCRIPTION}\n\n{zero_bench.render(rows)}")
+    return 0 if all(r.comm_as_predicted for r in rows) else 1
 
 
 def plain_loop(spec: dict) -> dict:
@@ -200,12 +222,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--matrix",
         default="full",
-        choices=["full", "quick", "overhead", "none"],
+        choices=["full", "quick", "overhead", "zero", "none"],
         help="quick: eager, AC none, fp32, 1 and 2 ranks; overhead: 1 rank vs the "
-        "baseline in fp32/bf16, eager/compiled; none: only --gpu-8b",
+        "baseline in fp32/bf16, eager/compiled; zero: the ZeRO stage table; none: only --gpu-8b",
     )
     p.add_argument(
-        "--repeats", type=int, default=1, help="run the matrix this many times, interleaved"
+        "--repeats",
+        type=int,
+        default=None,
+        help="run the matrix this many times, interleaved (default 1; 3 for --matrix zero)",
     )
     p.add_argument("--threads", type=int, default=1, help="intra-op threads: 1 rank and baseline")
     p.add_argument(
@@ -229,6 +254,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
+    if a.repeats is None:
+        a.repeats = 3 if a.matrix == "zero" else 1
     if a.child:
         spec = json.loads(a.child)
         print(json.dumps(probe() if spec["kind"] == "probe" else plain_loop(spec)))
@@ -246,6 +273,8 @@ def main(argv: list[str] | None = None) -> int:
         ["python", "tools/benchmark.py", *(sys.argv[1:] if argv is None else argv)]
     )
     about = machine(info, a.threads, command)
+    if a.matrix == "zero":
+        return zero_table(a.out, about, a.repeats)
     loop = {
         "model": a.model,
         "flavor": "debugmodel",

@@ -57,22 +57,6 @@ def pytest_collection_modifyitems(config, items) -> None:
     items.sort(key=rank)  # stable: within a module, and among the rest, the order is kept
 
 
-# What a rank's identity is made of: torchrun sets these for its workers, and the trainer run in
-# this process (a world of one) writes them into os.environ (`init_distributed`).
-RANK_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-
-
-@pytest.fixture(autouse=True)
-def no_rank_identity_leaks(monkeypatch) -> None:
-    """Each test starts without a rank identity in os.environ and leaves none behind: a test
-    that runs the trainer in this process would otherwise hand RANK and MASTER_PORT to the
-    launches of later tests (a 1-process launch without torchrun would take them as its own,
-    and run_train.sh's rendezvous would join the old store at that port)."""
-    for key in RANK_ENV:
-        monkeypatch.setenv(key, "")  # recorded as unset (or its outer value), so undone after
-        monkeypatch.delenv(key)
-
-
 # A tiny run of the debug model (6 layers, dim 256, 64-token windows), 2 samples per rank.
 TINY = [*TINY_RUN, "--training.local_batch_size", "2"]
 

@@ -65,17 +65,6 @@ def run(monkeypatch, tmp_path, dataset, *args: str) -> tuple[int, dict[int, list
             ran.append(self.step)
 
     monkeypatch.setattr(train.Trainer, "_loop_step", loop_step)
-    # A world of one: init_distributed sets these in os.environ; undo that after the test.
-    for key in (
-        "RANK",
-        "LOCAL_RANK",
-        "WORLD_SIZE",
-        "LOCAL_WORLD_SIZE",
-        "MASTER_ADDR",
-        "MASTER_PORT",
-    ):
-        monkeypatch.setenv(key, "")
-        monkeypatch.delenv(key)
     code = train.main(
         [*TINY, "--data.dataset_path", dataset, "--job.dump_folder", str(tmp_path), *args]
     )

@@ -16,15 +16,11 @@ unfused head does under autocast) and the softmax / log-sum-exp in fp32.
 
 from __future__ import annotations
 
-import contextlib
 import functools
-from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
-from torch import nn
 from torch.distributed.tensor import DTensor, Partial
 
 from titanlab.data.labels import IGNORE_INDEX
@@ -32,22 +28,34 @@ from titanlab.data.labels import IGNORE_INDEX
 
 def _chunked(
     hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_size: int,
-    grads: tuple[bool, bool], group: Any = None, offset: int = 0,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    grads: tuple[bool, ...], group: Any = None, offset: int = 0,
+    low_rank: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, ...]:  # fmt: skip
     """(Σ CE, d/d hidden, d/d weight) of hidden (N, D) against labels (N,) through weight
     (V_local, D), rows [offset, offset + V_local) of the vocabulary (all of it without
     `group`); a gradient is an empty tensor unless asked for in `grads`. With a tp `group`,
     one MAX and one SUM all-reduce per chunk give the log-sum-exp over the whole vocabulary,
-    and the hidden states' gradient is this rank's partial sum."""
+    and the hidden states' gradient is this rank's partial sum.
+
+    `low_rank` = (u (N, r), b (V, r)) adds u bᵀ to the logits (a LoRA adapter on the head:
+    u = scaling · A x); then also (d/d u, d/d b) are returned, as `grads[2:]` asks."""
     n, v_local = hidden.shape[0], weight.shape[0]
     grad_h = torch.empty_like(hidden) if grads[0] else hidden.new_empty(0)
     grad_w = (
         weight.new_zeros(weight.shape, dtype=torch.float32) if grads[1] else weight.new_empty(0)
     )
+    # Without `low_rank`, empty stand-ins that nothing reads.
+    u, b = low_rank if low_rank is not None else (hidden.new_empty(0), weight.new_empty(0))
+    want_u, want_b = (grads[2], grads[3]) if low_rank is not None else (False, False)
+    grad_u = torch.empty_like(u) if want_u else hidden.new_empty(0)
+    grad_b = b.new_zeros(b.shape, dtype=torch.float32) if want_b else b.new_empty(0)
     total = torch.zeros((), dtype=torch.float32, device=hidden.device)
     for start in range(0, n, chunk_size):
         h, y = hidden[start : start + chunk_size], labels[start : start + chunk_size]
-        logits = (h @ weight.t()).float()  # (c, V_local): the only vocabulary-sized tensor
+        logits = h @ weight.t()
+        if low_rank is not None:
+            logits = logits + u[start : start + chunk_size] @ b.t()
+        logits = logits.float()  # (c, V_local): the only vocabulary-sized tensor
         keep = y != IGNORE_INDEX
         local = y - offset
         mine = keep & (local >= 0) & (local < v_local)  # the label's row is on this rank
@@ -62,7 +70,7 @@ def _chunked(
             dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=group)
         lse = peak + torch.log(sums[0])
         total += torch.where(keep, lse - sums[1], 0.0).sum()
-        if grads[0] or grads[1]:  # d(Σ CE)/d logits = softmax − onehot, 0 where ignored
+        if any(grads):  # d(Σ CE)/d logits = softmax − onehot, 0 where ignored
             g.mul_(torch.exp(peak - lse)[:, None])
             g.scatter_add_(1, index, torch.where(mine, -1.0, 0.0)[:, None])
             g = g.mul_(keep[:, None]).to(h.dtype)
@@ -70,28 +78,33 @@ def _chunked(
                 grad_h[start : start + chunk_size] = g @ weight
             if grads[1]:
                 grad_w.add_(g.t().float() @ h.float())
-    return total, grad_h, grad_w
+            if want_u:
+                grad_u[start : start + chunk_size] = g @ b
+            if want_b:
+                grad_b.add_(g.t().float() @ u[start : start + chunk_size].float())
+    if low_rank is None:
+        return total, grad_h, grad_w
+    return total, grad_h, grad_w, grad_u, grad_b
 
 
 class _GradientsInForward(torch.autograd.Function):
-    """A loss whose gradients w.r.t. (hidden, weight) are computed with it, in forward, by
-    `compute(grads) -> (total, grad_h, grad_w)` (`_chunked`, `_distill_chunks`); backward
-    scales them by the incoming gradient."""
+    """A loss whose gradients w.r.t. its tensors (hidden, weight[, u, b]) are computed with it,
+    in forward, by `compute(grads) -> (total, *gradients)` (`_chunked`, `_distill_chunks`);
+    backward scales them by the incoming gradient, each cast to its tensor's dtype."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, compute):  # type: ignore[override]
-        grads = (bool(ctx.needs_input_grad[0]), bool(ctx.needs_input_grad[1]))
-        total, grad_h, grad_w = compute(grads)
-        ctx.save_for_backward(grad_h, grad_w)
-        ctx.weight_dtype = weight.dtype
+    def forward(ctx, compute, *tensors):  # type: ignore[override]
+        total, *grads = compute(tuple(bool(n) for n in ctx.needs_input_grad[1:]))
+        ctx.save_for_backward(*grads)
+        ctx.dtypes = [t.dtype for t in tensors]
         return total
 
     @staticmethod
     def backward(ctx, grad_out):  # type: ignore[override]
-        grad_h, grad_w = ctx.saved_tensors
-        dh = grad_h * grad_out.to(grad_h.dtype) if ctx.needs_input_grad[0] else None
-        dw = (grad_w * grad_out).to(ctx.weight_dtype) if ctx.needs_input_grad[1] else None
-        return dh, dw, None
+        out: list[torch.Tensor | None] = [None]
+        for g, need, dtype in zip(ctx.saved_tensors, ctx.needs_input_grad[1:], ctx.dtypes):
+            out.append((g * grad_out.to(g.dtype)).to(dtype) if need else None)
+        return tuple(out)
 
 
 def linear_cross_entropy_sum(
@@ -132,13 +145,42 @@ def _apply(hidden, weight, labels, chunk_size: int, group, offset: int) -> torch
     flat, flat_labels = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)
     compute = functools.partial(_chunked, flat, weight, flat_labels, chunk_size, group=group,
                                 offset=offset)  # fmt: skip
-    return _with_gradients(flat, weight, compute)
+    return _with_gradients(compute, flat, weight)
 
 
-def _with_gradients(hidden: torch.Tensor, weight: torch.Tensor, compute) -> torch.Tensor:
-    if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
-        return _GradientsInForward.apply(hidden, weight, compute)
-    return compute((False, False))[0]
+def lora_linear_cross_entropy_sum(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    u: torch.Tensor,
+    b: torch.Tensor,
+    labels: torch.Tensor,
+    chunk_size: int = 1024,
+) -> torch.Tensor:
+    """`linear_cross_entropy_sum` of a head with a LoRA adapter: logits = hidden Wᵀ + u Bᵀ,
+    where u = scaling · A dropout(hidden) is computed by the caller (so its gradient reaches A
+    and hidden through autograd), without materializing the logits.
+
+    Args:
+        hidden: (..., D); weight: (V, D), the frozen base head; u: (..., r); b: (V, r), the
+        adapter's B; labels: (...) int64, -100 ignored; chunk_size: tokens per chunk (> 0).
+    Returns:
+        0-dim fp32 tensor, differentiable w.r.t. hidden, weight, u and b.
+    Raises:
+        ValueError: chunk_size <= 0.
+    """
+    if chunk_size <= 0:
+        raise ValueError(f"chunk_size={chunk_size} must be > 0")
+    flat, flat_labels = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)
+    flat_u = u.reshape(-1, u.shape[-1])
+    compute = functools.partial(_chunked, flat, weight, flat_labels, chunk_size,
+                                low_rank=(flat_u, b))  # fmt: skip
+    return _with_gradients(compute, flat, weight, flat_u, b)
+
+
+def _with_gradients(compute, *tensors: torch.Tensor) -> torch.Tensor:
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return _GradientsInForward.apply(compute, *tensors)
+    return compute((False,) * len(tensors))[0]
 
 
 def _distill_chunks(
@@ -210,7 +252,7 @@ def linear_distillation_loss_sum(
         _distill_chunks, flat, weight, teacher_hidden.reshape(-1, teacher_hidden.shape[-1]),
         teacher_weight.detach(), labels.reshape(-1), chunk_size, alpha, temperature,
     )  # fmt: skip
-    return _with_gradients(flat, weight, compute)
+    return _with_gradients(compute, flat, weight)
 
 
 class _ChunkedLogprobs(torch.autograd.Function):
@@ -270,126 +312,3 @@ def chunked_token_logprobs(
     flat = hidden.reshape(-1, hidden.shape[-1])
     out = _ChunkedLogprobs.apply(flat, weight, targets.reshape(-1), temperature, chunk_size)
     return out.view(targets.shape)
-
-
-class FusedLossHead(nn.Linear):
-    """The output head of a model trained with the chunked fused loss: a bias-free Linear (its
-    `weight` keeps the name, so checkpoints and exports are unchanged) that returns logits as
-    usual, or, while `targets(labels)` is active, the summed cross-entropy of its input against
-    `labels` computed by `linear_cross_entropy_sum` (0-dim fp32), so the model's forward ends
-    in the loss and the logits never exist. Swapped in from outside by `use_fused_loss`,
-    before parallelism is applied, so FSDP's hooks on the head (gather, reshard, reduce-scatter)
-    run as for the plain Linear."""
-
-    returns_loss = True  # tensor parallel splits it with `FusedHeadParallel`
-
-    def __init__(self, in_features: int, out_features: int, chunk_size: int) -> None:
-        super().__init__(in_features, out_features, bias=False)
-        self.chunk_size = chunk_size
-        self.labels: torch.Tensor | None = None
-        self.temperature = 0.0  # > 0: return log-probabilities of `labels` (`fused_logprobs`)
-        self.distill: tuple[torch.Tensor, torch.Tensor, float, float] | None = None
-        self.captured: tuple[torch.Tensor, torch.Tensor] | None = None  # `teacher_hidden`
-        self.capture = False
-        self.liger = False  # `titanlab.components.liger.apply_liger`: Liger's loss kernel
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.capture:  # `teacher_hidden`: the input and the (gathered) weight, no logits
-            self.captured = (x, self.weight)
-            return x
-        if self.labels is None:
-            return F.linear(x, self.weight)
-        if self.distill is not None:  # `fused_distillation`
-            assert not isinstance(self.weight, DTensor), "tensor parallel: not yet"
-            t_hidden, t_weight, alpha, t = self.distill
-            return linear_distillation_loss_sum(
-                x, self.weight, t_hidden, t_weight, self.labels, alpha=alpha, temperature=t,
-                chunk_size=self.chunk_size,
-            )  # fmt: skip
-        if self.temperature:  # `fused_logprobs`
-            assert not isinstance(self.weight, DTensor), "tensor parallel: not yet"
-            return chunked_token_logprobs(
-                x, self.weight, self.labels, self.temperature, self.chunk_size
-            )
-        if isinstance(self.weight, DTensor):  # tensor parallel (`FusedHeadParallel`)
-            assert isinstance(x, DTensor)
-            return vocab_parallel_linear_cross_entropy_sum(
-                x, self.weight, self.labels, self.chunk_size
-            )
-        if self.liger:
-            from titanlab.components.liger import liger_linear_cross_entropy_sum
-
-            return liger_linear_cross_entropy_sum(x, self.weight, self.labels)
-        return linear_cross_entropy_sum(x, self.weight, self.labels, self.chunk_size)
-
-
-def use_fused_loss(model: nn.Module, chunk_size: int) -> None:
-    """Swap `model.output` (a bias-free nn.Linear; the model on any device, meta included) for
-    a `FusedLossHead` holding the same weight Parameter."""
-    old = model.output
-    assert isinstance(old, nn.Linear) and old.bias is None, "the output head is a bias-free Linear"
-    with torch.device("meta"):  # no initialization drawn: the weight is the old head's
-        head = FusedLossHead(old.in_features, old.out_features, chunk_size)
-    head.weight = old.weight
-    model.output = head
-
-
-@contextlib.contextmanager
-def fused_targets(model: nn.Module, labels: torch.Tensor) -> Iterator[None]:
-    """Within, `model(inputs)` returns the summed token cross-entropy against `labels` ((bs,
-    seq) int64, -100 ignored) instead of logits."""
-    head = model.output
-    assert isinstance(head, FusedLossHead), "use_fused_loss(model) first"
-    head.labels = labels
-    try:
-        yield
-    finally:
-        head.labels = None
-
-
-@contextlib.contextmanager
-def fused_logprobs(model: nn.Module, targets: torch.Tensor, temperature: float) -> Iterator[None]:
-    """Within, `model(inputs)` returns log softmax(logits / temperature)[targets] per position
-    ((bs, seq) float32) instead of logits: the RL and preference objectives' forward."""
-    head = model.output
-    assert isinstance(head, FusedLossHead), "use_fused_loss(model) first"
-    head.labels, head.temperature = targets, temperature
-    try:
-        yield
-    finally:
-        head.labels, head.temperature = None, 0.0
-
-
-def teacher_hidden(
-    teacher: nn.Module, inputs: torch.Tensor, **kwargs: Any
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The teacher's forward up to its head, for `fused_distillation`: (hidden (bs, seq, D_t),
-    head weight (V, D_t)). The weight is the one the head's forward saw: under FSDP the
-    all-gathered tensor of the norm + head group, which is never resharded after forward
-    (`titanlab.distributed.parallelize`), so it stays valid until the next forward."""
-    head = teacher.output
-    assert isinstance(head, FusedLossHead), "use_fused_loss(teacher) first"
-    head.capture = True
-    try:
-        teacher(inputs, **kwargs)
-        assert head.captured is not None
-        hidden, weight = head.captured
-    finally:
-        head.capture, head.captured = False, None
-    return hidden, weight
-
-
-@contextlib.contextmanager
-def fused_distillation(
-    model: nn.Module, labels: torch.Tensor, teacher: tuple[torch.Tensor, torch.Tensor],
-    alpha: float, temperature: float,
-) -> Iterator[None]:  # fmt: skip
-    """Within, `model(inputs)` returns the summed distillation loss against `labels` and the
-    teacher's (hidden, head weight) from `teacher_hidden` (`linear_distillation_loss_sum`)."""
-    head = model.output
-    assert isinstance(head, FusedLossHead), "use_fused_loss(model) first"
-    head.labels, head.distill = labels, (*teacher, alpha, temperature)
-    try:
-        yield
-    finally:
-        head.labels, head.distill = None, None

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from titanlab.components.fused_ce import FusedLossHead
+from titanlab.components.fused_head import FusedLossHead
 
 LABELS = "labels"
 

@@ -8,7 +8,7 @@ parameters, their names and checkpoints are unchanged and only `forward` differs
 - RMSNorm: Liger's `LigerRMSNormFunction` in its "llama" casting mode (the mean square in fp32,
   the normalized input cast back before the weight), not in place;
 - SwiGLU: `LigerSiLUMulFunction`, silu(w1 x) · (w3 x) in one kernel;
-- the fused loss's head (`titanlab.components.fused_ce.FusedLossHead`, with
+- the fused loss's head (`titanlab.components.fused_head.FusedLossHead`, with
   `loss.fused_linear_cross_entropy`): Liger's `LigerFusedLinearCrossEntropyLoss` (sum over
   tokens, -100 ignored) for the cross-entropy; distillation and the RL log-probabilities keep
   titanlab's chunked kernels.

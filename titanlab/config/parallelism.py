@@ -79,6 +79,12 @@ class Parallelism:
     """Blocks per pipeline stage (the first and last stage hold one fewer, for the embedding and
     the output). -1: split evenly, counting embedding and output as one block each."""
 
+    pipeline_parallel_split: Literal["layers", "params", "flops"] = "layers"
+    """What the automatic split balances: layers (equal blocks; embedding and output one block
+    each), params (parameter counts: the weights, gradients and optimizer state each stage
+    holds) or flops (training FLOPs per token, the output projection counted: with a large
+    vocabulary the last stage takes fewer blocks). titanlab/distributed/pipeline_split.py."""
+
     pipeline_parallel_module_fqns_per_stage: list[str] = field(default_factory=list)
     """Manual split: one entry per stage, the module names separated by spaces, e.g.
     "tok_embeddings layers.0 layers.1". Overrides the automatic split."""
@@ -123,6 +129,16 @@ class Parallelism:
         _require(
             self.zero_stage in (0, 1, 2, 3),
             f"parallelism.zero_stage={self.zero_stage} is not valid; valid: 0, 1, 2, 3",
+        )
+        _require(
+            self.pipeline_parallel_split == "layers"
+            or (
+                self.pipeline_parallel_layers_per_stage == -1
+                and not self.pipeline_parallel_module_fqns_per_stage
+            ),
+            f"parallelism.pipeline_parallel_split={self.pipeline_parallel_split} balances the "
+            "stages itself; it cannot be combined with pipeline_parallel_layers_per_stage or "
+            "pipeline_parallel_module_fqns_per_stage (set one of them)",
         )
         strategy = self.fsdp_sharding_strategy
         _require(

@@ -104,8 +104,10 @@ class Loss:
     all-reduced over the tp ranks), context parallel (each rank's sequence shard) and pipeline
     parallel (the last stage's forward ends in the loss). RL and DPO take their
     log-probabilities from the head chunk by chunk too (tp 1), and distillation its loss (the
-    teacher's head too; tp 1, pp 1). true is refused with RL or distillation under TP,
-    distillation under PP, and a LoRA adapter on the output head; auto (the default) is true
+    teacher's head too; tp 1, pp 1). A LoRA adapter on the output head adds its low-rank
+    logits chunk by chunk (plain cross-entropy, tp 1, no Liger or NF4 base). true is refused
+    with RL or distillation under TP, distillation under PP, and the adapted head with what it
+    does not cover; auto (the default) is true
     where none of those applies and a microbatch holds more than `chunk_size` tokens (then
     the whole logits never exist), false elsewhere (`fused_loss`)."""
 
@@ -212,8 +214,23 @@ def _check_fused_loss_combinations(config: Any) -> None:
         "loss",
     )
     peft = config.peft
-    _require(
-        peft.method == "none" or "output" not in peft.target_modules,
-        "loss.fused_linear_cross_entropy=true with peft.target_modules containing 'output' is "
-        "not supported (the fused head has no adapter); adapt the other layers",
-    )
+    if peft.method == "none" or "output" not in peft.target_modules:
+        return
+    # LoRA on the output head: the fused cross-entropy adds the adapter's low-rank logits
+    # chunk by chunk (`lora_linear_cross_entropy_sum`); its other paths do not yet.
+    others = {
+        f"parallelism.tensor_parallel_degree={par.tensor_parallel_degree}": (
+            par.tensor_parallel_degree > 1
+        ),
+        "distill.teacher_path": bool(config.distill.teacher_path),
+        f"rl.algorithm={config.rl.algorithm}": config.rl.algorithm != "none",
+        "kernels.liger=true": bool(config.kernels.liger),
+        "peft.quantize_base=nf4": peft.quantize_base == "nf4",
+    }
+    for name, on in others.items():
+        _require(
+            not on,
+            f"loss.fused_linear_cross_entropy=true with peft.target_modules containing 'output' "
+            f"and {name} is not supported (the adapted head's fused loss covers plain "
+            "cross-entropy without tensor parallel); drop one of them or use the plain loss",
+        )

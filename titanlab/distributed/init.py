@@ -22,6 +22,12 @@ def device_type() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+_IDENTITY_SET_HERE: list[str] = []
+"""The rank identity `init_distributed` wrote into os.environ for a world of one, removed again
+by `destroy_distributed`: left behind, a later launch from the same process (a test, a
+notebook) would take RANK / MASTER_PORT as its own and join a store that is gone."""
+
+
 def init_distributed(init_timeout_s: int) -> tuple[torch.device, int, int]:
     """Create the default process group (cuda:nccl + cpu:gloo, or cpu:gloo).
 
@@ -31,7 +37,7 @@ def init_distributed(init_timeout_s: int) -> tuple[torch.device, int, int]:
         (device, rank, world_size). The device is `cuda:<LOCAL_RANK>` or `cpu`.
     """
     if "RANK" not in os.environ:  # a world of one, launched without torchrun
-        os.environ.update(
+        identity = dict(
             RANK="0",
             LOCAL_RANK="0",
             WORLD_SIZE="1",
@@ -39,6 +45,8 @@ def init_distributed(init_timeout_s: int) -> tuple[torch.device, int, int]:
             MASTER_ADDR="127.0.0.1",
             MASTER_PORT="0",  # the store binds a port the OS picks (`_attempt_store`)
         )
+        os.environ.update(identity)
+        _IDENTITY_SET_HERE[:] = list(identity)
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if device_type() == "cuda":
         device = torch.device("cuda", local_rank)
@@ -100,13 +108,19 @@ def destroy_distributed(barrier: bool = True) -> None:
     With `barrier` (the normal end), every rank first waits for the others, so no rank tears
     down its gloo connections while a peer still uses them: a rank that exits while a peer's
     send or receive is in flight can abort with "terminate called without an active exception".
-    Pass `barrier=False` after an error, when the peers may never arrive.
+    Pass `barrier=False` after an error, when the peers may never arrive. The rank identity
+    `init_distributed` set for a world of one leaves os.environ (also when the group never
+    came up).
     """
-    if not dist.is_initialized():
-        return
-    if barrier:
-        dist.barrier()
-    dist.destroy_process_group()
+    try:
+        if dist.is_initialized():
+            if barrier:
+                dist.barrier()
+            dist.destroy_process_group()
+    finally:
+        for key in _IDENTITY_SET_HERE:
+            os.environ.pop(key, None)
+        _IDENTITY_SET_HERE.clear()
 
 
 def exit_process(status: int) -> None:

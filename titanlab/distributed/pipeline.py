@@ -1,5 +1,5 @@
-"""Pipeline parallel: split the model into stages by layer and run a `torch.distributed.pipelining`
-schedule over them.
+"""Pipeline parallel: split the model into stages by layer or by cost and run a
+`torch.distributed.pipelining` schedule over them.
 
 Stages hold whole transformer blocks; the first stage also holds the token embedding, the last
 the final norm and output projection. Each rank holds one stage (GPipe, 1F1B), several stages
@@ -11,6 +11,7 @@ Qi et al. 2023) or two stages in a V (ZBVZeroBubble, DualPipeV; rank r holds sta
 from __future__ import annotations
 
 import copy
+import logging
 from typing import TYPE_CHECKING
 
 from torch.distributed.pipelining import PipelineStage
@@ -22,6 +23,8 @@ from titanlab.peft.qlora import to_empty_keeping_quantized
 
 if TYPE_CHECKING:
     from titanlab.models.common.decoder import Decoder
+
+logger = logging.getLogger("titanlab")
 
 SINGLE = {"GPipe": S.ScheduleGPipe, "1F1B": S.Schedule1F1B}
 LOOPED = {
@@ -102,9 +105,15 @@ def layers_per_stage(n_layers: int, n_stages: int, per_stage: int = -1) -> list[
 
 
 def stage_fqns(
-    n_layers: int, n_stages: int, per_stage: int = -1, manual: list[str] | None = None
+    n_layers: int,
+    n_stages: int,
+    per_stage: int = -1,
+    manual: list[str] | None = None,
+    counts: list[int] | None = None,
 ) -> list[list[str]]:
-    """Module names of each stage: manual lists ("tok_embeddings layers.0 ...") or the auto split."""
+    """Module names of each stage: manual lists ("tok_embeddings layers.0 ..."), else `counts`
+    blocks per stage (a cost-balanced split: `pipeline_split.balanced_counts`), else the layer
+    split (`layers_per_stage`)."""
     if manual:
         if len(manual) != n_stages:
             raise ConfigError(
@@ -113,7 +122,7 @@ def stage_fqns(
             )
         return [entry.split() for entry in manual]
     fqns, start = [], 0
-    for i, count in enumerate(layers_per_stage(n_layers, n_stages, per_stage)):
+    for i, count in enumerate(counts or layers_per_stage(n_layers, n_stages, per_stage)):
         names = [f"layers.{j}" for j in range(start, start + count)]
         start += count
         if i == 0:
@@ -122,6 +131,24 @@ def stage_fqns(
             names += ["norm", "output"]
         fqns.append(names)
     return fqns
+
+
+def split_counts(model: Decoder, config, n_stages: int) -> list[int] | None:
+    """Blocks per stage of a cost-balanced split (`parallelism.pipeline_parallel_split` params
+    or flops), logged with each stage's parameters and FLOPs share; None for the layer split."""
+    from titanlab.distributed import pipeline_split as ps
+
+    by = config.parallelism.pipeline_parallel_split
+    if by == "layers":
+        return None
+    costs = {
+        k: ps.unit_costs(model, model.args, config.training.seq_len, k) for k in ("params", "flops")
+    }
+    counts = ps.balanced_counts(costs[by], n_stages)
+    even = layers_per_stage(len(model.layers), n_stages)
+    fqns = stage_fqns(len(model.layers), n_stages, counts=counts)
+    logger.info(ps.describe(fqns, costs, by, counts, even))
+    return counts
 
 
 def build_stage_module(model: Decoder, fqns: list[str]) -> Decoder:
@@ -165,11 +192,13 @@ def pipeline_model(model: Decoder, parallel_dims, config, device, parallelize_fn
     pp, pp_rank = pp_mesh.size(), pp_mesh.get_local_rank()
     per_rank = stages_per_rank(p.pipeline_parallel_schedule, p.pipeline_parallel_stages_per_rank)
     n_stages = pp * per_rank
+    counts = split_counts(model, config, n_stages)
     all_fqns = stage_fqns(
         len(model.layers),
         n_stages,
         p.pipeline_parallel_layers_per_stage,
         p.pipeline_parallel_module_fqns_per_stage,
+        counts,
     )
     ids = stage_ids(p.pipeline_parallel_schedule, pp_rank, pp, per_rank)
     parts: list = []

@@ -70,7 +70,7 @@ def block_styles(float8_comm: bool, lora: bool = False) -> tuple[type, type, typ
 
 class FusedHeadParallel(ColwiseParallel):
     """Column-wise (vocab rows) split of a head that returns the loss (`returns_loss`, the
-    fused loss's `titanlab.components.fused_ce.FusedLossHead`): in training its forward returns the
+    fused loss's `titanlab.components.fused_head.FusedLossHead`): in training its forward returns the
     summed loss as a plain tensor, equal on every tp rank, which passes through; logits
     (outside `fused_targets`) are laid out as ColwiseParallel lays them out."""
 
@@ -114,7 +114,7 @@ def apply_tp(
     if model.output is not None:
         # A LoRA adapter on the head is split like one on wq (A replicated, B by vocab rows).
         head = colwise if lora else ColwiseParallel
-        if getattr(model.output, "returns_loss", False):  # components.fused_ce.FusedLossHead
+        if getattr(model.output, "returns_loss", False):  # components.fused_head.FusedLossHead
             head = FusedHeadParallel
         top["output"] = head(
             input_layouts=Shard(1),

@@ -67,15 +67,22 @@ def adapters_disabled(model: nn.Module) -> Iterator[None]:
     W x + 0 · B A x is exactly W x); after, the scalings are restored. The base model's output
     from the adapted module itself, with no second copy of the weights (PEFT's
     `disable_adapter`)."""
-    layers = [m for m in model.modules() if isinstance(m, LoRALinear)]
+    layers = adapted_modules(model)
     saved = [m.scaling for m in layers]
     for m in layers:
-        m.scaling = 0.0
+        setattr(m, "scaling", 0.0)  # noqa: B010 (a float attribute, not a submodule)
     try:
         yield
     finally:
         for m, scaling in zip(layers, saved):
-            m.scaling = scaling
+            setattr(m, "scaling", scaling)  # noqa: B010
+
+
+def adapted_modules(model: nn.Module) -> list[nn.Module]:
+    """Every module of `model` that carries a LoRA adapter (`lora_a`, `lora_b`, `scaling`): the
+    `LoRALinear`s, and a fused loss head that took over an adapted output head
+    (`titanlab.components.fused_head.use_fused_loss`)."""
+    return [m for m in model.modules() if isinstance(getattr(m, "lora_b", None), nn.Linear)]
 
 
 def _copy_full(param: torch.Tensor, full: torch.Tensor) -> None:
@@ -191,7 +198,7 @@ def init_adapters(model_parts: list[nn.Module], seed: int) -> None:
     module's name (identical values in any parallel layout)."""
     for part in model_parts:
         for name, module in part.named_modules():
-            if isinstance(module, LoRALinear):
+            if isinstance(getattr(module, "lora_b", None), nn.Linear):  # adapted_modules
                 plain = name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
                 digest = sum(ord(c) * (i + 1) for i, c in enumerate(plain))
                 module.reset_adapter(torch.Generator().manual_seed(seed * 1_000_003 + digest))

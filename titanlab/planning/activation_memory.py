@@ -107,7 +107,7 @@ def trace_activation_bytes(
     """
     from titanlab.planning.compiled_saved import saved_bytes_compiled
     from titanlab.distributed.activation_checkpoint import apply_ac
-    from titanlab.components.fused_ce import fused_targets, use_fused_loss
+    from titanlab.components.fused_head import fused_targets, use_fused_loss
     from titanlab.components.loss import cross_entropy_sum
     from titanlab.models.common.decoder import moe_layers
     from titanlab.models.registry import build_model

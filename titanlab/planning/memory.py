@@ -118,8 +118,9 @@ def estimate_memory(
     if dp_shard == -1:
         dp_shard = max(world_size // (p.data_parallel_replicate_degree * tp * pp * cp), 1)
     stage = p.zero_stage_in_force
+    replicas = p.data_parallel_replicate_degree
     if stage == 0:  # DDP: the dp_shard ranks replicate (ParallelDims.from_config)
-        dp_shard = 1
+        dp_shard, replicas = 1, replicas * dp_shard
     shard = dp_shard * cp * tp * pp
     elem = torch.finfo(compute_dtype).bits // 8
 
@@ -181,6 +182,9 @@ def estimate_memory(
         return (count_params(block) - experts) // tp + experts // ep
 
     gathered_block = max(gathered(block) for block in cast(nn.ModuleDict, model.layers).values())
+    gathered_units = _gathered_units(
+        model, layers * gathered_block, gathered_block, tp, pp, stage, dp_shard * cp > 1
+    )
     a2a = 0
     if moes and ep > 1:
         tokens = b * s_local // tp  # an MoE layer under TP routes its rank's sequence shard
@@ -193,11 +197,7 @@ def estimate_memory(
         # ZeRO-1 accumulates whole gradients over the microbatches (one reduce-scatter a step)
         grads=4 * n_params // (shard // (dp_shard * cp) if stage == 1 and accumulating else shard),
         optimizer=8 * n_params // shard,
-        # ZeRO-3 holds about two blocks gathered (the one running, the next prefetched);
-        # stages 1 and 2 keep every block of the stage gathered from forward to backward.
-        gathered_params=(layers if stage in (1, 2) else 2) * gathered_block * elem
-        if dp_shard * cp > 1
-        else 0,
+        gathered_params=gathered_units * elem if dp_shard * cp > 1 or replicas > 1 else 0,
         activations=acts,
         logits=(traced.head + logits_grads) // tp,
         overhead=(2 if on_gpu else 1) * GIB // 2,
@@ -207,6 +207,35 @@ def estimate_memory(
         else 0,
         grads_during_forward=accumulating,
     )
+
+
+def _gathered_units(
+    model: nn.Module, blocks: int, block: int, tp: int, pp: int, stage: int, sharded: bool
+) -> int:
+    """Parameters (elements) a rank holds gathered at its peak, the start of backward, besides
+    its shards (`titanlab.distributed.parallelize`'s units: each block, the embedding, the final
+    norm + output together, the root). `blocks`: every block of the pipeline stage gathered,
+    `block`: the largest one, both tp-sharded.
+
+    ZeRO-3 (FSDP2, blocks resharded after forward): the norm + output unit, never resharded
+    after forward, or two blocks in flight (the running one and the prefetched one), whichever
+    is larger. Stages 1 and 2 keep every unit gathered from forward to backward; so does
+    FSDP2's `replicate` (DDP: stage 0, or dp_replicate without dp_shard), whose parameters live
+    twice, as the one-rank "shard" and as the gathered copy the blocks compute with."""
+    from titanlab.models.common.decoder import count_params
+
+    def params(*modules) -> int:
+        return sum(count_params(m) for m in modules if m is not None) // tp
+
+    output = getattr(model, "output", None)
+    embedding = getattr(model, "tok_embeddings", None)
+    tied = output is not None and embedding is not None and output.weight is embedding.weight
+    tail = params(getattr(model, "norm", None), None if tied else output)
+    embed = params(embedding)
+    if sharded and stage == 3:
+        return max(2 * block, embed if tied else tail)  # tied: the root keeps the shared weight
+    # A pipeline stage holds the embedding (first) or the norm + output (last), not both.
+    return blocks + (embed + tail if pp == 1 else max(embed, tail))
 
 
 def available_bytes_per_rank(local_world_size: int) -> tuple[int, str]:

@@ -29,7 +29,7 @@ from titanlab.distributed.context_parallel import cp_context
 from titanlab.distributed.parallel_dims import ParallelDims
 from titanlab.distributed.utils import clip_grad_norm_, global_sum
 from titanlab.posttrain.distill import PipelineDistillLoss, distillation_loss_sum
-from titanlab.components.fused_ce import fused_distillation, fused_targets, teacher_hidden
+from titanlab.components.fused_head import fused_distillation, fused_targets, teacher_hidden
 from titanlab.components.fused_pipeline import LABELS
 from titanlab.precision.float8 import precompute_scales
 from titanlab.precision.mixed import autocast_context, build_grad_scaler

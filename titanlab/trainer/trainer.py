@@ -39,7 +39,7 @@ from titanlab.models.common.decoder import Decoder, count_active_params, count_p
 from titanlab.observability import warning_filters
 from titanlab.observability.profiling import StepProfiler
 from titanlab.observability.run_summary import end_of_run
-from titanlab.components.fused_ce import use_fused_loss
+from titanlab.components.fused_head import use_fused_loss
 from titanlab.components.fused_pipeline import returned_loss, take_labels
 from titanlab.components.liger import apply_liger
 from titanlab.peft.lora import init_adapters

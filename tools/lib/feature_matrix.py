@@ -415,8 +415,19 @@ def covering_rows(
             row[factor] = max(candidates, key=lambda lv: (gain(lv, row), -levels.index(lv)))
         return {factor: row[factor] for factor in FACTORS}
 
+    def factors(t: frozenset[Level]) -> frozenset[str]:
+        return frozenset(lv.factor for lv in t)
+
     while uncovered:
-        seeds = [w for w in wanted if w in uncovered][:CANDIDATE_SEEDS]
+        # Seeds from the factor pair with the most pairs left first: a row holds one pair of
+        # each factor pair, so the largest (layout × peft) bounds the rows from below.
+        left: dict[frozenset[str], int] = {}
+        for t in uncovered:
+            left[factors(t)] = left.get(factors(t), 0) + 1
+        order = sorted(
+            (w for w in wanted if w in uncovered), key=lambda w: -left[factors(w)]
+        )  # stable: within a factor pair, the input order
+        seeds = order[:CANDIDATE_SEEDS]
         built = [(seed, complete(seed)) for seed in seeds]
         # Most newly covered first; sorted() is stable, so ties keep the earlier seed.
         built.sort(key=lambda sr: -len(subsets(list(sr[1].values())) & uncovered))

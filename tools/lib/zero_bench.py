@@ -22,7 +22,7 @@ import os
 import statistics
 from dataclasses import dataclass
 
-from tools import comm_bytes
+from tools.lib import comm_measure, comm_predict
 from tools.lib.runs import launch
 
 STAGES = ((0, False), (1, False), (2, False), (3, False), (2, True), (3, True))
@@ -32,7 +32,7 @@ SNAPSHOT = [
     "--profiling.enable_memory_snapshot",
     "true",
     "--profiling.profile_freq",
-    str(comm_bytes.STEPS),
+    str(comm_predict.STEPS),
     "--profiling.profiler_warmup",
     "0",
     "--profiling.profiler_active",
@@ -52,6 +52,8 @@ class StageRow:
     comm_as_predicted: bool
     traffic_psi: float
     step_s: float
+    measured_min: int = 0
+    measured_max: int = 0
 
     @property
     def name(self) -> str:
@@ -63,9 +65,24 @@ class StageRow:
         return (self.predicted_bytes - self.measured_bytes) / self.measured_bytes
 
 
-def layout(stage: int) -> comm_bytes.Layout:
+DESCRIPTION = (
+    "`debugmodel_deep` (951,360 parameters, Ψ = 3,805,440 bytes in fp32) on 2 data-parallel "
+    "ranks (gloo), seq 64, 2 microbatches of 2 samples per rank per step, fp32. Memory: the "
+    "peak of every live tensor of rank 0 and 1 in step 2 (`peak_live_bytes` of the CPU memory "
+    "timeline), median and range over the repeats, against the pre-flight estimate's "
+    "`peak_tensors`. Communication: step 2 of rank 0, every call's size checked against the "
+    "closed form (tools/lib/comm_predict.py); the parameter + gradient traffic as a "
+    "bandwidth-optimal ring sends it, in Ψ (ZeRO §7: 2Ψ for DDP and stages 1-2 with one "
+    "reduction a step, 3Ψ for stage 3; here 2 microbatches, so stage 2 reduce-scatters "
+    "twice and stage 3 gathers twice). Step time: median of steps 3-12 of a run without "
+    "profiler or counter. On CPU the offload policy moves nothing (host memory is the "
+    "device's), so its rows show the policy's cost, not its saving."
+)
+
+
+def layout(stage: int) -> comm_predict.Layout:
     return next(
-        lay for lay in comm_bytes.LAYOUTS if lay.name == f"ZeRO-{stage}, dp 2, grad accum 2"
+        lay for lay in comm_predict.LAYOUTS if lay.name == f"ZeRO-{stage}, dp 2, grad accum 2"
     )
 
 
@@ -83,13 +100,13 @@ def predicted_bytes(stage: int, offload: bool, dataset: str) -> int:
 
     lay = layout(stage)
     config = build_config(
-        comm_bytes.train_args(lay, dataset, "unused", comm_bytes.STEPS) + offload_args(offload)
+        comm_measure.train_args(lay, dataset, "unused", comm_predict.STEPS) + offload_args(offload)
     )
     args = builders.build_model_args(config, builders.build_tokenizer(config).vocab_size)
     return estimate_memory(args, config, lay.nproc, torch.float32).peak_tensors
 
 
-def measured_peak(dump: str, step: int = comm_bytes.STEPS, rank: int = 0) -> int:
+def measured_peak(dump: str, step: int = comm_predict.STEPS, rank: int = 0) -> int:
     """Peak bytes of every live tensor of `step` on `rank` (`peak_live_bytes` of the CPU
     memory timeline: titanlab.observability.profiling)."""
     path = os.path.join(dump, "memory_snapshot", f"rank{rank}_step{step}_peak.json")
@@ -101,7 +118,7 @@ def step_seconds(stage: int, offload: bool, dataset: str, workdir: str) -> float
     """Median seconds per step of a `TIMED_STEPS`-step run after `WARMUP` steps."""
     lay = layout(stage)
     dump = os.path.join(workdir, f"timed-zero{stage}{'-offload' if offload else ''}")
-    args = comm_bytes.train_args(lay, dataset, dump, TIMED_STEPS) + offload_args(offload)
+    args = comm_measure.train_args(lay, dataset, dump, TIMED_STEPS) + offload_args(offload)
     proc = launch(lay.nproc, [*args, "--metrics.log_freq", "1", "--metrics.save_plot", "false"])
     if proc.returncode != 0:
         raise RuntimeError(
@@ -112,23 +129,34 @@ def step_seconds(stage: int, offload: bool, dataset: str, workdir: str) -> float
     return statistics.median(by_step[s] for s in range(WARMUP + 1, TIMED_STEPS + 1)) / 1000
 
 
-def run_row(stage: int, offload: bool, dataset: str, workdir: str) -> StageRow:
-    """Measure one row (three launches' worth of work: see the module docstring)."""
+def run_row(stage: int, offload: bool, dataset: str, workdir: str, repeats: int = 3) -> StageRow:
+    """Measure one row: `repeats` counted and profiled runs (the memory is the median of their
+    ranks' peaks: gloo's collectives finish on their own thread, so where the peak falls
+    moves by up to a block's worth between runs) and `repeats` timing runs."""
     lay = layout(stage)
     sub = os.path.join(workdir, "offload" if offload else "plain")
     os.makedirs(sub, exist_ok=True)
-    measured = comm_bytes.measure(lay, dataset, sub, extra=tuple(SNAPSHOT + offload_args(offload)))
-    args = comm_bytes.model_args()
-    predicted = comm_bytes.histogram(comm_bytes.predict(lay, args, 0))
+    args = comm_predict.model_args()
+    predicted = comm_predict.histogram(comm_predict.predict(lay, args, 0))
+    peaks, times = [], []
+    for _ in range(repeats):
+        measured = comm_measure.measure(
+            lay, dataset, sub, extra=(*SNAPSHOT, *offload_args(offload))
+        )
+        dump = comm_measure.dump_folder(lay, sub)
+        peaks += [measured_peak(dump, rank=r) for r in range(lay.nproc)]
+        times.append(step_seconds(stage, offload, dataset, workdir))
     return StageRow(
         stage,
         offload,
         predicted_bytes(stage, offload, dataset),
-        measured_peak(comm_bytes.dump_folder(lay, sub)),
+        int(statistics.median(peaks)),
         sum(k["bytes"] for k in measured[0].values()),
         {k: v["sizes"] for k, v in measured[0].items()} == predicted,
-        comm_bytes.parameter_traffic(measured[0]) / comm_bytes.param_bytes(args),
-        step_seconds(stage, offload, dataset, workdir),
+        comm_predict.parameter_traffic(measured[0]) / comm_predict.param_bytes(args),
+        statistics.median(times),
+        min(peaks),
+        max(peaks),
     )
 
 
@@ -136,14 +164,15 @@ def render(rows: list[StageRow]) -> str:
     """The Markdown table."""
     mib = 2**20
     lines = [
-        "| stage | memory predicted (MiB) | memory measured (MiB) | predicted − measured "
+        "| stage | memory predicted (MiB) | memory measured (MiB) [range] | predicted − measured "
         "| comm bytes per step (rank 0) | as predicted | parameter + gradient traffic "
         "| step time (ms) |",
         "|---|---:|---:|---:|---:|---|---:|---:|",
     ]
     for r in rows:
         lines.append(
-            f"| {r.name} | {r.predicted_bytes / mib:.2f} | {r.measured_bytes / mib:.2f} | "
+            f"| {r.name} | {r.predicted_bytes / mib:.2f} | {r.measured_bytes / mib:.2f} "
+            f"[{r.measured_min / mib:.2f}–{r.measured_max / mib:.2f}] | "
             f"{r.memory_error:+.1%} | {r.comm_bytes:,} | {'yes' if r.comm_as_predicted else 'NO'} "
             f"| {r.traffic_psi:.2f} Ψ | {r.step_s * 1000:.0f} |"
         )

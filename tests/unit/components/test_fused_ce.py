@@ -10,12 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from titanlab.components.fused_ce import (
-    FusedLossHead,
-    fused_targets,
-    linear_cross_entropy_sum,
-    use_fused_loss,
-)
+from titanlab.components.fused_ce import linear_cross_entropy_sum
+from titanlab.components.fused_head import FusedLossHead, fused_targets, use_fused_loss
 from titanlab.components.loss import cross_entropy_sum
 
 

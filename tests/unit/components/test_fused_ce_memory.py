@@ -12,7 +12,7 @@ import sys
 SCRIPT = r"""
 import dataclasses, json, sys
 import torch
-from titanlab.components.fused_ce import fused_targets, use_fused_loss
+from titanlab.components.fused_head import fused_targets, use_fused_loss
 from titanlab.components.loss import cross_entropy_sum
 from titanlab.config.peft import Peft
 from titanlab.models.registry import build_model, get_family, get_flavor

@@ -11,12 +11,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from titanlab.components.fused_ce import (
-    fused_distillation,
-    linear_distillation_loss_sum,
-    teacher_hidden,
-    use_fused_loss,
-)
+from titanlab.components.fused_ce import linear_distillation_loss_sum
+from titanlab.components.fused_head import fused_distillation, teacher_hidden, use_fused_loss
 from titanlab.posttrain.distill import distillation_loss_sum
 
 

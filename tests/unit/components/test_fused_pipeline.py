@@ -6,7 +6,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from titanlab.components.fused_ce import linear_cross_entropy_sum, use_fused_loss
+from titanlab.components.fused_ce import linear_cross_entropy_sum
+from titanlab.components.fused_head import use_fused_loss
 from titanlab.components.fused_pipeline import returned_loss, take_labels
 
 

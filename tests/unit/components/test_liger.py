@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from titanlab.components import liger
-from titanlab.components.fused_ce import fused_targets, use_fused_loss
+from titanlab.components.fused_head import fused_targets, use_fused_loss
 from titanlab.components.loss import cross_entropy_sum
 from titanlab.config.errors import ConfigError
 from titanlab.config.manager import build_config

@@ -30,9 +30,30 @@ CASES = {
         ["--distill.teacher_path", "/t", "--parallelism.tensor_parallel_degree", "2"],
         "with distill.teacher_path and parallelism.tensor_parallel_degree=2 is not supported",
     ),
-    "lora on the head": (
-        ["--peft.method", "lora", "--peft.target_modules", "wq,output"],
-        "with peft.target_modules containing 'output' is not supported",
+    "lora on the head under tp": (
+        [
+            "--peft.method",
+            "lora",
+            "--peft.target_modules",
+            "wq,output",
+            "--parallelism.tensor_parallel_degree",
+            "2",
+        ],
+        "with peft.target_modules containing 'output' and parallelism.tensor_parallel_degree=2 "
+        "is not supported",
+    ),
+    "lora on the head with rl": (
+        [
+            "--peft.method",
+            "lora",
+            "--peft.target_modules",
+            "output",
+            "--rl.algorithm",
+            "grpo",
+            "--rl.group_size",
+            "2",
+        ],
+        "containing 'output' and rl.algorithm=grpo is not supported",
     ),
 }
 
@@ -45,10 +66,11 @@ def test_bad_fused_loss_config_is_one_line(case):
     assert says in str(e.value) and "\n" not in str(e.value)
 
 
-def test_the_fused_loss_composes_with_data_parallel_and_lora_elsewhere():
+def test_the_fused_loss_composes_with_data_parallel_and_lora_elsewhere_and_on_the_head():
     config = build_config([*FUSED, "--peft.method", "lora", "--parallelism.data_parallel_shard_degree",
                            "2"])  # fmt: skip
     assert config.loss.fused_linear_cross_entropy and config.loss.chunk_size == 256
+    build_config([*FUSED, "--peft.method", "lora", "--peft.target_modules", "wq,output"])
 
 
 def test_offloading_with_compile_is_one_line():

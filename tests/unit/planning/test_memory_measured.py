@@ -19,7 +19,7 @@ from torch.profiler._memory_profiler import MemoryProfileTimeline
 from titanlab.config.job_config import JobConfig
 from titanlab.config.performance import fused_loss
 from titanlab.distributed.activation_checkpoint import apply_ac
-from titanlab.components.fused_ce import fused_targets, use_fused_loss
+from titanlab.components.fused_head import fused_targets, use_fused_loss
 from titanlab.components.loss import cross_entropy_sum
 from titanlab.planning.memory import estimate_memory
 from titanlab.models.llama3 import llama3_flavors

@@ -9,7 +9,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from titanlab.components.fused_ce import FusedLossHead, fused_logprobs
+from titanlab.components.fused_head import FusedLossHead, fused_logprobs
 from titanlab.distributed.utils import global_max
 from titanlab.models.common.decoder import moe_layers
 from titanlab.posttrain.rl.objectives import token_logprobs

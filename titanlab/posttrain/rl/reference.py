@@ -15,7 +15,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_mo
 from titanlab.config.performance import fused_loss
 from titanlab.checkpoint import store
 from titanlab.components import builders as components
-from titanlab.components.fused_ce import use_fused_loss
+from titanlab.components.fused_head import use_fused_loss
 from titanlab.config.job_config import ConfigError, JobConfig
 from titanlab.peft.lora import adapters_disabled
 
