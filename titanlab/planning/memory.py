@@ -23,7 +23,9 @@ Per-rank bytes, predicted from the config and world size without allocating anyt
 - a fixed runtime overhead (CUDA context and allocator slack on GPU, the interpreter on CPU).
 
 The peak comes at the start of backward, when all activations and the logits' gradients are
-alive but gradients are not (they are created during backward, as activations are freed), or at
+alive but gradients are not (they are created during backward, as activations are freed), at
+the end of backward (every gradient made but the first block's, whose activations are still
+alive: the peak when checkpointing or the fused loss leave little alive at the start), or at
 the optimizer step (parameters, gradients and optimizer state). With gradient accumulation the
 gradients also live through the later forwards. `tests/unit/planning/test_memory_measured.py` checks the
 prediction against the peak measured by PyTorch's memory profiler on CPU; `make gpu-check`
@@ -60,10 +62,13 @@ class MemoryEstimate:
     a2a_buffers: int = 0
     recompute: int = 0  # one block's activations, recomputed in backward under full/per-layer AC
     grads_during_forward: bool = False  # gradient accumulation keeps them through forwards
+    last_block: int = 0  # the first block's activations, alive while its backward runs
 
     @property
     def peak_tensors(self) -> int:
-        """Peak bytes of tensors: at the start of backward, or at the optimizer step."""
+        """Peak bytes of tensors: at the start of backward, at its end (every gradient but the
+        first block's made, that block's activations alive: the peak where checkpointing or the
+        fused loss leave little at the start), or at the optimizer step."""
         # The logits' gradients are freed before the last block is recomputed: never both at once.
         backward = (
             self.activations
@@ -71,7 +76,8 @@ class MemoryEstimate:
             + max(self.logits, self.recompute)
             + (self.grads if self.grads_during_forward else 0)
         )
-        return self.params + self.optimizer + self.gathered_params + max(backward, self.grads)
+        end = self.grads + self.last_block
+        return self.params + self.optimizer + self.gathered_params + max(backward, end)
 
     @property
     def total(self) -> int:
@@ -206,6 +212,7 @@ def estimate_memory(
         if mode == "full" or (mode == "selective" and option != "op")
         else 0,
         grads_during_forward=accumulating,
+        last_block=block["none"],
     )
 
 
