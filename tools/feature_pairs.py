@@ -45,11 +45,10 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from tools.lib.feature_covering import covering_rows, pair_rows
 from tools.lib.feature_matrix import (
     companions,
-    covering_rows,
     names_both,
-    pair_rows,
     pair_verdicts,
     row_name,
     triple_verdicts,

@@ -5,8 +5,8 @@
     python tools/parity_matrix.py --world-sizes 2 4 --only ddp
 
 The layouts come from `titanlab.planning.layouts.enumerate_layouts` (degrees, schedules,
-gradient accumulation, CP's rotate method, and where ranks shard, each ZeRO stage 0-3 with and
-without offload), and the trainer's own validator decides which are valid; a refused layout is listed with its one-line reason. Each
+gradient accumulation, CP's rotate method, where ranks shard each ZeRO stage 0-3 with and
+without offload, and 2D tensor parallel where tp is a square), and the trainer's own validator decides which are valid; a refused layout is listed with its one-line reason. Each
 valid layout trains `debugmodel_deep` for 5 steps (fp32, deterministic, global batch 8 × 64
 tokens) from the same seed checkpoint, and its losses are compared with the 1-process run's.
 Results are appended to `<work-dir>/results.jsonl` as they come (a rerun skips layouts already
@@ -38,6 +38,7 @@ TOLERANCE = 1e-5
 WORLD_SIZES = (1, 2, 4, 8)
 ZERO_STAGES = (0, 1, 2, 3)
 OFFLOAD = (False, True)
+TP_MODES = ("1d", "2d")
 # PP × TP × FSDP on 8 ranks must be in the CI subset even though pairs alone do not force it;
 # so must CP's second rotate method with each other parallelism and with gradient accumulation.
 MUST = (
@@ -132,7 +133,9 @@ def matrix(world_sizes=WORLD_SIZES, device_type: str = "cpu") -> list[tuple[Layo
     return [
         (lay, check_layout(config, lay, GLOBAL_BATCH, model_args, device_type))
         for ws in world_sizes
-        for lay in enumerate_layouts(ws, with_cp=True, zero_stages=ZERO_STAGES, offload=OFFLOAD)
+        for lay in enumerate_layouts(
+            ws, with_cp=True, zero_stages=ZERO_STAGES, offload=OFFLOAD, tp_modes=TP_MODES
+        )
     ]
 
 

@@ -18,6 +18,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, REPO)
 from tools.lib import feature_runs as runs  # noqa: E402
 from tools.lib import feature_matrix as fp  # noqa: E402
+from tools.lib.feature_covering import covering_rows  # noqa: E402
 from tools.lib.runs import read_losses  # noqa: E402
 
 FULL = os.environ.get("TITANLAB_PARITY_FULL") == "1"
@@ -57,7 +58,7 @@ def test_every_refusal_is_one_line_naming_both_options(matrix):
 def test_supported_pairs_train_like_one_process_and_export_whole(matrix):
     fixtures, helpers, verdicts, root = matrix
     triples = fp.triple_verdicts(fixtures, helpers, verdicts) if FULL else {}
-    rows = fp.covering_rows(verdicts, fixtures, helpers, triples=triples)
+    rows = covering_rows(verdicts, fixtures, helpers, triples=triples)
     in_rows = {frozenset(c) for row in rows for n in (2, 3) for c in combinations(row.values(), n)}
     supported = [pair for pair, why in verdicts.items() if why is None]
     assert all(frozenset(pair) in in_rows for pair in supported)

@@ -35,6 +35,8 @@ FULL_ONLY = pytest.mark.skipif(
 OPTIONS = {
     "tp2_no_loss_parallel": Layout(1, 1, 2, 1, None, 1),
     "pp2_split_flops": Layout(1, 1, 1, 2, "1F1B", 1),  # blocks 6 + 2 instead of 4 + 4
+    # ZeRO-1 toggles FSDP2's gradient sync and resharding per microbatch around compiled blocks
+    "fsdp2_zero1_ga2_compile": Layout(1, 2, 1, 1, None, 2, zero_stage=1),
     "cp2_ac_full": CP2,
     "cp2_ac_selective_op": CP2,
     "cp2_ac_selective_2": CP2,
@@ -44,6 +46,7 @@ OPTIONS = {
 OPTION_ARGS = {
     "tp2_no_loss_parallel": ["--parallelism.disable_loss_parallel", "true"],
     "pp2_split_flops": ["--parallelism.pipeline_parallel_split", "flops"],
+    "fsdp2_zero1_ga2_compile": ["--compile.enable", "true"],
     "cp2_ac_full": ["--activation_checkpoint.mode", "full"],
     "cp2_ac_selective_op": ["--activation_checkpoint.mode", "selective"],
     "cp2_ac_selective_2": [

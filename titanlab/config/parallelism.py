@@ -8,6 +8,7 @@ from typing import Literal
 from titanlab.config.errors import ConfigError, _require  # noqa: F401
 
 CPRotateMethod = Literal["allgather", "alltoall"]
+TensorParallelMode = Literal["1d", "2d"]
 ShardingStrategy = Literal["", "FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"]
 # FSDP1's (and DeepSpeed users') names for the ZeRO stages.
 STRATEGY_STAGES = {"FULL_SHARD": 3, "SHARD_GRAD_OP": 2, "NO_SHARD": 0, "HYBRID_SHARD": 3}
@@ -56,6 +57,14 @@ class Parallelism:
 
     tensor_parallel_degree: int = 1
     """tp: tensor parallel degree (Megatron-style, always with sequence parallel for the norms)."""
+
+    tensor_parallel_mode: TensorParallelMode = "1d"
+    """How the tp ranks split each layer. 1d: Megatron's column / row split with sequence
+    parallel. 2d: the tp ranks as a q × q grid (tp = q², e.g. 4 or 9), every Linear's weight
+    split on both grid dimensions and the activations by batch rows and features (Optimus,
+    Xu et al. 2021, arXiv:2104.05343, on SUMMA products; titanlab/distributed/
+    tensor_parallel_2d.py): 1/q² of each weight per rank, heads split over q only. 2d runs
+    on tp ranks alone for now (no FSDP, DDP, PP, CP), dense models without q/k norms."""
 
     disable_loss_parallel: bool = False
     """Under tp, gather the full-vocab logits before the loss instead of computing the

@@ -81,6 +81,8 @@ class ParallelDims:
     pp: int
     world_size: int
     ep: int = 1
+    tp_grid: int = 1
+    """q of a q × q grid of the tp ranks (2D tensor parallel; mesh `tp_2d`), 1 for 1D."""
     _meshes: dict[str, DeviceMesh] = field(default_factory=dict, repr=False)
     _root_names: dict[str, str] = field(default_factory=dict, repr=False)
 
@@ -126,6 +128,16 @@ class ParallelDims:
             world_size=world_size,
             ep=parallelism.expert_parallel_degree,
         )
+        if parallelism.tensor_parallel_mode == "2d":
+            from titanlab.distributed.tensor_parallel_2d import grid_side
+
+            side = grid_side(dims.tp)
+            if side is None:
+                raise ConfigError(
+                    f"parallelism.tensor_parallel_mode=2d needs tensor_parallel_degree to be the "
+                    f"square of an integer >= 2 (4, 9, 16, ...), not {dims.tp}"
+                )
+            dims.tp_grid = side
         check_zero_stage(parallelism, dims)
         if parallelism.zero_stage_in_force == 0 and dims.dp_shard > 1:
             dims = dataclasses.replace(
@@ -225,6 +237,11 @@ class ParallelDims:
         self._flatten(root, "dp_cp_tp", rep + shard + cp + tp)
         if self.ep_enabled:
             self._flatten(root, "ep", [n for n in ("dp_shard_in_ep", "cp", "tp") if n in names])
+        if self.tp_grid > 1:
+            from titanlab.distributed.tensor_parallel_2d import GRID
+
+            q = self.tp_grid
+            self._meshes["tp_2d"] = self._meshes["tp"]._unflatten(0, (q, q), GRID)
         return root
 
     def _flatten(self, root: DeviceMesh, name: str, dims: list[str]) -> None:
@@ -252,8 +269,8 @@ class ParallelDims:
             return root[dims]
 
     def mesh(self, name: str) -> DeviceMesh | None:
-        """The sub-mesh `name` (pp, dp_replicate, dp_shard, cp, tp, ep, efsdp, dp, dp_shard_cp,
-        dp_cp, dp_cp_tp, root), or None when that parallelism is off (degree 1; `efsdp` exists
+        """The sub-mesh `name` (pp, dp_replicate, dp_shard, cp, tp, tp_2d, ep, efsdp, dp,
+        dp_shard_cp, dp_cp, dp_cp_tp, root), or None when that parallelism is off (degree 1; `efsdp` exists
         whenever ep > 1)."""
         return self._meshes.get(name)
 

@@ -55,6 +55,7 @@ def loss_parallel_enabled(config: JobConfig, parallel_dims: ParallelDims) -> boo
     sampling (reinforcement learning samples from whole-vocab rows)."""
     return (
         parallel_dims.tp_enabled
+        and config.parallelism.tensor_parallel_mode == "1d"
         and not config.parallelism.disable_loss_parallel
         and not config.distill.teacher_path
         and config.rl.algorithm == "none"
@@ -67,7 +68,13 @@ def parallelize_model(
     """Apply, in order, TP → EP → AC (and activation offloading) → compile → FSDP2/HSDP/DDP to `model` (the whole model, or
     one pipeline stage of it) in place. Returns the same model object.
     """
-    if parallel_dims.tp_enabled:
+    if parallel_dims.tp_enabled and config.parallelism.tensor_parallel_mode == "2d":
+        from titanlab.distributed.tensor_parallel_2d import apply_tp_2d
+
+        grid = parallel_dims.mesh("tp_2d")
+        assert grid is not None  # built whenever tensor_parallel_mode is 2d
+        apply_tp_2d(model, grid)
+    elif parallel_dims.tp_enabled:
         f8 = config.float8
         tp_mesh = parallel_dims.mesh("tp")
         assert tp_mesh is not None  # built whenever tp > 1

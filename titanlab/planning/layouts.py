@@ -25,7 +25,7 @@ from titanlab.distributed.parallel_dims import ParallelDims
 from titanlab.planning.validate import validate_layout
 
 if TYPE_CHECKING:
-    from titanlab.config.parallelism import CPRotateMethod, PipelineSchedule
+    from titanlab.config.parallelism import CPRotateMethod, PipelineSchedule, TensorParallelMode
 
 SCHEDULES = (*pipeline.SINGLE, *pipeline.LOOPED, *pipeline.V_SHAPE)
 CP_ROTATE_METHODS = ("allgather", "alltoall")
@@ -55,6 +55,8 @@ class Layout:
     offload: bool = False
     """ZeRO-Offload (`training.enable_cpu_offload`): sharded parameters, gradients and optimizer
     state in host memory."""
+    tp_mode: str = "1d"
+    """`parallelism.tensor_parallel_mode`: 1d, or 2d on a q × q grid of the tp ranks."""
 
     @property
     def world_size(self) -> int:
@@ -81,6 +83,8 @@ class Layout:
                 parts.append(f"{label}{degree}")
                 if label == "cp" and self.cp_rotate != "allgather":
                     parts.append(self.cp_rotate)
+                if label == "tp" and self.tp_mode != "1d":
+                    parts.append(self.tp_mode)
         if self.pp > 1:
             parts.append(f"pp{self.pp}-{self.schedule}")
         if self.grad_accum > 1:
@@ -107,7 +111,7 @@ class Layout:
         if self.dp_kind:
             out.add(self.dp_kind)
         if self.tp > 1:
-            out.add("tp")
+            out.add("tp" if self.tp_mode == "1d" else f"tp{self.tp_mode}")
         if self.cp > 1:
             out.add("cp")
         if self.ep > 1:
@@ -168,6 +172,8 @@ class Layout:
             out += ["--parallelism.zero_stage", str(self.zero_stage)]
         if self.offload:
             out += ["--training.enable_cpu_offload", "true"]
+        if self.tp_mode != "1d":
+            out += ["--parallelism.tensor_parallel_mode", self.tp_mode]
         return out
 
 
@@ -192,14 +198,16 @@ def enumerate_layouts(
     schedules: tuple[str, ...] = SCHEDULES,
     zero_stages: tuple[int, ...] = (3,),
     offload: tuple[bool, ...] = (False,),
+    tp_modes: tuple[str, ...] = ("1d",),
 ) -> list[Layout]:
     """Every candidate layout of `world_size` ranks: each ordered factorization into
     (dp_replicate, dp_shard, cp, tp, pp) (cp only when `with_cp`), each of `schedules` when
     pp > 1, each gradient-accumulation count, each of CP's rotate methods when cp > 1, with
     `with_ep` each expert-parallel degree that divides dp_shard × cp × tp (1 included), and
     where dp_shard × cp > 1 each ZeRO stage of `zero_stages` with and without offload as
-    `offload` lists (elsewhere the stage changes nothing: stage 3 only). Validity is not
-    checked here (see `check_layout`)."""
+    `offload` lists (elsewhere the stage changes nothing: stage 3 only), and each tensor
+    parallel mode of `tp_modes` whose grid the tp degree makes (2d: a square >= 4). Validity is
+    not checked here (see `check_layout`)."""
     out = []
     for rep, shard, cp, tp, pp in _factorizations(world_size, 5):
         if cp > 1 and not with_cp:
@@ -209,11 +217,18 @@ def enumerate_layouts(
         rotates = CP_ROTATE_METHODS if cp > 1 else ("allgather",)
         sharded = shard * cp > 1
         zero = list(itertools.product(zero_stages, offload)) if sharded else [(3, False)]
-        for schedule, ga, ep, rotate, (stage, off) in itertools.product(
-            schedules if pp > 1 else (None,), grad_accum, eps, rotates, zero
+        modes = [m for m in tp_modes if m == "1d" or (m == "2d" and _is_square(tp))]
+        for schedule, ga, ep, rotate, (stage, off), mode in itertools.product(
+            schedules if pp > 1 else (None,), grad_accum, eps, rotates, zero, modes
         ):
-            out.append(Layout(rep, shard, tp, pp, schedule, ga, cp, ep, rotate, stage, off))
+            out.append(Layout(rep, shard, tp, pp, schedule, ga, cp, ep, rotate, stage, off, mode))
     return out
+
+
+def _is_square(n: int) -> bool:
+    """Whether n is q² for an integer q >= 2 (a 2D tensor-parallel grid)."""
+    q = round(n**0.5)
+    return q >= 2 and q * q == n
 
 
 def apply_layout(config: JobConfig, layout: Layout, global_batch_size: int) -> JobConfig:
@@ -239,6 +254,7 @@ def apply_layout(config: JobConfig, layout: Layout, global_batch_size: int) -> J
             "PipelineSchedule", layout.schedule or config.parallelism.pipeline_parallel_schedule
         ),
         zero_stage=layout.zero_stage,
+        tensor_parallel_mode=cast("TensorParallelMode", layout.tp_mode),
     )
     t = dataclasses.replace(
         config.training,

@@ -17,6 +17,8 @@ def validate_layout(config: JobConfig, dims: ParallelDims, model_args, device_ty
     t = config.training
     heads, kv_heads = model_args.n_heads, model_args.kv_heads
     _validate_experts(config, dims, model_args)
+    if dims.tp_grid > 1:
+        _validate_tp_2d(config, dims, model_args)
     stage = config.parallelism.zero_stage_in_force
     if t.enable_cpu_offload and stage in (0, 1):
         raise ConfigError(
@@ -24,13 +26,13 @@ def validate_layout(config: JobConfig, dims: ParallelDims, model_args, device_ty
             "supported (ZeRO-Offload keeps sharded parameters and gradients in CPU memory: "
             "stages 2 and 3); use zero_stage 2 or 3"
         )
-    if dims.tp > 1:
+    if dims.tp > 1 and dims.tp_grid == 1:  # 1D; 2D splits heads over q (_validate_tp_2d)
         if heads % dims.tp or kv_heads % dims.tp:
             raise ConfigError(
                 f"parallelism.tensor_parallel_degree={dims.tp} must divide the number of"
                 f" heads ({heads}) and of KV heads ({kv_heads}) of {config.model.flavor}"
             )
-    seq_div = dims.tp * (2 * dims.cp if dims.cp > 1 else 1)
+    seq_div = (dims.tp if dims.tp_grid == 1 else 1) * (2 * dims.cp if dims.cp > 1 else 1)
     if t.seq_len % seq_div:
         raise ConfigError(
             f"training.seq_len={t.seq_len} must be divisible by tp × 2·cp = {seq_div}"
@@ -182,6 +184,56 @@ def _validate_pipeline(config: JobConfig, dims: ParallelDims, model_args) -> Non
             f"{name} with FSDP and fsdp_reshard_after_forward=always gives wrong "
             "gradients in torch 2.13; use 'default' (no resharding under pipeline parallel)"
         )
+
+
+def _validate_tp_2d(config: JobConfig, dims: ParallelDims, model_args) -> None:
+    """2D tensor parallel (`tensor_parallel_mode=2d`) on a q × q grid: what it splits must split
+    over q, and what it does not compose with yet is refused by name."""
+    q, name = dims.tp_grid, "parallelism.tensor_parallel_mode=2d"
+    others = {
+        "data_parallel_replicate_degree": dims.dp_replicate,
+        "data_parallel_shard_degree": dims.dp_shard,
+        "context_parallel_degree": dims.cp,
+        "pipeline_parallel_degree": dims.pp,
+        "expert_parallel_degree": dims.ep,
+    }
+    for option, degree in others.items():
+        if degree > 1:
+            raise ConfigError(
+                f"{name} with parallelism.{option}={degree} is not supported yet (2D tensor "
+                "parallel runs on the tp ranks alone); use tensor_parallel_mode=1d or "
+                f"{option}=1"
+            )
+    features = {
+        "compile.enable=true": config.compile.enable,
+        "peft.method=lora": config.peft.method == "lora",
+        "float8.enable=true": config.float8.enable,
+        "distill.teacher_path": bool(config.distill.teacher_path),
+        f"rl.algorithm={config.rl.algorithm}": config.rl.algorithm != "none",
+        "data.document_mask=true": config.data.document_mask,
+        f"model.name={config.model.name} (per-head q/k norms)": bool(model_args.qk_norm),
+        f"model.name={config.model.name} (routed experts)": bool(moe_layer_args(model_args)),
+    }
+    for option, on in features.items():
+        if on:
+            raise ConfigError(
+                f"{name} with {option} is not supported yet (2D tensor parallel covers dense "
+                "training with the plain loss); use tensor_parallel_mode=1d"
+            )
+    sizes = {
+        "n_heads": model_args.n_heads,
+        "kv_heads": model_args.kv_heads,
+        "dim": model_args.dim,
+        "the MLP's hidden size": model_args.ffn_hidden_dim(),
+        "vocab_size": model_args.vocab_size,
+        "training.local_batch_size": config.training.local_batch_size,
+    }
+    for what, size in sizes.items():
+        if size % q:
+            raise ConfigError(
+                f"{name} on a {q} × {q} grid (tensor_parallel_degree={q * q}) splits {what} "
+                f"over {q} ranks, but it is {size}; use sizes divisible by {q}"
+            )
 
 
 def _validate_experts(config: JobConfig, dims: ParallelDims, model_args) -> None:

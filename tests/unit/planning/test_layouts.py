@@ -33,13 +33,15 @@ def test_enumeration_is_every_factorization_schedule_and_accumulation():
 
 
 def test_layout_names_are_unique_and_readable():
-    zero = {"zero_stages": (0, 1, 2, 3), "offload": (False, True), "with_cp": True}
+    zero = {"zero_stages": (0, 1, 2, 3), "offload": (False, True), "with_cp": True,
+            "tp_modes": ("1d", "2d")}  # fmt: skip
     layouts = [l for ws in (1, 2, 4, 8) for l in enumerate_layouts(ws, **zero)]
     assert len({l.name for l in layouts}) == len(layouts)
     assert Layout(2, 1, 1, 2, "1F1B", 2).name == "ws4-ddp2-pp2-1F1B-ga2"
     assert Layout(2, 2, 2, 1, None, 1).name == "ws8-hsdp2x2-tp2"
     assert Layout(1, 2, 1, 1, None, 1, zero_stage=1).name == "ws2-fsdp2-zero1"
     assert Layout(1, 2, 1, 1, None, 1, offload=True).name == "ws2-fsdp2-zero3-offload"
+    assert Layout(1, 1, 4, 1, None, 2, tp_mode="2d").name == "ws4-tp4-2d-ga2"
 
 
 def test_zero_stages_are_enumerated_only_where_ranks_shard():
@@ -76,7 +78,7 @@ def test_overrides_keep_the_global_batch():
 
 
 def test_every_candidate_is_accepted_or_refused_with_one_line(verdicts):
-    zero = {"zero_stages": (0, 1, 2, 3), "offload": (False, True)}
+    zero = {"zero_stages": (0, 1, 2, 3), "offload": (False, True), "tp_modes": ("1d", "2d")}
     candidates = [enumerate_layouts(ws, with_cp=True, **zero) for ws in (1, 2, 4, 8)]
     assert len(verdicts) == sum(map(len, candidates))
     refusals = [why for _, why in verdicts if why is not None]
@@ -162,3 +164,40 @@ def test_pairwise_subset_on_a_toy():
     assert pairwise_subset([d, e]) == [d]
     assert set(pairwise_subset([a, b, c, e])) == {a, b, c}
     assert pairwise_subset([a, b, c, d], must=(frozenset({"ddp", "tp"}),))[0] == c  # cheapest
+
+
+def test_2d_tensor_parallel_is_enumerated_on_square_degrees_and_runs_on_tp_alone(verdicts):
+    modes = {(l.tp, l.tp_mode) for l in enumerate_layouts(8, tp_modes=("1d", "2d"))}
+    assert (4, "2d") in modes and (2, "2d") not in modes and (8, "2d") not in modes
+    refused = {lay.name: why for lay, why in verdicts if why}
+    valid = {lay.name for lay, why in verdicts if why is None}
+    # 4 heads and 2 KV heads: 1D cannot split them 4 ways, the 2 × 2 grid splits them 2 ways.
+    assert "must divide the number of heads" in refused["ws4-tp4"]
+    assert {"ws4-tp4-2d", "ws4-tp4-2d-ga2"} <= valid
+    assert "2D tensor parallel runs on the tp ranks alone" in refused["ws8-fsdp2-tp4-2d"]
+    assert "pipeline_parallel_degree=2" in refused["ws8-tp4-2d-pp2-1F1B"]
+    args = Layout(1, 1, 4, 1, None, 1, tp_mode="2d").overrides(8)
+    assert args[args.index("--parallelism.tensor_parallel_mode") + 1] == "2d"
+
+
+@pytest.mark.parametrize(
+    "extra, says",
+    [
+        (["--compile.enable", "true"], "tensor_parallel_mode=2d with compile.enable=true"),
+        (["--model.name", "qwen3"], "(per-head q/k norms) is not supported yet"),
+        (["--parallelism.tensor_parallel_degree", "8"], "square of an integer >= 2"),
+    ],
+)
+def test_2d_tensor_parallel_refusals_are_one_line(extra, says):
+    from titanlab.planning.layouts import check_layout
+
+    config, args = parity_matrix._base_config(extra)
+    tp = 8 if "8" in extra else 4
+    why = check_layout(config, Layout(1, 1, tp, 1, None, 1, tp_mode="2d"), 8, args, "cpu")
+    assert why is not None and says in why and "\n" not in why, why
+    from titanlab.distributed.parallel_dims import ParallelDims
+
+    config.parallelism.tensor_parallel_mode = "2d"
+    config.parallelism.tensor_parallel_degree = 6
+    with pytest.raises(Exception, match="not 6"):
+        ParallelDims.from_config(config.parallelism, 6)

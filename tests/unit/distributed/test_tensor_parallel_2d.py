@@ -1,0 +1,83 @@
+"""2D tensor parallel on a 2 × 2 grid of 4 spawned gloo ranks: the loss and every gradient equal
+one process's, each weight holds 1/q² of the Linear on each rank, gradients keep their
+parameters' placements; and the grid side of a tp degree."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from gloo_group import init_gloo, spawn
+from titanlab.distributed.tensor_parallel_2d import grid_side
+
+
+def test_grid_side_is_the_square_root_of_a_square_degree():
+    assert [grid_side(n) for n in (4, 9, 16)] == [2, 3, 4]
+    assert [grid_side(n) for n in (1, 2, 3, 8, 12)] == [None] * 5
+
+
+def _worker(rank: int, init_file: str, out: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    from titanlab.components.loss import cross_entropy_sum
+    from titanlab.distributed.init import destroy_distributed
+    from titanlab.distributed.tensor_parallel_2d import GRID, apply_tp_2d, summa_loss
+    from titanlab.models.llama3 import llama3_flavors
+    from titanlab.models.registry import build_model
+
+    init_gloo(rank, 4, init_file)
+    ok = False
+    try:
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=GRID)
+        args = dataclasses.replace(llama3_flavors["debugmodel"], vocab_size=512, n_layers=2)
+        torch.manual_seed(0)
+        ref = build_model(args)
+        ref.init_weights()
+        model = copy.deepcopy(ref)
+        apply_tp_2d(model, mesh)
+        g = torch.Generator().manual_seed(1)
+        tokens = torch.randint(0, 512, (4, 32), generator=g)
+        labels = torch.randint(0, 512, (4, 32), generator=g)
+        labels[1, :5] = -100
+        want = cross_entropy_sum(ref(tokens), labels)
+        want.backward()
+        got = summa_loss(cross_entropy_sum, mesh)(model(tokens), labels)
+        got.backward()
+        worst, moved, shapes = 0.0, [], {}
+        for (name, p_ref), (name2, p) in zip(ref.named_parameters(), model.named_parameters()):
+            assert name == name2
+            assert isinstance(p, DTensor) and isinstance(p.grad, DTensor), name
+            if p.grad.placements != p.placements:
+                moved.append(name)
+            worst = max(worst, (p.grad.full_tensor() - p_ref.grad).abs().max().item())
+            shapes[name] = [list(p.shape), list(p.to_local().shape)]
+        if rank == 0:
+            with open(out, "w") as f:
+                json.dump({"loss": [want.item(), got.item()], "worst": worst, "moved": moved,
+                           "shapes": shapes, "tokens": int((labels != -100).sum())}, f)  # fmt: skip
+        ok = True
+    finally:
+        destroy_distributed(barrier=ok)
+
+
+@pytest.mark.skipif(not dist.is_available(), reason="needs torch.distributed")
+def test_a_2x2_grid_trains_like_one_process(tmp_path):
+    out = str(tmp_path / "result.json")
+    spawn(_worker, (str(tmp_path / "init"), out), nprocs=4)
+    with open(out) as f:
+        r = json.load(f)
+    want, got = r["loss"]
+    assert abs(got - want) / r["tokens"] < 1e-6  # the mean token loss
+    assert r["worst"] < 1e-5 and r["moved"] == []
+    full, local = r["shapes"]["layers.0.attention.wq.weight"]
+    assert local == [full[0] // 2, full[1] // 2]  # 1/q² of the weight: out and in split
+    full, local = r["shapes"]["tok_embeddings.weight"]
+    assert local == [full[0], full[1] // 2]  # the features split over the grid columns
+    assert os.path.getsize(out) > 0

@@ -1,0 +1,185 @@
+"""2D tensor parallel (`parallelism.tensor_parallel_mode = "2d"`): the tp ranks as a q × q grid,
+every Linear's weight and every activation split on both grid dimensions, as in Optimus (Xu et
+al. 2021, arXiv:2104.05343) over SUMMA matrix products (van de Geijn & Watts 1997).
+
+The grid is the 2-D mesh ("tp_row", "tp_col") over the tp ranks; rank (i, j) holds:
+- activations between modules (the residual stream): (b/q, s, d/q), the batch rows of grid row
+  i and the features of grid column j: DTensor placements [Shard(0), Shard(2)];
+- each Linear's weight W (out × in): in-features split over the grid rows, out-features over
+  the grid columns: [Shard(1), Shard(0)], 1/q² of it.
+
+A Linear Y = X Wᵀ (`SummaLinear`): X is all-gathered along its grid row (over tp_col) to
+[Shard(0), Replicate()] (after a norm it already is), W along its grid column (over tp_row) to
+[Replicate(), Shard(0)], and one local matmul gives Y = [Shard(0), Shard(2)], the layout of the
+input. Backward reduce-scatters dX over tp_col and dW over tp_row (the autograd of DTensor's
+redistribute). Per layer each rank thus receives (q-1)/q of its grid row's X block and of its
+grid column's W block: SUMMA's volume (q broadcasts of one block each, along rows and along
+columns) without its step-by-step pipelining.
+
+The rest of the block keeps the model's own code running on local tensors:
+- RMSNorm: the features all-gathered along the grid row, normalized with the replicated weight;
+  its output, [Shard(0), Replicate()], is what the next Linear's X needs.
+- attention: wq / wk / wv give local batch rows × the grid column's heads, so RoPE and SDPA run
+  locally (heads and KV heads must split over q columns); wo gathers the heads back.
+- embedding (V × d): features split over the grid columns, [Replicate(), Shard(1)]; each rank
+  looks up its grid row's batch rows.
+- output head: a `SummaLinear` whose logits are gathered over the vocabulary, so rank (i, j)
+  holds the logits of batch rows i; `summa_loss` sums the cross-entropy over the grid rows.
+
+Parameters whose gradients come out of DTensor's backward with other placements (partial sums
+over the grid rows: the embedding and the norms) are redistributed to their own placements by a
+gradient hook, so the optimizer and the gradient norm see one layout.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import TYPE_CHECKING, cast
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+
+if TYPE_CHECKING:
+    from titanlab.models.common.decoder import Decoder
+
+GRID = ("tp_row", "tp_col")
+ACTIVATIONS = (Shard(0), Shard(2))  # batch rows over tp_row, features over tp_col
+GATHERED = (Shard(0), Replicate())  # batch rows over tp_row, every feature
+WEIGHT = (Shard(1), Shard(0))  # in-features over tp_row, out-features over tp_col
+
+
+def grid_side(tp: int) -> int | None:
+    """q with q² = tp, or None when tp is not a square of an integer >= 2."""
+    q = math.isqrt(tp)
+    return q if q >= 2 and q * q == tp else None
+
+
+class SummaLinear(nn.Linear):
+    """A bias-free Linear whose weight is a [Shard(1), Shard(0)] DTensor on the grid (see the
+    module docstring). Input: a local (b/q, s, in) tensor holding every in-feature
+    (`gathered_input`, after a norm) or (b/q, s, in/q) holding grid column j's (after
+    attention or the MLP's product); output: local (b/q, s, out/q), or with `gather_output`
+    (the head) (b/q, s, out)."""
+
+    gathered_input = True
+    gather_output = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self.weight
+        assert isinstance(weight, DTensor)
+        mesh = weight.device_mesh
+        if self.gathered_input:
+            xd = DTensor.from_local(x, mesh, GATHERED, run_check=False)
+        else:
+            xd = DTensor.from_local(x, mesh, ACTIVATIONS, run_check=False).redistribute(
+                mesh, GATHERED
+            )
+        w = weight.redistribute(mesh, (Replicate(), Shard(0)))
+        y = cast(DTensor, F.linear(xd, w))  # [Shard(0), Shard(2)]
+        if self.gather_output:
+            y = y.redistribute(mesh, GATHERED)
+        return y.to_local()
+
+
+def _same_placements_as(param: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+    assert isinstance(param, DTensor)
+
+    def hook(grad: torch.Tensor) -> torch.Tensor:
+        if isinstance(grad, DTensor) and grad.placements != param.placements:
+            return grad.redistribute(param.device_mesh, param.placements)
+        return grad
+
+    return hook
+
+
+def _distribute(module: nn.Module, name: str, mesh: DeviceMesh, placements) -> None:
+    param = getattr(module, name)
+    dt = nn.Parameter(
+        distribute_tensor(param.data, mesh, placements), requires_grad=param.requires_grad
+    )
+    if dt.requires_grad:
+        dt.register_hook(_same_placements_as(dt))
+    setattr(module, name, dt)
+
+
+def _grid_norm(norm: nn.Module, mesh: DeviceMesh) -> None:
+    """Make `norm` take local (b/q, s, d/q) and return local (b/q, s, d): the features
+    all-gathered along the grid row, then normalized by the module's own forward with its
+    replicated DTensor weight."""
+    own = type(norm).forward.__get__(norm)
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        xd = DTensor.from_local(x, mesh, ACTIVATIONS, run_check=False)
+        return cast(DTensor, own(xd.redistribute(mesh, GATHERED))).to_local()
+
+    _distribute(norm, "weight", mesh, (Replicate(), Replicate()))
+    norm.forward = forward  # type: ignore[method-assign]
+
+
+def _grid_embedding(embedding: nn.Module, mesh: DeviceMesh) -> None:
+    """Make the token embedding take tokens (b, s), the same on every tp rank, and return the
+    grid row's batch rows with the grid column's features, local (b/q, s, d/q)."""
+    _distribute(embedding, "weight", mesh, (Replicate(), Shard(1)))
+    q, i = mesh.size(0), mesh.get_local_rank(0)
+
+    def forward(tokens: torch.Tensor) -> torch.Tensor:
+        rows = tokens.shape[0] // q
+        local = DTensor.from_local(tokens[i * rows : (i + 1) * rows], mesh, GATHERED,
+                                   run_check=False)  # fmt: skip
+        weight = cast(torch.Tensor, embedding.weight)
+        return cast(DTensor, F.embedding(local, weight)).to_local()  # [Shard(0), Shard(2)]
+
+    embedding.forward = forward  # type: ignore[method-assign]
+
+
+def apply_tp_2d(model: Decoder, mesh: DeviceMesh) -> None:
+    """Shard the dense `model` over the q × q `mesh` (dims `GRID`) in place (module docstring).
+
+    Input tokens (b, s) must be identical on every tp rank, b divisible by q; the model's
+    forward then returns local logits (b/q, s, vocab) of the grid row's batch rows (`summa_loss`
+    turns the loss of those into the whole batch's).
+    """
+    for block in model.layers.values():
+        for parent, names, gathered in (
+            (block.attention, ("wq", "wk", "wv"), True),
+            (block.attention, ("wo",), False),
+            (block.feed_forward, ("w1", "w3"), True),
+            (block.feed_forward, ("w2",), False),
+        ):
+            for name in names:
+                linear = getattr(parent, name)
+                _distribute(linear, "weight", mesh, WEIGHT)
+                linear.__class__ = SummaLinear
+                linear.gathered_input = gathered  # an instance attribute over the class's
+        _grid_norm(cast(nn.Module, block.attention_norm), mesh)
+        _grid_norm(cast(nn.Module, block.ffn_norm), mesh)
+    if model.tok_embeddings is not None:
+        _grid_embedding(model.tok_embeddings, mesh)
+    if model.norm is not None:
+        _grid_norm(model.norm, mesh)
+    if model.output is not None:
+        head = cast(nn.Module, model.output)
+        _distribute(head, "weight", mesh, WEIGHT)
+        head.__class__ = SummaLinear
+        setattr(head, "gather_output", True)  # noqa: B010 (mypy sees the Linear it was)
+
+
+def summa_loss(loss_fn: Callable, mesh: DeviceMesh) -> Callable:
+    """`loss_fn(logits, labels)` of a 2D-TP model: `logits` the grid row's (b/q, s, vocab),
+    `labels` the whole (b, s) batch; the row's labels are taken and the token-loss sums of the
+    q grid rows added (a plain 0-dim tensor, equal on every tp rank; backward hands each rank
+    the gradient of its own rows)."""
+    q, i = mesh.size(0), mesh.get_local_rank(0)
+
+    def loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        rows = labels.shape[0] // q
+        local = loss_fn(logits, labels[i * rows : (i + 1) * rows])
+        return DTensor.from_local(
+            local, mesh, (Partial(), Replicate()), run_check=False
+        ).full_tensor()
+
+    return loss
