@@ -183,3 +183,31 @@ def summa_loss(loss_fn: Callable, mesh: DeviceMesh) -> Callable:
         ).full_tensor()
 
     return loss
+
+
+def block_comm_bytes(
+    dim: int, n_heads: int, kv_heads: int, head_dim: int, hidden: int, tokens: int, q: int,
+    elem: int = 4,
+) -> dict[str, int]:  # fmt: skip
+    """Bytes one rank communicates for one transformer block's forward and backward under 2D TP
+    on a q × q grid, by collective kind, as `titanlab.distributed.comm_counter` counts them (the
+    full logical tensor: an all-gather's output, a reduce-scatter's input, an all-reduce's
+    tensor). `tokens`: b · s of the microbatch (each grid row holds tokens / q); `elem`: bytes
+    per element.
+
+    all_gather: per norm the grid row's activations (tokens/q × dim; 2 norms); wo's and w2's
+    inputs (tokens/q × heads·head_dim, tokens/q × hidden); every weight along its grid column
+    (in × out / q; 7 Linears). reduce_scatter (backward): wo's and w2's input gradients, and
+    every weight gradient (in × out / q). all_reduce (backward): the input gradients of the
+    Linears that read a norm's gathered output (wq, wk, wv, w1, w3: tokens/q × dim each, each
+    reduced on its own), and the two norm weights' gradients over the grid rows (dim each).
+    """
+    rows = tokens // q
+    qkv = [(dim, n_heads * head_dim), (dim, kv_heads * head_dim), (dim, kv_heads * head_dim)]
+    linears = [*qkv, (n_heads * head_dim, dim), (dim, hidden), (dim, hidden), (hidden, dim)]
+    weights = sum(i * o for i, o in linears) // q
+    return {
+        "all_gather": elem * (2 * rows * dim + rows * n_heads * head_dim + rows * hidden + weights),
+        "reduce_scatter": elem * (rows * n_heads * head_dim + rows * hidden + weights),
+        "all_reduce": elem * (5 * rows * dim + 2 * dim),
+    }

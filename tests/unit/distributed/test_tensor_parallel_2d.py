@@ -7,14 +7,13 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
-import os
 
 import pytest
 import torch
 import torch.distributed as dist
 
 from gloo_group import init_gloo, spawn
-from titanlab.distributed.tensor_parallel_2d import grid_side
+from titanlab.distributed.tensor_parallel_2d import block_comm_bytes, grid_side
 
 
 def test_grid_side_is_the_square_root_of_a_square_degree():
@@ -58,10 +57,20 @@ def _worker(rank: int, init_file: str, out: str) -> None:
                 moved.append(name)
             worst = max(worst, (p.grad.full_tensor() - p_ref.grad).abs().max().item())
             shapes[name] = [list(p.shape), list(p.to_local().shape)]
+        # One block's forward and backward, counted.
+        from titanlab.distributed.comm_counter import CommCounter
+
+        block = model.layers["0"]
+        x = torch.randn(2, 32, args.dim // 2, requires_grad=True)  # (b/q, s, d/q)
+        with CommCounter() as counter:
+            block(x, model.rope_cos, model.rope_sin).sum().backward()
+        counted = {k: v["bytes"] for k, v in counter.summary().items()}
         if rank == 0:
             with open(out, "w") as f:
                 json.dump({"loss": [want.item(), got.item()], "worst": worst, "moved": moved,
-                           "shapes": shapes, "tokens": int((labels != -100).sum())}, f)  # fmt: skip
+                           "shapes": shapes, "tokens": int((labels != -100).sum()),
+                           "block": counted, "args": [args.dim, args.n_heads, args.kv_heads,
+                           args.head_dim, args.ffn_hidden_dim()]}, f)  # fmt: skip
         ok = True
     finally:
         destroy_distributed(barrier=ok)
@@ -80,4 +89,6 @@ def test_a_2x2_grid_trains_like_one_process(tmp_path):
     assert local == [full[0] // 2, full[1] // 2]  # 1/q² of the weight: out and in split
     full, local = r["shapes"]["tok_embeddings.weight"]
     assert local == [full[0], full[1] // 2]  # the features split over the grid columns
-    assert os.path.getsize(out) > 0
+    dim, heads, kv, head_dim, hidden = r["args"]
+    predicted = block_comm_bytes(dim, heads, kv, head_dim, hidden, tokens=4 * 32, q=2)
+    assert r["block"] == predicted
