@@ -8,7 +8,7 @@ from typing import Literal
 from titanlab.config.errors import ConfigError, _require  # noqa: F401
 
 CPRotateMethod = Literal["allgather", "alltoall"]
-TensorParallelMode = Literal["1d", "2d"]
+TensorParallelMode = Literal["1d", "2d", "2.5d"]
 ShardingStrategy = Literal["", "FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"]
 # FSDP1's (and DeepSpeed users') names for the ZeRO stages.
 STRATEGY_STAGES = {"FULL_SHARD": 3, "SHARD_GRAD_OP": 2, "NO_SHARD": 0, "HYBRID_SHARD": 3}
@@ -63,8 +63,14 @@ class Parallelism:
     parallel. 2d: the tp ranks as a q × q grid (tp = q², e.g. 4 or 9), every Linear's weight
     split on both grid dimensions and the activations by batch rows and features (Optimus,
     Xu et al. 2021, arXiv:2104.05343, on SUMMA products; titanlab/distributed/
-    tensor_parallel_2d.py): 1/q² of each weight per rank, heads split over q only. 2d runs
-    on tp ranks alone for now (no FSDP, DDP, PP, CP), dense models without q/k norms."""
+    tensor_parallel_2d.py): 1/q² of each weight per rank, heads split over q only. 2.5d:
+    `tensor_parallel_depth` = d stacked q × q grids (tp = q²·d; Tesseract, Wang et al. 2021,
+    arXiv:2105.14500), the batch split over them too, each grid's weights replicated across
+    them. 2d / 2.5d run on tp ranks alone for now (no FSDP, DDP, PP, CP), dense models
+    without q/k norms."""
+
+    tensor_parallel_depth: int = 1
+    """d of 2.5D tensor parallel: tensor_parallel_degree = q² · d. 1 with 1d and 2d."""
 
     disable_loss_parallel: bool = False
     """Under tp, gather the full-vocab logits before the loss instead of computing the
@@ -138,6 +144,16 @@ class Parallelism:
         _require(
             self.zero_stage in (0, 1, 2, 3),
             f"parallelism.zero_stage={self.zero_stage} is not valid; valid: 0, 1, 2, 3",
+        )
+        _require(
+            self.tensor_parallel_depth == 1 or self.tensor_parallel_mode == "2.5d",
+            f"parallelism.tensor_parallel_depth={self.tensor_parallel_depth} means 2.5D tensor "
+            f"parallel, not tensor_parallel_mode={self.tensor_parallel_mode}; set "
+            "tensor_parallel_mode=2.5d or depth 1",
+        )
+        _require(
+            self.tensor_parallel_depth >= 1,
+            f"parallelism.tensor_parallel_depth={self.tensor_parallel_depth} must be >= 1",
         )
         _require(
             self.pipeline_parallel_split == "layers"

@@ -215,9 +215,9 @@ def _check_fused_loss_combinations(config: Any) -> None:
     )
     _require(
         par.tensor_parallel_mode == "1d" or par.tensor_parallel_degree == 1,
-        "loss.fused_linear_cross_entropy=true with parallelism.tensor_parallel_mode=2d is not "
-        "supported yet (the 2D grid's head gathers its logits by rows); use the plain loss or "
-        "tensor_parallel_mode=1d",
+        f"loss.fused_linear_cross_entropy=true with parallelism.tensor_parallel_mode="
+        f"{par.tensor_parallel_mode} is not supported yet (the grid's head gathers its logits "
+        "by rows); use the plain loss or tensor_parallel_mode=1d",
     )
     peft = config.peft
     if peft.method == "none" or "output" not in peft.target_modules:

@@ -82,7 +82,9 @@ class ParallelDims:
     world_size: int
     ep: int = 1
     tp_grid: int = 1
-    """q of a q × q grid of the tp ranks (2D tensor parallel; mesh `tp_2d`), 1 for 1D."""
+    """q of the q × q grids of the tp ranks (2D / 2.5D tensor parallel; mesh `tp_2d`), 1 for 1D."""
+    tp_depth: int = 1
+    """d, the number of stacked q × q grids (2.5D tensor parallel)."""
     _meshes: dict[str, DeviceMesh] = field(default_factory=dict, repr=False)
     _root_names: dict[str, str] = field(default_factory=dict, repr=False)
 
@@ -128,16 +130,19 @@ class ParallelDims:
             world_size=world_size,
             ep=parallelism.expert_parallel_degree,
         )
-        if parallelism.tensor_parallel_mode == "2d":
+        mode = parallelism.tensor_parallel_mode
+        if mode in ("2d", "2.5d"):
             from titanlab.distributed.tensor_parallel_2d import grid_side
 
-            side = grid_side(dims.tp)
+            depth = parallelism.tensor_parallel_depth
+            side = grid_side(dims.tp, depth)
             if side is None:
                 raise ConfigError(
-                    f"parallelism.tensor_parallel_mode=2d needs tensor_parallel_degree to be the "
-                    f"square of an integer >= 2 (4, 9, 16, ...), not {dims.tp}"
+                    f"parallelism.tensor_parallel_mode={mode} needs tensor_parallel_degree = q² "
+                    f"× tensor_parallel_depth ({depth}) with q an integer >= 2 (e.g. "
+                    f"{4 * depth}, {9 * depth}), not {dims.tp}"
                 )
-            dims.tp_grid = side
+            dims.tp_grid, dims.tp_depth = side, depth
         check_zero_stage(parallelism, dims)
         if parallelism.zero_stage_in_force == 0 and dims.dp_shard > 1:
             dims = dataclasses.replace(
@@ -240,8 +245,8 @@ class ParallelDims:
         if self.tp_grid > 1:
             from titanlab.distributed.tensor_parallel_2d import GRID
 
-            q = self.tp_grid
-            self._meshes["tp_2d"] = self._meshes["tp"]._unflatten(0, (q, q), GRID)
+            q, d = self.tp_grid, self.tp_depth
+            self._meshes["tp_2d"] = self._meshes["tp"]._unflatten(0, (d, q, q), GRID)
         return root
 
     def _flatten(self, root: DeviceMesh, name: str, dims: list[str]) -> None:

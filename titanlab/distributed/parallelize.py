@@ -68,7 +68,7 @@ def parallelize_model(
     """Apply, in order, TP → EP → AC (and activation offloading) → compile → FSDP2/HSDP/DDP to `model` (the whole model, or
     one pipeline stage of it) in place. Returns the same model object.
     """
-    if parallel_dims.tp_enabled and config.parallelism.tensor_parallel_mode == "2d":
+    if parallel_dims.tp_enabled and parallel_dims.tp_grid > 1:  # 2D / 2.5D
         from titanlab.distributed.tensor_parallel_2d import apply_tp_2d
 
         grid = parallel_dims.mesh("tp_2d")

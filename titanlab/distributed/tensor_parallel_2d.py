@@ -1,8 +1,12 @@
-"""2D tensor parallel (`parallelism.tensor_parallel_mode = "2d"`): the tp ranks as a q × q grid,
-every Linear's weight and every activation split on both grid dimensions, as in Optimus (Xu et
-al. 2021, arXiv:2104.05343) over SUMMA matrix products (van de Geijn & Watts 1997).
+"""2D and 2.5D tensor parallel (`parallelism.tensor_parallel_mode = "2d" | "2.5d"`): the tp ranks
+as d stacked q × q grids, every Linear's weight and every activation split on both grid
+dimensions, as in Optimus (Xu et al. 2021, arXiv:2104.05343) over SUMMA matrix products (van
+de Geijn & Watts 1997); 2.5D (Tesseract, Wang et al. 2021, arXiv:2105.14500) splits the batch
+over the d grids too and keeps each grid's weights replicated across them, so weight
+gradients are also all-reduced over the depth. 2D is d = 1.
 
-The grid is the 2-D mesh ("tp_row", "tp_col") over the tp ranks; rank (i, j) holds:
+The grid is the 3-D mesh ("tp_depth", "tp_row", "tp_col") over the tp ranks; rank (k, i, j)
+holds (written for d = 1; with d > 1 the batch rows are split d·q ways, k outer):
 - activations between modules (the residual stream): (b/q, s, d/q), the batch rows of grid row
   i and the features of grid column j: DTensor placements [Shard(0), Shard(2)];
 - each Linear's weight W (out × in): in-features split over the grid rows, out-features over
@@ -46,16 +50,29 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 if TYPE_CHECKING:
     from titanlab.models.common.decoder import Decoder
 
-GRID = ("tp_row", "tp_col")
-ACTIVATIONS = (Shard(0), Shard(2))  # batch rows over tp_row, features over tp_col
-GATHERED = (Shard(0), Replicate())  # batch rows over tp_row, every feature
-WEIGHT = (Shard(1), Shard(0))  # in-features over tp_row, out-features over tp_col
+GRID = ("tp_depth", "tp_row", "tp_col")
+# Mesh dims (depth, row, col); depth 1 is 2D. Batch rows over depth, then over tp_row.
+ACTIVATIONS = (Shard(0), Shard(0), Shard(2))  # features over tp_col
+GATHERED = (Shard(0), Shard(0), Replicate())  # every feature
+WEIGHT = (Replicate(), Shard(1), Shard(0))  # in-features over tp_row, out over tp_col
+WEIGHT_GATHERED = (Replicate(), Replicate(), Shard(0))  # along the grid column
+REPLICATED = (Replicate(), Replicate(), Replicate())
 
 
-def grid_side(tp: int) -> int | None:
-    """q with q² = tp, or None when tp is not a square of an integer >= 2."""
-    q = math.isqrt(tp)
-    return q if q >= 2 and q * q == tp else None
+def batch_slice(mesh: DeviceMesh, batch: int) -> slice:
+    """The batch rows rank (k, i, j) of the grid holds: block k·q + i of d·q."""
+    d, q = mesh.size(0), mesh.size(1)
+    rows = batch // (d * q)
+    block = mesh.get_local_rank(0) * q + mesh.get_local_rank(1)
+    return slice(block * rows, (block + 1) * rows)
+
+
+def grid_side(tp: int, depth: int = 1) -> int | None:
+    """q with q² · depth = tp, or None when tp / depth is not the square of an integer >= 2."""
+    if depth < 1 or tp % depth:
+        return None
+    q = math.isqrt(tp // depth)
+    return q if q >= 2 and q * q * depth == tp else None
 
 
 class SummaLinear(nn.Linear):
@@ -78,7 +95,7 @@ class SummaLinear(nn.Linear):
             xd = DTensor.from_local(x, mesh, ACTIVATIONS, run_check=False).redistribute(
                 mesh, GATHERED
             )
-        w = weight.redistribute(mesh, (Replicate(), Shard(0)))
+        w = weight.redistribute(mesh, WEIGHT_GATHERED)
         y = cast(DTensor, F.linear(xd, w))  # [Shard(0), Shard(2)]
         if self.gather_output:
             y = y.redistribute(mesh, GATHERED)
@@ -116,20 +133,18 @@ def _grid_norm(norm: nn.Module, mesh: DeviceMesh) -> None:
         xd = DTensor.from_local(x, mesh, ACTIVATIONS, run_check=False)
         return cast(DTensor, own(xd.redistribute(mesh, GATHERED))).to_local()
 
-    _distribute(norm, "weight", mesh, (Replicate(), Replicate()))
+    _distribute(norm, "weight", mesh, REPLICATED)
     norm.forward = forward  # type: ignore[method-assign]
 
 
 def _grid_embedding(embedding: nn.Module, mesh: DeviceMesh) -> None:
     """Make the token embedding take tokens (b, s), the same on every tp rank, and return the
     grid row's batch rows with the grid column's features, local (b/q, s, d/q)."""
-    _distribute(embedding, "weight", mesh, (Replicate(), Shard(1)))
-    q, i = mesh.size(0), mesh.get_local_rank(0)
+    _distribute(embedding, "weight", mesh, (Replicate(), Replicate(), Shard(1)))
 
     def forward(tokens: torch.Tensor) -> torch.Tensor:
-        rows = tokens.shape[0] // q
-        local = DTensor.from_local(tokens[i * rows : (i + 1) * rows], mesh, GATHERED,
-                                   run_check=False)  # fmt: skip
+        mine = tokens[batch_slice(mesh, tokens.shape[0])]
+        local = DTensor.from_local(mine, mesh, GATHERED, run_check=False)
         weight = cast(torch.Tensor, embedding.weight)
         return cast(DTensor, F.embedding(local, weight)).to_local()  # [Shard(0), Shard(2)]
 
@@ -169,17 +184,15 @@ def apply_tp_2d(model: Decoder, mesh: DeviceMesh) -> None:
 
 
 def summa_loss(loss_fn: Callable, mesh: DeviceMesh) -> Callable:
-    """`loss_fn(logits, labels)` of a 2D-TP model: `logits` the grid row's (b/q, s, vocab),
-    `labels` the whole (b, s) batch; the row's labels are taken and the token-loss sums of the
-    q grid rows added (a plain 0-dim tensor, equal on every tp rank; backward hands each rank
-    the gradient of its own rows)."""
-    q, i = mesh.size(0), mesh.get_local_rank(0)
+    """`loss_fn(logits, labels)` of a 2D / 2.5D-TP model: `logits` the rank's batch rows
+    (b/(d·q), s, vocab), `labels` the whole (b, s) batch; the rank's labels are taken
+    (`batch_slice`) and the token-loss sums of the d·q row blocks added (a plain 0-dim tensor,
+    equal on every tp rank; backward hands each rank the gradient of its own rows)."""
 
     def loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        rows = labels.shape[0] // q
-        local = loss_fn(logits, labels[i * rows : (i + 1) * rows])
+        local = loss_fn(logits, labels[batch_slice(mesh, labels.shape[0])])
         return DTensor.from_local(
-            local, mesh, (Partial(), Replicate()), run_check=False
+            local, mesh, (Partial(), Partial(), Replicate()), run_check=False
         ).full_tensor()
 
     return loss
@@ -187,27 +200,31 @@ def summa_loss(loss_fn: Callable, mesh: DeviceMesh) -> Callable:
 
 def block_comm_bytes(
     dim: int, n_heads: int, kv_heads: int, head_dim: int, hidden: int, tokens: int, q: int,
-    elem: int = 4,
+    elem: int = 4, depth: int = 1,
 ) -> dict[str, int]:  # fmt: skip
     """Bytes one rank communicates for one transformer block's forward and backward under 2D TP
-    on a q × q grid, by collective kind, as `titanlab.distributed.comm_counter` counts them (the
-    full logical tensor: an all-gather's output, a reduce-scatter's input, an all-reduce's
-    tensor). `tokens`: b · s of the microbatch (each grid row holds tokens / q); `elem`: bytes
-    per element.
+    on a q × q grid (2.5D: `depth` grids), by collective kind, as
+    `titanlab.distributed.comm_counter` counts them (the full logical tensor: an all-gather's
+    output, a reduce-scatter's input, an all-reduce's tensor). `tokens`: b · s of the
+    microbatch (each rank holds tokens / (q · depth)); `elem`: bytes per element.
 
-    all_gather: per norm the grid row's activations (tokens/q × dim; 2 norms); wo's and w2's
-    inputs (tokens/q × heads·head_dim, tokens/q × hidden); every weight along its grid column
-    (in × out / q; 7 Linears). reduce_scatter (backward): wo's and w2's input gradients, and
-    every weight gradient (in × out / q). all_reduce (backward): the input gradients of the
-    Linears that read a norm's gathered output (wq, wk, wv, w1, w3: tokens/q × dim each, each
-    reduced on its own), and the two norm weights' gradients over the grid rows (dim each).
+    all_gather: per norm the rank's rows of activations (rows × dim; 2 norms); wo's and w2's
+    inputs (rows × heads·head_dim, rows × hidden); every weight along its grid column (in × out
+    / q; 7 Linears). reduce_scatter (backward): wo's and w2's input gradients, and every weight
+    gradient over the grid row (in × out / q). all_reduce (backward): the input gradients of the
+    Linears that read a norm's gathered output (wq, wk, wv, w1, w3: rows × dim each, each
+    reduced on its own), and the two norm weights' gradients over the grid rows (dim each);
+    with depth > 1 also every weight's shard gradient (in × out / q²) and the norm weights'
+    over the depth.
     """
-    rows = tokens // q
+    rows = tokens // (q * depth)
     qkv = [(dim, n_heads * head_dim), (dim, kv_heads * head_dim), (dim, kv_heads * head_dim)]
     linears = [*qkv, (n_heads * head_dim, dim), (dim, hidden), (dim, hidden), (hidden, dim)]
-    weights = sum(i * o for i, o in linears) // q
+    weights = sum(i * o for i, o in linears)
+    over_depth = weights // (q * q) + 2 * dim if depth > 1 else 0
     return {
-        "all_gather": elem * (2 * rows * dim + rows * n_heads * head_dim + rows * hidden + weights),
-        "reduce_scatter": elem * (rows * n_heads * head_dim + rows * hidden + weights),
-        "all_reduce": elem * (5 * rows * dim + 2 * dim),
-    }
+        "all_gather": elem * (2 * rows * dim + rows * n_heads * head_dim + rows * hidden
+                              + weights // q),
+        "reduce_scatter": elem * (rows * n_heads * head_dim + rows * hidden + weights // q),
+        "all_reduce": elem * (5 * rows * dim + 2 * dim + over_depth),
+    }  # fmt: skip

@@ -56,7 +56,10 @@ class Layout:
     """ZeRO-Offload (`training.enable_cpu_offload`): sharded parameters, gradients and optimizer
     state in host memory."""
     tp_mode: str = "1d"
-    """`parallelism.tensor_parallel_mode`: 1d, or 2d on a q × q grid of the tp ranks."""
+    """`parallelism.tensor_parallel_mode`: 1d, 2d on a q × q grid of the tp ranks, or 2.5d on
+    d >= 2 stacked q × q grids (`tp_depth`)."""
+    tp_depth: int = 1
+    """`parallelism.tensor_parallel_depth` (2.5d)."""
 
     @property
     def world_size(self) -> int:
@@ -84,7 +87,7 @@ class Layout:
                 if label == "cp" and self.cp_rotate != "allgather":
                     parts.append(self.cp_rotate)
                 if label == "tp" and self.tp_mode != "1d":
-                    parts.append(self.tp_mode)
+                    parts.append(self.tp_mode + (f"x{self.tp_depth}" if self.tp_depth > 1 else ""))
         if self.pp > 1:
             parts.append(f"pp{self.pp}-{self.schedule}")
         if self.grad_accum > 1:
@@ -174,6 +177,8 @@ class Layout:
             out += ["--training.enable_cpu_offload", "true"]
         if self.tp_mode != "1d":
             out += ["--parallelism.tensor_parallel_mode", self.tp_mode]
+        if self.tp_depth > 1:
+            out += ["--parallelism.tensor_parallel_depth", str(self.tp_depth)]
         return out
 
 
@@ -217,18 +222,26 @@ def enumerate_layouts(
         rotates = CP_ROTATE_METHODS if cp > 1 else ("allgather",)
         sharded = shard * cp > 1
         zero = list(itertools.product(zero_stages, offload)) if sharded else [(3, False)]
-        modes = [m for m in tp_modes if m == "1d" or (m == "2d" and _is_square(tp))]
-        for schedule, ga, ep, rotate, (stage, off), mode in itertools.product(
+        modes = [(m, d) for m in tp_modes for d in _grid_depths(m, tp)]
+        for schedule, ga, ep, rotate, (stage, off), (mode, depth) in itertools.product(
             schedules if pp > 1 else (None,), grad_accum, eps, rotates, zero, modes
         ):
-            out.append(Layout(rep, shard, tp, pp, schedule, ga, cp, ep, rotate, stage, off, mode))
+            out.append(
+                Layout(rep, shard, tp, pp, schedule, ga, cp, ep, rotate, stage, off, mode, depth)
+            )
     return out
 
 
-def _is_square(n: int) -> bool:
-    """Whether n is q² for an integer q >= 2 (a 2D tensor-parallel grid)."""
-    q = round(n**0.5)
-    return q >= 2 and q * q == n
+def _grid_depths(mode: str, tp: int) -> list[int]:
+    """The depths d of tensor parallel `mode` on tp ranks: [1] for 1d, [1] for 2d when tp = q²
+    (q >= 2), every d >= 2 with tp = q² · d for 2.5d; [] when none."""
+    from titanlab.distributed.tensor_parallel_2d import grid_side
+
+    if mode == "1d":
+        return [1]
+    if mode == "2d":
+        return [1] if grid_side(tp) else []
+    return [d for d in range(2, tp + 1) if grid_side(tp, d)]
 
 
 def apply_layout(config: JobConfig, layout: Layout, global_batch_size: int) -> JobConfig:
@@ -255,6 +268,7 @@ def apply_layout(config: JobConfig, layout: Layout, global_batch_size: int) -> J
         ),
         zero_stage=layout.zero_stage,
         tensor_parallel_mode=cast("TensorParallelMode", layout.tp_mode),
+        tensor_parallel_depth=layout.tp_depth,
     )
     t = dataclasses.replace(
         config.training,

@@ -189,7 +189,8 @@ def _validate_pipeline(config: JobConfig, dims: ParallelDims, model_args) -> Non
 def _validate_tp_2d(config: JobConfig, dims: ParallelDims, model_args) -> None:
     """2D tensor parallel (`tensor_parallel_mode=2d`) on a q × q grid: what it splits must split
     over q, and what it does not compose with yet is refused by name."""
-    q, name = dims.tp_grid, "parallelism.tensor_parallel_mode=2d"
+    q, d = dims.tp_grid, dims.tp_depth
+    name = f"parallelism.tensor_parallel_mode={config.parallelism.tensor_parallel_mode}"
     others = {
         "data_parallel_replicate_degree": dims.dp_replicate,
         "data_parallel_shard_degree": dims.dp_shard,
@@ -200,8 +201,8 @@ def _validate_tp_2d(config: JobConfig, dims: ParallelDims, model_args) -> None:
     for option, degree in others.items():
         if degree > 1:
             raise ConfigError(
-                f"{name} with parallelism.{option}={degree} is not supported yet (2D tensor "
-                "parallel runs on the tp ranks alone); use tensor_parallel_mode=1d or "
+                f"{name} with parallelism.{option}={degree} is not supported yet (2D / 2.5D "
+                "tensor parallel runs on the tp ranks alone); use tensor_parallel_mode=1d or "
                 f"{option}=1"
             )
     features = {
@@ -217,8 +218,8 @@ def _validate_tp_2d(config: JobConfig, dims: ParallelDims, model_args) -> None:
     for option, on in features.items():
         if on:
             raise ConfigError(
-                f"{name} with {option} is not supported yet (2D tensor parallel covers dense "
-                "training with the plain loss); use tensor_parallel_mode=1d"
+                f"{name} with {option} is not supported yet (2D / 2.5D tensor parallel covers "
+                "dense training with the plain loss); use tensor_parallel_mode=1d"
             )
     sizes = {
         "n_heads": model_args.n_heads,
@@ -226,14 +227,19 @@ def _validate_tp_2d(config: JobConfig, dims: ParallelDims, model_args) -> None:
         "dim": model_args.dim,
         "the MLP's hidden size": model_args.ffn_hidden_dim(),
         "vocab_size": model_args.vocab_size,
-        "training.local_batch_size": config.training.local_batch_size,
     }
     for what, size in sizes.items():
         if size % q:
             raise ConfigError(
-                f"{name} on a {q} × {q} grid (tensor_parallel_degree={q * q}) splits {what} "
+                f"{name} on a {q} × {q} grid (tensor_parallel_degree={q * q * d}) splits {what} "
                 f"over {q} ranks, but it is {size}; use sizes divisible by {q}"
             )
+    batch = config.training.local_batch_size
+    if batch % (q * d):
+        raise ConfigError(
+            f"{name} splits the batch over depth × grid rows = {d} × {q} ranks, but "
+            f"training.local_batch_size={batch}; use a multiple of {q * d}"
+        )
 
 
 def _validate_experts(config: JobConfig, dims: ParallelDims, model_args) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import os
 
 import pytest
 import torch
@@ -19,9 +20,10 @@ from titanlab.distributed.tensor_parallel_2d import block_comm_bytes, grid_side
 def test_grid_side_is_the_square_root_of_a_square_degree():
     assert [grid_side(n) for n in (4, 9, 16)] == [2, 3, 4]
     assert [grid_side(n) for n in (1, 2, 3, 8, 12)] == [None] * 5
+    assert grid_side(8, depth=2) == 2 and grid_side(18, depth=2) == 3 and grid_side(8, 3) is None
 
 
-def _worker(rank: int, init_file: str, out: str) -> None:
+def _worker(rank: int, init_file: str, out: str, depth: int) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
 
@@ -31,10 +33,10 @@ def _worker(rank: int, init_file: str, out: str) -> None:
     from titanlab.models.llama3 import llama3_flavors
     from titanlab.models.registry import build_model
 
-    init_gloo(rank, 4, init_file)
+    init_gloo(rank, 4 * depth, init_file)
     ok = False
     try:
-        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=GRID)
+        mesh = init_device_mesh("cpu", (depth, 2, 2), mesh_dim_names=GRID)  # 2D: depth 1
         args = dataclasses.replace(llama3_flavors["debugmodel"], vocab_size=512, n_layers=2)
         torch.manual_seed(0)
         ref = build_model(args)
@@ -42,8 +44,8 @@ def _worker(rank: int, init_file: str, out: str) -> None:
         model = copy.deepcopy(ref)
         apply_tp_2d(model, mesh)
         g = torch.Generator().manual_seed(1)
-        tokens = torch.randint(0, 512, (4, 32), generator=g)
-        labels = torch.randint(0, 512, (4, 32), generator=g)
+        tokens = torch.randint(0, 512, (4 * depth, 32), generator=g)
+        labels = torch.randint(0, 512, (4 * depth, 32), generator=g)
         labels[1, :5] = -100
         want = cross_entropy_sum(ref(tokens), labels)
         want.backward()
@@ -61,7 +63,7 @@ def _worker(rank: int, init_file: str, out: str) -> None:
         from titanlab.distributed.comm_counter import CommCounter
 
         block = model.layers["0"]
-        x = torch.randn(2, 32, args.dim // 2, requires_grad=True)  # (b/q, s, d/q)
+        x = torch.randn(2, 32, args.dim // 2, requires_grad=True)  # (b/(q·d), s, d/q)
         with CommCounter() as counter:
             block(x, model.rope_cos, model.rope_sin).sum().backward()
         counted = {k: v["bytes"] for k, v in counter.summary().items()}
@@ -76,10 +78,16 @@ def _worker(rank: int, init_file: str, out: str) -> None:
         destroy_distributed(barrier=ok)
 
 
+FULL_ONLY = pytest.mark.skipif(
+    os.environ.get("TITANLAB_PARITY_FULL") != "1", reason="make test-parity-full runs it"
+)
+
+
 @pytest.mark.skipif(not dist.is_available(), reason="needs torch.distributed")
-def test_a_2x2_grid_trains_like_one_process(tmp_path):
+@pytest.mark.parametrize("depth", [1, pytest.param(2, marks=FULL_ONLY)])  # 2D; 2.5D on 8 ranks
+def test_a_2x2_grid_trains_like_one_process(tmp_path, depth):
     out = str(tmp_path / "result.json")
-    spawn(_worker, (str(tmp_path / "init"), out), nprocs=4)
+    spawn(_worker, (str(tmp_path / "init"), out, depth), nprocs=4 * depth)
     with open(out) as f:
         r = json.load(f)
     want, got = r["loss"]
@@ -90,5 +98,6 @@ def test_a_2x2_grid_trains_like_one_process(tmp_path):
     full, local = r["shapes"]["tok_embeddings.weight"]
     assert local == [full[0], full[1] // 2]  # the features split over the grid columns
     dim, heads, kv, head_dim, hidden = r["args"]
-    predicted = block_comm_bytes(dim, heads, kv, head_dim, hidden, tokens=4 * 32, q=2)
+    tokens = 2 * 32 * 2 * depth  # each rank's 2 rows × q × depth
+    predicted = block_comm_bytes(dim, heads, kv, head_dim, hidden, tokens, q=2, depth=depth)
     assert r["block"] == predicted
