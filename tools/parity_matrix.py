@@ -6,7 +6,7 @@
 
 The layouts come from `titanlab.planning.layouts.enumerate_layouts` (degrees, schedules,
 gradient accumulation, CP's rotate method, where ranks shard each ZeRO stage 0-3 with and
-without offload, and 2D / 2.5D tensor parallel where tp is q² / q²·d), and the trainer's own validator decides which are valid; a refused layout is listed with its one-line reason. Each
+without offload, and 2D / 2.5D / 3D tensor parallel where tp is q² / q²·d / q³), and the trainer's own validator decides which are valid; a refused layout is listed with its one-line reason. Each
 valid layout trains `debugmodel_deep` for 5 steps (fp32, deterministic, global batch 8 × 64
 tokens) from the same seed checkpoint, and its losses are compared with the 1-process run's.
 Results are appended to `<work-dir>/results.jsonl` as they come (a rerun skips layouts already
@@ -38,7 +38,7 @@ TOLERANCE = 1e-5
 WORLD_SIZES = (1, 2, 4, 8)
 ZERO_STAGES = (0, 1, 2, 3)
 OFFLOAD = (False, True)
-TP_MODES = ("1d", "2d", "2.5d")
+TP_MODES = ("1d", "2d", "2.5d", "3d")
 # PP × TP × FSDP on 8 ranks must be in the CI subset even though pairs alone do not force it;
 # so must CP's second rotate method with each other parallelism and with gradient accumulation.
 MUST = (

@@ -8,7 +8,7 @@ from typing import Literal
 from titanlab.config.errors import ConfigError, _require  # noqa: F401
 
 CPRotateMethod = Literal["allgather", "alltoall"]
-TensorParallelMode = Literal["1d", "2d", "2.5d"]
+TensorParallelMode = Literal["1d", "2d", "2.5d", "3d"]
 ShardingStrategy = Literal["", "FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"]
 # FSDP1's (and DeepSpeed users') names for the ZeRO stages.
 STRATEGY_STAGES = {"FULL_SHARD": 3, "SHARD_GRAD_OP": 2, "NO_SHARD": 0, "HYBRID_SHARD": 3}
@@ -66,8 +66,9 @@ class Parallelism:
     tensor_parallel_2d.py): 1/q² of each weight per rank, heads split over q only. 2.5d:
     `tensor_parallel_depth` = d stacked q × q grids (tp = q²·d; Tesseract, Wang et al. 2021,
     arXiv:2105.14500), the batch split over them too, each grid's weights replicated across
-    them. 2d / 2.5d run on tp ranks alone for now (no FSDP, DDP, PP, CP), dense models
-    without q/k norms."""
+    them. 3d: a q × q × q cube (tp = q³, e.g. 8; Bian et al. 2021, arXiv:2105.14450;
+    titanlab/distributed/tensor_parallel_3d.py), 1/q³ of each weight per rank. 2d / 2.5d / 3d
+    run on tp ranks alone for now (no FSDP, DDP, PP, CP), dense models without q/k norms."""
 
     tensor_parallel_depth: int = 1
     """d of 2.5D tensor parallel: tensor_parallel_degree = q² · d. 1 with 1d and 2d."""

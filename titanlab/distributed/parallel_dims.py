@@ -85,6 +85,8 @@ class ParallelDims:
     """q of the q × q grids of the tp ranks (2D / 2.5D tensor parallel; mesh `tp_2d`), 1 for 1D."""
     tp_depth: int = 1
     """d, the number of stacked q × q grids (2.5D tensor parallel)."""
+    tp_cube: int = 1
+    """q of a q × q × q cube of the tp ranks (3D tensor parallel; mesh `tp_3d`), 1 otherwise."""
     _meshes: dict[str, DeviceMesh] = field(default_factory=dict, repr=False)
     _root_names: dict[str, str] = field(default_factory=dict, repr=False)
 
@@ -143,6 +145,16 @@ class ParallelDims:
                     f"{4 * depth}, {9 * depth}), not {dims.tp}"
                 )
             dims.tp_grid, dims.tp_depth = side, depth
+        elif mode == "3d":
+            from titanlab.distributed.tensor_parallel_3d import cube_side
+
+            cube = cube_side(dims.tp)
+            if cube is None:
+                raise ConfigError(
+                    f"parallelism.tensor_parallel_mode=3d needs tensor_parallel_degree = q³ with "
+                    f"q an integer >= 2 (8, 27, ...), not {dims.tp}"
+                )
+            dims.tp_cube = cube
         check_zero_stage(parallelism, dims)
         if parallelism.zero_stage_in_force == 0 and dims.dp_shard > 1:
             dims = dataclasses.replace(
@@ -247,6 +259,11 @@ class ParallelDims:
 
             q, d = self.tp_grid, self.tp_depth
             self._meshes["tp_2d"] = self._meshes["tp"]._unflatten(0, (d, q, q), GRID)
+        if self.tp_cube > 1:
+            from titanlab.distributed.tensor_parallel_3d import CUBE
+
+            q = self.tp_cube
+            self._meshes["tp_3d"] = self._meshes["tp"]._unflatten(0, (q, q, q), CUBE)
         return root
 
     def _flatten(self, root: DeviceMesh, name: str, dims: list[str]) -> None:
@@ -274,7 +291,7 @@ class ParallelDims:
             return root[dims]
 
     def mesh(self, name: str) -> DeviceMesh | None:
-        """The sub-mesh `name` (pp, dp_replicate, dp_shard, cp, tp, tp_2d, ep, efsdp, dp,
+        """The sub-mesh `name` (pp, dp_replicate, dp_shard, cp, tp, tp_2d, tp_3d, ep, efsdp, dp,
         dp_shard_cp, dp_cp, dp_cp_tp, root), or None when that parallelism is off (degree 1; `efsdp` exists
         whenever ep > 1)."""
         return self._meshes.get(name)

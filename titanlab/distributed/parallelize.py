@@ -68,7 +68,13 @@ def parallelize_model(
     """Apply, in order, TP → EP → AC (and activation offloading) → compile → FSDP2/HSDP/DDP to `model` (the whole model, or
     one pipeline stage of it) in place. Returns the same model object.
     """
-    if parallel_dims.tp_enabled and parallel_dims.tp_grid > 1:  # 2D / 2.5D
+    if parallel_dims.tp_enabled and parallel_dims.tp_cube > 1:  # 3D
+        from titanlab.distributed.tensor_parallel_3d import apply_tp_3d
+
+        cube = parallel_dims.mesh("tp_3d")
+        assert cube is not None  # built whenever tensor_parallel_mode is 3d
+        apply_tp_3d(model, cube)
+    elif parallel_dims.tp_enabled and parallel_dims.tp_grid > 1:  # 2D / 2.5D
         from titanlab.distributed.tensor_parallel_2d import apply_tp_2d
 
         grid = parallel_dims.mesh("tp_2d")

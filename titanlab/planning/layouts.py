@@ -239,6 +239,10 @@ def _grid_depths(mode: str, tp: int) -> list[int]:
 
     if mode == "1d":
         return [1]
+    if mode == "3d":
+        from titanlab.distributed.tensor_parallel_3d import cube_side
+
+        return [1] if cube_side(tp) else []
     if mode == "2d":
         return [1] if grid_side(tp) else []
     return [d for d in range(2, tp + 1) if grid_side(tp, d)]

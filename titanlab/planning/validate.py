@@ -17,7 +17,7 @@ def validate_layout(config: JobConfig, dims: ParallelDims, model_args, device_ty
     t = config.training
     heads, kv_heads = model_args.n_heads, model_args.kv_heads
     _validate_experts(config, dims, model_args)
-    if dims.tp_grid > 1:
+    if dims.tp_grid > 1 or dims.tp_cube > 1:
         _validate_tp_2d(config, dims, model_args)
     stage = config.parallelism.zero_stage_in_force
     if t.enable_cpu_offload and stage in (0, 1):
@@ -26,13 +26,14 @@ def validate_layout(config: JobConfig, dims: ParallelDims, model_args, device_ty
             "supported (ZeRO-Offload keeps sharded parameters and gradients in CPU memory: "
             "stages 2 and 3); use zero_stage 2 or 3"
         )
-    if dims.tp > 1 and dims.tp_grid == 1:  # 1D; 2D splits heads over q (_validate_tp_2d)
+    one_d = dims.tp_grid == 1 and dims.tp_cube == 1
+    if dims.tp > 1 and one_d:  # 1D; 2D / 3D split heads over q (_validate_tp_2d)
         if heads % dims.tp or kv_heads % dims.tp:
             raise ConfigError(
                 f"parallelism.tensor_parallel_degree={dims.tp} must divide the number of"
                 f" heads ({heads}) and of KV heads ({kv_heads}) of {config.model.flavor}"
             )
-    seq_div = (dims.tp if dims.tp_grid == 1 else 1) * (2 * dims.cp if dims.cp > 1 else 1)
+    seq_div = (dims.tp if one_d else 1) * (2 * dims.cp if dims.cp > 1 else 1)
     if t.seq_len % seq_div:
         raise ConfigError(
             f"training.seq_len={t.seq_len} must be divisible by tp × 2·cp = {seq_div}"
@@ -187,9 +188,11 @@ def _validate_pipeline(config: JobConfig, dims: ParallelDims, model_args) -> Non
 
 
 def _validate_tp_2d(config: JobConfig, dims: ParallelDims, model_args) -> None:
-    """2D tensor parallel (`tensor_parallel_mode=2d`) on a q × q grid: what it splits must split
-    over q, and what it does not compose with yet is refused by name."""
-    q, d = dims.tp_grid, dims.tp_depth
+    """2D / 2.5D / 3D tensor parallel (`tensor_parallel_mode` 2d, 2.5d, 3d) on q × q grids or a
+    q × q × q cube: what it splits must split, and what it does not compose with yet is refused
+    by name."""
+    cube = dims.tp_cube > 1
+    q, d = (dims.tp_cube, 1) if cube else (dims.tp_grid, dims.tp_depth)
     name = f"parallelism.tensor_parallel_mode={config.parallelism.tensor_parallel_mode}"
     others = {
         "data_parallel_replicate_degree": dims.dp_replicate,
@@ -201,8 +204,8 @@ def _validate_tp_2d(config: JobConfig, dims: ParallelDims, model_args) -> None:
     for option, degree in others.items():
         if degree > 1:
             raise ConfigError(
-                f"{name} with parallelism.{option}={degree} is not supported yet (2D / 2.5D "
-                "tensor parallel runs on the tp ranks alone); use tensor_parallel_mode=1d or "
+                f"{name} with parallelism.{option}={degree} is not supported yet (2D, 2.5D and "
+                "3D tensor parallel run on the tp ranks alone); use tensor_parallel_mode=1d or "
                 f"{option}=1"
             )
     features = {
@@ -218,27 +221,30 @@ def _validate_tp_2d(config: JobConfig, dims: ParallelDims, model_args) -> None:
     for option, on in features.items():
         if on:
             raise ConfigError(
-                f"{name} with {option} is not supported yet (2D / 2.5D tensor parallel covers "
-                "dense training with the plain loss); use tensor_parallel_mode=1d"
+                f"{name} with {option} is not supported yet (2D, 2.5D and 3D tensor parallel "
+                "cover dense training with the plain loss); use tensor_parallel_mode=1d"
             )
+    # A cube splits the features of each weight over two of its dimensions (q²), heads over one.
+    wide = q * q if cube else q
     sizes = {
-        "n_heads": model_args.n_heads,
-        "kv_heads": model_args.kv_heads,
-        "dim": model_args.dim,
-        "the MLP's hidden size": model_args.ffn_hidden_dim(),
-        "vocab_size": model_args.vocab_size,
+        "n_heads": (model_args.n_heads, q),
+        "kv_heads": (model_args.kv_heads, q),
+        "dim": (model_args.dim, wide),
+        "the MLP's hidden size": (model_args.ffn_hidden_dim(), wide),
+        "vocab_size": (model_args.vocab_size, wide),
     }
-    for what, size in sizes.items():
-        if size % q:
+    shape = f"{q} × {q} × {q} cube" if cube else f"{q} × {q} grid"
+    for what, (size, ranks) in sizes.items():
+        if size % ranks:
             raise ConfigError(
-                f"{name} on a {q} × {q} grid (tensor_parallel_degree={q * q * d}) splits {what} "
-                f"over {q} ranks, but it is {size}; use sizes divisible by {q}"
+                f"{name} on a {shape} (tensor_parallel_degree={dims.tp}) splits {what} over "
+                f"{ranks} ranks, but it is {size}; use sizes divisible by {ranks}"
             )
-    batch = config.training.local_batch_size
-    if batch % (q * d):
+    batch, split = config.training.local_batch_size, (q * q if cube else q * d)
+    if batch % split:
         raise ConfigError(
-            f"{name} splits the batch over depth × grid rows = {d} × {q} ranks, but "
-            f"training.local_batch_size={batch}; use a multiple of {q * d}"
+            f"{name} splits the batch over {split} ranks of the {shape}, but "
+            f"training.local_batch_size={batch}; use a multiple of {split}"
         )
 
 

@@ -33,6 +33,7 @@ from titanlab.distributed.comm_counter import count_step_comms
 from titanlab.distributed.init import init_distributed, set_train_timeout
 from titanlab.distributed.parallelize import loss_parallel_enabled, param_dtype, parallelize_model
 from titanlab.distributed.tensor_parallel_2d import summa_loss
+from titanlab.distributed.tensor_parallel_3d import cube_loss
 from titanlab.distributed.pipeline import pipeline_model
 from titanlab.metrics import MetricsLogger, device_peak_flops
 from titanlab.metrics.build import build_sinks
@@ -185,9 +186,11 @@ class Trainer(TrainStep):
         self.loss_fn = build_loss_fn(
             config.compile.enable and "loss" in config.compile.components, self.loss_parallel
         )
-        grid = dims.mesh("tp_2d")
-        if grid is not None:  # 2D TP: each grid row holds the logits of its batch rows
+        grid, cube = dims.mesh("tp_2d"), dims.mesh("tp_3d")
+        if grid is not None:  # 2D / 2.5D TP: each rank holds the logits of its batch rows
             self.loss_fn = summa_loss(self.loss_fn, grid)
+        if cube is not None:  # 3D TP: likewise, its rows over the cube's x and z
+            self.loss_fn = cube_loss(self.loss_fn, cube)
         parallelize = functools.partial(
             parallelize_model, parallel_dims=dims, config=config, device=self.device
         )

@@ -34,7 +34,7 @@ def test_enumeration_is_every_factorization_schedule_and_accumulation():
 
 def test_layout_names_are_unique_and_readable():
     zero = {"zero_stages": (0, 1, 2, 3), "offload": (False, True), "with_cp": True,
-            "tp_modes": ("1d", "2d", "2.5d")}  # fmt: skip
+            "tp_modes": ("1d", "2d", "2.5d", "3d")}  # fmt: skip
     layouts = [l for ws in (1, 2, 4, 8) for l in enumerate_layouts(ws, **zero)]
     assert len({l.name for l in layouts}) == len(layouts)
     assert Layout(2, 1, 1, 2, "1F1B", 2).name == "ws4-ddp2-pp2-1F1B-ga2"
@@ -78,7 +78,11 @@ def test_overrides_keep_the_global_batch():
 
 
 def test_every_candidate_is_accepted_or_refused_with_one_line(verdicts):
-    zero = {"zero_stages": (0, 1, 2, 3), "offload": (False, True), "tp_modes": ("1d", "2d", "2.5d")}
+    zero = {
+        "zero_stages": (0, 1, 2, 3),
+        "offload": (False, True),
+        "tp_modes": ("1d", "2d", "2.5d", "3d"),
+    }
     candidates = [enumerate_layouts(ws, with_cp=True, **zero) for ws in (1, 2, 4, 8)]
     assert len(verdicts) == sum(map(len, candidates))
     refusals = [why for _, why in verdicts if why is not None]
@@ -174,7 +178,8 @@ def test_2d_tensor_parallel_is_enumerated_on_square_degrees_and_runs_on_tp_alone
     # 4 heads and 2 KV heads: 1D cannot split them 4 ways, the 2 × 2 grid splits them 2 ways.
     assert "must divide the number of heads" in refused["ws4-tp4"]
     assert {"ws4-tp4-2d", "ws4-tp4-2d-ga2"} <= valid
-    assert "2.5D tensor parallel runs on the tp ranks alone" in refused["ws8-fsdp2-tp4-2d"]
+    assert "3D tensor parallel run on the tp ranks alone" in refused["ws8-fsdp2-tp4-2d"]
+    assert "ws8-tp8-3d" in valid  # a 2 × 2 × 2 cube
     assert {"ws8-tp8-2.5dx2", "ws8-tp8-2.5dx2-ga2"} <= valid  # 2 grids of 2 × 2
     assert "pipeline_parallel_degree=2" in refused["ws8-tp4-2d-pp2-1F1B"]
     args = Layout(1, 1, 4, 1, None, 1, tp_mode="2d").overrides(8)

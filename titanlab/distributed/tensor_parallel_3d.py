@@ -1,0 +1,161 @@
+"""3D tensor parallel (`parallelism.tensor_parallel_mode = "3d"`): the tp ranks as a q × q × q cube
+(tp = q³), each Linear's weight and activations split over all three dimensions (Bian et al.
+2021, "Maximizing Parallelism in Distributed Training for Huge Neural Networks",
+arXiv:2105.14450; the 3D matrix product of Agarwal et al. 1995).
+
+The cube is the 3-D mesh ("tp_x", "tp_y", "tp_z") over the tp ranks, coordinates (i, j, l).
+A product Y = X Wᵀ contracts over one cube dimension and leaves its output features on
+another, so the Linears alternate two kinds and the residual stream keeps one layout:
+- residual stream: batch rows split over x then y, features over z: [Shard(0), Shard(0),
+  Shard(2)], local (b/q², s, d/q); a norm gathers its features over z.
+- kind A (wq, wk, wv, w1, w3, the head: features in over z, out over y): X gathered over y (its
+  rows), W (out over x and y, in over z) gathered over x; the local product is a partial sum
+  over z, reduce-scattered over z onto X's rows: Y = [Shard(0), Shard(2), Shard(0)], rows
+  over x then z, features over y. Attention runs on those local rows and the y-column's heads.
+- kind B (wo, w2: features in over y, out over z): X gathered over z, W (out over x and z, in
+  over y) gathered over x; the partial sum over y reduce-scattered over y onto the rows gives
+  the residual layout back.
+Each weight is thus 1/q³ per rank. Backward mirrors each step (DTensor's redistribute
+autograd); gradients of the embedding and the norms, partial over the batch dimensions, are
+redistributed to their parameters' placements by a hook (as in 2D).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, cast
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+from titanlab.distributed.tensor_parallel_2d import _distribute
+
+if TYPE_CHECKING:
+    from titanlab.models.common.decoder import Decoder
+
+CUBE = ("tp_x", "tp_y", "tp_z")
+RESIDUAL = (Shard(0), Shard(0), Shard(2))  # rows over x then y, features over z
+NORMED = (Shard(0), Shard(0), Replicate())
+# kind: (X before the product, W stored, W for the product, Y after the reduction)
+KINDS = {
+    "A": (
+        (Shard(0), Replicate(), Shard(2)),
+        (Shard(0), Shard(0), Shard(1)),
+        (Replicate(), Shard(0), Shard(1)),
+        (Shard(0), Shard(2), Shard(0)),
+    ),
+    "B": (
+        (Shard(0), Shard(2), Replicate()),
+        (Shard(0), Shard(1), Shard(0)),
+        (Replicate(), Shard(1), Shard(0)),
+        RESIDUAL,
+    ),
+}
+A_OUT = KINDS["A"][3]
+
+
+def cube_side(tp: int) -> int | None:
+    """q with q³ = tp, or None when tp is not the cube of an integer >= 2."""
+    q = round(tp ** (1 / 3))
+    return q if q >= 2 and q**3 == tp else None
+
+
+class CubeLinear(nn.Linear):
+    """A bias-free Linear of kind A or B on the cube (module docstring). `input_layout`: the
+    placements of its local input (NORMED after a norm, A_OUT after attention or the MLP's
+    product); `gather_output` (the head): the logits of the rank's rows over the whole vocab."""
+
+    kind = "A"
+    input_layout = NORMED
+    gather_output = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self.weight
+        assert isinstance(weight, DTensor)
+        mesh = weight.device_mesh
+        x_target, _, w_target, out = KINDS[self.kind]
+        xd = DTensor.from_local(x, mesh, self.input_layout, run_check=False)
+        y = cast(
+            DTensor, F.linear(xd.redistribute(mesh, x_target), weight.redistribute(mesh, w_target))
+        )
+        if self.gather_output:  # rows over x then z, every vocab entry
+            return y.redistribute(mesh, (Shard(0), Replicate(), Shard(0))).to_local()
+        return y.redistribute(mesh, out).to_local()
+
+
+def _cube_norm(norm: nn.Module, mesh: DeviceMesh) -> None:
+    own = type(norm).forward.__get__(norm)
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        xd = DTensor.from_local(x, mesh, RESIDUAL, run_check=False)
+        return cast(DTensor, own(xd.redistribute(mesh, NORMED))).to_local()
+
+    _distribute(norm, "weight", mesh, (Replicate(), Replicate(), Replicate()))
+    norm.forward = forward  # type: ignore[method-assign]
+
+
+def row_slice(mesh: DeviceMesh, batch: int, dims: tuple[int, int]) -> slice:
+    """The batch rows split over the mesh dims `dims` (outer, inner) that this rank holds."""
+    q = mesh.size(dims[1])
+    rows = batch // (mesh.size(dims[0]) * q)
+    block = mesh.get_local_rank(dims[0]) * q + mesh.get_local_rank(dims[1])
+    return slice(block * rows, (block + 1) * rows)
+
+
+def _cube_embedding(embedding: nn.Module, mesh: DeviceMesh) -> None:
+    _distribute(embedding, "weight", mesh, (Replicate(), Replicate(), Shard(1)))
+
+    def forward(tokens: torch.Tensor) -> torch.Tensor:
+        mine = tokens[row_slice(mesh, tokens.shape[0], (0, 1))]
+        local = DTensor.from_local(mine, mesh, NORMED, run_check=False)
+        weight = cast(torch.Tensor, embedding.weight)
+        return cast(DTensor, F.embedding(local, weight)).to_local()  # RESIDUAL
+
+    embedding.forward = forward  # type: ignore[method-assign]
+
+
+def _cube_linear(linear: nn.Module, mesh: DeviceMesh, kind: str, input_layout) -> None:
+    _distribute(linear, "weight", mesh, KINDS[kind][1])
+    linear.__class__ = CubeLinear
+    setattr(linear, "kind", kind)  # noqa: B010 (instance attributes over the class's)
+    setattr(linear, "input_layout", input_layout)  # noqa: B010
+
+
+def apply_tp_3d(model: Decoder, mesh: DeviceMesh) -> None:
+    """Shard the dense `model` over the q × q × q `mesh` (dims `CUBE`) in place. Input tokens
+    (b, s), the same on every tp rank, b divisible by q²; the forward returns local logits
+    (b/q², s, vocab) of the rank's rows over x then z (`cube_loss`)."""
+    for block in model.layers.values():
+        attention = cast(nn.Module, block.attention)
+        mlp = cast(nn.Module, block.feed_forward)
+        for name in ("wq", "wk", "wv"):
+            _cube_linear(getattr(attention, name), mesh, "A", NORMED)
+        _cube_linear(cast(nn.Module, attention.wo), mesh, "B", A_OUT)
+        for name in ("w1", "w3"):
+            _cube_linear(getattr(mlp, name), mesh, "A", NORMED)
+        _cube_linear(cast(nn.Module, mlp.w2), mesh, "B", A_OUT)
+        _cube_norm(cast(nn.Module, block.attention_norm), mesh)
+        _cube_norm(cast(nn.Module, block.ffn_norm), mesh)
+    if model.tok_embeddings is not None:
+        _cube_embedding(model.tok_embeddings, mesh)
+    if model.norm is not None:
+        _cube_norm(model.norm, mesh)
+    if model.output is not None:
+        head = cast(nn.Module, model.output)
+        _cube_linear(head, mesh, "A", NORMED)
+        setattr(head, "gather_output", True)  # noqa: B010
+
+
+def cube_loss(loss_fn, mesh: DeviceMesh):
+    """`loss_fn(logits, labels)` of a 3D-TP model: `logits` the rank's rows (over x then z) of
+    the batch, `labels` the whole batch; the token-loss sums of the q² row blocks added (a plain
+    0-dim tensor, equal on every tp rank)."""
+
+    def loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        local = loss_fn(logits, labels[row_slice(mesh, labels.shape[0], (0, 2))])
+        partial = (Partial(), Replicate(), Partial())
+        return DTensor.from_local(local, mesh, partial, run_check=False).full_tensor()
+
+    return loss
