@@ -6,7 +6,8 @@ over the d grids too and keeps each grid's weights replicated across them, so we
 gradients are also all-reduced over the depth. 2D is d = 1.
 
 The grid is the 3-D mesh ("tp_depth", "tp_row", "tp_col") over the tp ranks; rank (k, i, j)
-holds (written for d = 1; with d > 1 the batch rows are split d·q ways, k outer):
+holds (placements below are over (tp_row, tp_col), written for d = 1; the depth dim adds an
+outer Shard(0) of the batch rows to activations and Replicate() to weights):
 - activations between modules (the residual stream): (b/q, s, d/q), the batch rows of grid row
   i and the features of grid column j: DTensor placements [Shard(0), Shard(2)];
 - each Linear's weight W (out × in): in-features split over the grid rows, out-features over
@@ -15,7 +16,7 @@ holds (written for d = 1; with d > 1 the batch rows are split d·q ways, k outer
 A Linear Y = X Wᵀ (`SummaLinear`): X is all-gathered along its grid row (over tp_col) to
 [Shard(0), Replicate()] (after a norm it already is), W along its grid column (over tp_row) to
 [Replicate(), Shard(0)], and one local matmul gives Y = [Shard(0), Shard(2)], the layout of the
-input. Backward reduce-scatters dX over tp_col and dW over tp_row (the autograd of DTensor's
+input; `block_comm_bytes` gives one block's volumes. Backward reduce-scatters dX over tp_col and dW over tp_row (the autograd of DTensor's
 redistribute). Per layer each rank thus receives (q-1)/q of its grid row's X block and of its
 grid column's W block: SUMMA's volume (q broadcasts of one block each, along rows and along
 columns) without its step-by-step pipelining.
