@@ -126,9 +126,10 @@ class StepProfiler(contextlib.AbstractContextManager):
         self.last_step = train_step
         self.steps_done += 1
         if self.prof is not None:
-            self.prof.step()
-            if self.cpu_timeline and self.window_base is None and _recording(self.prof):
+            if self.cpu_timeline and self.window_base is None and _records_next(self.prof):
+                # Counted before the window starts, so the profiler does not trace the count.
                 self.window_base = live_tensor_bytes(self.device.type)
+            self.prof.step()
         if self.cuda_history and self.steps_done % self.cfg.profile_freq == 0:
             self._dump_cuda(f"rank{self.rank}_step{train_step}.pickle")
 
@@ -241,6 +242,14 @@ def live_tensor_bytes(device_type: str = "cpu") -> int:
         if ptr:
             storages[ptr] = max(storages.get(ptr, 0), nbytes)
     return sum(storages.values())
+
+
+def _records_next(prof: torch.profiler.profile) -> bool:
+    """Whether the next step of `prof` (after this `step()` call) starts a recorded window."""
+    from torch.profiler import ProfilerAction
+
+    recording = (ProfilerAction.RECORD, ProfilerAction.RECORD_AND_SAVE)
+    return prof.current_action not in recording and prof.schedule(prof.step_num + 1) in recording
 
 
 def _recording(prof: torch.profiler.profile) -> bool:
