@@ -81,11 +81,11 @@ class ParallelDims:
     pp: int
     world_size: int
     ep: int = 1
-    tp_grid: int = 1
+    tp_grid: int = field(default=1, repr=False)
     """q of the q × q grids of the tp ranks (2D / 2.5D tensor parallel; mesh `tp_2d`), 1 for 1D."""
-    tp_depth: int = 1
+    tp_depth: int = field(default=1, repr=False)
     """d, the number of stacked q × q grids (2.5D tensor parallel)."""
-    tp_cube: int = 1
+    tp_cube: int = field(default=1, repr=False)
     """q of a q × q × q cube of the tp ranks (3D tensor parallel; mesh `tp_3d`), 1 otherwise."""
     _meshes: dict[str, DeviceMesh] = field(default_factory=dict, repr=False)
     _root_names: dict[str, str] = field(default_factory=dict, repr=False)
