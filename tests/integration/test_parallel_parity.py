@@ -3,8 +3,8 @@
 The layouts are generated, not listed: `tools/parity_matrix.py` enumerates every layout of 1, 2,
 4 and 8 ranks, the trainer's validator keeps the valid ones, and CI runs the pairwise subset
 (every pair of features that can meet, meets once: PP × DDP, PP × HSDP, HSDP × TP, each schedule
-× each data-parallel kind, PP × TP × FSDP on 8 ranks, 2D TP, ...; the ZeRO stage / offload
-variants and 2.5D / 3D TP are in the full matrix only, `tools/parity_matrix.in_ci`).
+× each data-parallel kind, PP × TP × FSDP on 8 ranks, ...; the ZeRO stage / offload
+variants and 2D / 2.5D / 3D TP are in the full matrix only, `tools/parity_matrix.in_ci`).
 `make test-parity-full` runs them all.
 Every run starts from one seed checkpoint, uses the same global batch of 8 samples × 64 tokens,
 fp32 and deterministic mode; the losses of steps 1-5 must equal the 1-process run's within 1e-5.
