@@ -62,6 +62,21 @@ def loss_parallel_enabled(config: JobConfig, parallel_dims: ParallelDims) -> boo
     )
 
 
+def tp_grid_loss(loss_fn, parallel_dims: ParallelDims):
+    """`loss_fn`, or under 2D / 2.5D / 3D tensor parallel the loss of the rows each rank holds,
+    summed over the grid (`summa_loss`, `cube_loss`): their heads return only those rows."""
+    grid, cube = parallel_dims.mesh("tp_2d"), parallel_dims.mesh("tp_3d")
+    if grid is not None:
+        from titanlab.distributed.tensor_parallel_2d import summa_loss
+
+        return summa_loss(loss_fn, grid)
+    if cube is not None:
+        from titanlab.distributed.tensor_parallel_3d import cube_loss
+
+        return cube_loss(loss_fn, cube)
+    return loss_fn
+
+
 def parallelize_model(
     model: Decoder, parallel_dims: ParallelDims, config: JobConfig, device: torch.device
 ) -> Decoder:

@@ -60,11 +60,13 @@ WEIGHT_GATHERED = (Replicate(), Replicate(), Shard(0))  # along the grid column
 REPLICATED = (Replicate(), Replicate(), Replicate())
 
 
-def batch_slice(mesh: DeviceMesh, batch: int) -> slice:
-    """The batch rows rank (k, i, j) of the grid holds: block k·q + i of d·q."""
-    d, q = mesh.size(0), mesh.size(1)
-    rows = batch // (d * q)
-    block = mesh.get_local_rank(0) * q + mesh.get_local_rank(1)
+def batch_slice(mesh: DeviceMesh, batch: int, dims: tuple[int, int] = (0, 1)) -> slice:
+    """The batch rows this rank holds when they are split over the mesh dims `dims` (outer,
+    inner): on the 2D grid block k·q + i of d·q (depth, then grid row); the 3D cube's logits
+    use (x, z)."""
+    inner = mesh.size(dims[1])
+    rows = batch // (mesh.size(dims[0]) * inner)
+    block = mesh.get_local_rank(dims[0]) * inner + mesh.get_local_rank(dims[1])
     return slice(block * rows, (block + 1) * rows)
 
 
@@ -127,7 +129,8 @@ def _distribute(module: nn.Module, name: str, mesh: DeviceMesh, placements) -> N
 def _grid_norm(norm: nn.Module, mesh: DeviceMesh) -> None:
     """Make `norm` take local (b/q, s, d/q) and return local (b/q, s, d): the features
     all-gathered along the grid row, then normalized by the module's own forward with its
-    replicated DTensor weight."""
+    replicated DTensor weight. The 3D cube's residual stream has the same placements (rows over
+    its first two dims, features over the third), so it uses this too."""
     own = type(norm).forward.__get__(norm)
 
     def forward(x: torch.Tensor) -> torch.Tensor:

@@ -30,14 +30,21 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-from titanlab.distributed.tensor_parallel_2d import _distribute
+from titanlab.distributed.tensor_parallel_2d import (
+    ACTIVATIONS,
+    GATHERED,
+    _distribute,
+    _grid_embedding,
+    _grid_norm,
+    batch_slice,
+)
 
 if TYPE_CHECKING:
     from titanlab.models.common.decoder import Decoder
 
 CUBE = ("tp_x", "tp_y", "tp_z")
-RESIDUAL = (Shard(0), Shard(0), Shard(2))  # rows over x then y, features over z
-NORMED = (Shard(0), Shard(0), Replicate())
+RESIDUAL = ACTIVATIONS  # rows over x then y, features over z (the 2D grid's layout)
+NORMED = GATHERED
 # kind: (X before the product, W stored, W for the product, Y after the reduction)
 KINDS = {
     "A": (
@@ -85,37 +92,6 @@ class CubeLinear(nn.Linear):
         return y.redistribute(mesh, out).to_local()
 
 
-def _cube_norm(norm: nn.Module, mesh: DeviceMesh) -> None:
-    own = type(norm).forward.__get__(norm)
-
-    def forward(x: torch.Tensor) -> torch.Tensor:
-        xd = DTensor.from_local(x, mesh, RESIDUAL, run_check=False)
-        return cast(DTensor, own(xd.redistribute(mesh, NORMED))).to_local()
-
-    _distribute(norm, "weight", mesh, (Replicate(), Replicate(), Replicate()))
-    norm.forward = forward  # type: ignore[method-assign]
-
-
-def row_slice(mesh: DeviceMesh, batch: int, dims: tuple[int, int]) -> slice:
-    """The batch rows split over the mesh dims `dims` (outer, inner) that this rank holds."""
-    q = mesh.size(dims[1])
-    rows = batch // (mesh.size(dims[0]) * q)
-    block = mesh.get_local_rank(dims[0]) * q + mesh.get_local_rank(dims[1])
-    return slice(block * rows, (block + 1) * rows)
-
-
-def _cube_embedding(embedding: nn.Module, mesh: DeviceMesh) -> None:
-    _distribute(embedding, "weight", mesh, (Replicate(), Replicate(), Shard(1)))
-
-    def forward(tokens: torch.Tensor) -> torch.Tensor:
-        mine = tokens[row_slice(mesh, tokens.shape[0], (0, 1))]
-        local = DTensor.from_local(mine, mesh, NORMED, run_check=False)
-        weight = cast(torch.Tensor, embedding.weight)
-        return cast(DTensor, F.embedding(local, weight)).to_local()  # RESIDUAL
-
-    embedding.forward = forward  # type: ignore[method-assign]
-
-
 def _cube_linear(linear: nn.Module, mesh: DeviceMesh, kind: str, input_layout) -> None:
     _distribute(linear, "weight", mesh, KINDS[kind][1])
     linear.__class__ = CubeLinear
@@ -136,12 +112,12 @@ def apply_tp_3d(model: Decoder, mesh: DeviceMesh) -> None:
         for name in ("w1", "w3"):
             _cube_linear(getattr(mlp, name), mesh, "A", NORMED)
         _cube_linear(cast(nn.Module, mlp.w2), mesh, "B", A_OUT)
-        _cube_norm(cast(nn.Module, block.attention_norm), mesh)
-        _cube_norm(cast(nn.Module, block.ffn_norm), mesh)
+        _grid_norm(cast(nn.Module, block.attention_norm), mesh)
+        _grid_norm(cast(nn.Module, block.ffn_norm), mesh)
     if model.tok_embeddings is not None:
-        _cube_embedding(model.tok_embeddings, mesh)
+        _grid_embedding(model.tok_embeddings, mesh)  # rows over x then y, features over z
     if model.norm is not None:
-        _cube_norm(model.norm, mesh)
+        _grid_norm(model.norm, mesh)
     if model.output is not None:
         head = cast(nn.Module, model.output)
         _cube_linear(head, mesh, "A", NORMED)
@@ -154,7 +130,7 @@ def cube_loss(loss_fn, mesh: DeviceMesh):
     0-dim tensor, equal on every tp rank)."""
 
     def loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        local = loss_fn(logits, labels[row_slice(mesh, labels.shape[0], (0, 2))])
+        local = loss_fn(logits, labels[batch_slice(mesh, labels.shape[0], (0, 2))])
         partial = (Partial(), Replicate(), Partial())
         return DTensor.from_local(local, mesh, partial, run_check=False).full_tensor()
 

@@ -31,9 +31,12 @@ from titanlab.data.batches import BatchPreparer
 from titanlab.data.build import build_data, build_loader
 from titanlab.distributed.comm_counter import count_step_comms
 from titanlab.distributed.init import init_distributed, set_train_timeout
-from titanlab.distributed.parallelize import loss_parallel_enabled, param_dtype, parallelize_model
-from titanlab.distributed.tensor_parallel_2d import summa_loss
-from titanlab.distributed.tensor_parallel_3d import cube_loss
+from titanlab.distributed.parallelize import (
+    loss_parallel_enabled,
+    param_dtype,
+    parallelize_model,
+    tp_grid_loss,
+)
 from titanlab.distributed.pipeline import pipeline_model
 from titanlab.metrics import MetricsLogger, device_peak_flops
 from titanlab.metrics.build import build_sinks
@@ -183,14 +186,12 @@ class Trainer(TrainStep):
         Returns the parallelize function (the teacher gets the same one)."""
         config, dims = self.config, self.parallel_dims
         self.loss_parallel = loss_parallel_enabled(config, dims)
-        self.loss_fn = build_loss_fn(
-            config.compile.enable and "loss" in config.compile.components, self.loss_parallel
+        self.loss_fn = tp_grid_loss(
+            build_loss_fn(
+                config.compile.enable and "loss" in config.compile.components, self.loss_parallel
+            ),
+            dims,
         )
-        grid, cube = dims.mesh("tp_2d"), dims.mesh("tp_3d")
-        if grid is not None:  # 2D / 2.5D TP: each rank holds the logits of its batch rows
-            self.loss_fn = summa_loss(self.loss_fn, grid)
-        if cube is not None:  # 3D TP: likewise, its rows over the cube's x and z
-            self.loss_fn = cube_loss(self.loss_fn, cube)
         parallelize = functools.partial(
             parallelize_model, parallel_dims=dims, config=config, device=self.device
         )

@@ -4,8 +4,6 @@ parameters' placements; and the grid side of a tp degree."""
 
 from __future__ import annotations
 
-import copy
-import dataclasses
 import json
 import os
 
@@ -25,40 +23,18 @@ def test_grid_side_is_the_square_root_of_a_square_degree():
 
 def _worker(rank: int, init_file: str, out: str, depth: int) -> None:
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor
 
-    from titanlab.components.loss import cross_entropy_sum
     from titanlab.distributed.init import destroy_distributed
     from titanlab.distributed.tensor_parallel_2d import GRID, apply_tp_2d, summa_loss
-    from titanlab.models.llama3 import llama3_flavors
-    from titanlab.models.registry import build_model
+    from tp_grid_case import against_one_process
 
     init_gloo(rank, 4 * depth, init_file)
     ok = False
     try:
         mesh = init_device_mesh("cpu", (depth, 2, 2), mesh_dim_names=GRID)  # 2D: depth 1
-        args = dataclasses.replace(llama3_flavors["debugmodel"], vocab_size=512, n_layers=2)
-        torch.manual_seed(0)
-        ref = build_model(args)
-        ref.init_weights()
-        model = copy.deepcopy(ref)
-        apply_tp_2d(model, mesh)
-        g = torch.Generator().manual_seed(1)
-        tokens = torch.randint(0, 512, (4 * depth, 32), generator=g)
-        labels = torch.randint(0, 512, (4 * depth, 32), generator=g)
-        labels[1, :5] = -100
-        want = cross_entropy_sum(ref(tokens), labels)
-        want.backward()
-        got = summa_loss(cross_entropy_sum, mesh)(model(tokens), labels)
-        got.backward()
-        worst, moved, shapes = 0.0, [], {}
-        for (name, p_ref), (name2, p) in zip(ref.named_parameters(), model.named_parameters()):
-            assert name == name2
-            assert isinstance(p, DTensor) and isinstance(p.grad, DTensor), name
-            if p.grad.placements != p.placements:
-                moved.append(name)
-            worst = max(worst, (p.grad.full_tensor() - p_ref.grad).abs().max().item())
-            shapes[name] = [list(p.shape), list(p.to_local().shape)]
+        model, args, result = against_one_process(
+            lambda m: apply_tp_2d(m, mesh), lambda fn: summa_loss(fn, mesh), batch=4 * depth
+        )
         # One block's forward and backward, counted.
         from titanlab.distributed.comm_counter import CommCounter
 
@@ -69,10 +45,8 @@ def _worker(rank: int, init_file: str, out: str, depth: int) -> None:
         counted = {k: v["bytes"] for k, v in counter.summary().items()}
         if rank == 0:
             with open(out, "w") as f:
-                json.dump({"loss": [want.item(), got.item()], "worst": worst, "moved": moved,
-                           "shapes": shapes, "tokens": int((labels != -100).sum()),
-                           "block": counted, "args": [args.dim, args.n_heads, args.kv_heads,
-                           args.head_dim, args.ffn_hidden_dim()]}, f)  # fmt: skip
+                dims = [args.dim, args.n_heads, args.kv_heads, args.head_dim, args.ffn_hidden_dim()]
+                json.dump({**result, "block": counted, "args": dims}, f)
         ok = True
     finally:
         destroy_distributed(barrier=ok)

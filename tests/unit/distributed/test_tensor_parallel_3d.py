@@ -4,13 +4,10 @@ process's, each weight holds 1/q³ of the Linear; and the cube side of a tp degr
 
 from __future__ import annotations
 
-import copy
-import dataclasses
 import json
 import os
 
 import pytest
-import torch
 
 from gloo_group import init_gloo, spawn
 from titanlab.distributed.tensor_parallel_3d import cube_side
@@ -23,41 +20,21 @@ def test_cube_side_is_the_cube_root_of_a_cube_degree():
 
 def _worker(rank: int, init_file: str, out: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor
 
-    from titanlab.components.loss import cross_entropy_sum
     from titanlab.distributed.init import destroy_distributed
     from titanlab.distributed.tensor_parallel_3d import CUBE, apply_tp_3d, cube_loss
-    from titanlab.models.llama3 import llama3_flavors
-    from titanlab.models.registry import build_model
+    from tp_grid_case import against_one_process
 
     init_gloo(rank, 8, init_file)
     ok = False
     try:
         mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=CUBE)
-        args = dataclasses.replace(llama3_flavors["debugmodel"], vocab_size=512, n_layers=2)
-        torch.manual_seed(0)
-        ref = build_model(args)
-        ref.init_weights()
-        model = copy.deepcopy(ref)
-        apply_tp_3d(model, mesh)
-        g = torch.Generator().manual_seed(1)
-        tokens = torch.randint(0, 512, (8, 32), generator=g)
-        labels = torch.randint(0, 512, (8, 32), generator=g)
-        want = cross_entropy_sum(ref(tokens), labels)
-        want.backward()
-        got = cube_loss(cross_entropy_sum, mesh)(model(tokens), labels)
-        got.backward()
-        worst, moved, shapes = 0.0, [], {}
-        for (name, p_ref), (_, p) in zip(ref.named_parameters(), model.named_parameters()):
-            assert isinstance(p, DTensor) and isinstance(p.grad, DTensor), name
-            moved += [name] if p.grad.placements != p.placements else []
-            worst = max(worst, (p.grad.full_tensor() - p_ref.grad).abs().max().item())
-            shapes[name] = [list(p.shape), list(p.to_local().shape)]
+        _, _, result = against_one_process(
+            lambda m: apply_tp_3d(m, mesh), lambda fn: cube_loss(fn, mesh), batch=8
+        )
         if rank == 0:
             with open(out, "w") as f:
-                json.dump({"loss": [want.item(), got.item()], "worst": worst, "moved": moved,
-                           "shapes": shapes}, f)  # fmt: skip
+                json.dump(result, f)
         ok = True
     finally:
         destroy_distributed(barrier=ok)
@@ -72,6 +49,6 @@ def test_a_2x2x2_cube_trains_like_one_process(tmp_path):
     with open(out) as f:
         r = json.load(f)
     want, got = r["loss"]
-    assert abs(got - want) / (8 * 32) < 1e-6 and r["worst"] < 1e-5 and r["moved"] == []
+    assert abs(got - want) / r["tokens"] < 1e-6 and r["worst"] < 1e-5 and r["moved"] == []
     full, local = r["shapes"]["layers.0.attention.wq.weight"]
     assert full[0] * full[1] == 8 * local[0] * local[1]  # 1/q³ of the weight
