@@ -31,12 +31,8 @@ from titanlab.data.batches import BatchPreparer
 from titanlab.data.build import build_data, build_loader
 from titanlab.distributed.comm_counter import count_step_comms
 from titanlab.distributed.init import init_distributed, set_train_timeout
-from titanlab.distributed.parallelize import (
-    loss_parallel_enabled,
-    param_dtype,
-    parallelize_model,
-    tp_grid_loss,
-)
+from titanlab.distributed.parallelize import loss_parallel_enabled, param_dtype, parallelize_model
+from titanlab.distributed.parallelize import tp_grid_loss
 from titanlab.distributed.pipeline import pipeline_model
 from titanlab.metrics import MetricsLogger, device_peak_flops
 from titanlab.metrics.build import build_sinks
@@ -186,12 +182,8 @@ class Trainer(TrainStep):
         Returns the parallelize function (the teacher gets the same one)."""
         config, dims = self.config, self.parallel_dims
         self.loss_parallel = loss_parallel_enabled(config, dims)
-        self.loss_fn = tp_grid_loss(
-            build_loss_fn(
-                config.compile.enable and "loss" in config.compile.components, self.loss_parallel
-            ),
-            dims,
-        )
+        compile_loss = config.compile.enable and "loss" in config.compile.components
+        self.loss_fn = tp_grid_loss(build_loss_fn(compile_loss, self.loss_parallel), dims)
         parallelize = functools.partial(
             parallelize_model, parallel_dims=dims, config=config, device=self.device
         )
