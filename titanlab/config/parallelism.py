@@ -68,7 +68,7 @@ class Parallelism:
     arXiv:2105.14500), the batch split over them too, each grid's weights replicated across
     them. 3d: a q × q × q cube (tp = q³, e.g. 8; Bian et al. 2021, arXiv:2105.14450;
     titanlab/distributed/tensor_parallel_3d.py), 1/q³ of each weight per rank. 2d / 2.5d / 3d
-    run on tp ranks alone for now (no FSDP, DDP, PP, CP), dense models without q/k norms."""
+    compose with FSDP / HSDP / DDP and PP (not CP or EP yet), dense models without q/k norms."""
 
     tensor_parallel_depth: int = 1
     """d of 2.5D tensor parallel: tensor_parallel_degree = q² · d. 1 with 1d and 2d."""

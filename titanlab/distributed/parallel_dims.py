@@ -254,17 +254,27 @@ class ParallelDims:
         self._flatten(root, "dp_cp_tp", rep + shard + cp + tp)
         if self.ep_enabled:
             self._flatten(root, "ep", [n for n in ("dp_shard_in_ep", "cp", "tp") if n in names])
-        if self.tp_grid > 1:
-            from titanlab.distributed.tensor_parallel_2d import GRID
-
-            q, d = self.tp_grid, self.tp_depth
-            self._meshes["tp_2d"] = self._meshes["tp"]._unflatten(0, (d, q, q), GRID)
-        if self.tp_cube > 1:
-            from titanlab.distributed.tensor_parallel_3d import CUBE
-
-            q = self.tp_cube
-            self._meshes["tp_3d"] = self._meshes["tp"]._unflatten(0, (q, q, q), CUBE)
+        if self.tp_grid > 1 or self.tp_cube > 1:
+            self._build_tp_grid(root, [n for n in ("dp_replicate", "dp_shard") if n in names])
         return root
+
+    def _build_tp_grid(self, root: DeviceMesh, dp: list[str]) -> None:
+        """The tp ranks as 2D / 2.5D grids (`tp_2d`) or a 3D cube (`tp_3d`); with data parallel
+        also `dp_tp_grid`, the (dp..., grid...) mesh the parameters live on (FSDP2 shards them
+        over its dp dims)."""
+        from titanlab.distributed.tensor_parallel_2d import GRID
+        from titanlab.distributed.tensor_parallel_3d import CUBE
+
+        if self.tp_grid > 1:
+            name, sizes, dims = "tp_2d", (self.tp_depth, self.tp_grid, self.tp_grid), GRID
+        else:
+            name, sizes, dims = "tp_3d", (self.tp_cube,) * 3, CUBE
+        if not dp:
+            self._meshes[name] = self._meshes["tp"]._unflatten(0, sizes, dims)
+            return
+        full = root._unflatten("tp", sizes, dims)
+        self._meshes[name] = full[dims]
+        self._meshes["dp_tp_grid"] = full[(*dp, *dims)]
 
     def _flatten(self, root: DeviceMesh, name: str, dims: list[str]) -> None:
         # Only the private `_flatten` exists in torch 2.13 (see the project notes); keep the
@@ -291,8 +301,8 @@ class ParallelDims:
             return root[dims]
 
     def mesh(self, name: str) -> DeviceMesh | None:
-        """The sub-mesh `name` (pp, dp_replicate, dp_shard, cp, tp, tp_2d, tp_3d, ep, efsdp, dp,
-        dp_shard_cp, dp_cp, dp_cp_tp, root), or None when that parallelism is off (degree 1; `efsdp` exists
+        """The sub-mesh `name` (pp, dp_replicate, dp_shard, cp, tp, tp_2d, tp_3d, dp_tp_grid, ep,
+        efsdp, dp, dp_shard_cp, dp_cp, dp_cp_tp, root), or None when that parallelism is off (degree 1; `efsdp` exists
         whenever ep > 1)."""
         return self._meshes.get(name)
 

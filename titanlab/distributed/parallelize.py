@@ -18,6 +18,7 @@ from torch.distributed._composable.replicate_with_fsdp import replicate
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import (
     CPUOffloadPolicy,
+    DataParallelMeshDims,
     MixedPrecisionPolicy,
     OffloadPolicy,
     fully_shard,
@@ -88,13 +89,13 @@ def parallelize_model(
 
         cube = parallel_dims.mesh("tp_3d")
         assert cube is not None  # built whenever tensor_parallel_mode is 3d
-        apply_tp_3d(model, cube)
+        apply_tp_3d(model, cube, parallel_dims.mesh("dp_tp_grid"))
     elif parallel_dims.tp_enabled and parallel_dims.tp_grid > 1:  # 2D / 2.5D
         from titanlab.distributed.tensor_parallel_2d import apply_tp_2d
 
         grid = parallel_dims.mesh("tp_2d")
         assert grid is not None  # built whenever tensor_parallel_mode is 2d
-        apply_tp_2d(model, grid)
+        apply_tp_2d(model, grid, parallel_dims.mesh("dp_tp_grid"))
     elif parallel_dims.tp_enabled:
         f8 = config.float8
         tp_mesh = parallel_dims.mesh("tp")
@@ -122,14 +123,15 @@ def parallelize_model(
         assert dp_mesh is not None  # built whenever dp_replicate > 1
         apply_ddp(
             model,
-            dp_mesh,
+            parallel_dims.mesh("dp_tp_grid") or dp_mesh,
             param_dtype=param_dtype(config, device),
             reduce_dtype=_DTYPES[config.training.mixed_precision_reduce],
+            dp_mesh_dims=grid_dp_dims(parallel_dims),
         )
     elif parallel_dims.fsdp_enabled:
         apply_fsdp(
             model,
-            fsdp_mesh(parallel_dims),
+            parallel_dims.mesh("dp_tp_grid") or fsdp_mesh(parallel_dims),
             param_dtype=param_dtype(config, device),
             reduce_dtype=_DTYPES[config.training.mixed_precision_reduce],
             cpu_offload=config.training.enable_cpu_offload,
@@ -140,8 +142,21 @@ def parallelize_model(
                 zero_stage=config.parallelism.zero_stage_in_force,
             ),
             experts=expert_fsdp(parallel_dims, device),
+            dp_mesh_dims=grid_dp_dims(parallel_dims),
         )
     return model
+
+
+def grid_dp_dims(parallel_dims: ParallelDims) -> DataParallelMeshDims | None:
+    """Under 2D / 2.5D / 3D tensor parallel with data parallel, which dims of the parameters'
+    (dp..., grid...) mesh FSDP2 shards over and which it replicates over (HSDP, DDP); None
+    otherwise (FSDP2 then gets a mesh of dp dims only)."""
+    if parallel_dims.mesh("dp_tp_grid") is None:
+        return None
+    return DataParallelMeshDims(
+        shard="dp_shard" if parallel_dims.dp_shard > 1 else None,
+        replicate="dp_replicate" if parallel_dims.dp_replicate_enabled else None,
+    )
 
 
 def expert_fsdp(parallel_dims: ParallelDims, device: torch.device) -> ExpertSharding | None:
@@ -188,7 +203,12 @@ def fsdp_mesh(parallel_dims: ParallelDims) -> DeviceMesh:
 
 
 def apply_ddp(
-    model: Decoder, dp_mesh: DeviceMesh, *, param_dtype: torch.dtype, reduce_dtype: torch.dtype
+    model: Decoder,
+    dp_mesh: DeviceMesh,
+    *,
+    param_dtype: torch.dtype,
+    reduce_dtype: torch.dtype,
+    dp_mesh_dims: DataParallelMeshDims | None = None,
 ) -> None:
     """Plain data parallel: full parameters on every rank, gradients all-reduced (averaged) per
     block during backward.
@@ -204,8 +224,8 @@ def apply_ddp(
     for block in model.layers.values():
         for moe in moe_layers(block):
             replicate(moe.router, mesh=dp_mesh, mp_policy=ROUTER_MP)
-        replicate(block, mesh=dp_mesh, mp_policy=mp)
-    replicate(model, mesh=dp_mesh, mp_policy=mp)
+        replicate(block, mesh=dp_mesh, mp_policy=mp, dp_mesh_dims=dp_mesh_dims)
+    replicate(model, mesh=dp_mesh, mp_policy=mp, dp_mesh_dims=dp_mesh_dims)
 
 
 def reshard_policy(option: str, pp_enabled: bool, zero_stage: int = 3) -> bool:
@@ -252,13 +272,15 @@ def apply_fsdp(
     pin_memory: bool,
     reshard_after_forward: bool,
     experts: ExpertSharding | None = None,
+    dp_mesh_dims: DataParallelMeshDims | None = None,
 ) -> None:
     """FSDP2 `fully_shard` each block, the final norm + output together, then the root.
 
     The final norm and output run last in forward and first in backward, so they are never
     resharded after forward. With tied embeddings the shared weight stays with the root.
     An MoE layer's router is its own group with fp32 weights (`ROUTER_MP`); expert-parallel
-    experts (`experts` given) are their own group on the expert mesh.
+    experts (`experts` given) are their own group on the expert mesh. `dp_mesh_dims` (2D / 3D
+    tensor parallel): `mesh` is the parameters' (dp..., grid...) mesh and these its dp dims.
     """
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     offload = CPUOffloadPolicy(pin_memory=pin_memory) if cpu_offload else OffloadPolicy()
@@ -287,6 +309,7 @@ def apply_fsdp(
             mesh=mesh,
             mp_policy=mp,
             offload_policy=offload,
+            dp_mesh_dims=dp_mesh_dims,
         )
     tied = (
         model.output is not None
@@ -301,10 +324,23 @@ def apply_fsdp(
                 mesh=mesh,
                 mp_policy=mp,
                 offload_policy=offload,
+                dp_mesh_dims=dp_mesh_dims,
             )
         tail: list[nn.Module] = [m for m in (model.norm, model.output) if m is not None]
         if tail:
             fully_shard(
-                tail, reshard_after_forward=False, mesh=mesh, mp_policy=mp, offload_policy=offload
+                tail,
+                reshard_after_forward=False,
+                mesh=mesh,
+                mp_policy=mp,
+                offload_policy=offload,
+                dp_mesh_dims=dp_mesh_dims,
             )
-    fully_shard(model, reshard_after_forward=False, mesh=mesh, mp_policy=mp, offload_policy=offload)
+    fully_shard(
+        model,
+        reshard_after_forward=False,
+        mesh=mesh,
+        mp_policy=mp,
+        offload_policy=offload,
+        dp_mesh_dims=dp_mesh_dims,
+    )

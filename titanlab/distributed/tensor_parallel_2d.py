@@ -34,6 +34,12 @@ The rest of the block keeps the model's own code running on local tensors:
 Parameters whose gradients come out of DTensor's backward with other placements (partial sums
 over the grid rows: the embedding and the norms) are redistributed to their own placements by a
 gradient hook, so the optimizer and the gradient norm see one layout.
+
+With data parallel (FSDP, HSDP or DDP over dp ranks outside the grid) the parameters live on
+the (dp..., grid...) mesh, replicated over the dp dims, and FSDP2 shards them there
+(`fully_shard(..., dp_mesh_dims=...)`, its SPMD-mesh mode): `on_grid` views the gathered
+parameter as a DTensor on the grid for the products, and the gradient leaves the grid with the
+parameter's own grid placements (the view's backward), for FSDP to reduce over dp.
 """
 
 from __future__ import annotations
@@ -78,6 +84,17 @@ def grid_side(tp: int, depth: int = 1) -> int | None:
     return q if q >= 2 and q * q * depth == tp else None
 
 
+def on_grid(param: torch.Tensor, mesh: DeviceMesh) -> DTensor:
+    """`param` (a DTensor on the grid `mesh`, or on a (dp..., grid...) mesh and replicated over
+    the dp dims) as a DTensor on `mesh`: its local tensor with its last `mesh.ndim` placements.
+    Autograd flows through (the gradient takes the parameter's placements back)."""
+    assert isinstance(param, DTensor)
+    if param.device_mesh.ndim == mesh.ndim:
+        return param
+    grid = param.placements[-mesh.ndim :]
+    return DTensor.from_local(param.to_local(), mesh, grid, run_check=False)
+
+
 class SummaLinear(nn.Linear):
     """A bias-free Linear whose weight is a [Shard(1), Shard(0)] DTensor on the grid (see the
     module docstring). Input: a local (b/q, s, in) tensor holding every in-feature
@@ -88,10 +105,11 @@ class SummaLinear(nn.Linear):
     gathered_input = True
     gather_output = False
 
+    grid: DeviceMesh
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight = self.weight
-        assert isinstance(weight, DTensor)
-        mesh = weight.device_mesh
+        mesh = self.grid
+        weight = on_grid(self.weight, mesh)
         if self.gathered_input:
             xd = DTensor.from_local(x, mesh, GATHERED, run_check=False)
         else:
@@ -117,51 +135,67 @@ def _same_placements_as(param: torch.Tensor) -> Callable[[torch.Tensor], torch.T
 
 
 def _distribute(module: nn.Module, name: str, mesh: DeviceMesh, placements) -> None:
+    """Replace parameter `name` of `module` by a DTensor on `mesh` with `placements` over its
+    last dims (grid or cube), replicated over any dims before them (dp)."""
     param = getattr(module, name)
-    dt = nn.Parameter(
-        distribute_tensor(param.data, mesh, placements), requires_grad=param.requires_grad
-    )
+    full = (Replicate(),) * (mesh.ndim - len(placements)) + tuple(placements)
+    dt = nn.Parameter(distribute_tensor(param.data, mesh, full), requires_grad=param.requires_grad)
     if dt.requires_grad:
         dt.register_hook(_same_placements_as(dt))
     setattr(module, name, dt)
 
 
-def _grid_norm(norm: nn.Module, mesh: DeviceMesh) -> None:
+def _grid_norm(norm: nn.RMSNorm, mesh: DeviceMesh, params: DeviceMesh | None = None) -> None:
     """Make `norm` take local (b/q, s, d/q) and return local (b/q, s, d): the features
-    all-gathered along the grid row, then normalized by the module's own forward with its
-    replicated DTensor weight. The 3D cube's residual stream has the same placements (rows over
-    its first two dims, features over the third), so it uses this too."""
-    own = type(norm).forward.__get__(norm)
+    all-gathered along the grid row, then normalized with the norm's eps and its replicated
+    weight. The 3D cube's residual stream has the same placements (rows over
+    its first two dims, features over the third), so it uses this too. `params`: the mesh the
+    weight lives on (the grid, or (dp..., grid...) under data parallel)."""
 
     def forward(x: torch.Tensor) -> torch.Tensor:
         xd = DTensor.from_local(x, mesh, ACTIVATIONS, run_check=False)
-        return cast(DTensor, own(xd.redistribute(mesh, GATHERED))).to_local()
+        weight = on_grid(cast(torch.Tensor, norm.weight), mesh)
+        y = F.rms_norm(xd.redistribute(mesh, GATHERED), norm.normalized_shape, weight, norm.eps)
+        return cast(DTensor, y).to_local()
 
-    _distribute(norm, "weight", mesh, REPLICATED)
+    _distribute(norm, "weight", params or mesh, REPLICATED)
     norm.forward = forward  # type: ignore[method-assign]
 
 
-def _grid_embedding(embedding: nn.Module, mesh: DeviceMesh) -> None:
+def _grid_embedding(
+    embedding: nn.Module, mesh: DeviceMesh, params: DeviceMesh | None = None
+) -> None:
     """Make the token embedding take tokens (b, s), the same on every tp rank, and return the
     grid row's batch rows with the grid column's features, local (b/q, s, d/q)."""
-    _distribute(embedding, "weight", mesh, (Replicate(), Replicate(), Shard(1)))
+    _distribute(embedding, "weight", params or mesh, (Replicate(), Replicate(), Shard(1)))
 
     def forward(tokens: torch.Tensor) -> torch.Tensor:
         mine = tokens[batch_slice(mesh, tokens.shape[0])]
         local = DTensor.from_local(mine, mesh, GATHERED, run_check=False)
-        weight = cast(torch.Tensor, embedding.weight)
+        weight = on_grid(cast(torch.Tensor, embedding.weight), mesh)
         return cast(DTensor, F.embedding(local, weight)).to_local()  # [Shard(0), Shard(2)]
 
     embedding.forward = forward  # type: ignore[method-assign]
 
 
-def apply_tp_2d(model: Decoder, mesh: DeviceMesh) -> None:
+def _summa_linear(
+    linear: nn.Module, mesh: DeviceMesh, params: DeviceMesh, gathered_input: bool
+) -> None:
+    _distribute(linear, "weight", params, WEIGHT)
+    linear.__class__ = SummaLinear
+    setattr(linear, "grid", mesh)  # noqa: B010 (instance attributes over the class's)
+    setattr(linear, "gathered_input", gathered_input)  # noqa: B010
+
+
+def apply_tp_2d(model: Decoder, mesh: DeviceMesh, params: DeviceMesh | None = None) -> None:
     """Shard the dense `model` over the q × q `mesh` (dims `GRID`) in place (module docstring).
 
     Input tokens (b, s) must be identical on every tp rank, b divisible by q; the model's
     forward then returns local logits (b/q, s, vocab) of the grid row's batch rows (`summa_loss`
-    turns the loss of those into the whole batch's).
+    turns the loss of those into the whole batch's). `params`: the mesh the parameters live on
+    when data parallel shards or replicates them too, (dp..., *GRID), else the grid itself.
     """
+    params = params or mesh
     for block in model.layers.values():
         for parent, names, gathered in (
             (block.attention, ("wq", "wk", "wv"), True),
@@ -170,21 +204,26 @@ def apply_tp_2d(model: Decoder, mesh: DeviceMesh) -> None:
             (block.feed_forward, ("w2",), False),
         ):
             for name in names:
-                linear = getattr(parent, name)
-                _distribute(linear, "weight", mesh, WEIGHT)
-                linear.__class__ = SummaLinear
-                linear.gathered_input = gathered  # an instance attribute over the class's
-        _grid_norm(cast(nn.Module, block.attention_norm), mesh)
-        _grid_norm(cast(nn.Module, block.ffn_norm), mesh)
+                _summa_linear(getattr(parent, name), mesh, params, gathered)
+        _grid_norm(cast(nn.RMSNorm, block.attention_norm), mesh, params)
+        _grid_norm(cast(nn.RMSNorm, block.ffn_norm), mesh, params)
     if model.tok_embeddings is not None:
-        _grid_embedding(model.tok_embeddings, mesh)
+        _grid_embedding(model.tok_embeddings, mesh, params)
     if model.norm is not None:
-        _grid_norm(model.norm, mesh)
+        _grid_norm(model.norm, mesh, params)
     if model.output is not None:
         head = cast(nn.Module, model.output)
-        _distribute(head, "weight", mesh, WEIGHT)
-        head.__class__ = SummaLinear
+        _summa_linear(head, mesh, params, gathered_input=True)
         setattr(head, "gather_output", True)  # noqa: B010 (mypy sees the Linear it was)
+
+
+def sum_over(x: torch.Tensor, mesh: DeviceMesh, dim: int) -> torch.Tensor:
+    """`x` (a plain tensor) summed over mesh dim `dim` (all-reduce; the gradient flows back
+    unchanged to every rank). One collective per dim, none for a dim of size 1."""
+    if mesh.size(dim) == 1:
+        return x
+    placements = [Partial() if i == dim else Replicate() for i in range(mesh.ndim)]
+    return DTensor.from_local(x, mesh, placements, run_check=False).full_tensor()
 
 
 def summa_loss(loss_fn: Callable, mesh: DeviceMesh) -> Callable:
@@ -195,9 +234,7 @@ def summa_loss(loss_fn: Callable, mesh: DeviceMesh) -> Callable:
 
     def loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         local = loss_fn(logits, labels[batch_slice(mesh, labels.shape[0])])
-        return DTensor.from_local(
-            local, mesh, (Partial(), Partial(), Replicate()), run_check=False
-        ).full_tensor()
+        return sum_over(sum_over(local, mesh, 1), mesh, 0)  # grid rows, then the depth
 
     return loss
 

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from titanlab.distributed.tensor_parallel_2d import (
     ACTIVATIONS,
@@ -37,6 +37,8 @@ from titanlab.distributed.tensor_parallel_2d import (
     _grid_embedding,
     _grid_norm,
     batch_slice,
+    on_grid,
+    sum_over,
 )
 
 if TYPE_CHECKING:
@@ -77,11 +79,11 @@ class CubeLinear(nn.Linear):
     kind = "A"
     input_layout = NORMED
     gather_output = False
+    grid: DeviceMesh
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight = self.weight
-        assert isinstance(weight, DTensor)
-        mesh = weight.device_mesh
+        mesh = self.grid
+        weight = on_grid(self.weight, mesh)
         x_target, _, w_target, out = KINDS[self.kind]
         xd = DTensor.from_local(x, mesh, self.input_layout, run_check=False)
         y = cast(
@@ -92,35 +94,40 @@ class CubeLinear(nn.Linear):
         return y.redistribute(mesh, out).to_local()
 
 
-def _cube_linear(linear: nn.Module, mesh: DeviceMesh, kind: str, input_layout) -> None:
-    _distribute(linear, "weight", mesh, KINDS[kind][1])
+def _cube_linear(
+    linear: nn.Module, mesh: DeviceMesh, params: DeviceMesh, kind: str, input_layout
+) -> None:
+    _distribute(linear, "weight", params, KINDS[kind][1])
     linear.__class__ = CubeLinear
+    setattr(linear, "grid", mesh)  # noqa: B010
     setattr(linear, "kind", kind)  # noqa: B010 (instance attributes over the class's)
     setattr(linear, "input_layout", input_layout)  # noqa: B010
 
 
-def apply_tp_3d(model: Decoder, mesh: DeviceMesh) -> None:
+def apply_tp_3d(model: Decoder, mesh: DeviceMesh, params: DeviceMesh | None = None) -> None:
     """Shard the dense `model` over the q × q × q `mesh` (dims `CUBE`) in place. Input tokens
     (b, s), the same on every tp rank, b divisible by q²; the forward returns local logits
-    (b/q², s, vocab) of the rank's rows over x then z (`cube_loss`)."""
+    (b/q², s, vocab) of the rank's rows over x then z (`cube_loss`). `params`: the mesh the
+    parameters live on under data parallel, (dp..., *CUBE), else the cube itself."""
+    params = params or mesh
     for block in model.layers.values():
         attention = cast(nn.Module, block.attention)
         mlp = cast(nn.Module, block.feed_forward)
         for name in ("wq", "wk", "wv"):
-            _cube_linear(getattr(attention, name), mesh, "A", NORMED)
-        _cube_linear(cast(nn.Module, attention.wo), mesh, "B", A_OUT)
+            _cube_linear(getattr(attention, name), mesh, params, "A", NORMED)
+        _cube_linear(cast(nn.Module, attention.wo), mesh, params, "B", A_OUT)
         for name in ("w1", "w3"):
-            _cube_linear(getattr(mlp, name), mesh, "A", NORMED)
-        _cube_linear(cast(nn.Module, mlp.w2), mesh, "B", A_OUT)
-        _grid_norm(cast(nn.Module, block.attention_norm), mesh)
-        _grid_norm(cast(nn.Module, block.ffn_norm), mesh)
-    if model.tok_embeddings is not None:
-        _grid_embedding(model.tok_embeddings, mesh)  # rows over x then y, features over z
+            _cube_linear(getattr(mlp, name), mesh, params, "A", NORMED)
+        _cube_linear(cast(nn.Module, mlp.w2), mesh, params, "B", A_OUT)
+        _grid_norm(cast(nn.RMSNorm, block.attention_norm), mesh, params)
+        _grid_norm(cast(nn.RMSNorm, block.ffn_norm), mesh, params)
+    if model.tok_embeddings is not None:  # rows over x then y, features over z
+        _grid_embedding(model.tok_embeddings, mesh, params)
     if model.norm is not None:
-        _grid_norm(model.norm, mesh)
+        _grid_norm(model.norm, mesh, params)
     if model.output is not None:
         head = cast(nn.Module, model.output)
-        _cube_linear(head, mesh, "A", NORMED)
+        _cube_linear(head, mesh, params, "A", NORMED)
         setattr(head, "gather_output", True)  # noqa: B010
 
 
@@ -131,7 +138,6 @@ def cube_loss(loss_fn, mesh: DeviceMesh):
 
     def loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         local = loss_fn(logits, labels[batch_slice(mesh, labels.shape[0], (0, 2))])
-        partial = (Partial(), Replicate(), Partial())
-        return DTensor.from_local(local, mesh, partial, run_check=False).full_tensor()
+        return sum_over(sum_over(local, mesh, 2), mesh, 0)
 
     return loss

@@ -6,6 +6,10 @@
   operators may not have complete support on cpu device mesh"): on CPU, the sharded parameters'
   random init is overwritten by a full-copy init (`components.init_model_weights`), so the weights
   do not depend on DTensor's CPU RNG and equal a single-process run's.
+- FSDP2 notes, once per module, that a wrapped module "returned a view tensor" (`PATTERNS`):
+  under 2D / 2.5D / 3D tensor parallel the embedding, the head and the model return
+  `DTensor.to_local()`, a view; the warning is about in-place ops on that output, which no
+  titanlab model or loss performs (copying the logits to avoid it would cost their memory again).
 
 And log records (`LOG_MESSAGES`, by logger and exact text) on a machine without CUDA, where
 they concern CUDA kernels that cannot run anyway: torchao's import reports its CUDA extensions
@@ -23,6 +27,17 @@ MESSAGES = (
     "'set_vital' is deprecated, please do not call",
     "DTensor random operators may not have complete support on cpu device mesh",
 )
+
+PATTERNS = (
+    r"FSDP2-wrapped module \([\w, ]+\) returned a view tensor\. "
+    + re.escape(
+        "An in-place op on this view (e.g., `x += y`) will silently drop the pre-backward hook "
+        "and skip the all-gather, which can cause backward to fail or produce wrong gradients. "
+        "Use out-of-place ops (`out = out + y`, not `out += y`) or `.clone()` the output before "
+        "any in-place op."
+    ),
+)
+"""Regular expressions of whole warning messages (UserWarning) ignored everywhere."""
 
 
 LOG_MESSAGES: dict[str, tuple[str, ...]] = {
@@ -54,11 +69,13 @@ class _DropExact(logging.Filter):
 
 
 def install(cuda: bool | None = None) -> None:
-    """Ignore exactly the warnings in MESSAGES (UserWarning, the whole message matched) and,
-    without CUDA (`cuda`: default `torch.cuda.is_available()`), the log records in
-    LOG_MESSAGES."""
+    """Ignore exactly the warnings in MESSAGES and PATTERNS (UserWarning, the whole message
+    matched) and, without CUDA (`cuda`: default `torch.cuda.is_available()`), the log records
+    in LOG_MESSAGES."""
     for message in MESSAGES:
         warnings.filterwarnings("ignore", message=re.escape(message) + r"\Z", category=UserWarning)
+    for pattern in PATTERNS:
+        warnings.filterwarnings("ignore", message=pattern + r"\Z", category=UserWarning)
     if cuda is None:
         import torch
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, cast
 
@@ -179,7 +180,19 @@ class Layout:
             out += ["--parallelism.tensor_parallel_mode", self.tp_mode]
         if self.tp_depth > 1:
             out += ["--parallelism.tensor_parallel_depth", str(self.tp_depth)]
+        if self.tp_mode != "1d" and self.pp > 1:  # each microbatch splits over the grid
+            out += ["--parallelism.pipeline_parallel_microbatch_size", str(self.grid_batch_split)]
         return out
+
+    @property
+    def grid_batch_split(self) -> int:
+        """The ranks 2D / 2.5D / 3D tensor parallel splits each microbatch's samples over: q · d
+        (grid rows × depth) for tp = q² · d, q² for a cube tp = q³; 1 for 1D."""
+        if self.tp_mode == "3d":
+            return round(self.tp ** (2 / 3))
+        if self.tp_mode in ("2d", "2.5d"):
+            return self.tp // math.isqrt(self.tp // self.tp_depth)
+        return 1
 
 
 def _factorizations(n: int, parts: int) -> list[tuple[int, ...]]:
@@ -273,6 +286,9 @@ def apply_layout(config: JobConfig, layout: Layout, global_batch_size: int) -> J
         zero_stage=layout.zero_stage,
         tensor_parallel_mode=cast("TensorParallelMode", layout.tp_mode),
         tensor_parallel_depth=layout.tp_depth,
+        pipeline_parallel_microbatch_size=layout.grid_batch_split
+        if layout.tp_mode != "1d" and layout.pp > 1
+        else config.parallelism.pipeline_parallel_microbatch_size,
     )
     t = dataclasses.replace(
         config.training,

@@ -195,18 +195,15 @@ def _validate_tp_2d(config: JobConfig, dims: ParallelDims, model_args) -> None:
     q, d = (dims.tp_cube, 1) if cube else (dims.tp_grid, dims.tp_depth)
     name = f"parallelism.tensor_parallel_mode={config.parallelism.tensor_parallel_mode}"
     others = {
-        "data_parallel_replicate_degree": dims.dp_replicate,
-        "data_parallel_shard_degree": dims.dp_shard,
         "context_parallel_degree": dims.cp,
-        "pipeline_parallel_degree": dims.pp,
         "expert_parallel_degree": dims.ep,
     }
     for option, degree in others.items():
         if degree > 1:
             raise ConfigError(
                 f"{name} with parallelism.{option}={degree} is not supported yet (2D, 2.5D and "
-                "3D tensor parallel run on the tp ranks alone); use tensor_parallel_mode=1d or "
-                f"{option}=1"
+                "3D tensor parallel compose with data and pipeline parallel); use "
+                f"tensor_parallel_mode=1d or {option}=1"
             )
     features = {
         "compile.enable=true": config.compile.enable,
@@ -240,11 +237,15 @@ def _validate_tp_2d(config: JobConfig, dims: ParallelDims, model_args) -> None:
                 f"{name} on a {shape} (tensor_parallel_degree={dims.tp}) splits {what} over "
                 f"{ranks} ranks, but it is {size}; use sizes divisible by {ranks}"
             )
-    batch, split = config.training.local_batch_size, (q * q if cube else q * d)
+    split = q * q if cube else q * d
+    option, batch = "training.local_batch_size", config.training.local_batch_size
+    if dims.pp > 1:  # the stages run microbatches, each split over the grid
+        option = "parallelism.pipeline_parallel_microbatch_size"
+        batch = config.parallelism.pipeline_parallel_microbatch_size
     if batch % split:
         raise ConfigError(
-            f"{name} splits the batch over {split} ranks of the {shape}, but "
-            f"training.local_batch_size={batch}; use a multiple of {split}"
+            f"{name} splits the samples of each microbatch over {split} ranks of the {shape}, "
+            f"but {option}={batch}; use a multiple of {split}"
         )
 
 

@@ -6,6 +6,8 @@ import sys
 
 import pytest
 
+from titanlab.config.job_config import ConfigError
+
 from titanlab.planning.layouts import SCHEDULES, Layout, enumerate_layouts, pairwise_subset
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
@@ -174,7 +176,7 @@ def test_pairwise_subset_on_a_toy():
     assert pairwise_subset([a, b, c, d], must=(frozenset({"ddp", "tp"}),))[0] == c  # cheapest
 
 
-def test_2d_tensor_parallel_is_enumerated_on_square_degrees_and_runs_on_tp_alone(verdicts):
+def test_2d_tensor_parallel_is_enumerated_on_square_degrees_and_meets_dp_and_pp(verdicts):
     modes = {(l.tp, l.tp_mode) for l in enumerate_layouts(8, tp_modes=("1d", "2d"))}
     assert (4, "2d") in modes and (2, "2d") not in modes and (8, "2d") not in modes
     refused = {lay.name: why for lay, why in verdicts if why}
@@ -182,12 +184,16 @@ def test_2d_tensor_parallel_is_enumerated_on_square_degrees_and_runs_on_tp_alone
     # 4 heads and 2 KV heads: 1D cannot split them 4 ways, the 2 × 2 grid splits them 2 ways.
     assert "must divide the number of heads" in refused["ws4-tp4"]
     assert {"ws4-tp4-2d", "ws4-tp4-2d-ga2"} <= valid
-    assert "3D tensor parallel run on the tp ranks alone" in refused["ws8-fsdp2-tp4-2d"]
     assert "ws8-tp8-3d" in valid  # a 2 × 2 × 2 cube
     assert {"ws8-tp8-2.5dx2", "ws8-tp8-2.5dx2-ga2"} <= valid  # 2 grids of 2 × 2
-    assert "pipeline_parallel_degree=2" in refused["ws8-tp4-2d-pp2-1F1B"]
-    args = Layout(1, 1, 4, 1, None, 1, tp_mode="2d").overrides(8)
+    # data parallel outside the grid (FSDP2 over its SPMD mesh), pipeline stages of grids
+    assert {"ws8-fsdp2-tp4-2d", "ws8-ddp2-tp4-2d", "ws8-fsdp2-tp4-2d-zero1"} <= valid
+    assert {"ws8-tp4-2d-pp2-1F1B", "ws8-tp4-2d-pp2-Interleaved1F1B-ga2"} <= valid
+    assert "context_parallel_degree=2 is not supported yet" in refused["ws8-cp2-tp4-2d"]
+    args = Layout(1, 1, 4, 2, "1F1B", 1, tp_mode="2d").overrides(8)
     assert args[args.index("--parallelism.tensor_parallel_mode") + 1] == "2d"
+    # each pipeline microbatch splits over the grid rows: 2 samples on a 2 × 2 grid
+    assert args[args.index("--parallelism.pipeline_parallel_microbatch_size") + 1] == "2"
 
 
 @pytest.mark.parametrize(
@@ -211,3 +217,16 @@ def test_2d_tensor_parallel_refusals_are_one_line(extra, says):
     config.parallelism.tensor_parallel_degree = 6
     with pytest.raises(Exception, match="not 6"):
         ParallelDims.from_config(config.parallelism, 6)
+
+
+def test_2d_pipeline_microbatches_must_split_over_the_grid_rows():
+    from titanlab.planning.layouts import apply_layout, check_parallel_layout
+
+    config, args = parity_matrix._base_config([])
+    cfg = apply_layout(config, Layout(1, 1, 4, 2, "1F1B", 1, tp_mode="2d"), 8)
+    assert cfg.parallelism.pipeline_parallel_microbatch_size == 2
+    check_parallel_layout(cfg, 8, args, "cpu")  # accepted
+    cfg.parallelism.pipeline_parallel_microbatch_size = 1
+    with pytest.raises(ConfigError) as e:
+        check_parallel_layout(cfg, 8, args, "cpu")
+    assert "pipeline_parallel_microbatch_size=1; use a multiple of 2" in str(e.value)
