@@ -1,6 +1,6 @@
 """Speed and memory of the real trainer against a plain PyTorch loop of the same model and batch.
 
-    python tools/benchmark.py [--matrix full|quick|overhead|zero|none] [--steps 20] [--warmup 5] [--decode]
+    python tools/benchmark.py [--matrix full|quick|overhead|zero|tp|none] [--steps 20] [--warmup 5] [--decode]
                               [--repeats 1] [--threads 1] [--out docs/performance.md]
                               [--gpu-8b [--gpu-layers 4]]
 
@@ -23,6 +23,11 @@ k), so step time = local batch × seq_len ÷ tps.
 CPU memory timeline measures, the bytes each rank communicates per step (checked against the
 closed forms), and the step time; `--repeats` runs per row (default here 3). Written to the
 `cpu-zero` block of `--out`.
+
+`--matrix tp`: the tensor-parallel mode table (tools/lib/tp_mode_bench.py): 1D, 2D, 2.5D and 3D
+at degrees 4 and 8, one block's communication per collective kind measured on gloo ranks beside
+each mode's closed form, and the loss and gradients against one process. Written to the
+`cpu-tp-modes` block of `--out` (default here docs/parallelism.md).
 
 `--repeats N` runs the whole matrix N times, interleaved (A B A B ...), so slow drifts of a
 shared machine hit every row alike; a row then reports the median over repeats and, in
@@ -110,6 +115,19 @@ def zero_table(out: str, about: str, repeats: int) -> int:
         rows.append(zero_bench.run_row(stage, offload, dataset, work, repeats))
     publish(out, "cpu-zero", f"{about}\n\n{zero_bench.DESCRIPTION}\n\n{zero_bench.render(rows)}")
     return 0 if all(r.comm_as_predicted for r in rows) else 1
+
+
+def tp_table(out: str, about: str) -> int:
+    """Measure and publish the tensor-parallel mode table (`tools/lib/tp_mode_bench.py`)."""
+    from tools.lib import tp_mode_bench
+
+    results = {}
+    for mode in tp_mode_bench.MODES:
+        print(f"running {mode.name} ...", flush=True)
+        results[mode] = tp_mode_bench.measure(mode)
+    text = tp_mode_bench.table(results)
+    publish(out, "cpu-tp-modes", f"{about}\n\n{tp_mode_bench.DESCRIPTION}\n\n{text}")
+    return 0 if tp_mode_bench.all_as_predicted(results) else 1
 
 
 def plain_loop(spec: dict) -> dict:
@@ -222,9 +240,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--matrix",
         default="full",
-        choices=["full", "quick", "overhead", "zero", "none"],
+        choices=["full", "quick", "overhead", "zero", "tp", "none"],
         help="quick: eager, AC none, fp32, 1 and 2 ranks; overhead: 1 rank vs the "
-        "baseline in fp32/bf16, eager/compiled; zero: the ZeRO stage table; none: only --gpu-8b",
+        "baseline in fp32/bf16, eager/compiled; zero: the ZeRO stage table; tp: the tensor "
+        "parallel mode table; none: only --gpu-8b",
     )
     p.add_argument(
         "--repeats",
@@ -235,8 +254,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=1, help="intra-op threads: 1 rank and baseline")
     p.add_argument(
         "--out",
-        default=os.path.join(REPO, "docs", "performance.md"),
-        help="Markdown file whose benchmark block(s) are replaced",
+        default=None,
+        help="Markdown file whose benchmark block(s) are replaced (default docs/performance.md; "
+        "docs/parallelism.md for --matrix tp)",
     )
     p.add_argument("--gpu-8b", action="store_true", help="CUDA: 8B-dims rows with MFU")
     p.add_argument("--gpu-layers", type=int, default=4, help="blocks of the 8B-shaped model")
@@ -256,6 +276,9 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     if a.repeats is None:
         a.repeats = 3 if a.matrix == "zero" else 1
+    if a.out is None:
+        doc = "parallelism.md" if a.matrix == "tp" else "performance.md"
+        a.out = os.path.join(REPO, "docs", doc)
     if a.child:
         spec = json.loads(a.child)
         print(json.dumps(probe() if spec["kind"] == "probe" else plain_loop(spec)))
@@ -275,6 +298,8 @@ def main(argv: list[str] | None = None) -> int:
     about = machine(info, a.threads, command)
     if a.matrix == "zero":
         return zero_table(a.out, about, a.repeats)
+    if a.matrix == "tp":
+        return tp_table(a.out, about)
     loop = {
         "model": a.model,
         "flavor": "debugmodel",

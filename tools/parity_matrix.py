@@ -144,9 +144,9 @@ def ci_layouts(device_type: str = "cpu") -> list[Layout]:
     """The representative subset CI runs: pairwise coverage of the valid layouts at ZeRO stage 3
     with 1D tensor parallel (`in_ci`). The ZeRO variants (each stage's collectives and losses
     are checked in CI by tests/integration/test_comm_bytes.py) and 2D / 2.5D / 3D tensor
-    parallel (DTensor runs of 30-70 s each on 2 cores; CI checks 2D's gradients and
-    communication in tests/unit/distributed/test_tensor_parallel_2d.py) run in
-    `make test-parity-full`."""
+    parallel (DTensor runs of 30-70 s each on 2 cores; CI checks 2D's loss, gradients and
+    communication against 1D in tests/unit/tooling/test_tp_mode_bench.py and 2D × FSDP in
+    tests/unit/distributed/test_tensor_parallel_grid_dp.py) run in `make test-parity-full`."""
     return pairwise_subset(
         [lay for lay, why in matrix(device_type=device_type) if why is None and in_ci(lay)],
         must=MUST,

@@ -178,3 +178,20 @@ def linear_split_dims(model: Decoder) -> dict[str, int]:
             if isinstance(style, (ColwiseParallel, RowwiseParallel)):
                 dims[f"layers.{index}.{path}"] = 0 if isinstance(style, ColwiseParallel) else 1
     return dims
+
+
+def block_comm_bytes(dim: int, tokens: int, elem: int = 4) -> dict[str, int]:
+    """Bytes one rank communicates for one transformer block's forward and backward under 1D
+    tensor parallel with sequence parallel, by collective kind, as
+    `titanlab.distributed.comm_counter` counts them (an all-gather's output, a reduce-scatter's
+    input, an all-reduce's tensor); `tokens`: b · s of the microbatch, `elem` bytes per element.
+
+    Megatron-LM with sequence parallel (Korthikanti et al. 2022, arXiv:2205.05198, §4.2.2):
+    forward all-gathers the two norms' outputs (tokens × dim each) and reduce-scatters wo's and
+    w2's outputs; backward mirrors each (reduce-scatter, all-gather). Independent of the
+    degree: only (n-1)/n of each reaches the wire. The two norm weights' gradients (dim each)
+    stay partial sums through backward and are all-reduced when first read (the gradient
+    norm), outside the block's forward and backward.
+    """
+    act = tokens * dim * elem
+    return {"all_gather": 4 * act, "reduce_scatter": 4 * act, "all_reduce": 0}

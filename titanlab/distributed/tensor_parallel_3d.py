@@ -141,3 +141,44 @@ def cube_loss(loss_fn, mesh: DeviceMesh):
         return sum_over(sum_over(local, mesh, 2), mesh, 0)
 
     return loss
+
+
+def block_comm_bytes(
+    dim: int, n_heads: int, kv_heads: int, head_dim: int, hidden: int, tokens: int, q: int,
+    elem: int = 4,
+) -> dict[str, int]:  # fmt: skip
+    """Bytes one rank communicates for one transformer block's forward and backward under 3D
+    tensor parallel on a q × q × q cube, by collective kind, as
+    `titanlab.distributed.comm_counter` counts them (an all-gather's output, a reduce-scatter's
+    input, an all-reduce's tensor). `tokens`: b · s of the microbatch; `elem`: bytes per
+    element. Every collective runs over one cube dimension (q ranks).
+
+    Per Linear (in i, out o; r = tokens / q, the rows one cube face holds), as DTensor's
+    redistributions and the sharding propagation of its products issue them (counted per call
+    on a 2 × 2 × 2 cube, tools/benchmark.py --matrix tp):
+    - kind A (wq, wk, wv, w1, w3): all-gathers of X-sized r·i/q and r·i, three of Y-sized
+      r·o/q and W over x, o·i/q²; reduce-scatters of r·i and two of r·o/q;
+    - kind B (wo, w2): all-gathers of three r·i/q, one r·o/q and o·i/q²; reduce-scatters of
+      two r·i/q and one r·o/q.
+    No weight-sized reduce-scatter: DTensor gathers activations so that each rank's dW comes
+    out whole, where the paper's count (Bian et al. 2021) reduce-scatters dW and gathers X and
+    dY once each. Each norm all-gathers its input's features
+    (tokens/q² × dim) and all-reduces its weight's gradient over x and over y (2 × dim).
+    """
+    r = tokens // q
+    a_kind = [(dim, n_heads * head_dim), (dim, kv_heads * head_dim), (dim, kv_heads * head_dim),
+              (dim, hidden), (dim, hidden)]  # fmt: skip
+    b_kind = [(n_heads * head_dim, dim), (hidden, dim)]
+    gather = 2 * (tokens // (q * q)) * dim  # the two norms
+    scatter = 0
+    for i, o in a_kind:
+        gather += r * i // q + r * i + 3 * r * o // q + o * i // (q * q)
+        scatter += r * i + 2 * r * o // q
+    for i, o in b_kind:
+        gather += 3 * r * i // q + r * o // q + o * i // (q * q)
+        scatter += 2 * r * i // q + r * o // q
+    return {
+        "all_gather": elem * gather,
+        "reduce_scatter": elem * scatter,
+        "all_reduce": elem * 4 * dim,
+    }
