@@ -94,10 +94,23 @@ def _worker(rank: int, init_file: str, out: str, case: str) -> None:
             # dp averages the gradients of its shares: 1/dp of the whole batch's
             worst = max(worst, (dp * p.grad.full_tensor() - p_ref.grad).abs().max().item())
             sharded += [name] if p.to_local().numel() * dp_shard * tp <= p.numel() else []
+        # A DCP checkpoint of the sharded weights loads into the plain model on one process
+        # unchanged (the shards' global offsets under FSDP's strided placement on the grid).
+        import torch.distributed.checkpoint as dcp
+
+        folder = os.path.join(os.path.dirname(out), "dcp")
+        dcp.save(model.state_dict(), checkpoint_id=folder)
+        torch.distributed.barrier()
+        saved = 0.0
         if rank == 0:
+            plain = build_model(args)
+            state = {k: torch.zeros_like(v) for k, v in plain.state_dict().items()}
+            dcp.load(state, checkpoint_id=folder, no_dist=True)
+            saved = max((state[k] - v).abs().max().item() for k, v in ref.state_dict().items())
             with open(out, "w") as f:
                 json.dump({"loss": [want.item(), total.item() / tp], "worst": worst,
-                           "sharded": sharded, "mesh": list(params.mesh_dim_names)}, f)  # fmt: skip
+                           "sharded": sharded, "mesh": list(params.mesh_dim_names),
+                           "saved": saved}, f)  # fmt: skip
         ok = True
     finally:
         destroy_distributed(barrier=ok)
@@ -120,6 +133,7 @@ def test_grid_tensor_parallel_with_data_parallel_trains_like_one_process(tmp_pat
         r = json.load(f)
     want, got = r["loss"]
     assert abs(got - want) / want < 1e-6 and r["worst"] < 1e-5  # fp32 sums of ~1e3 tokens
+    assert r["saved"] == 0.0  # the checkpoint holds exactly the weights, reassembled
     dp_dims = [n for n, k in (("dp_replicate", dp_replicate), ("dp_shard", dp_shard)) if k > 1]
     assert r["mesh"][: len(dp_dims)] == dp_dims  # the parameters' (dp..., grid...) mesh
     linear = "layers.0.attention.wq.weight"
