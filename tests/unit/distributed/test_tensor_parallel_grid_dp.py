@@ -2,7 +2,8 @@
 parameters live on the (dp, grid...) mesh and FSDP2 (`fully_shard(..., dp_mesh_dims=...)`)
 shards them over dp_shard and replicates them over dp_replicate (HSDP, DDP); each dp rank
 trains its share of the batch and the gradients (averaged over dp) equal one process's on the
-whole batch. CI runs 2D × FSDP on 8 ranks; `make test-parity-full` adds 2.5D × DDP, 3D × FSDP
+whole batch, and a DCP checkpoint of the sharded weights loads into the plain model on one
+process exactly. CI runs 2D × FSDP on 8 ranks; `make test-parity-full` adds 2.5D × DDP, 3D × FSDP
 and 2D × HSDP on 16."""
 
 from __future__ import annotations
