@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, cast
 
@@ -188,10 +187,13 @@ class Layout:
     def grid_batch_split(self) -> int:
         """The ranks 2D / 2.5D / 3D tensor parallel splits each microbatch's samples over: q · d
         (grid rows × depth) for tp = q² · d, q² for a cube tp = q³; 1 for 1D."""
+        from titanlab.distributed.tensor_parallel_2d import grid_side
+        from titanlab.distributed.tensor_parallel_3d import cube_side
+
         if self.tp_mode == "3d":
-            return round(self.tp ** (2 / 3))
+            return (cube_side(self.tp) or 1) ** 2
         if self.tp_mode in ("2d", "2.5d"):
-            return self.tp // math.isqrt(self.tp // self.tp_depth)
+            return (grid_side(self.tp, self.tp_depth) or 1) * self.tp_depth
         return 1
 
 

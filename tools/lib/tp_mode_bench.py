@@ -33,6 +33,18 @@ class Mode:
     depth: int = 1
 
     @property
+    def side(self) -> int:
+        """q: the side of the grid (tp = q²·d) or of the cube (tp = q³); 1 for 1D."""
+        from titanlab.distributed.tensor_parallel_2d import grid_side
+        from titanlab.distributed.tensor_parallel_3d import cube_side
+
+        if self.mode == "1d":
+            return 1
+        side = cube_side(self.tp) if self.mode == "3d" else grid_side(self.tp, self.depth)
+        assert side is not None, self
+        return side
+
+    @property
     def name(self) -> str:
         return f"{self.mode}" + (f" (d={self.depth})" if self.depth > 1 else "") + f", tp {self.tp}"
 
@@ -59,9 +71,8 @@ def predicted(mode: Mode, elem: int = 4) -> dict[str, int]:
     if mode.mode == "1d":
         return one_d(a.dim, tokens, elem)
     if mode.mode == "3d":
-        return three_d(*dims, tokens, q=round(mode.tp ** (1 / 3)), elem=elem)
-    q = int((mode.tp // mode.depth) ** 0.5)
-    return two_d(*dims, tokens, q=q, elem=elem, depth=mode.depth)
+        return three_d(*dims, tokens, q=mode.side, elem=elem)
+    return two_d(*dims, tokens, q=mode.side, elem=elem, depth=mode.depth)
 
 
 def _shard(model, mode: Mode):
@@ -77,14 +88,12 @@ def _shard(model, mode: Mode):
     if mode.mode == "3d":
         from titanlab.distributed.tensor_parallel_3d import CUBE, apply_tp_3d, cube_loss
 
-        q = round(mode.tp ** (1 / 3))
-        mesh = init_device_mesh("cpu", (q, q, q), mesh_dim_names=CUBE)
+        mesh = init_device_mesh("cpu", (mode.side,) * 3, mesh_dim_names=CUBE)
         apply_tp_3d(model, mesh)
         return lambda fn: cube_loss(fn, mesh)
     from titanlab.distributed.tensor_parallel_2d import GRID, apply_tp_2d, summa_loss
 
-    q = int((mode.tp // mode.depth) ** 0.5)
-    mesh = init_device_mesh("cpu", (mode.depth, q, q), mesh_dim_names=GRID)
+    mesh = init_device_mesh("cpu", (mode.depth, mode.side, mode.side), mesh_dim_names=GRID)
     apply_tp_2d(model, mesh)
     return lambda fn: summa_loss(fn, mesh)
 
