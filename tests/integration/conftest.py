@@ -1,8 +1,11 @@
 """Fixtures for end-to-end tests: a tiny prepared dataset and a launcher of the real entry point.
 
-Every multi-process run goes through torchrun (`python -m torch.distributed.run`) on gloo with
-one intra-op thread per rank and short timeouts, exactly as a user launches titanlab; a
-single-process run is `python -m titanlab.train`, the documented launch without torchrun.
+Every run is `titanlab.train`'s main on gloo with one intra-op thread per rank and short
+timeouts. `launch` forks the ranks from a server that has imported titanlab once
+(`tools.lib.fork_launch`: torchrun's rank environment without its agent, a third of an 8-rank
+run's time on 2 cores); the tests of launching itself (run_train.sh, one-line errors under
+torchrun, restarts, Slurm, the RL runs) start `python -m torch.distributed.run` as a user does
+(`launch_command`, or `launch(..., entry=...)`).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from titanlab.data.default_corpus import default_corpus_files
 from titanlab.data.prepare import prepare_data
 from titanlab.data.tokenizer import default_tokenizer_path
 from titanlab.metrics import parse_log_line
+from tools.lib.fork_launch import fork_run
 from tools.lib.runs import (  # noqa: F401 (re-exported)
     CONSTANT_LR,
     REPO,
@@ -89,12 +93,15 @@ def tiny_dataset(tmp_path_factory) -> str:
 def launch(
     nproc: int, args: list[str], *, timeout: int = 600, entry: list[str] | None = None
 ) -> RunResult:
-    """Run `titanlab.train` under torchrun with `nproc` ranks; parse the `step: N  loss: X` lines."""
+    """Run `titanlab.train` with `nproc` ranks (forked, `tools.lib.fork_launch`; or the command
+    `entry`, e.g. torchrun's `launch_command`); parse the `step: N  loss: X` lines."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    cmd = entry or launch_command(nproc, ["-m", "titanlab.train"])
-    proc = subprocess.run(
-        cmd + args, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout
-    )
+    if entry is None:
+        proc = fork_run(nproc, args, env=env, timeout=timeout)
+    else:
+        proc = subprocess.run(
+            entry + args, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout
+        )
     result = RunResult(proc.returncode, proc.stdout, proc.stderr)
     for line in proc.stdout.splitlines():
         parsed = parse_log_line(line)

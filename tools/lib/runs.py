@@ -1,5 +1,6 @@
-"""Running the trainer from tools and tests: the overrides of a tiny CPU run, a launch (torchrun
-for several ranks), its losses, and the line of a failed launch that says why.
+"""Running the trainer from tools and tests: the overrides of a tiny CPU run, a launch (ranks
+forked from a preloaded server, or torchrun), its losses, and the line of a failed launch that
+says why.
 
 `TINY_RUN` is what every small end-to-end run uses: the debug model's config, 64-token windows,
 a 2-step warmup, a loss line every step, no validation, deterministic kernels, 120 s
@@ -80,10 +81,17 @@ def launch_command(nproc: int, target: list[str]) -> list[str]:
             f"--nproc_per_node={nproc}", *target]  # fmt: skip
 
 
-def launch(nproc: int, args: list[str], timeout: int = 900) -> subprocess.CompletedProcess:
-    """`titanlab.train` on `nproc` ranks (gloo on CPU, `launch_command`), one intra-op thread
-    per rank."""
+def launch(
+    nproc: int, args: list[str], timeout: int = 900, torchrun: bool = False
+) -> subprocess.CompletedProcess:
+    """`titanlab.train` on `nproc` ranks (gloo on CPU), one intra-op thread per rank: forked
+    from a preloaded server (`tools.lib.fork_launch`, torchrun's environment without its
+    agent), or with `torchrun` as a user launches it (`launch_command`)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    if not torchrun:
+        from tools.lib.fork_launch import fork_run
+
+        return fork_run(nproc, args, env=env, timeout=timeout)
     cmd = launch_command(nproc, ["-m", "titanlab.train", *args])
     return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
 

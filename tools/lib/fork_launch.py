@@ -1,0 +1,145 @@
+"""Launching `titanlab.train` ranks from a process that has already imported it (tests and tools).
+
+A torchrun launch costs, before the first step, one import of torch in the agent and one import
+of titanlab.train (~2 s of CPU) in every rank; on CI's 2 cores an 8-rank parity run spent a third
+of its time there. `fork_run` starts each rank as a fork of a forkserver process
+(`multiprocessing`'s "forkserver" context, with titanlab.train preloaded), so the imports are
+paid once per test process. The server has run no tensor operation and holds no thread pool or
+process group, so a fork of it starts as clean as a fresh interpreter.
+
+Each rank gets torchrun --standalone's environment contract: RANK, LOCAL_RANK, WORLD_SIZE,
+LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR and MASTER_PORT (rank 0 hosts the TCPStore, as
+`titanlab.distributed.init` does without torchrun's agent store). Like torchrun, the first rank
+that fails stops the others (SIGTERM, then SIGKILL after `GRACE_S`), and the launch returns that
+rank's exit code. The launcher itself (restarts, signals to the agent, its one-line summary) is
+tested through torchrun: tests of launching use `tools.lib.runs.launch_command`.
+
+Source: the Python docs of `multiprocessing` (contexts and start methods, `set_forkserver_preload`)
+and of torchrun's environment variables (PyTorch "torchrun (Elastic Launch)").
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import multiprocessing.connection
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+GRACE_S = 3.0
+"""Seconds the other ranks get to exit after one fails, before SIGKILL."""
+
+_CONTEXT: multiprocessing.context.ForkServerContext | None = None
+
+
+def _context() -> multiprocessing.context.ForkServerContext:
+    global _CONTEXT
+    if _CONTEXT is None:
+        ctx = multiprocessing.get_context("forkserver")
+        ctx.set_forkserver_preload(["titanlab.train"])
+        _CONTEXT = ctx
+    return _CONTEXT
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(args: list[str], env: dict[str, str], out: str, err: str) -> None:
+    """One rank: its environment, stdout / stderr to files, then titanlab.train's main."""
+    for path, fd in ((out, 1), (err, 2)):
+        target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(target, fd)
+        os.close(target)
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(REPO)
+    sys.argv = ["titanlab.train", *args]
+    from titanlab.distributed.init import exit_process
+    from titanlab.train import main
+
+    exit_process(main(args))
+
+
+def fork_run(
+    nproc: int, args: list[str], env: dict[str, str] | None = None, timeout: float = 900
+) -> subprocess.CompletedProcess:
+    """Run `titanlab.train` with `args` on `nproc` ranks forked from the preloaded server.
+
+    Args:
+        nproc: number of ranks (1 runs a single process, with no rank variables set, as
+            `python -m titanlab.train` does).
+        args: the trainer's command-line options.
+        env: the ranks' environment (default: this process's), to which the rank variables are
+            added.
+        timeout: seconds before every rank is killed and `subprocess.TimeoutExpired` raised.
+    Returns:
+        A CompletedProcess: returncode 0, or the exit code of the first rank that failed (a
+        negative signal number for a rank killed by a signal); stdout and stderr are the ranks'
+        in rank order, stderr ending with a `rank R exitcode : C` line per failed rank.
+    """
+    ctx = _context()
+    base = dict(os.environ if env is None else env)
+    if nproc > 1:
+        base.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    with tempfile.TemporaryDirectory(prefix="titanlab-ranks-") as logs:
+        procs = []
+        for rank in range(nproc):
+            rank_env = dict(base)
+            if nproc > 1:
+                rank_env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc),
+                                LOCAL_WORLD_SIZE=str(nproc), GROUP_RANK="0")  # fmt: skip
+            files = (os.path.join(logs, f"{rank}.out"), os.path.join(logs, f"{rank}.err"))
+            proc = ctx.Process(target=_rank_main, args=(args, rank_env, *files))
+            proc.start()
+            procs.append(proc)
+        returncode = _wait(procs, timeout, [" ".join(args)])
+        outs, errs = [], []
+        for rank in range(nproc):
+            for name, into in (("out", outs), ("err", errs)):
+                with open(os.path.join(logs, f"{rank}.{name}"), encoding="utf-8",
+                          errors="replace") as f:  # fmt: skip
+                    into.append(f.read())
+    failed = [f"rank {r} exitcode : {p.exitcode}" for r, p in enumerate(procs) if p.exitcode]
+    stderr = "".join(errs) + "".join(line + "\n" for line in failed)
+    return subprocess.CompletedProcess(args, returncode, "".join(outs), stderr)
+
+
+def _wait(procs: list, timeout: float, cmd: list[str]) -> int:
+    """Wait for every rank; the first failure stops the rest. Returns the launch's exit code."""
+    deadline = time.monotonic() + timeout
+    first_failure = 0
+    while any(p.exitcode is None for p in procs):
+        if time.monotonic() > deadline:
+            _stop(procs, signal.SIGKILL)
+            raise subprocess.TimeoutExpired(cmd, timeout)
+        failed = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+        if failed and not first_failure:
+            first_failure = failed[0]
+            _stop(procs, signal.SIGTERM)
+            stop_at = time.monotonic() + GRACE_S
+            while any(p.exitcode is None for p in procs) and time.monotonic() < stop_at:
+                time.sleep(0.05)
+            _stop(procs, signal.SIGKILL)
+        multiprocessing.connection.wait([p.sentinel for p in procs if p.exitcode is None], 0.5)
+    for p in procs:
+        p.join()
+    if first_failure:
+        return first_failure
+    return next((p.exitcode for p in procs if p.exitcode), 0)
+
+
+def _stop(procs: list, sig: int) -> None:
+    for p in procs:
+        if p.exitcode is None and p.pid is not None:
+            try:
+                os.kill(p.pid, sig)
+            except ProcessLookupError:
+                pass
