@@ -21,7 +21,7 @@ k), so step time = local batch × seq_len ÷ tps.
 `--matrix zero`: the ZeRO stage table (tools/lib/zero_bench.py): stages 0-3 and ZeRO-Offload on
 2 data-parallel ranks, each with the memory per rank the pre-flight estimate predicts and the
 CPU memory timeline measures, the bytes each rank communicates per step (checked against the
-closed forms), and the step time; `--repeats` runs per row (default here 3). Written to the
+closed forms), and the step time; `--repeats` runs per row (default here 5). Written to the
 `cpu-zero` block of `--out`.
 
 `--matrix tp`: the tensor-parallel mode table (tools/lib/tp_mode_bench.py): 1D, 2D, 2.5D and 3D
@@ -275,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.repeats is None:
-        a.repeats = 3 if a.matrix == "zero" else 1
+        a.repeats = 5 if a.matrix == "zero" else 1
     if a.out is None:
         doc = "parallelism.md" if a.matrix == "tp" else "performance.md"
         a.out = os.path.join(REPO, "docs", doc)

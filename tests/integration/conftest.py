@@ -38,16 +38,16 @@ from tools.lib.runs import (  # noqa: F401 (re-exported)
 # number of tests), so the last modules to start are short ones and the two workers end close
 # together.
 LONGEST_FIRST = (
-    "test_feature_pairs.py",  # ~930 s
-    "test_parallel_parity.py",  # ~700 s
-    "test_rl.py",  # ~600 s
-    "test_qwen3_moe.py",  # ~420 s
-    "test_data_mixture.py",  # ~160 s
-    "test_resume.py",  # ~160 s
-    "test_faults.py",  # ~140 s
-    "test_qwen3.py",  # ~140 s
-    "test_generation_exports.py",  # ~110 s
-    "test_compile.py",  # ~95 s
+    "test_feature_pairs.py",  # ~810 s
+    "test_rl.py",  # ~330 s
+    "test_parallel_parity.py",  # ~320 s
+    "test_qwen3_moe.py",  # ~260 s
+    "test_faults.py",  # ~155 s
+    "test_data_mixture.py",  # ~130 s
+    "test_qwen3.py",  # ~120 s
+    "test_multinode_slurm.py",  # ~105 s
+    "test_generation_exports.py",  # ~90 s
+    "test_resume.py",  # ~75 s
 )
 
 

@@ -32,9 +32,11 @@ def test_reads_the_peak_of_every_live_tensor_and_renders_a_row(tmp_path):
     folder.mkdir()
     (folder / "rank1_step2_peak.json").write_text(json.dumps({"peak_live_bytes": 123}))
     assert zero_bench.measured_peak(str(tmp_path), rank=1) == 123
-    row = zero_bench.StageRow(2, True, 105 * 2**20, 100 * 2**20, 10, True, 3.0, 0.125, 0, 0)
+    row = zero_bench.StageRow(
+        2, True, 105 * 2**20, 100 * 2**20, 10, True, 3.0, 0.125, 98 * 2**20, 99 * 2**20
+    )
     table = zero_bench.render([row])
     assert (
-        "| ZeRO-2 + offload | 105.00 | 100.00 [0.00–0.00] | +5.0% | 10 | yes | 3.00 Ψ | 125 |"
+        "| ZeRO-2 + offload | 105.00 | 100.00 [98.00, 99.00] | +5.0% | 10 | yes | 3.00 Ψ | 125 |"
         in table
     )
