@@ -1,8 +1,9 @@
-"""The layout parity matrix: every valid layout against one process, from one seed checkpoint.
+r"""The layout parity matrix: every valid layout against one process, from one seed checkpoint.
 
     python tools/parity_matrix.py                       # every valid layout of 1, 2, 4, 8 ranks
     python tools/parity_matrix.py --subset ci           # the pairwise subset CI runs
     python tools/parity_matrix.py --world-sizes 2 4 --only ddp
+    python tools/parity_matrix.py --world-sizes 4 8 --only '-(2d|2\.5d|3d)'   # a regex
 
 The layouts come from `titanlab.planning.layouts.enumerate_layouts` (degrees, schedules,
 gradient accumulation, CP's rotate method, where ranks shard each ZeRO stage 0-3 with and
@@ -330,7 +331,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--world-sizes", type=int, nargs="+", default=list(WORLD_SIZES))
     ap.add_argument("--subset", choices=["full", "ci"], default="full")
-    ap.add_argument("--only", default="", help="run only layouts whose name contains this")
+    ap.add_argument(
+        "--only", default="", help="run only layouts whose name matches this regular expression"
+    )
     ap.add_argument("--work-dir", default=os.path.join(REPO, "outputs", "parity_matrix"))
     ap.add_argument(
         "--output",
@@ -346,7 +349,9 @@ def main(argv: list[str] | None = None) -> int:
 
     verdicts = matrix(args.world_sizes)
     chosen = set(ci_layouts()) if args.subset == "ci" else {lay for lay, _ in verdicts}
-    verdicts = [(lay, why) for lay, why in verdicts if lay in chosen and args.only in lay.name]
+    verdicts = [
+        (lay, why) for lay, why in verdicts if lay in chosen and re.search(args.only, lay.name)
+    ]
     os.makedirs(args.work_dir, exist_ok=True)
     done_path = os.path.join(args.work_dir, "results.jsonl")
     done = {}

@@ -12,7 +12,10 @@ LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR and MASTER_PORT (rank 0 hosts the TCPS
 `titanlab.distributed.init` does without torchrun's agent store). Like torchrun, the first rank
 that fails stops the others (SIGTERM, then SIGKILL after `GRACE_S`), and the launch returns that
 rank's exit code. The launcher itself (restarts, signals to the agent, its one-line summary) is
-tested through torchrun: tests of launching use `tools.lib.runs.launch_command`.
+tested through torchrun: tests of launching use `tools.lib.runs.launch_command`. As with any
+forkserver start, a script that calls `fork_run` must keep its entry point under
+`if __name__ == "__main__":` (each rank imports the main module again; the Python docs' "Safe
+importing of main module").
 
 Source: the Python docs of `multiprocessing` (contexts and start methods, `set_forkserver_preload`)
 and of torchrun's environment variables (PyTorch "torchrun (Elastic Launch)").
@@ -20,6 +23,7 @@ and of torchrun's environment variables (PyTorch "torchrun (Elastic Launch)").
 
 from __future__ import annotations
 
+import gc
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -54,6 +58,9 @@ def _free_port() -> int:
 
 def _rank_main(args: list[str], env: dict[str, str], out: str, err: str) -> None:
     """One rank: its environment, stdout / stderr to files, then titanlab.train's main."""
+    # The server's objects (every imported module) are shared with it copy-on-write: kept out
+    # of the garbage collector's scans, which would otherwise write to (and so copy) their pages.
+    gc.freeze()
     for path, fd in ((out, 1), (err, 2)):
         target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         os.dup2(target, fd)
@@ -104,9 +111,10 @@ def fork_run(
         outs, errs = [], []
         for rank in range(nproc):
             for name, into in (("out", outs), ("err", errs)):
-                with open(os.path.join(logs, f"{rank}.{name}"), encoding="utf-8",
-                          errors="replace") as f:  # fmt: skip
-                    into.append(f.read())
+                path = os.path.join(logs, f"{rank}.{name}")
+                if os.path.exists(path):  # absent when the fork failed before the rank began
+                    with open(path, encoding="utf-8", errors="replace") as f:
+                        into.append(f.read())
     failed = [f"rank {r} exitcode : {p.exitcode}" for r, p in enumerate(procs) if p.exitcode]
     stderr = "".join(errs) + "".join(line + "\n" for line in failed)
     return subprocess.CompletedProcess(args, returncode, "".join(outs), stderr)

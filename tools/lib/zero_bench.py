@@ -122,7 +122,9 @@ def step_seconds(stage: int, offload: bool, dataset: str, workdir: str) -> float
     lay = layout(stage)
     dump = os.path.join(workdir, f"timed-zero{stage}{'-offload' if offload else ''}")
     args = comm_measure.train_args(lay, dataset, dump, TIMED_STEPS) + offload_args(offload)
-    proc = launch(lay.nproc, [*args, "--metrics.log_freq", "1", "--metrics.save_plot", "false"])
+    # torchrun, as a user launches it: the step time is the figure here
+    args += ["--metrics.log_freq", "1", "--metrics.save_plot", "false"]
+    proc = launch(lay.nproc, args, torchrun=True)
     if proc.returncode != 0:
         raise RuntimeError(
             f"{lay.name}: timing run exited {proc.returncode}:\n{proc.stderr[-2000:]}"
