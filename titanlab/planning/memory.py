@@ -111,12 +111,10 @@ def estimate_memory(
     Returns:
         bytes per rank by category; `total` is the predicted peak including overhead.
     """
-    from titanlab.planning.activation_memory import trace_activation_bytes
     from titanlab.models.common.decoder import count_params, moe_layers
-    from titanlab.models.registry import build_model
+    from titanlab.planning.activation_memory import trace_activation_bytes
 
-    with torch.device("meta"):
-        model = build_model(model_args)
+    model = _meta_model(model_args)
     n_params = count_params(model)
     p = config.parallelism
     tp, pp, cp = p.tensor_parallel_degree, p.pipeline_parallel_degree, p.context_parallel_degree
@@ -138,7 +136,7 @@ def estimate_memory(
     autocast = compute_dtype != torch.float32 and not fsdp2_managed
     compiled = config.compile.enable
     compiled_loss = compiled and "loss" in config.compile.components and tp == 1
-    traced = trace_activation_bytes(
+    traced = trace_activation_bytes(  # remembered per arguments
         model_args,
         b,
         s_local,
@@ -214,6 +212,24 @@ def estimate_memory(
         grads_during_forward=accumulating,
         last_block=block["none"],
     )
+
+
+_CACHE_SIZE = 64
+_META_MODELS: dict[str, nn.Module] = {}
+
+
+def _meta_model(model_args) -> nn.Module:
+    """The model on the meta device, built once per args (read only: parameter counts and the
+    block structure); the layout planner asks for hundreds of layouts of one model."""
+    from titanlab.models.registry import build_model
+
+    key = repr(model_args)
+    if key not in _META_MODELS:
+        if len(_META_MODELS) >= _CACHE_SIZE:
+            _META_MODELS.clear()
+        with torch.device("meta"):
+            _META_MODELS[key] = build_model(model_args)
+    return _META_MODELS[key]
 
 
 def _gathered_units(

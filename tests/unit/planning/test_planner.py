@@ -1,0 +1,50 @@
+import dataclasses
+
+import pytest
+
+from titanlab.config.job_config import ConfigError
+from titanlab.config.manager import build_config
+from titanlab.planning import planner
+from titanlab.planning.cluster import PROFILES
+from titanlab.planning.layouts import check_layout
+
+DEBUG = ["--job.config_file", "train_configs/debug_model.toml", "--training.seq_len", "512",
+         "--training.global_batch_size", "16"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def ranked():
+    config = build_config(DEBUG)
+    args = planner.model_args_of(config)
+    return config, args, planner.plan(config, args, PROFILES["h100"])
+
+
+def test_every_layout_that_runs_is_valid_fits_and_is_ranked_by_step_time(ranked):
+    config, args, cands = ranked
+    fitting = [c for c in cands if c.fits]
+    assert len(fitting) > 10
+    assert all(c.layout.world_size == 8 for c in cands)
+    steps = [c.prediction.step_s for c in fitting]
+    assert steps == sorted(steps)
+    for c in fitting:
+        assert check_layout(config, c.layout, 16, args, "cuda") is None
+        assert c.memory.total <= PROFILES["h100"].memory_bytes
+    refused = [c for c in cands if not c.fits]
+    assert refused and all(c.refused and "\n" not in c.refused for c in refused)
+
+
+def test_a_debug_model_on_one_node_avoids_pipeline_bubbles(ranked):
+    """At 0.5k tokens per sample a tiny model is communication- and bubble-bound: the best layout
+    keeps every rank on its own samples (no tp, no pp)."""
+    _, _, cands = ranked
+    best = cands[0].layout
+    assert best.tp == 1 and best.pp == 1 and best.dp_replicate * best.dp_shard == 8
+
+
+def test_nothing_fits_is_one_line():
+    config = build_config(DEBUG)
+    args = planner.model_args_of(config)
+    tiny = dataclasses.replace(PROFILES["h100"], memory_bytes=1e6)
+    with pytest.raises(ConfigError, match="no layout of 8 h100 devices holds") as e:
+        planner.plan(config, args, tiny)
+    assert "\n" not in str(e.value)

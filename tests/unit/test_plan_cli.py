@@ -1,0 +1,29 @@
+from titanlab.config.manager import build_config
+from titanlab.plan import main
+
+DEBUG = ["--job.config_file", "train_configs/debug_model.toml", "--training.seq_len", "512",
+         "--training.global_batch_size", "16"]  # fmt: skip
+
+
+def test_the_table_the_explanation_and_an_applied_config(tmp_path, capsys):
+    out = str(tmp_path / "plan.toml")
+    assert main(["--cluster", "h100", "--top", "3", "--apply", out, *DEBUG]) == 0
+    printed = capsys.readouterr().out
+    assert "| 1 | ws8-" in printed and "| 4 |" not in printed
+    best = printed.split("| 1 | ")[1].split(" |")[0]
+    applied = build_config(["--job.config_file", out])
+    p = applied.parallelism
+    assert best.startswith("ws8")
+    assert p.data_parallel_replicate_degree * p.data_parallel_shard_degree * p.tensor_parallel_degree * p.pipeline_parallel_degree * p.context_parallel_degree == 8  # fmt: skip
+    assert applied.training.global_batch_size == 16
+    assert main(["--cluster", "h100", "--explain", best, *DEBUG]) == 0
+    explained = capsys.readouterr().out
+    assert f"{best}: step" in explained and "memory per device" in explained
+
+
+def test_bad_input_is_one_line(capsys, tmp_path):
+    assert main(["--cluster", "v100", *DEBUG]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "cluster profile 'v100' is not known" in err[0]
+    assert main(["--cluster", "h100", "--explain", "ws8-nonsense", *DEBUG]) == 2
+    assert "not a candidate layout" in capsys.readouterr().err

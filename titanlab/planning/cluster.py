@@ -1,0 +1,149 @@
+"""The machines a layout is planned for: a cluster profile (devices, their memory and peak speed,
+the links between them, and the efficiencies the performance model applies).
+
+Built-in profiles (`PROFILES`) describe nodes of 8 NVIDIA GPUs joined by NVLink inside the node
+and one InfiniBand NIC per GPU between nodes, from the vendors' data sheets:
+- H100 SXM5 80 GB: 989 TFLOP/s dense bf16 (1979 float8), HBM3 3.35 TB/s, NVLink 4 900 GB/s per
+  GPU (450 each way), ConnectX-7 400 Gb/s (50 GB/s each way);
+- H200 SXM 141 GB: the H100's compute and links, HBM3e 4.8 TB/s;
+- A100 SXM4 80 GB: 312 TFLOP/s bf16 (no float8), HBM2e 2.04 TB/s, NVLink 3 600 GB/s (300 each
+  way), HDR 200 Gb/s (25 GB/s);
+- B200 180 GB: 2.25 PFLOP/s dense bf16 (4.5 float8), HBM3e 8 TB/s, NVLink 5 1.8 TB/s (900 each
+  way), ConnectX-7 400 Gb/s.
+Their efficiencies start from titanlab's own H100 run (docs/performance.md, "GPU (H100 80GB
+HBM3)"): block GEMMs at ~760 of 989 TFLOP/s (0.77), attention at 0.85 of the FLOPs it is
+counted for, AdamW at ~1.8 of 3.35 TB/s (0.55), pointwise kernels 0.19 of the GEMM time; NCCL's
+ring reaching 0.8 of the link. `titanlab.plan --calibrate` replaces them with measured ones.
+
+A profile is also a JSON file (`save_profile` / `load_profile`) with the fields of `Cluster`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+
+from titanlab.config.job_config import ConfigError
+
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class Efficiency:
+    """Fractions of a peak the kernels reach (each in (0, 1]), and the pointwise share."""
+
+    matmul: float = 0.77
+    """Achieved ÷ peak FLOP/s of the Linear layers' GEMMs."""
+    attention: float = 0.85
+    """Achieved ÷ peak FLOP/s of attention, counted as 12·L·H·Q·s FLOPs per token (no causal
+    discount, the convention of `flops_per_token`)."""
+    optimizer: float = 0.55
+    """Achieved ÷ peak memory bandwidth of the optimizer step (AdamW reads and writes 28 bytes
+    per fp32 parameter: weight, gradient and two moments read, three written)."""
+    pointwise: float = 0.19
+    """Norms, activations, casts and the loss, as a fraction of the GEMM time."""
+    link: float = 0.8
+    """Achieved ÷ nominal bandwidth of a collective on a link."""
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """A homogeneous cluster: `nodes` × `devices_per_node` devices.
+
+    Units: bytes, bytes per second (one direction, per device), FLOP/s (dense), seconds.
+    """
+
+    name: str
+    devices_per_node: int
+    memory_bytes: float
+    peak_flops: dict[str, float]
+    """Dense FLOP/s per compute dtype name ("bfloat16", "float8", "float32")."""
+    memory_bandwidth: float
+    intra_bandwidth: float
+    """Per device, one direction, inside a node (NVLink; on CPU the loopback)."""
+    inter_bandwidth: float
+    """Per device, one direction, between nodes (the device's share of the NICs)."""
+    intra_latency: float = 5e-6
+    inter_latency: float = 10e-6
+    nodes: int = 1
+    efficiency: Efficiency = field(default_factory=Efficiency)
+    shared_cores: int = 0
+    """On CPU: the cores every rank of a node shares (0: each device is its own); compute is
+    slowed by ranks ÷ cores when there are more ranks than cores."""
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.devices_per_node
+
+    def flops(self, dtype: str) -> float:
+        """Peak dense FLOP/s in `dtype`; ConfigError (one line) when the device has none."""
+        if dtype not in self.peak_flops:
+            raise ConfigError(
+                f"cluster {self.name!r} has no {dtype} peak FLOP/s (it has "
+                f"{', '.join(sorted(self.peak_flops))}); choose another dtype or profile"
+            )
+        return self.peak_flops[dtype]
+
+    def with_nodes(self, nodes: int) -> Cluster:
+        if nodes < 1:
+            raise ConfigError(f"--nodes={nodes}: a cluster has at least 1 node")
+        return dataclasses.replace(self, nodes=nodes)
+
+
+def _nvidia(name, memory_gb, bf16, hbm, nvlink, nic, fp8=0.0) -> Cluster:
+    peak = {"bfloat16": bf16, "float16": bf16, "float32": bf16 / 2}  # fp32 via TF32 tensor cores
+    if fp8:
+        peak["float8"] = fp8
+    return Cluster(name, 8, memory_gb * GB, peak, hbm, nvlink, nic)
+
+
+PROFILES: dict[str, Cluster] = {
+    "h100": _nvidia("h100", 80, 989e12, 3.35e12, 450 * GB, 50 * GB, fp8=1979e12),
+    "h200": _nvidia("h200", 141, 989e12, 4.8e12, 450 * GB, 50 * GB, fp8=1979e12),
+    "a100": _nvidia("a100", 80, 312e12, 2.04e12, 300 * GB, 25 * GB),
+    "b200": _nvidia("b200", 180, 2.25e15, 8e12, 900 * GB, 50 * GB, fp8=4.5e15),
+}
+
+
+def get_profile(name_or_path: str) -> Cluster:
+    """A built-in profile by name, or one read from a JSON file; ConfigError (one line) for an
+    unknown name or a malformed file."""
+    if name_or_path in PROFILES:
+        return PROFILES[name_or_path]
+    if name_or_path.endswith(".json"):
+        return load_profile(name_or_path)
+    raise ConfigError(
+        f"cluster profile {name_or_path!r} is not known; use one of "
+        f"{', '.join(PROFILES)} or a profile file (*.json, from titanlab.plan --calibrate)"
+    )
+
+
+def save_profile(cluster: Cluster, path: str) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(dataclasses.asdict(cluster), f, indent=2)
+
+
+def load_profile(path: str) -> Cluster:
+    """A profile written by `save_profile`; ConfigError naming the file and the problem."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            raw = json.load(f)
+        raw["efficiency"] = Efficiency(**raw.get("efficiency", {}))
+        cluster = Cluster(**raw)
+    except FileNotFoundError:
+        raise ConfigError(f"cluster profile file {path} does not exist") from None
+    except (json.JSONDecodeError, TypeError, AttributeError) as e:
+        raise ConfigError(f"cluster profile file {path} is malformed: {e}") from None
+    bad = [
+        f.name
+        for f in dataclasses.fields(Cluster)
+        if f.name in ("memory_bytes", "memory_bandwidth", "intra_bandwidth", "inter_bandwidth")
+        and not getattr(cluster, f.name) > 0
+    ]
+    if bad or not cluster.peak_flops or cluster.devices_per_node < 1:
+        raise ConfigError(
+            f"cluster profile file {path} is malformed: {', '.join(bad) or 'peak_flops'} "
+            "must be positive"
+        )
+    return cluster
