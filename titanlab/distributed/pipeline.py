@@ -120,7 +120,9 @@ def stage_fqns(
                 f"parallelism.pipeline_parallel_module_fqns_per_stage has {len(manual)}"
                 f" entries; the schedule needs {n_stages} stages"
             )
-        return [entry.split() for entry in manual]
+        stages = [entry.split() for entry in manual]
+        _check_manual_split(stages, n_layers)
+        return stages
     fqns, start = [], 0
     for i, count in enumerate(counts or layers_per_stage(n_layers, n_stages, per_stage)):
         names = [f"layers.{j}" for j in range(start, start + count)]
@@ -131,6 +133,33 @@ def stage_fqns(
             names += ["norm", "output"]
         fqns.append(names)
     return fqns
+
+
+def _check_manual_split(stages: list[list[str]], n_layers: int) -> None:
+    """ConfigError (one line) unless `stages` hold every unit of the model (tok_embeddings,
+    layers.0 .. layers.{n_layers-1}, norm, output) once, in model order, none empty."""
+    units = ["tok_embeddings", *(f"layers.{i}" for i in range(n_layers)), "norm", "output"]
+    names = [n for stage in stages for n in stage]
+    option = "parallelism.pipeline_parallel_module_fqns_per_stage"
+    unknown = [n for n in names if n not in units]
+    repeated = sorted({n for n in names if names.count(n) > 1}, key=units.index)
+    missing = [u for u in units if u not in names]
+    if unknown:
+        raise ConfigError(
+            f"{option} names {unknown}, not modules of the model; its units are tok_embeddings, "
+            f"layers.0 .. layers.{n_layers - 1}, norm, output"
+        )
+    if repeated:
+        raise ConfigError(f"{option} puts {repeated} in more than one place; list each once")
+    if missing:
+        raise ConfigError(f"{option} misses {missing}; every unit must be in one stage")
+    if any(not stage for stage in stages):
+        raise ConfigError(f"{option} has an empty stage; give each stage a module")
+    if names != units:
+        raise ConfigError(
+            f"{option} lists the modules out of the model's order ({' '.join(names)}); each "
+            "stage takes the next modules in order"
+        )
 
 
 def split_counts(model: Decoder, config, n_stages: int) -> list[int] | None:

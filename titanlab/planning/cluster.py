@@ -115,7 +115,7 @@ def get_profile(name_or_path: str) -> Cluster:
         return load_profile(name_or_path)
     raise ConfigError(
         f"cluster profile {name_or_path!r} is not known; use one of "
-        f"{', '.join(PROFILES)} or a profile file (*.json, from titanlab.plan --calibrate)"
+        f"{', '.join(PROFILES)} or a profile file (*.json with the fields of titanlab.planning.cluster.Cluster)"
     )
 
 

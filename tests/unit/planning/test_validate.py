@@ -145,6 +145,20 @@ def test_manual_stage_split():
     assert "has 1 entries; the schedule needs 2 stages" in error(
         world=2, pipeline_parallel_degree=2, pipeline_parallel_module_fqns_per_stage=ok[:1]
     )
+    for stages, words in [
+        (["tok_embeddings layers.0 layers.1", "layers.3 layers.4 layers.5 norm output"],
+         "misses ['layers.2']"),
+        (["tok_embeddings layers.0 layers.1 layers.2", "layers.2 layers.3 layers.4 layers.5 norm output"],
+         "puts ['layers.2'] in more than one place"),
+        (["tok_embeddings layers.0 layers.1 layers.2", "layers.3 layers.4 layers.5 layers.6 norm output"],
+         "names ['layers.6'], not modules of the model"),
+        (["tok_embeddings layers.3 layers.1 layers.2", "layers.0 layers.4 layers.5 norm output"],
+         "out of the model's order"),
+    ]:  # fmt: skip
+        msg = error(
+            world=2, pipeline_parallel_degree=2, pipeline_parallel_module_fqns_per_stage=stages
+        )
+        assert msg is not None and words in msg and "\n" not in msg, msg
 
 
 def test_zero_bubble_schedules_with_tp_are_refused():
