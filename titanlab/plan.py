@@ -78,11 +78,12 @@ def _plan(opts: argparse.Namespace, rest: list[str]) -> int:
         print("\n" + explain(chosen))
     if opts.apply:
         from titanlab.config.dump import to_toml
+        from titanlab.planning.layouts import apply_layout
 
         if not chosen.fits:
             raise ConfigError(f"--apply: {chosen.layout.name} does not run: {chosen.refused}")
         with open(opts.apply, "w", encoding="utf-8") as f:
-            f.write(to_toml(planner.with_layout(config, chosen.layout, run.global_batch)))
+            f.write(to_toml(apply_layout(config, chosen.layout, run.global_batch)))
         print(f"\nwrote {chosen.layout.name} to {opts.apply} (./run_train.sh {opts.apply})")
     return 0
 

@@ -57,7 +57,8 @@ class ModelShape:
     num_experts: int
     embedding_params: int
     output_params: int
-    """The output head (0 when tied to the embedding: counted there, but its matmul is not)."""
+    """The output head's weights (a head tied to the embedding multiplies by the embedding's:
+    its matmul runs all the same, though `total_params` counts the weights once)."""
     total_params: int
 
     @classmethod

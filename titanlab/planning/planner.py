@@ -11,7 +11,6 @@ sample per pipeline microbatch, no gradient accumulation beyond what the batch n
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -155,8 +154,3 @@ def run_of(config: JobConfig) -> Run:
         dtype=dtype,
         pp_microbatch_size=config.parallelism.pipeline_parallel_microbatch_size,
     )
-
-
-def with_layout(config: JobConfig, lay: Layout, global_batch: int) -> JobConfig:
-    """`config` set to `lay` (what `--apply` writes)."""
-    return dataclasses.replace(apply_layout(config, lay, global_batch))
