@@ -19,9 +19,6 @@ import argparse
 import sys
 
 from titanlab.config.job_config import ConfigError
-from titanlab.planning.planner import Candidate
-
-GIB = 2**30
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -38,97 +35,12 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     opts, rest = _parser().parse_known_args(argv)
     try:
-        return _plan(opts, rest)
+        from titanlab.planning.report import run
+
+        return run(opts, rest)
     except ConfigError as e:
         print(f"titanlab.plan: error: {e}", file=sys.stderr)
         return 2
-
-
-def _plan(opts: argparse.Namespace, rest: list[str]) -> int:
-    from titanlab.config.manager import build_config
-    from titanlab.planning import planner
-    from titanlab.planning.cluster import get_profile
-
-    config = build_config(rest)
-    cluster = get_profile(opts.cluster).with_nodes(opts.nodes)
-    model_args = planner.model_args_of(config)
-    run = planner.run_of(config)
-    ranked = planner.plan(config, model_args, cluster, run)
-    print(
-        f"{config.model.name} {config.model.flavor} on {cluster.nodes} × {cluster.devices_per_node} "
-        f"{cluster.name} ({cluster.world_size} devices, {cluster.memory_bytes / GIB:.0f} GiB "
-        f"each): seq_len {run.seq_len}, global batch {run.global_batch}, {run.dtype}, "
-        f"AC {run.ac_mode}"
-    )
-    print(table(ranked[: opts.top]))
-    refused = [c for c in ranked if not c.fits]
-    if refused:
-        print(f"\n{len(refused)} layouts do not run; for example:")
-        for c in refused[: min(5, len(refused))]:
-            print(f"  {c.layout.name}: {c.refused}")
-    chosen = ranked[0]
-    if opts.explain:
-        match = [c for c in ranked if c.layout.name == opts.explain]
-        if not match:
-            raise ConfigError(
-                f"--explain {opts.explain}: not a candidate layout of {cluster.world_size} "
-                f"devices; candidates are named like {ranked[0].layout.name}"
-            )
-        chosen = match[0]
-        print("\n" + explain(chosen))
-    if opts.apply:
-        from titanlab.config.dump import to_toml
-        from titanlab.planning.layouts import apply_layout
-
-        if not chosen.fits:
-            raise ConfigError(f"--apply: {chosen.layout.name} does not run: {chosen.refused}")
-        with open(opts.apply, "w", encoding="utf-8") as f:
-            f.write(to_toml(apply_layout(config, chosen.layout, run.global_batch)))
-        print(f"\nwrote {chosen.layout.name} to {opts.apply} (./run_train.sh {opts.apply})")
-    return 0
-
-
-def table(cands: list[Candidate]) -> str:
-    """The ranked layouts as a Markdown table."""
-    rows = [
-        "| # | layout | ZeRO | step s | tokens/s/device | MFU | memory GiB | exposed comm s "
-        "| bubble |",
-        "|---:|---|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for i, c in enumerate(cands, 1):
-        p, m = c.prediction, c.memory
-        assert p is not None and m is not None
-        rows.append(
-            f"| {i} | {c.layout.name} | {c.layout.zero_stage} | {p.step_s:.3f} | "
-            f"{p.tokens_per_s_per_device:,.0f} | {p.mfu:.1%} | {m.total / GIB:.1f} | "
-            f"{p.exposed_comm_s:.3f} | {p.bubble:.1%} |"
-        )
-    return "\n".join(rows)
-
-
-def explain(c: Candidate) -> str:
-    """The arithmetic of one layout: compute, bubble, optimizer, each collective, memory."""
-    p, m = c.prediction, c.memory
-    if p is None or m is None:
-        return f"{c.layout.name}: {c.refused}"
-    lines = [
-        f"{c.layout.name}: step {p.step_s:.4f} s = compute {p.compute_s:.4f} + bubble "
-        f"{p.bubble_s:.4f} ({p.bubble:.1%} of compute) + optimizer {p.optimizer_s:.4f} + "
-        f"exposed communication {p.exposed_comm_s:.4f}",
-        f"MFU {p.mfu:.1%}, {p.tokens_per_s_per_device:,.0f} tokens/s per device",
-        "| collective | mesh dim | group | link | bytes per step | calls | seconds | exposed s |",
-        "|---|---|---:|---|---:|---:|---:|---:|",
-    ]
-    for t in p.comm:
-        link = "intra-node" if t.intra_node else "inter-node"
-        lines.append(
-            f"| {t.kind} | {t.dim} | {t.group} | {link} | {t.bytes / GIB:.3f} GiB | {t.calls} | "
-            f"{t.seconds:.4f} | {t.exposed:.4f} |"
-        )
-    lines.append(f"memory per device: {m.total / GIB:.2f} GiB ({m.summary()})")
-    if c.refused:
-        lines.append(f"does not run: {c.refused}")
-    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -35,7 +35,7 @@ LAYERS = (
     "trainer",
     "entry points",
 )
-ENTRY_POINTS = {"__init__", "train", "generate", "preflight", "launcher"}
+ENTRY_POINTS = {"__init__", "train", "generate", "preflight", "launcher", "plan"}
 # Files over ~400 lines, each with the reason it stays whole (docs/architecture.md lists them).
 LONG_FILES: dict[str, str] = {}
 
