@@ -254,7 +254,7 @@ Choose a folder you can write, on a filesystem every node sees for multi-node ru
 **The loss diverged (exit 3).** `loss is nan at step 412; last complete checkpoint:
 outputs/x/checkpoint/step-400 (lower optimizer.lr or check the data)`. The loss stays on the
 device between logging steps (no host sync); on every step that logs, validates or checkpoints,
-and on the last, the loop (titanlab/trainer/trainer.py) fetches the window's losses at once and raises
+and on the last, the loop (titanlab/trainer/loop.py) fetches the window's losses at once and raises
 `TrainingDiverged` (titanlab/resilience/failures.py) naming the first step whose global loss is NaN or
 infinite. At most `metrics.log_freq - 1` later steps have run by then, and no checkpoint is
 written after a non-finite loss. Lower `optimizer.lr`, lengthen `lr_scheduler.warmup_steps` or lower `training.max_norm`, then

@@ -27,3 +27,14 @@ def test_bad_input_is_one_line(capsys, tmp_path):
     assert len(err) == 1 and "cluster profile 'v100' is not known" in err[0]
     assert main(["--cluster", "h100", "--explain", "ws8-nonsense", *DEBUG]) == 2
     assert "not a candidate layout" in capsys.readouterr().err
+
+
+def test_a_top_beyond_the_layouts_that_run_lists_only_those(capsys):
+    """--top 1000 with a few dozen candidates: the table holds the layouts that run, and the
+    refused ones are listed after it with their reasons, never ranked."""
+    assert main(["--cluster", "h100", "--top", "1000", *DEBUG]) == 0
+    printed = capsys.readouterr().out
+    table, refused = printed.split("layouts do not run")
+    rows = [line for line in table.splitlines() if line.startswith("| ") and "layout" not in line]
+    assert len(rows) > 10 and "stages need at least as many layers" not in table
+    assert "stages need at least as many layers" in refused

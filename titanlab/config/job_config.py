@@ -147,6 +147,11 @@ class Training:
     mixed_precision_on_cpu: bool = False
     """Also apply `mixed_precision_param` on CPU (slow on most CPUs; for testing)."""
 
+    fixed_malloc_thresholds: bool = True
+    """On CPU with glibc: fix malloc's mmap and trim thresholds (32 MiB, 1 GiB) so each step
+    reuses heap memory instead of faulting in fresh pages (`titanlab.trainer.host_allocator`;
+    5-8% of a debug-model step, docs/performance.md)."""
+
     loss_scale_init: float = 65536.0
     """Initial dynamic loss scale for float16 compute (halved on overflow, that step skipped)."""
 

@@ -36,8 +36,17 @@ def device_peak_flops(device: torch.device, configured: float = 0.0) -> float | 
     if device.type != "cuda":
         return None
     name = torch.cuda.get_device_name(device)
-    for key, flops in _PEAK_BF16_FLOPS:
-        if key in name:
-            return flops
+    flops = peak_bf16_flops(name)
+    if flops is not None:
+        return flops
     logger.warning("metrics: peak FLOP/s of %r unknown; set metrics.peak_flops for MFU", name)
+    return None
+
+
+def peak_bf16_flops(device_name: str) -> float | None:
+    """Dense bf16 FLOP/s of the device whose name contains a table key (e.g. "NVIDIA H100 80GB
+    HBM3" or "H100"), the first match in table order; None when no key matches."""
+    for key, flops in _PEAK_BF16_FLOPS:
+        if key in device_name:
+            return flops
     return None

@@ -3,12 +3,12 @@ the links between them, and the efficiencies the performance model applies).
 
 Built-in profiles (`PROFILES`) describe nodes of 8 NVIDIA GPUs joined by NVLink inside the node
 and one InfiniBand NIC per GPU between nodes, from the vendors' data sheets:
-- H100 SXM5 80 GB: 989 TFLOP/s dense bf16 (1979 float8), HBM3 3.35 TB/s, NVLink 4 900 GB/s per
+- H100 SXM5 80 GB (79.6 GiB): 989 TFLOP/s dense bf16 (1979 float8), HBM3 3.35 TB/s, NVLink 4 900 GB/s per
   GPU (450 each way), ConnectX-7 400 Gb/s (50 GB/s each way);
-- H200 SXM 141 GB: the H100's compute and links, HBM3e 4.8 TB/s;
-- A100 SXM4 80 GB: 312 TFLOP/s bf16 (no float8), HBM2e 2.04 TB/s, NVLink 3 600 GB/s (300 each
+- H200 SXM 141 GB (140.4 GiB): the H100's compute and links, HBM3e 4.8 TB/s;
+- A100 SXM4 80 GB (80 GiB): 312 TFLOP/s bf16 (no float8), HBM2e 2.04 TB/s, NVLink 3 600 GB/s (300 each
   way), HDR 200 Gb/s (25 GB/s);
-- B200 180 GB: 2.25 PFLOP/s dense bf16 (4.5 float8), HBM3e 8 TB/s, NVLink 5 1.8 TB/s (900 each
+- B200 180 GB (179.1 GiB): 2.25 PFLOP/s dense bf16 (4.5 float8), HBM3e 8 TB/s, NVLink 5 1.8 TB/s (900 each
   way), ConnectX-7 400 Gb/s.
 Their efficiencies start from titanlab's own H100 run (docs/performance.md, "GPU (H100 80GB
 HBM3)"): block GEMMs at ~760 of 989 TFLOP/s (0.77), attention at 0.85 of the FLOPs it is
@@ -25,8 +25,10 @@ import json
 from dataclasses import dataclass, field
 
 from titanlab.config.job_config import ConfigError
+from titanlab.metrics.flops import peak_bf16_flops
 
 GB = 1e9
+MIB = 2**20
 
 
 @dataclass(frozen=True)
@@ -74,6 +76,7 @@ class Cluster:
 
     @property
     def world_size(self) -> int:
+        """Devices in all: nodes × devices_per_node."""
         return self.nodes * self.devices_per_node
 
     def flops(self, dtype: str) -> float:
@@ -86,23 +89,27 @@ class Cluster:
         return self.peak_flops[dtype]
 
     def with_nodes(self, nodes: int) -> Cluster:
+        """This profile on `nodes` nodes; ConfigError (one line) when nodes < 1."""
         if nodes < 1:
             raise ConfigError(f"--nodes={nodes}: a cluster has at least 1 node")
         return dataclasses.replace(self, nodes=nodes)
 
 
-def _nvidia(name, memory_gb, bf16, hbm, nvlink, nic, fp8=0.0) -> Cluster:
+def _nvidia(name, memory_mib, hbm, nvlink, nic, fp8_ratio=2.0) -> Cluster:
+    bf16 = peak_bf16_flops(name.upper())
+    assert bf16 is not None, name  # every built-in profile is in titanlab.metrics' table
     peak = {"bfloat16": bf16, "float16": bf16, "float32": bf16 / 2}  # fp32 via TF32 tensor cores
-    if fp8:
-        peak["float8"] = fp8
-    return Cluster(name, 8, memory_gb * GB, peak, hbm, nvlink, nic)
+    if fp8_ratio:
+        peak["float8"] = fp8_ratio * bf16
+    return Cluster(name, 8, memory_mib * MIB, peak, hbm, nvlink, nic)
 
 
+# Memory: the total nvidia-smi reports (MiB), of which the pre-flight's check keeps headroom.
 PROFILES: dict[str, Cluster] = {
-    "h100": _nvidia("h100", 80, 989e12, 3.35e12, 450 * GB, 50 * GB, fp8=1979e12),
-    "h200": _nvidia("h200", 141, 989e12, 4.8e12, 450 * GB, 50 * GB, fp8=1979e12),
-    "a100": _nvidia("a100", 80, 312e12, 2.04e12, 300 * GB, 25 * GB),
-    "b200": _nvidia("b200", 180, 2.25e15, 8e12, 900 * GB, 50 * GB, fp8=4.5e15),
+    "h100": _nvidia("h100", 81559, 3.35e12, 450 * GB, 50 * GB),
+    "h200": _nvidia("h200", 143771, 4.8e12, 450 * GB, 50 * GB),
+    "a100": _nvidia("a100", 81920, 2.04e12, 300 * GB, 25 * GB, fp8_ratio=0.0),
+    "b200": _nvidia("b200", 183359, 8e12, 900 * GB, 50 * GB),
 }
 
 
@@ -120,6 +127,7 @@ def get_profile(name_or_path: str) -> Cluster:
 
 
 def save_profile(cluster: Cluster, path: str) -> None:
+    """Write `cluster` as JSON (the fields of `Cluster`) for `load_profile` / `--cluster`."""
     with open(path, "w", encoding="utf-8") as f:
         json.dump(dataclasses.asdict(cluster), f, indent=2)
 
@@ -141,9 +149,19 @@ def load_profile(path: str) -> Cluster:
         if f.name in ("memory_bytes", "memory_bandwidth", "intra_bandwidth", "inter_bandwidth")
         and not getattr(cluster, f.name) > 0
     ]
-    if bad or not cluster.peak_flops or cluster.devices_per_node < 1:
+    if not cluster.peak_flops or not all(v > 0 for v in cluster.peak_flops.values()):
+        bad.append("peak_flops")
+    if cluster.devices_per_node < 1 or cluster.nodes < 1:
+        bad.append("devices_per_node and nodes")
+    eff = dataclasses.asdict(cluster.efficiency)
+    bad += [
+        f"efficiency.{k}"
+        for k, v in eff.items()
+        if not (0 < v <= 1 or (k == "pointwise" and v >= 0))
+    ]
+    if bad:
         raise ConfigError(
-            f"cluster profile file {path} is malformed: {', '.join(bad) or 'peak_flops'} "
-            "must be positive"
+            f"cluster profile file {path} is malformed: {', '.join(bad)} must be positive "
+            "(efficiencies in (0, 1])"
         )
     return cluster

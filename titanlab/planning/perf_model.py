@@ -1,27 +1,34 @@
 """Predicted step time of a parallel layout on a cluster: compute, pipeline bubble, optimizer and
 the communication left exposed (docs/planning.md writes the model out with its sources).
 
-- Compute: training FLOPs per token (6 × the matmul weights a token meets, an MoE layer's
-  experts at top_k / num_experts, + 12·L·H·Q·s of attention; Kaplan et al. 2020, PaLM
-  Appendix B), recomputation added per AC mode (full: the forward again, 8/6 of the work;
-  selective op: attention's forward, 4/12 of it; every k-th block: full on 1/k of them), split
-  evenly over tp × cp × dp, the pipeline's costliest stage setting the pace; time = FLOPs ÷
-  (peak × the kernel class's efficiency), pointwise work a share of the GEMM time.
-- Pipeline bubble, as a fraction of a stage's work, for p stages, m microbatches and v stages
-  per rank: GPipe and 1F1B (p−1)/m (Huang et al. 2019; Narayanan et al. 2021), interleaved
-  (Interleaved1F1B, LoopedBFS) (p−1)/(v·m) (Narayanan et al. 2021 §2.2), zero-bubble schedules a
-  third of their base's (ZB-H1, Qi et al. 2023, "Zero Bubble Pipeline Parallelism"; ZBV and
-  DualPipeV at v = 2: (p−1)/(6m)).
+- Compute: the trainer's training FLOPs per token (`flops_per_token`: 6 × the active
+  non-embedding parameters, an MoE layer's experts at top_k / num_experts, + 12·L·H·Q·s of
+  attention; Kaplan et al. 2020, PaLM Appendix B), plus the recomputation of the AC mode, each
+  kernel class on its own: full AC runs the blocks' forward again (their matmuls' 2 FLOPs per
+  weight and attention's 4·H·Q·s), every k-th block 1/k of that, op-level selective AC every
+  other matmul of a block's forward (attention's output is saved). The work of the busiest
+  pipeline rank (its stages' blocks by `layers_per_stage`, the output head on the last stage)
+  splits evenly over tp × cp × dp; time = FLOPs ÷ (peak × the kernel class's efficiency),
+  pointwise work a share of the GEMM time. float8 runs the Linear layers at the float8 peak and
+  attention at the bf16 one.
+- Pipeline bubble, as a fraction of a stage's compute (not of the step), for p stages, m
+  microbatches and v stages per rank: GPipe and 1F1B (p−1)/m (Huang et al. 2019; Narayanan et
+  al. 2021), interleaved (Interleaved1F1B, LoopedBFS) (p−1)/(v·m) (Narayanan et al. 2021
+  §2.2), zero-bubble schedules a third of their base's (ZB-H1, Qi et al. 2023, "Zero Bubble
+  Pipeline Parallelism"; ZBV and DualPipeV at v = 2: (p−1)/(6m)).
 - Communication: per mesh dimension, a ring (NCCL's bandwidth-optimal algorithm): all-gather
   and reduce-scatter of M bytes over n ranks (n−1)·α + (n−1)/n · M / β, all-reduce twice that,
   all-to-all as one all-gather, a point-to-point send α + M / β (the α–β model, Hockney 1994;
-  Thakur et al. 2005). β is the intra-node link when the group's ranks are on one node (mesh
-  order pp, dp_replicate, dp_shard, cp, tp, outermost first, as `ParallelDims` builds it), else
-  the inter-node one.
-- Overlap: FSDP's all-gathers and reduce-scatters run behind the compute of other blocks (all
-  but the first all-gather of a step, one unit's); DDP's and HSDP's all-reduce behind the
-  backward (2/3 of the compute); TP's, CP's and EP's collectives are on the critical path; of
+  Thakur et al. 2005). β is the intra-node link when every group of the dimension lies on one
+  node (mesh order pp, dp_replicate, dp_shard, cp, tp, outermost first, as `ParallelDims`
+  builds it), else the inter-node one.
+- Overlap: the data-parallel collectives (FSDP's all-gathers and reduce-scatters, DDP's and
+  HSDP's all-reduce) share one link and run behind the step's compute, together: what exceeds
+  the compute is exposed, and so are the first unit's all-gather and the last unit's reduction
+  (nothing is left to hide them). TP's, CP's and EP's collectives are on the critical path; of
   the pipeline's sends only the fill and drain are.
+- MFU: model FLOPs (no recomputation) ÷ (step time × devices × the bf16 peak), the trainer's
+  convention (`titanlab.metrics`), also for float8 runs.
 
 Units: seconds, bytes, FLOPs.
 """
@@ -37,6 +44,9 @@ from titanlab.planning.layouts import Layout
 MESH_ORDER = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 """Outermost first: `ParallelDims`' mesh order; the innermost dims are the nearest ranks."""
 
+DP_DIMS = ("dp_shard", "dp_shard+cp", "dp_replicate")
+"""The mesh dimensions whose collectives overlap the compute together (one link, one window)."""
+
 
 @dataclass(frozen=True)
 class ModelShape:
@@ -48,40 +58,27 @@ class ModelShape:
     kv_heads: int
     head_dim: int
     vocab_size: int
-    block_params: int
-    """Weights of one block, experts excluded (the mean over blocks)."""
+    active_params: int
+    """Parameters one token's matmuls meet, the embedding table excluded (a tied head
+    included): the trainer's `count_active_params(model, exclude_embedding=True)`."""
+    output_params: int
+    """The output head's matmul weights (a tied head's are the embedding's)."""
     expert_params: int
     """All routed experts of all MoE layers together."""
     moe_layers: int
     top_k: int
     num_experts: int
-    embedding_params: int
-    output_params: int
-    """The output head's weights (a head tied to the embedding multiplies by the embedding's:
-    its matmul runs all the same, though `total_params` counts the weights once)."""
     total_params: int
 
     @classmethod
     def of(cls, model_args) -> ModelShape:
-        """From a registered family's args (a meta model is built to count)."""
-        import torch
+        """From a registered family's args (the estimator's cached meta model is counted)."""
+        from titanlab.models.common.decoder import count_active_params, count_params, moe_layers
+        from titanlab.planning.memory import _meta_model
 
-        from titanlab.models.common.decoder import count_params, moe_layers
-        from titanlab.models.registry import build_model
-
-        with torch.device("meta"):
-            model = build_model(model_args)
+        model = _meta_model(model_args)
         moes = moe_layers(model)
-        experts = sum(count_params(m.experts) for m in moes)
-        emb = getattr(model, "tok_embeddings", None)
         out = getattr(model, "output", None)
-        tied = out is not None and emb is not None and out.weight is emb.weight
-        emb_n = emb.weight.numel() if emb is not None else 0
-        out_n = 0 if out is None or tied else out.weight.numel()
-        total = count_params(model)
-        norm = getattr(model, "norm", None)
-        norm_n = count_params(norm) if norm is not None else 0
-        blocks = total - emb_n - out_n - experts - norm_n
         return cls(
             n_layers=model_args.n_layers,
             dim=model_args.dim,
@@ -89,27 +86,28 @@ class ModelShape:
             kv_heads=model_args.kv_heads,
             head_dim=model_args.head_dim,
             vocab_size=model_args.vocab_size,
-            block_params=blocks // model_args.n_layers,
-            expert_params=experts,
+            active_params=count_active_params(model, exclude_embedding=True),
+            output_params=out.weight.numel() if out is not None else 0,
+            expert_params=sum(count_params(m.experts) for m in moes),
             moe_layers=len(moes),
             top_k=moes[0].args.top_k if moes else 0,
             num_experts=moes[0].args.num_experts if moes else 0,
-            embedding_params=emb_n,
-            output_params=out_n if not tied else emb_n,
-            total_params=total,
+            total_params=count_params(model),
         )
 
-    def matmul_flops_per_token(self) -> int:
-        """6 × the weights a token is multiplied by (blocks, its experts' share, the head)."""
-        active_experts = self.expert_params * self.top_k // max(self.num_experts, 1)
-        return 6 * (self.n_layers * self.block_params + active_experts + self.output_params)
+    @property
+    def block_active_params(self) -> float:
+        """One block's share of the active parameters (the final norm's few weights included)."""
+        return (self.active_params - self.output_params) / self.n_layers
 
     def attention_flops_per_token(self, seq_len: int) -> int:
+        """12·L·H·Q·s: the score and value matmuls, forward and backward, no causal discount."""
         return 12 * self.n_layers * self.n_heads * self.head_dim * seq_len
 
     def flops_per_token(self, seq_len: int) -> int:
-        """Training FLOPs per token without recomputation (what MFU counts)."""
-        return self.matmul_flops_per_token() + self.attention_flops_per_token(seq_len)
+        """Training FLOPs per token without recomputation (what MFU counts): the trainer's
+        `titanlab.models.common.decoder.flops_per_token`."""
+        return 6 * self.active_params + self.attention_flops_per_token(seq_len)
 
 
 @dataclass(frozen=True)
@@ -126,7 +124,12 @@ class Run:
     grad_bytes: int = 4
     """Bytes per element of the gradients reduced (fp32: 4)."""
     dtype: str = "bfloat16"
+    """The compute dtype of the Linear layers (float8: their GEMMs at the float8 peak)."""
     pp_microbatch_size: int = 1
+    looped_stages_per_rank: int = 2
+    """`parallelism.pipeline_parallel_stages_per_rank` (Interleaved1F1B, LoopedBFS, ...)."""
+    layers_per_stage: int = -1
+    """`parallelism.pipeline_parallel_layers_per_stage` (-1: `layers_per_stage`'s auto split)."""
 
 
 @dataclass
@@ -141,17 +144,19 @@ class Comm:
     seconds: float
     calls: int = 1
     exposed: float = 0.0
+    """Seconds of it the step waits for."""
     intra_node: bool = True
 
 
 @dataclass
 class Prediction:
-    """A layout's predicted step on a cluster (seconds; MFU a fraction)."""
+    """A layout's predicted step on a cluster (seconds; MFU and bubble fractions)."""
 
     layout: Layout
     step_s: float
     compute_s: float
     bubble: float
+    """Pipeline idle time ÷ the busiest stage's compute (can exceed 1)."""
     bubble_s: float
     optimizer_s: float
     comm: list[Comm] = field(default_factory=list)
@@ -160,25 +165,36 @@ class Prediction:
 
     @property
     def exposed_comm_s(self) -> float:
+        """Seconds of communication the step waits for, all collectives together."""
         return sum(c.exposed for c in self.comm)
 
 
-def recompute_factor(shape: ModelShape, seq_len: int, ac_mode: str) -> float:
-    """Training work with recomputation ÷ without (see the module docstring)."""
-    base = shape.flops_per_token(seq_len)
-    forward = base / 3  # forward is 2 of the 6 FLOPs per weight, and of attention's 12
+def recompute_flops_per_token(shape: ModelShape, seq_len: int, ac_mode: str) -> tuple[float, float]:
+    """(matmul, attention) FLOPs per token that `ac_mode` recomputes in backward (whole model;
+    see the module docstring). ValueError for an unknown mode."""
+    block_forward = 2 * shape.n_layers * shape.block_active_params
+    attention_forward = shape.attention_flops_per_token(seq_len) / 3
+    if ac_mode == "none":
+        return 0.0, 0.0
     if ac_mode == "full":
-        return (base + forward) / base
+        return block_forward, attention_forward
     if ac_mode == "selective_op":
-        return (base + shape.attention_flops_per_token(seq_len) / 3) / base
-    if ac_mode.startswith("selective_"):
+        return block_forward / 2, 0.0
+    if ac_mode.startswith("selective_") and ac_mode.split("_", 1)[1].isdigit():
         every = int(ac_mode.split("_", 1)[1])
-        return (base + forward / every) / base
-    return 1.0
+        return block_forward / every, attention_forward / every
+    raise ValueError(f"ac_mode={ac_mode!r}: use none, full, selective_op or selective_<k>")
+
+
+def recompute_factor(shape: ModelShape, seq_len: int, ac_mode: str) -> float:
+    """Training FLOPs with recomputation ÷ without."""
+    base = shape.flops_per_token(seq_len)
+    return (base + sum(recompute_flops_per_token(shape, seq_len, ac_mode))) / base
 
 
 def bubble_fraction(schedule: str | None, pp: int, microbatches: int, per_rank: int) -> float:
-    """Idle time ÷ work of a pipeline stage (see the module docstring)."""
+    """Idle time ÷ compute of a pipeline stage (see the module docstring); ValueError for a
+    schedule this model does not know."""
     if pp <= 1 or schedule is None:
         return 0.0
     m = max(microbatches, 1)
@@ -188,7 +204,9 @@ def bubble_fraction(schedule: str | None, pp: int, microbatches: int, per_rank: 
         return (pp - 1) / (per_rank * m)
     if schedule == "InterleavedZeroBubble":
         return (pp - 1) / (3 * per_rank * m)
-    return (pp - 1) / (6 * m)  # ZBVZeroBubble, DualPipeV: zero-bubble at v = 2
+    if schedule in ("ZBVZeroBubble", "DualPipeV"):
+        return (pp - 1) / (6 * m)
+    raise ValueError(f"pipeline schedule {schedule!r} has no bubble model")
 
 
 def _degrees(lay: Layout) -> dict[str, int]:
@@ -196,13 +214,17 @@ def _degrees(lay: Layout) -> dict[str, int]:
             "cp": lay.cp, "tp": lay.tp}  # fmt: skip
 
 
+def _on_one_node(span: int, cluster: Cluster) -> bool:
+    """Whether every block of `span` consecutive ranks (aligned to `span`) lies on one node."""
+    return span <= cluster.devices_per_node and cluster.devices_per_node % span == 0
+
+
 def intra_node(lay: Layout, dims: tuple[str, ...], cluster: Cluster) -> bool:
-    """Whether the group over `dims` (adjacent in `MESH_ORDER`) lies on one node."""
+    """Whether every group over `dims` (adjacent in `MESH_ORDER`) lies on one node."""
     deg = _degrees(lay)
     inner = MESH_ORDER[MESH_ORDER.index(dims[-1]) + 1 :]
-    stride = math.prod(deg[d] for d in inner)
-    span = stride * math.prod(deg[d] for d in dims)
-    return span <= cluster.devices_per_node
+    span = math.prod(deg[d] for d in inner) * math.prod(deg[d] for d in dims)
+    return _on_one_node(span, cluster)
 
 
 def _ring(kind: str, n: int, nbytes: float, calls: int, intra: bool, cluster: Cluster) -> float:
@@ -217,79 +239,124 @@ def _ring(kind: str, n: int, nbytes: float, calls: int, intra: bool, cluster: Cl
     return calls * (2 * one if kind == "all-reduce" else one)
 
 
-def predict(shape: ModelShape, run: Run, lay: Layout, cluster: Cluster) -> Prediction:
-    """The predicted step of `lay` for `run` on `cluster` (see the module docstring)."""
-    eff, peak = cluster.efficiency, cluster.flops(run.dtype)
-    world = lay.world_size
-    dp = lay.dp_replicate * lay.dp_shard
-    local = run.global_batch // (dp * lay.grad_accum)  # samples per rank per accumulation step
-    pp_mb = max(local // run.pp_microbatch_size, 1) if lay.pp > 1 else 1
-    microbatches = lay.grad_accum * pp_mb  # forward passes per rank per step
-    tokens_global = run.global_batch * run.seq_len
-    per_rank = _stages_per_rank(lay)
+@dataclass(frozen=True)
+class _Work:
+    """Per-rank quantities of one step that the compute and communication terms share."""
 
-    # Compute: even split over tp × cp × dp, the costliest pipeline stage's share.
-    stage_share = _last_stage_share(shape, lay.pp, per_rank)
-    redo = recompute_factor(shape, run.seq_len, run.ac_mode)
-    mm = shape.matmul_flops_per_token() * tokens_global * redo / world * stage_share
-    attn = shape.attention_flops_per_token(run.seq_len) * tokens_global * redo / world
-    attn *= stage_share
+    local: int  # samples per rank per accumulation step
+    pp_microbatches: int  # pipeline microbatches per accumulation step (1 without PP)
+    microbatches: int  # forward passes per rank per step
+    per_rank: int  # pipeline stages per rank
+    blocks: int  # blocks of the busiest pipeline rank
+    has_head: bool  # whether the busiest rank holds the output head
+
+    @property
+    def samples_per_microbatch(self) -> int:
+        return self.local // self.pp_microbatches
+
+
+def _work(shape: ModelShape, run: Run, lay: Layout) -> _Work:
+    dp = lay.dp_replicate * lay.dp_shard
+    if run.global_batch % (dp * lay.grad_accum):
+        raise ValueError(
+            f"global batch {run.global_batch} does not split over dp {dp} × grad_accum "
+            f"{lay.grad_accum}"
+        )
+    local = run.global_batch // (dp * lay.grad_accum)
+    if lay.pp <= 1 or not lay.schedule:
+        return _Work(local, 1, lay.grad_accum, 1, shape.n_layers, True)
+    from titanlab.distributed.pipeline import layers_per_stage, stage_ids, stages_per_rank
+
+    per_rank = stages_per_rank(lay.schedule, run.looped_stages_per_rank)
+    stages = lay.pp * per_rank
+    counts = layers_per_stage(shape.n_layers, stages, run.layers_per_stage)
+    block_cost, head_cost = 6 * shape.block_active_params, 6 * shape.output_params
+    ranks = []
+    for r in range(lay.pp):
+        ids = stage_ids(lay.schedule, r, lay.pp, per_rank)
+        blocks, head = sum(counts[i] for i in ids), stages - 1 in ids
+        ranks.append((blocks * block_cost + head * head_cost, blocks, head))
+    _, blocks, head = max(ranks)
+    pp_mb = max(local // run.pp_microbatch_size, 1)
+    return _Work(local, pp_mb, lay.grad_accum * pp_mb, per_rank, blocks, head)
+
+
+def predict(shape: ModelShape, run: Run, lay: Layout, cluster: Cluster) -> Prediction:
+    """The predicted step of `lay` for `run` on `cluster` (see the module docstring).
+
+    Raises ValueError when the global batch does not split over dp × grad_accum, for a ZeRO
+    stage outside 0-3, an unknown AC mode or pipeline schedule; ConfigError when the cluster has
+    no peak for the run's dtype."""
+    if lay.zero_stage not in (0, 1, 2, 3):
+        raise ValueError(f"zero_stage={lay.zero_stage}: use 0, 1, 2 or 3")
+    eff, world = cluster.efficiency, lay.world_size
+    work = _work(shape, run, lay)
+    tokens_global = run.global_batch * run.seq_len
+    devices_per_replica = world / lay.pp  # the dp × cp × tp ranks that split one stage's work
+    block_share = work.blocks / shape.n_layers
+    redo_mm, redo_attn = recompute_flops_per_token(shape, run.seq_len, run.ac_mode)
+    mm = 6 * shape.block_active_params * shape.n_layers * block_share + redo_mm * block_share
+    mm += 6 * shape.output_params * work.has_head
+    attn = (shape.attention_flops_per_token(run.seq_len) + redo_attn) * block_share
+    mm_peak = cluster.flops(run.dtype)
+    attn_peak = cluster.flops("bfloat16" if run.dtype == "float8" else run.dtype)
     slowdown = max(1.0, world / cluster.shared_cores) if cluster.shared_cores else 1.0
-    gemm_s = mm / (peak * eff.matmul)
-    compute_s = (gemm_s * (1 + eff.pointwise) + attn / (peak * eff.attention)) * slowdown
-    bubble = bubble_fraction(lay.schedule, lay.pp, pp_mb, per_rank)
+    gemm_s = mm * tokens_global / devices_per_replica / (mm_peak * eff.matmul)
+    attn_s = attn * tokens_global / devices_per_replica / (attn_peak * eff.attention)
+    compute_s = (gemm_s * (1 + eff.pointwise) + attn_s) * slowdown
+    bubble = bubble_fraction(lay.schedule, lay.pp, work.pp_microbatches, work.per_rank)
     bubble_s = compute_s * bubble
 
-    comm = _communication(shape, run, lay, cluster, local, microbatches, pp_mb)
-    for c in comm:
-        if c.dim in ("dp_shard", "dp_shard+cp"):  # behind compute but a step's first unit
-            units = shape.n_layers // lay.pp + 2
-            first = c.seconds / (c.calls * units) if c.kind == "all-gather" else 0.0
-            c.exposed = max(0.0, c.seconds - compute_s) + first
-        elif c.kind == "all-reduce" and c.dim == "dp_replicate":
-            c.exposed = max(0.0, c.seconds - 2 / 3 * compute_s)
-        elif c.kind == "send":
-            c.exposed = c.seconds * 2 * (lay.pp - 1) / max(2 * microbatches, 1)
-        else:
-            c.exposed = c.seconds
-
+    comm = _communication(shape, run, lay, cluster, work)
+    _set_exposed(comm, compute_s, lay, work)
     shard = lay.tp * lay.pp * (lay.dp_shard * lay.cp if lay.zero_stage >= 1 else 1)
     optimizer_s = 28 * shape.total_params / shard / (cluster.memory_bandwidth * eff.optimizer)
     step_s = compute_s + bubble_s + optimizer_s + sum(c.exposed for c in comm)
     flops = shape.flops_per_token(run.seq_len) * tokens_global
     return Prediction(
         lay, step_s, compute_s, bubble, bubble_s, optimizer_s, comm,
-        mfu=flops / (step_s * world * peak),
+        mfu=flops / (step_s * world * cluster.flops("bfloat16")),
         tokens_per_s_per_device=tokens_global / step_s / world,
     )  # fmt: skip
 
 
-def _stages_per_rank(lay: Layout) -> int:
-    from titanlab.distributed.pipeline import stages_per_rank
+def _set_exposed(comm: list[Comm], compute_s: float, lay: Layout, work: _Work) -> None:
+    """Each collective's exposed seconds (see the module docstring's overlap rules)."""
+    dp = [c for c in comm if c.dim in DP_DIMS]
+    dp_s = sum(c.seconds for c in dp)
+    units = work.blocks + 2  # FSDP units of a rank: its blocks, the embedding and the head
+    # the first unit's all-gather and the last unit's reduction have no compute to hide behind
+    ends = sum(c.seconds / (c.calls * units) for c in dp if c.calls)
+    dp_exposed = max(0.0, dp_s - compute_s) + ends
+    for c in dp:
+        c.exposed = min(c.seconds, dp_exposed * c.seconds / dp_s)
+    for c in comm:
+        if c.dim in DP_DIMS:
+            continue
+        if c.kind == "send":  # only the pipeline's fill and drain wait for a send
+            c.exposed = c.seconds * 2 * (lay.pp - 1) / max(2 * work.microbatches, 1)
+        else:
+            c.exposed = c.seconds
 
-    return stages_per_rank(lay.schedule, 2) if lay.pp > 1 and lay.schedule else 1
 
-
-def _last_stage_share(shape: ModelShape, pp: int, per_rank: int) -> float:
-    """The costliest rank's share of the model's matmul work × pp (1.0 when balanced): the
-    blocks split evenly over pp × per_rank stages, the output head on the last rank."""
-    if pp <= 1:
+def _blocks_rerun(ac_mode: str) -> float:
+    """The share of blocks whose whole forward (its TP collectives too) runs again in backward."""
+    if ac_mode == "full":
         return 1.0
-    active_experts = shape.expert_params * shape.top_k / max(shape.num_experts, 1)
-    block = 6 * (shape.block_params + active_experts / shape.n_layers)
-    total = shape.n_layers * block + 6 * shape.output_params
-    stages = pp * per_rank
-    blocks_per_stage = math.ceil(shape.n_layers / stages)
-    last = per_rank * blocks_per_stage * block + 6 * shape.output_params
-    return min(max(last / (total / pp), 1.0), float(pp))
+    tail = ac_mode.split("_", 1)[-1]
+    return 1 / int(tail) if ac_mode.startswith("selective_") and tail.isdigit() else 0.0
 
 
 def _communication(
-    shape: ModelShape, run: Run, lay: Layout, cluster: Cluster, local: int, micro: int, pp_mb: int
+    shape: ModelShape, run: Run, lay: Layout, cluster: Cluster, work: _Work
 ) -> list[Comm]:
+    """Every collective of one step of one rank (see the module docstring)."""
     out: list[Comm] = []
     e, g = run.param_bytes, run.grad_bytes
-    stage_params = shape.total_params / lay.pp / lay.tp
+    micro = work.microbatches
+    dense = shape.total_params - shape.expert_params
+    # one stage's weights on one rank before FSDP: dense ones split by tp, experts by ep
+    stage_params = (dense / lay.tp + shape.expert_params / lay.ep) / lay.pp
     fsdp = lay.dp_shard * lay.cp
     if fsdp > 1:
         dims = ("dp_shard", "cp") if lay.cp > 1 else ("dp_shard",)
@@ -299,43 +366,43 @@ def _communication(
         name = "+".join(dims)
         for kind, calls, nbytes in (("all-gather", gathers, stage_params * e),
                                     ("reduce-scatter", reduces, stage_params * g)):  # fmt: skip
-            if calls:
+            if calls and lay.zero_stage > 0:
                 t = _ring(kind, fsdp, nbytes, calls, intra, cluster)
                 out.append(Comm(kind, name, fsdp, calls * nbytes, t, calls, intra_node=intra))
-    if lay.dp_replicate > 1:
-        intra = intra_node(lay, ("dp_replicate",), cluster)
-        nbytes = stage_params / fsdp * g
-        t = _ring("all-reduce", lay.dp_replicate, nbytes, 1, intra, cluster)
-        out.append(
-            Comm("all-reduce", "dp_replicate", lay.dp_replicate, nbytes, t, 1, intra_node=intra)
-        )
-    tokens_mb = (local // pp_mb if lay.pp > 1 else local) * run.seq_len // lay.cp
-    layers = shape.n_layers // lay.pp
-    if lay.tp > 1:  # Megatron + SP: 2 all-gathers and 2 reduce-scatters forward, as many back
-        intra = intra_node(lay, ("tp",), cluster)
+    replicas = lay.dp_replicate * (fsdp if lay.zero_stage == 0 else 1)  # stage 0: DDP
+    if replicas > 1:
+        dims = ("dp_replicate", "dp_shard") if lay.zero_stage == 0 else ("dp_replicate",)
+        intra = intra_node(lay, dims, cluster)
+        nbytes = stage_params / (fsdp if lay.zero_stage else 1) * g
+        t = _ring("all-reduce", replicas, nbytes, 1, intra, cluster)
+        out.append(Comm("all-reduce", "dp_replicate", replicas, nbytes, t, 1, intra_node=intra))
+    tokens_mb = work.samples_per_microbatch * run.seq_len // lay.cp
+    recomputed = _blocks_rerun(run.ac_mode)
+    if lay.tp > 1:  # Megatron + SP: 2 all-gathers and 2 reduce-scatters forward, as many back,
+        intra = intra_node(lay, ("tp",), cluster)  # and the forward's again where recomputed
         nbytes = tokens_mb * shape.dim * e
-        calls = 4 * layers * micro
+        calls = round((4 + 2 * recomputed) * work.blocks * micro)
         for kind in ("all-gather", "reduce-scatter"):
             t = _ring(kind, lay.tp, nbytes, calls, intra, cluster)
             out.append(Comm(kind, "tp", lay.tp, calls * nbytes, t, calls, intra_node=intra))
     if lay.cp > 1:  # K and V gathered forward, their gradients reduce-scattered backward
         intra = intra_node(lay, ("cp",), cluster)
         kv = 2 * tokens_mb * lay.cp * shape.kv_heads * shape.head_dim // lay.tp * e
+        calls = work.blocks * micro
         for kind in ("all-gather", "reduce-scatter"):
-            t = _ring(kind, lay.cp, kv, layers * micro, intra, cluster)
-            out.append(
-                Comm(kind, "cp", lay.cp, layers * micro * kv, t, layers * micro, intra_node=intra)
-            )
+            t = _ring(kind, lay.cp, kv, calls, intra, cluster)
+            out.append(Comm(kind, "cp", lay.cp, calls * kv, t, calls, intra_node=intra))
     if lay.ep > 1 and shape.moe_layers:  # dispatch and combine, forward and backward
-        intra = lay.ep <= cluster.devices_per_node
+        intra = _on_one_node(lay.ep, cluster)  # ep ranks: the innermost of dp_shard × cp × tp
         nbytes = tokens_mb // lay.tp * shape.top_k * shape.dim * e
-        calls = 4 * (shape.moe_layers // lay.pp) * micro
+        moe_blocks = math.ceil(work.blocks * shape.moe_layers / shape.n_layers)
+        calls = 4 * moe_blocks * micro
         t = _ring("all-to-all", lay.ep, nbytes, calls, intra, cluster)
         out.append(Comm("all-to-all", "ep", lay.ep, calls * nbytes, t, calls, intra_node=intra))
     if lay.pp > 1:  # each microbatch's activations forward and their gradient backward
         intra = intra_node(lay, ("pp",), cluster)
         nbytes = tokens_mb * shape.dim // lay.tp * e
-        calls = 2 * micro * _stages_per_rank(lay)
+        calls = 2 * micro * work.per_rank
         t = _ring("send", 2, nbytes, calls, intra, cluster)
         out.append(Comm("send", "pp", lay.pp, calls * nbytes, t, calls, intra_node=intra))
     return out

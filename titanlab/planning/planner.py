@@ -6,19 +6,21 @@ Candidates: tp a power of two within a node, cp (sequences of 32k tokens or more
 pp a power of two up to the number of blocks, each split of the remaining data-parallel ranks
 into dp_replicate × dp_shard, each pipeline schedule, ZeRO stages 2 and 3 where ranks shard,
 expert parallel (MoE models) each power of two up to the experts and the borrowable ranks; one
-sample per pipeline microbatch, no gradient accumulation beyond what the batch needs.
+sample per pipeline microbatch (`parallelism.pipeline_parallel_microbatch_size`), and the fewest
+gradient-accumulation steps (a power of two) whose memory fits.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 
 from titanlab.config.job_config import ConfigError, JobConfig
 from titanlab.planning.cluster import Cluster
-from titanlab.planning.layouts import SCHEDULES, Layout, apply_layout, check_layout
-from titanlab.planning.memory import MemoryEstimate, estimate_memory
+from titanlab.planning.layouts import Layout, apply_layout, check_layout, enumerate_layouts
+from titanlab.planning.memory import GIB, MemoryEstimate, estimate_memory
 from titanlab.planning.perf_model import ModelShape, Prediction, Run, predict
 
 
@@ -33,49 +35,39 @@ class Candidate:
 
     @property
     def fits(self) -> bool:
+        """Whether the layout runs: the validator accepts it and its estimate fits the device."""
         return self.refused is None
 
 
-def _powers_of_two(limit: int) -> list[int]:
-    out, n = [], 1
-    while n <= limit:
-        out.append(n)
-        n *= 2
-    return out
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+def _power_of_two(n: int) -> bool:
+    return n & (n - 1) == 0
 
 
 def candidate_layouts(world: int, cluster: Cluster, shape: ModelShape, run: Run) -> list[Layout]:
-    """The layouts searched (see the module docstring), before validation."""
+    """The layouts searched (see the module docstring), before validation: those of
+    `enumerate_layouts` (the generated layout matrix's enumeration) that the rules keep."""
     node = cluster.devices_per_node
-    cps = _powers_of_two(node) if run.seq_len >= 32768 else [1]
+    long_context = run.seq_len >= 32768
     out = []
-    for tp in _powers_of_two(min(node, world)):
-        for cp in cps:
-            for pp in _powers_of_two(min(shape.n_layers, world)):
-                if world % (tp * cp * pp):
-                    continue
-                dp = world // (tp * cp * pp)
-                for shard in _divisors(dp):
-                    rep = dp // shard
-                    if run.global_batch % dp:
-                        continue
-                    sharded = shard * cp > 1
-                    for stage in (3, 2) if sharded else (3,):
-                        for schedule in SCHEDULES if pp > 1 else (None,):
-                            for ep in _expert_degrees(shape, shard * cp * tp):
-                                out.append(Layout(rep, shard, tp, pp, schedule, 1, cp, ep,
-                                                  zero_stage=stage))  # fmt: skip
+    for lay in enumerate_layouts(
+        world,
+        with_cp=long_context,
+        grad_accum=(1,),
+        with_ep=shape.num_experts > 0,
+        zero_stages=(3, 2),
+    ):
+        dp = lay.dp_replicate * lay.dp_shard
+        if (
+            not all(_power_of_two(n) for n in (lay.tp, lay.pp, lay.cp, lay.ep))
+            or lay.tp > node
+            or lay.cp > node
+            or lay.pp > shape.n_layers
+            or lay.ep > max(shape.num_experts, 1)
+            or run.global_batch % dp
+        ):
+            continue
+        out.append(lay)
     return out
-
-
-def _expert_degrees(shape: ModelShape, borrowable: int) -> list[int]:
-    if not shape.num_experts:
-        return [1]
-    return [e for e in _powers_of_two(min(shape.num_experts, borrowable)) if borrowable % e == 0]
 
 
 def plan(
@@ -89,20 +81,22 @@ def plan(
     dtype = getattr(torch, run.dtype if run.dtype != "float8" else "bfloat16")
     out = []
     for lay in candidate_layouts(cluster.world_size, cluster, shape, run):
-        cand = Candidate(lay)
-        why = check_layout(config, lay, run.global_batch, model_args, "cuda")
-        if why is not None:
-            cand.refused = why
-        else:
-            cfg = apply_layout(config, lay, run.global_batch)
-            cand.memory = estimate_memory(model_args, cfg, lay.world_size, dtype)
-            cand.prediction = predict(shape, run, lay, cluster)
-            if cand.memory.total > cluster.memory_bytes:
-                cand.refused = (
-                    f"needs {cand.memory.total / 2**30:.1f} GiB per device "
-                    f"({cand.memory.summary()}), the device has "
-                    f"{cluster.memory_bytes / 2**30:.1f} GiB"
-                )
+        dp = lay.dp_replicate * lay.dp_shard
+        # the fewest accumulation steps that fit (more only add FSDP traffic and smaller GEMMs)
+        for accum in (
+            a for a in _powers(run.global_batch // dp) if run.global_batch % (dp * a) == 0
+        ):
+            cand = _evaluate(
+                config,
+                model_args,
+                shape,
+                run,
+                dataclasses.replace(lay, grad_accum=accum),
+                cluster,
+                dtype,
+            )
+            if cand.fits or cand.memory is None:
+                break
         out.append(cand)
     fitting = sorted((c for c in out if c.fits), key=lambda c: c.prediction.step_s)  # type: ignore[union-attr]
     if not fitting:
@@ -112,6 +106,29 @@ def plan(
             f"global_batch_size={run.global_batch}; use more nodes, a smaller batch or seq_len"
         )
     return fitting + [c for c in out if not c.fits]
+
+
+def _powers(limit: int) -> list[int]:
+    """1, 2, 4, ... up to `limit`."""
+    return [2**k for k in range(max(limit, 1).bit_length()) if 2**k <= limit]
+
+
+def _evaluate(config, model_args, shape, run, lay, cluster, dtype) -> Candidate:
+    """`lay` validated, its memory estimated and its step predicted."""
+    cand = Candidate(lay)
+    why = check_layout(config, lay, run.global_batch, model_args, "cuda")
+    if why is not None:
+        cand.refused = why
+        return cand
+    cfg = apply_layout(config, lay, run.global_batch)
+    cand.memory = estimate_memory(model_args, cfg, lay.world_size, dtype)
+    cand.prediction = predict(shape, run, lay, cluster)
+    if cand.memory.total > cluster.memory_bytes:
+        cand.refused = (
+            f"needs {cand.memory.total / GIB:.1f} GiB per device ({cand.memory.summary()}), "
+            f"the device has {cluster.memory_bytes / GIB:.1f} GiB"
+        )
+    return cand
 
 
 def model_args_of(config: JobConfig):
@@ -153,4 +170,6 @@ def run_of(config: JobConfig) -> Run:
         grad_bytes=4 if t.mixed_precision_reduce == "float32" else 2,
         dtype=dtype,
         pp_microbatch_size=config.parallelism.pipeline_parallel_microbatch_size,
+        looped_stages_per_rank=config.parallelism.pipeline_parallel_stages_per_rank,
+        layers_per_stage=config.parallelism.pipeline_parallel_layers_per_stage,
     )

@@ -7,9 +7,8 @@ from __future__ import annotations
 import argparse
 
 from titanlab.config.job_config import ConfigError
+from titanlab.planning.memory import GIB
 from titanlab.planning.planner import Candidate
-
-GIB = 2**30
 
 
 def run(opts: argparse.Namespace, rest: list[str]) -> int:
@@ -29,7 +28,7 @@ def run(opts: argparse.Namespace, rest: list[str]) -> int:
         f"each): seq_len {run.seq_len}, global batch {run.global_batch}, {run.dtype}, "
         f"AC {run.ac_mode}"
     )
-    print(table(ranked[: opts.top]))
+    print(table([c for c in ranked if c.fits][: opts.top]))
     refused = [c for c in ranked if not c.fits]
     if refused:
         print(f"\n{len(refused)} layouts do not run; for example:")
@@ -58,19 +57,22 @@ def run(opts: argparse.Namespace, rest: list[str]) -> int:
 
 
 def table(cands: list[Candidate]) -> str:
-    """The ranked layouts as a Markdown table."""
+    """The ranked layouts that run as a Markdown table: step in milliseconds, tokens/s per device,
+    MFU (of the bf16 peak), memory per device in GiB (the pre-flight's estimate), exposed
+    communication in milliseconds, the pipeline bubble as a fraction of compute."""
     rows = [
-        "| # | layout | ZeRO | step s | tokens/s/device | MFU | memory GiB | exposed comm s "
+        "| # | layout | ZeRO | step ms | tokens/s/device | MFU | memory GiB | exposed comm ms "
         "| bubble |",
         "|---:|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for i, c in enumerate(cands, 1):
         p, m = c.prediction, c.memory
         assert p is not None and m is not None
+        zero = c.layout.zero_stage if c.layout.dp_shard * c.layout.cp > 1 else "-"
         rows.append(
-            f"| {i} | {c.layout.name} | {c.layout.zero_stage} | {p.step_s:.3f} | "
+            f"| {i} | {c.layout.name} | {zero} | {p.step_s * 1e3:,.1f} | "
             f"{p.tokens_per_s_per_device:,.0f} | {p.mfu:.1%} | {m.total / GIB:.1f} | "
-            f"{p.exposed_comm_s:.3f} | {p.bubble:.1%} |"
+            f"{p.exposed_comm_s * 1e3:,.1f} | {p.bubble:.1%} |"
         )
     return "\n".join(rows)
 

@@ -11,26 +11,23 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import gc
 import logging
 import os
 import socket
-import time
 from typing import Any
 
 import torch
 
 from titanlab.config.performance import fused_loss, loss_description
-from titanlab.checkpoint import Checkpointer, store
+from titanlab.checkpoint import Checkpointer
 from titanlab.components import builders as components
 from titanlab.components.loss import ScaledLoss, build_loss_fn
 from titanlab.components.optim import LRSchedulersContainer, OptimizersContainer
 from titanlab.config.dump import compact_config, write_config_toml
-from titanlab.config.job_config import ConfigError, JobConfig
+from titanlab.config.job_config import JobConfig
 from titanlab.data.batches import BatchPreparer
 from titanlab.data.build import build_data, build_loader
-from titanlab.distributed.comm_counter import count_step_comms
-from titanlab.distributed.init import init_distributed, set_train_timeout
+from titanlab.distributed.init import init_distributed
 from titanlab.distributed.parallelize import loss_parallel_enabled, param_dtype, parallelize_model
 from titanlab.distributed.parallelize import tp_grid_loss
 from titanlab.distributed.pipeline import pipeline_model
@@ -38,8 +35,6 @@ from titanlab.metrics import MetricsLogger, device_peak_flops
 from titanlab.metrics.build import build_sinks
 from titanlab.models.common.decoder import Decoder, count_active_params, count_params
 from titanlab.observability import warning_filters
-from titanlab.observability.profiling import StepProfiler
-from titanlab.observability.run_summary import end_of_run
 from titanlab.components.fused_head import use_fused_loss
 from titanlab.components.fused_pipeline import returned_loss, take_labels
 from titanlab.components.liger import apply_liger
@@ -50,15 +45,14 @@ from titanlab.planning.memory import local_world_size
 from titanlab.posttrain.distill import PipelineDistillLoss
 from titanlab.posttrain.teacher import build_teacher, join_teacher_load, teacher_args
 from titanlab.precision.float8 import apply_float8
-from titanlab.resilience.failures import OutOfMemory, TrainingDiverged, is_out_of_memory, oom_line
-from titanlab.resilience.preemption import REQUEUE_EXIT_CODE, Preempted, PreemptionHandler
 from titanlab.trainer import peft_steps, rl_steps
-from titanlab.trainer.step import TrainStep
+from titanlab.trainer.host_allocator import fix_malloc_thresholds
+from titanlab.trainer.loop import TrainLoop
 
 logger = logging.getLogger("titanlab")
 
 
-class Trainer(TrainStep):
+class Trainer(TrainLoop):
     """Owns the model parts, optimizer, data and checkpointer of one run; `train()` runs the
     loop. Raises ConfigError (one line) before any process group exists when the config cannot
     run (`titanlab.planning.preflight`)."""
@@ -74,6 +68,8 @@ class Trainer(TrainStep):
         self.parallel_dims, self.batch = plan.parallel_dims, plan.batch
         self.tokenizer, self.family, self.model_args = plan.tokenizer, plan.family, plan.model_args
         self.device, self.rank, _ = init_distributed(config.comm.init_timeout_seconds)
+        if self.device.type == "cpu" and config.training.fixed_malloc_thresholds:
+            fix_malloc_thresholds()  # before the model's memory is first allocated
         self._log_start(world_size)
         self._set_determinism()
         self.parallel_dims.build_mesh(self.device.type)
@@ -272,141 +268,6 @@ class Trainer(TrainStep):
             torch.use_deterministic_algorithms(True)
             torch.backends.cudnn.deterministic = True
             torch.backends.cudnn.benchmark = False
-
-    # --- the loop ------------------------------------------------------------------------
-    def train(self) -> None:
-        cfg = self.config
-        if cfg.checkpoint.create_seed_checkpoint:
-            return self._write_seed_checkpoint()
-        gc.disable()
-        preemption = PreemptionHandler(self.device)
-        data = iter(self.loader) if self.rl is None else None
-        last = cfg.training.steps
-        logger.info("training: steps %d → %d", self.step + 1, last)
-        first, begin = self.step, time.perf_counter()
-        with StepProfiler(cfg.profiling, cfg.job.dump_folder, self.rank, self.device) as prof:
-            while self.step < last:
-                try:
-                    with prof.annotate(self.step + 1):
-                        self._loop_step(data, last, preemption)
-                except Exception as e:
-                    if not is_out_of_memory(e):
-                        raise
-                    line = oom_line(self.rank, self.step, prof.oom_snapshot())
-                    raise OutOfMemory(line) from e
-                prof.step(self.step)
-        preemption.restore()
-        logger.info("training: done at step %d", self.step)
-        if self.rank == 0:
-            self._finish_run(first, time.perf_counter() - begin)
-
-    def _loop_step(self, data, last: int, preemption: PreemptionHandler) -> None:
-        """One iteration of the loop: train, log, validate, checkpoint, maybe stop."""
-        cfg = self.config
-        self.step += 1
-        self.metrics.begin_step()
-        lr = self.lr_scheduler.get_last_lr()[0]  # the lr this step uses
-        evaluate = False
-        if self.rl is not None:
-            self.metrics.data_ready()
-            loss, grad_norm, extra, evaluate = rl_steps.step(self.rl, cfg, self.step, last)
-        else:
-            batches = [next(data) for _ in range(self.batch.grad_accum_steps)]
-            self.metrics.data_ready()
-            self.batches.record(self.step, batches)
-            with count_step_comms(self.step):  # only when TITANLAB_COMM_COUNT is set
-                loss, grad_norm = self.train_step(batches)
-            extra = self.moe_metrics
-        if self.step == 1:
-            set_train_timeout(cfg.comm.train_timeout_seconds)
-        validate = (
-            cfg.validation.enable
-            and self.val_set is not None
-            and self.step % cfg.validation.freq == 0
-        )
-        log = validate or evaluate or self.metrics.should_log(self.step, last)
-        stop = self.step < last and preemption.should_stop()
-        # The host waits for the device only when it needs the values: to log, or before
-        # anything that must not happen after a non-finite loss (a checkpoint, the end).
-        fetch = log or stop or self.step == last or self.checkpointer.due(self.step, last)
-        diverged = self.metrics.end_step(
-            self.step,
-            loss=loss,
-            grad_norm=grad_norm,
-            lr=lr,
-            extra=extra,
-            loss_scale=self.scaler.get_scale() if self.scaler is not None and fetch else None,
-            fetch=fetch,
-        )
-        if diverged is not None:
-            self._diverged(diverged.step, diverged.values["loss"])
-        if log:
-            self.metrics.log(
-                self.step,
-                val_loss=self.validate() if validate else None,
-                data_tokens=self._mixture_tokens(),
-            )
-        self.checkpointer.maybe_save(self.step, last)
-        if cfg.training.gc_freq and self.step % cfg.training.gc_freq == 0:
-            gc.collect(1)
-        if stop:
-            self._stop_for_preemption(preemption)
-
-    def _mixture_tokens(self) -> dict[str, int] | None:
-        """Tokens each source of a mixture has supplied by the end of this step (None for
-        one source)."""
-        if self.data_schedule is None:
-            return None
-        samples = self.loader.sampler.consumed_after_step(self.step)
-        if samples is None:
-            return None
-        return {name: n * self.config.training.seq_len for name, n in samples.items()}
-
-    def _finish_run(self, first: int, wall_s: float) -> None:
-        """Rank 0: draw the curves (metrics.save_plot), give the trackers the summary and the
-        plot, and print the summary."""
-        self.checkpointer.wait()
-        summary = end_of_run(self.config, self.metrics, self.checkpointer, self.device, first,
-                             self.step, wall_s)  # fmt: skip
-        self.metrics.artifacts(summary, [os.path.join(self.config.job.dump_folder, "loss.png")])
-        self.metrics.close()  # trackers flush and finish before the summary is printed
-        logger.info("%s", summary)
-
-    def _diverged(self, step: int, loss: float) -> None:
-        last = self.checkpointer.last_complete()
-        raise TrainingDiverged(
-            f"loss is {loss} at step {step}; last complete checkpoint: "
-            f"{last or 'none'} (lower optimizer.lr or check the data)"
-        )
-
-    def _stop_for_preemption(self, preemption: PreemptionHandler) -> None:
-        """Save the state of the step just finished (unless already saved) and leave the loop."""
-        saved = "checkpointing is disabled, nothing saved"
-        if self.config.checkpoint.enable:
-            path = store.step_dir(self.checkpointer.root, self.step)
-            if store.incomplete_reason(path) is not None:
-                self.checkpointer.save(self.step)
-            self.checkpointer.wait()
-            saved = f"checkpoint {path}"
-        if self.rank == 0:
-            preemption.mark_for_requeue(self.step)
-        logger.warning(
-            "preempted by %s after step %d: %s; exiting with %d to be requeued",
-            preemption.signal_name(),
-            self.step,
-            saved,
-            REQUEUE_EXIT_CODE,
-        )
-        raise Preempted()
-
-    def _write_seed_checkpoint(self) -> None:
-        if self.parallel_dims.world_size != 1:
-            raise ConfigError(
-                f"checkpoint.create_seed_checkpoint needs 1 process, not "
-                f"{self.parallel_dims.world_size} (run with NGPU=1)"
-            )
-        path = self.checkpointer.save_model_only(0)
-        logger.info("seed checkpoint written to %s", path)
 
     def close(self) -> None:
         self.checkpointer.close()

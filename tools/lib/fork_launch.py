@@ -97,27 +97,41 @@ def fork_run(
     if nproc > 1:
         base.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
     with tempfile.TemporaryDirectory(prefix="titanlab-ranks-") as logs:
-        procs = []
-        for rank in range(nproc):
-            rank_env = dict(base)
-            if nproc > 1:
-                rank_env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc),
-                                LOCAL_WORLD_SIZE=str(nproc), GROUP_RANK="0")  # fmt: skip
-            files = (os.path.join(logs, f"{rank}.out"), os.path.join(logs, f"{rank}.err"))
-            proc = ctx.Process(target=_rank_main, args=(args, rank_env, *files))
-            proc.start()
-            procs.append(proc)
-        returncode = _wait(procs, timeout, [" ".join(args)])
-        outs, errs = [], []
-        for rank in range(nproc):
-            for name, into in (("out", outs), ("err", errs)):
-                path = os.path.join(logs, f"{rank}.{name}")
-                if os.path.exists(path):  # absent when the fork failed before the rank began
-                    with open(path, encoding="utf-8", errors="replace") as f:
-                        into.append(f.read())
+        procs: list = []
+        try:
+            for rank in range(nproc):
+                rank_env = dict(base)
+                if nproc > 1:
+                    rank_env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc),
+                                    LOCAL_WORLD_SIZE=str(nproc), GROUP_RANK="0")  # fmt: skip
+                files = (os.path.join(logs, f"{rank}.out"), os.path.join(logs, f"{rank}.err"))
+                proc = ctx.Process(target=_rank_main, args=(args, rank_env, *files))
+                proc.start()
+                procs.append(proc)
+            returncode = _wait(procs, timeout, [" ".join(args)])
+        except BaseException as e:  # a failed start, a timeout, Ctrl-C: no rank outlives us
+            _stop(procs, signal.SIGKILL)
+            for p in procs:
+                p.join()
+            if isinstance(e, subprocess.TimeoutExpired):  # the ranks' logs go with it
+                e.output, e.stderr = _read_logs(logs, nproc)
+            raise
+        outs, errs = _read_logs(logs, nproc)
     failed = [f"rank {r} exitcode : {p.exitcode}" for r, p in enumerate(procs) if p.exitcode]
-    stderr = "".join(errs) + "".join(line + "\n" for line in failed)
-    return subprocess.CompletedProcess(args, returncode, "".join(outs), stderr)
+    stderr = errs + "".join(line + "\n" for line in failed)
+    return subprocess.CompletedProcess(args, returncode, outs, stderr)
+
+
+def _read_logs(logs: str, nproc: int) -> tuple[str, str]:
+    """The ranks' stdout and stderr, each concatenated in rank order."""
+    outs, errs = [], []
+    for rank in range(nproc):
+        for name, into in (("out", outs), ("err", errs)):
+            path = os.path.join(logs, f"{rank}.{name}")
+            if os.path.exists(path):  # absent when the fork failed before the rank began
+                with open(path, encoding="utf-8", errors="replace") as f:
+                    into.append(f.read())
+    return "".join(outs), "".join(errs)
 
 
 def _wait(procs: list, timeout: float, cmd: list[str]) -> int:

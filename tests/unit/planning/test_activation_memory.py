@@ -36,3 +36,33 @@ def test_views_of_parameters_are_not_counted():
         product = torch.ones(8, 64) @ weight  # autograd keeps the ones for weight's gradient
     assert counter.live() == product.nbytes + 8 * 64 * 4  # not weight.t(), a view of the weight
     del transposed
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_head_keeps_the_same_bytes_whatever_its_chunk(dtype):
+    """The estimator traces the fused loss as one chunk (a pass per chunk takes seconds at 8B
+    shapes): what the head keeps for backward must not depend on the chunk size."""
+    tokens = 2 * 64
+    one = trace_activation_bytes(ARGS, 2, 64, dtype, fused_chunk=tokens)
+    chunked = trace_activation_bytes(ARGS, 2, 64, dtype, fused_chunk=16)
+    assert one.head == chunked.head and one.per_block == chunked.per_block
+    plain = trace_activation_bytes(ARGS, 2, 64, dtype)
+    # the fused head keeps its input's and weight's gradients, the plain one far more (logits)
+    assert one.head != plain.head
+
+
+def test_fused_head_trace_equals_real_forward():
+    """One chunk traced on fake tensors = what a real chunked (16-token) fused forward keeps."""
+    from titanlab.components.fused_head import fused_targets, use_fused_loss
+
+    traced = trace_activation_bytes(ARGS, 2, 64, torch.float32, fused_chunk=2 * 64)
+    torch.manual_seed(0)
+    model = Transformer(ARGS)
+    model.init_weights()
+    use_fused_loss(model, 16)
+    tokens = torch.randint(0, ARGS.vocab_size, (2, 64))
+    counter = LiveTensorBytes()
+    with counter, fused_targets(model, tokens):
+        loss = model(tokens)
+    real = counter.live() - loss.untyped_storage().nbytes()
+    assert real == traced.head + 3 * traced.per_block["none"]

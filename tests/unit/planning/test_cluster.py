@@ -8,9 +8,9 @@ from titanlab.planning.cluster import PROFILES, get_profile, load_profile, save_
 
 def test_builtin_profiles_are_the_data_sheets_figures():
     h100 = get_profile("h100")
-    assert h100.devices_per_node == 8 and h100.memory_bytes == 80e9
-    assert h100.flops("bfloat16") == 989e12 and h100.flops("float8") == 1979e12
-    assert get_profile("h200").memory_bytes == 141e9
+    assert h100.devices_per_node == 8 and h100.memory_bytes == 81559 * 2**20  # nvidia-smi
+    assert h100.flops("bfloat16") == 989e12 and h100.flops("float8") == 1978e12
+    assert get_profile("h200").memory_bytes == 143771 * 2**20
     assert get_profile("h100").with_nodes(4).world_size == 32
     with pytest.raises(ConfigError, match="no float8 peak"):
         get_profile("a100").flops("float8")
@@ -53,3 +53,23 @@ def test_a_negative_bandwidth_is_refused(tmp_path):
 def test_an_unknown_profile_names_the_valid_ones():
     with pytest.raises(ConfigError, match="h100, h200, a100, b200"):
         get_profile("v100")
+
+
+@pytest.mark.parametrize(
+    "field, value, words",
+    [
+        ("peak_flops", {"bfloat16": 0}, "peak_flops must be positive"),
+        ("nodes", 0, "devices_per_node and nodes must be positive"),
+        ("efficiency", {"matmul": 1.5}, "efficiency.matmul must be positive"),
+        ("efficiency", {"link": 0}, "efficiency.link must be positive"),
+    ],
+)
+def test_a_profile_with_an_impossible_field_is_refused(tmp_path, field, value, words):
+    path = str(tmp_path / "p.json")
+    save_profile(PROFILES["h100"], path)
+    raw = json.load(open(path))
+    raw[field] = value
+    json.dump(raw, open(path, "w"))
+    with pytest.raises(ConfigError, match=words) as e:
+        load_profile(path)
+    assert "\n" not in str(e.value)

@@ -1,0 +1,171 @@
+"""The training loop of `titanlab.trainer.Trainer`: each step (batch → `train_step` → log →
+validate → checkpoint → maybe stop), how a run ends (done, diverged, preempted, out of memory)
+and the seed checkpoint. `TrainLoop` is the half of the Trainer that runs; the Trainer builds
+what it uses."""
+
+from __future__ import annotations
+
+import gc
+import os
+import logging
+import time
+from typing import Any
+
+from titanlab.checkpoint import Checkpointer, store
+from titanlab.config.job_config import ConfigError
+from titanlab.distributed.comm_counter import count_step_comms
+from titanlab.distributed.init import set_train_timeout
+from titanlab.metrics import MetricsLogger
+from titanlab.observability.profiling import StepProfiler
+from titanlab.observability.run_summary import end_of_run
+from titanlab.resilience.failures import OutOfMemory, TrainingDiverged, is_out_of_memory, oom_line
+from titanlab.resilience.preemption import REQUEUE_EXIT_CODE, Preempted, PreemptionHandler
+from titanlab.trainer import rl_steps
+from titanlab.trainer.step import TrainStep
+
+logger = logging.getLogger("titanlab")
+
+
+class TrainLoop(TrainStep):
+    """`train` and what one iteration of the loop does, over the attributes the Trainer sets
+    (besides `TrainStep`'s: `loader`, `rl`, `metrics`, `checkpointer`, `batch`)."""
+
+    loader: Any
+    rl: Any
+    metrics: MetricsLogger
+    checkpointer: Checkpointer
+    batch: Any
+
+    def train(self) -> None:
+        cfg = self.config
+        if cfg.checkpoint.create_seed_checkpoint:
+            return self._write_seed_checkpoint()
+        gc.disable()
+        preemption = PreemptionHandler(self.device)
+        data = iter(self.loader) if self.rl is None else None
+        last = cfg.training.steps
+        logger.info("training: steps %d → %d", self.step + 1, last)
+        first, begin = self.step, time.perf_counter()
+        with StepProfiler(cfg.profiling, cfg.job.dump_folder, self.rank, self.device) as prof:
+            while self.step < last:
+                try:
+                    with prof.annotate(self.step + 1):
+                        self._loop_step(data, last, preemption)
+                except Exception as e:
+                    if not is_out_of_memory(e):
+                        raise
+                    line = oom_line(self.rank, self.step, prof.oom_snapshot())
+                    raise OutOfMemory(line) from e
+                prof.step(self.step)
+        preemption.restore()
+        logger.info("training: done at step %d", self.step)
+        if self.rank == 0:
+            self._finish_run(first, time.perf_counter() - begin)
+
+    def _loop_step(self, data, last: int, preemption: PreemptionHandler) -> None:
+        """One iteration of the loop: train, log, validate, checkpoint, maybe stop."""
+        cfg = self.config
+        self.step += 1
+        self.metrics.begin_step()
+        lr = self.lr_scheduler.get_last_lr()[0]  # the lr this step uses
+        evaluate = False
+        if self.rl is not None:
+            self.metrics.data_ready()
+            loss, grad_norm, extra, evaluate = rl_steps.step(self.rl, cfg, self.step, last)
+        else:
+            batches = [next(data) for _ in range(self.batch.grad_accum_steps)]
+            self.metrics.data_ready()
+            self.batches.record(self.step, batches)
+            with count_step_comms(self.step):  # only when TITANLAB_COMM_COUNT is set
+                loss, grad_norm = self.train_step(batches)
+            extra = self.moe_metrics
+        if self.step == 1:
+            set_train_timeout(cfg.comm.train_timeout_seconds)
+        validate = (
+            cfg.validation.enable
+            and self.val_set is not None
+            and self.step % cfg.validation.freq == 0
+        )
+        log = validate or evaluate or self.metrics.should_log(self.step, last)
+        stop = self.step < last and preemption.should_stop()
+        # The host waits for the device only when it needs the values: to log, or before
+        # anything that must not happen after a non-finite loss (a checkpoint, the end).
+        fetch = log or stop or self.step == last or self.checkpointer.due(self.step, last)
+        diverged = self.metrics.end_step(
+            self.step,
+            loss=loss,
+            grad_norm=grad_norm,
+            lr=lr,
+            extra=extra,
+            loss_scale=self.scaler.get_scale() if self.scaler is not None and fetch else None,
+            fetch=fetch,
+        )
+        if diverged is not None:
+            self._diverged(diverged.step, diverged.values["loss"])
+        if log:
+            self.metrics.log(
+                self.step,
+                val_loss=self.validate() if validate else None,
+                data_tokens=self._mixture_tokens(),
+            )
+        self.checkpointer.maybe_save(self.step, last)
+        if cfg.training.gc_freq and self.step % cfg.training.gc_freq == 0:
+            gc.collect(1)
+        if stop:
+            self._stop_for_preemption(preemption)
+
+    def _mixture_tokens(self) -> dict[str, int] | None:
+        """Tokens each source of a mixture has supplied by the end of this step (None for
+        one source)."""
+        if self.data_schedule is None:
+            return None
+        samples = self.loader.sampler.consumed_after_step(self.step)
+        if samples is None:
+            return None
+        return {name: n * self.config.training.seq_len for name, n in samples.items()}
+
+    def _finish_run(self, first: int, wall_s: float) -> None:
+        """Rank 0: draw the curves (metrics.save_plot), give the trackers the summary and the
+        plot, and print the summary."""
+        self.checkpointer.wait()
+        summary = end_of_run(self.config, self.metrics, self.checkpointer, self.device, first,
+                             self.step, wall_s)  # fmt: skip
+        self.metrics.artifacts(summary, [os.path.join(self.config.job.dump_folder, "loss.png")])
+        self.metrics.close()  # trackers flush and finish before the summary is printed
+        logger.info("%s", summary)
+
+    def _diverged(self, step: int, loss: float) -> None:
+        last = self.checkpointer.last_complete()
+        raise TrainingDiverged(
+            f"loss is {loss} at step {step}; last complete checkpoint: "
+            f"{last or 'none'} (lower optimizer.lr or check the data)"
+        )
+
+    def _stop_for_preemption(self, preemption: PreemptionHandler) -> None:
+        """Save the state of the step just finished (unless already saved) and leave the loop."""
+        saved = "checkpointing is disabled, nothing saved"
+        if self.config.checkpoint.enable:
+            path = store.step_dir(self.checkpointer.root, self.step)
+            if store.incomplete_reason(path) is not None:
+                self.checkpointer.save(self.step)
+            self.checkpointer.wait()
+            saved = f"checkpoint {path}"
+        if self.rank == 0:
+            preemption.mark_for_requeue(self.step)
+        logger.warning(
+            "preempted by %s after step %d: %s; exiting with %d to be requeued",
+            preemption.signal_name(),
+            self.step,
+            saved,
+            REQUEUE_EXIT_CODE,
+        )
+        raise Preempted()
+
+    def _write_seed_checkpoint(self) -> None:
+        if self.parallel_dims.world_size != 1:
+            raise ConfigError(
+                f"checkpoint.create_seed_checkpoint needs 1 process, not "
+                f"{self.parallel_dims.world_size} (run with NGPU=1)"
+            )
+        path = self.checkpointer.save_model_only(0)
+        logger.info("seed checkpoint written to %s", path)
