@@ -7,9 +7,11 @@
 Trainer rows: `torch.distributed.run -m titanlab.train`, debug model, seq 256, global batch 16
 split over the ranks, no checkpoint or validation, log_freq 1; eager/compile × AC
 none/selective/full × 1/2 ranks (FSDP) × fp32/bf16 (quick: eager, none, fp32; overhead: the
-1-rank AC-none rows beside their baselines, fp32/bf16 × eager/compiled). Baseline rows:
-one process running titanlab's `Transformer` in a plain loop (fused AdamW, `F.cross_entropy`,
-`clip_grad_norm_`, batches by numpy memmap from the same shards) per precision and compile.
+1-rank AC-none rows beside their baselines, fp32/bf16 × eager/compiled, each baseline also
+with the trainer's fixed glibc malloc thresholds). Baseline rows: one process running
+titanlab's `Transformer` in a plain loop (fused AdamW, `F.cross_entropy`, `clip_grad_norm_`,
+batches by numpy memmap from the same shards) per precision and compile; "vs baseline" is
+against the plain loop as a user runs it (glibc's own thresholds).
 
 Columns: step time = median seconds per step after the warm-up; tps = median tokens/s of one
 rank; memory = peak of the run (CUDA max reserved, else peak RSS of rank 0's process);
@@ -85,7 +87,10 @@ def matrix(kind: str) -> list[Run]:
     """The runs of `kind` (full, quick or none), trainer rows first; else a ValueError."""
     if kind == "overhead":  # each trainer row beside its baseline, so repeats interleave pairs
         return [
-            Run(c, "none", r, p) for p in ("fp32", "bf16") for c in (False, True) for r in (1, 0)
+            run
+            for p in ("fp32", "bf16")
+            for c in (False, True)
+            for run in (Run(c, "none", 1, p), Run(c, "none", 0, p), Run(c, "none", 0, p, True))
         ]
     if kind in ("quick", "none"):
         return {"quick": [Run(ranks=1), Run(ranks=2), Run(ranks=0)], "none": []}[kind]
@@ -145,6 +150,10 @@ def plain_loop(spec: dict) -> dict:
     from titanlab.models.registry import get_family
 
     torch.set_num_threads(spec["threads"])
+    if spec.get("fixed_malloc"):
+        from titanlab.trainer.host_allocator import fix_malloc_thresholds
+
+        fix_malloc_thresholds()
     device = torch.device(spec["device"])
     family = get_family(spec["model"])
     base = family.flavors[spec["flavor"]]

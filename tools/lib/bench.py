@@ -38,12 +38,16 @@ class Run:
     ac: str = "none"
     ranks: int = 1
     precision: str = "fp32"  # fp32 | bf16 | float8 (float8: baseline-style GPU rows only)
+    fixed_malloc: bool = False
+    """Baseline rows: the plain loop with the trainer's fixed glibc malloc thresholds
+    (`titanlab.trainer.host_allocator`), the same allocator as titanlab's CPU runs."""
 
     @property
     def name(self) -> str:
         mode = "compile" if self.compile else "eager"
         if self.ranks == 0:
-            return f"baseline (plain loop) · {mode} · {self.precision}"
+            loop = "plain loop, fixed malloc thresholds" if self.fixed_malloc else "plain loop"
+            return f"baseline ({loop}) · {mode} · {self.precision}"
         ranks = "1 rank" if self.ranks == 1 else f"{self.ranks} ranks FSDP"
         return f"titanlab · {mode} · AC {self.ac} · {ranks} · {self.precision}"
 
@@ -109,9 +113,12 @@ def summarize(
 
 def add_ratios(results: list[Result], per_thread: bool = True) -> None:
     """Set each row's `ratio`: its tps (per thread when `per_thread`, i.e. on CPU) ÷ that of the
-    baseline of the same precision and compile setting (else the eager one of that precision)."""
+    baseline of the same precision and compile setting (else the eager one of that precision),
+    the plain loop as a user runs it (glibc's own malloc thresholds)."""
     base = {
-        (r.run.precision, r.run.compile): r for r in results if r.run.ranks == 0 and not r.error
+        (r.run.precision, r.run.compile): r
+        for r in results
+        if r.run.ranks == 0 and not r.run.fixed_malloc and not r.error
     }
     for r in results:
         b = base.get((r.run.precision, r.run.compile)) or base.get((r.run.precision, False))
@@ -267,7 +274,14 @@ def run_trainer(
 def run_plain(run: Run, spec: dict, threads: int) -> Result:
     """The plain loop of `spec` in a child process, as a Result (tps per process)."""
     out = child(
-        dict(spec, kind="loop", compile=run.compile, precision=run.precision, threads=threads),
+        dict(
+            spec,
+            kind="loop",
+            compile=run.compile,
+            precision=run.precision,
+            threads=threads,
+            fixed_malloc=run.fixed_malloc,
+        ),
         threads,
     )
     if "error" in out:

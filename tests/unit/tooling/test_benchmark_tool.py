@@ -60,9 +60,11 @@ def test_ratios_per_thread_and_by_precision():
     two = Result(Run(ranks=2), tps=450.0, threads=1)
     bf16_compiled = Result(Run(compile=True, precision="bf16"), tps=750.0, threads=2)
     failed = Result(Run(ac="full"), error="boom")
-    rows = [one, two, bf16_compiled, failed, base32, base16]
+    tuned = Result(Run(ranks=0, fixed_malloc=True), tps=1100.0, threads=2)  # not the reference
+    rows = [one, two, bf16_compiled, failed, tuned, base32, base16]
     benchmark.add_ratios(rows)
     assert one.ratio == pytest.approx(0.9) and two.ratio == pytest.approx(0.9)
+    assert tuned.ratio == pytest.approx(1.1)
     assert bf16_compiled.ratio == pytest.approx(1.5)  # falls back to the eager bf16 baseline
     assert failed.ratio is None and base32.ratio == 1.0
     benchmark.add_ratios(rows, per_thread=False)
@@ -137,13 +139,15 @@ def test_matrix():
     full = benchmark.matrix("full")
     trainer = [r for r in full if r.ranks]
     assert len(trainer) == len(set(trainer)) == 2 * 3 * 2 * 2 and len(full) - len(trainer) == 4
-    overhead = benchmark.matrix("overhead")  # every precision and compile mode, paired
-    assert [r.ranks for r in overhead] == [1, 0] * 4
-    assert {(r.precision, r.compile) for r in overhead[::2]} == {
+    # every precision and compile mode: titanlab, the plain loop, the plain loop with titanlab's
+    # malloc thresholds, side by side so repeats interleave them
+    overhead = benchmark.matrix("overhead")
+    assert [(r.ranks, r.fixed_malloc) for r in overhead] == [(1, False), (0, False), (0, True)] * 4
+    assert {(r.precision, r.compile) for r in overhead[::3]} == {
         (p, c) for p in ("fp32", "bf16") for c in (False, True)
     }
-    assert all(a.precision == b.precision and a.compile == b.compile
-               for a, b in zip(overhead[::2], overhead[1::2]))  # fmt: skip
+    assert all(a.precision == b.precision == c.precision and a.compile == b.compile == c.compile
+               for a, b, c in zip(overhead[::3], overhead[1::3], overhead[2::3]))  # fmt: skip
     with pytest.raises(ValueError, match="quick"):
         benchmark.matrix("huge")
 
