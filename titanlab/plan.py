@@ -3,6 +3,7 @@
     python -m titanlab.plan --cluster h100 --nodes 8 --job.config_file train_configs/llama_8b.toml
     python -m titanlab.plan ... --explain ws64-fsdp8-tp8      # the arithmetic of one layout
     python -m titanlab.plan ... --apply outputs/plan.toml     # the best layout as a config file
+    python -m titanlab.plan --calibrate cpu.json --nproc 4 ...  # measure this machine, then plan
 
 `--cluster` is a built-in profile (h100, h200, a100, b200: 8 GPUs per node with NVLink and one
 InfiniBand NIC per GPU) or a profile file (*.json); every other option is the trainer's
@@ -28,6 +29,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--top", type=int, default=10, help="layouts to list (default 10)")
     p.add_argument("--explain", default="", help="print the arithmetic of this layout")
     p.add_argument("--apply", default="", help="write the best (or --explain's) layout's config")
+    p.add_argument("--calibrate", default="", help="measure this machine into PROFILE.json")
+    p.add_argument("--nproc", type=int, default=1, help="ranks per node for --calibrate")
     return p
 
 

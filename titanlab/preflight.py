@@ -4,7 +4,9 @@ Exits 0 when the config is valid for a world of M·N ranks and should fit in mem
 processes per node (M defaults to 1), else prints one line to stderr and exits 2. `run_train.sh`
 and `multinode_trainer.slurm` call it before torchrun, so a hopeless config fails in seconds with
 one line instead of a launcher traceback, and writes nothing. The checks are
-`titanlab.planning.preflight.check`, which the trainer runs again in every rank.
+`titanlab.planning.preflight.check`, which the trainer runs again in every rank. A config that
+passes prints the layout, the memory estimate and the layout planner's predicted step (with the
+CUDA device's profile, or the one `$TITANLAB_CLUSTER_PROFILE` names).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from titanlab.config.job_config import ConfigError
 from titanlab.config.manager import build_config
 from titanlab.observability import warning_filters
 from titanlab.planning.preflight import Plan, check
+from titanlab.planning.report import preflight_summary as summary
 
 __all__ = ["Plan", "check", "main"]
 
@@ -29,7 +32,9 @@ def main(argv: list[str]) -> int:
                 raise ConfigError(f"{argv[0]}={value!r} must be a whole number >= 1")
             counts[argv[0]], argv = int(value), argv[2:]
         nproc, nnodes = counts["--nproc"], counts["--nnodes"]
-        check(build_config(argv), nproc * nnodes, nproc)
+        config = build_config(argv)
+        plan = check(config, nproc * nnodes, nproc)
+        print(summary(config, plan, nproc * nnodes))
     except ConfigError as e:
         print(f"titanlab: error: {e}", file=sys.stderr)
         return 2

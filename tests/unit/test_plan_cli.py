@@ -38,3 +38,30 @@ def test_a_top_beyond_the_layouts_that_run_lists_only_those(capsys):
     rows = [line for line in table.splitlines() if line.startswith("| ") and "layout" not in line]
     assert len(rows) > 10 and "stages need at least as many layers" not in table
     assert "stages need at least as many layers" in refused
+
+
+def test_the_preflight_shows_the_planners_prediction_beside_its_memory_check(
+    tmp_path, capsys, monkeypatch
+):
+    from titanlab import preflight
+    from titanlab.planning import planner
+    from titanlab.planning.cluster import PROFILES, save_profile
+    from titanlab.planning.perf_model import ModelShape, predict
+
+    argv = ["--job.config_file", "train_configs/debug_model.toml",
+            "--job.dump_folder", str(tmp_path / "dump")]  # fmt: skip
+    monkeypatch.delenv("TITANLAB_CLUSTER_PROFILE", raising=False)
+    assert preflight.main(["--nproc", "2", *argv]) == 0
+    line = capsys.readouterr().out.strip()
+    assert line.startswith("pre-flight: ws2-fsdp2 passes; memory ") and "--calibrate" in line
+
+    profile = str(tmp_path / "h100.json")
+    save_profile(PROFILES["h100"], profile)
+    monkeypatch.setenv("TITANLAB_CLUSTER_PROFILE", profile)
+    assert preflight.main(["--nproc", "2", *argv]) == 0
+    line = capsys.readouterr().out.strip()
+    config = build_config(argv)
+    args = planner.model_args_of(config)
+    lay = planner.layout_of(config, 2, 1)
+    want = predict(ModelShape.of(args), planner.run_of(config, "cuda", 32), lay, PROFILES["h100"])
+    assert f"predicted on h100: {want.step_s * 1e3:,.1f} ms a step" in line

@@ -73,6 +73,9 @@ class Cluster:
     shared_cores: int = 0
     """On CPU: the cores every rank of a node shares (0: each device is its own); compute is
     slowed by ranks ÷ cores when there are more ranks than cores."""
+    device_type: str = "cuda"
+    """What the trainer runs on: "cuda", or "cpu" (float32 compute unless
+    `training.mixed_precision_on_cpu`)."""
 
     @property
     def world_size(self) -> int:
@@ -165,3 +168,21 @@ def load_profile(path: str) -> Cluster:
             "(efficiencies in (0, 1])"
         )
     return cluster
+
+
+def profile_of_this_machine() -> Cluster | None:
+    """The profile the pre-flight predicts with: the file `$TITANLAB_CLUSTER_PROFILE` names
+    (written by `python -m titanlab.plan --calibrate`), else the built-in profile whose name the
+    CUDA device's contains (an "NVIDIA H100 80GB HBM3" is h100), else None. ConfigError (one
+    line) for a malformed file."""
+    import os
+
+    path = os.environ.get("TITANLAB_CLUSTER_PROFILE", "")
+    if path:
+        return load_profile(path)
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    name = torch.cuda.get_device_name().lower()
+    return next((p for key, p in PROFILES.items() if key in name), None)

@@ -28,7 +28,8 @@ the communication left exposed (docs/planning.md writes the model out with its s
   (nothing is left to hide them). TP's, CP's and EP's collectives are on the critical path; of
   the pipeline's sends only the fill and drain are.
 - MFU: model FLOPs (no recomputation) ÷ (step time × devices × the bf16 peak), the trainer's
-  convention (`titanlab.metrics`), also for float8 runs.
+  convention (`titanlab.metrics`), also for float8 runs (a calibrated CPU profile without a
+  bf16 peak: of its measured GEMM rate).
 
 Units: seconds, bytes, FLOPs.
 """
@@ -315,7 +316,7 @@ def predict(shape: ModelShape, run: Run, lay: Layout, cluster: Cluster) -> Predi
     flops = shape.flops_per_token(run.seq_len) * tokens_global
     return Prediction(
         lay, step_s, compute_s, bubble, bubble_s, optimizer_s, comm,
-        mfu=flops / (step_s * world * cluster.flops("bfloat16")),
+        mfu=flops / (step_s * world * (cluster.peak_flops.get("bfloat16") or mm_peak)),
         tokens_per_s_per_device=tokens_global / step_s / world,
     )  # fmt: skip
 

@@ -76,7 +76,7 @@ def plan(
     """Every candidate layout of `cluster` for `config`'s model, seq_len and global batch:
     fitting ones first, fastest predicted step first; then those refused (validator or
     memory), each with its one-line reason. ConfigError when none fits."""
-    run = run or run_of(config)
+    run = run or run_of(config, cluster.device_type)
     shape = ModelShape.of(model_args)
     dtype = getattr(torch, run.dtype if run.dtype != "float8" else "bfloat16")
     out = []
@@ -116,7 +116,7 @@ def _powers(limit: int) -> list[int]:
 def _evaluate(config, model_args, shape, run, lay, cluster, dtype) -> Candidate:
     """`lay` validated, its memory estimated and its step predicted."""
     cand = Candidate(lay)
-    why = check_layout(config, lay, run.global_batch, model_args, "cuda")
+    why = check_layout(config, lay, run.global_batch, model_args, cluster.device_type)
     if why is not None:
         cand.refused = why
         return cand
@@ -129,6 +129,17 @@ def _evaluate(config, model_args, shape, run, lay, cluster, dtype) -> Candidate:
             f"the device has {cluster.memory_bytes / GIB:.1f} GiB"
         )
     return cand
+
+
+def layout_of(config: JobConfig, world_size: int, grad_accum: int) -> Layout:
+    """The layout `config` runs on `world_size` ranks (the degrees `ParallelDims` resolves)."""
+    from titanlab.distributed.parallel_dims import ParallelDims
+
+    p = config.parallelism
+    dims = ParallelDims.from_config(p, world_size)
+    return Layout(dims.dp_replicate, dims.dp_shard, dims.tp, dims.pp,
+                  p.pipeline_parallel_schedule if dims.pp > 1 else None, grad_accum, dims.cp,
+                  p.expert_parallel_degree, zero_stage=p.zero_stage_in_force)  # fmt: skip
 
 
 def model_args_of(config: JobConfig):
@@ -148,23 +159,29 @@ def model_args_of(config: JobConfig):
     return components.build_model_args(config, vocab)
 
 
-def run_of(config: JobConfig) -> Run:
-    """The layout-independent work of `config`'s optimizer step."""
+def run_of(config: JobConfig, device_type: str = "cuda", global_batch: int = 0) -> Run:
+    """The layout-independent work of `config`'s optimizer step on `device_type` (CPU computes
+    in float32 unless `training.mixed_precision_on_cpu`); `global_batch` > 0 replaces
+    `training.global_batch_size` (a resolved -1). ConfigError when neither is set."""
     t, ac = config.training, config.activation_checkpoint
     if ac.mode == "selective":
         mode = f"selective_{ac.selective_ac_option}"
     else:
         mode = ac.mode
-    if t.global_batch_size < 1:
+    global_batch = global_batch or t.global_batch_size
+    if global_batch < 1:
         raise ConfigError(
             f"training.global_batch_size={t.global_batch_size}: the planner needs the samples "
             "per optimizer step; set it (e.g. --training.global_batch_size 512)"
         )
-    param_bytes = 4 if t.mixed_precision_param == "float32" else 2
-    dtype = "float8" if config.float8.enable else t.mixed_precision_param
+    fp32 = t.mixed_precision_param == "float32" or (
+        device_type == "cpu" and not t.mixed_precision_on_cpu
+    )
+    param_bytes = 4 if fp32 else 2
+    dtype = "float8" if config.float8.enable else "float32" if fp32 else t.mixed_precision_param
     return Run(
         seq_len=t.seq_len,
-        global_batch=t.global_batch_size,
+        global_batch=global_batch,
         ac_mode=mode,
         param_bytes=param_bytes,
         grad_bytes=4 if t.mixed_precision_reduce == "float32" else 2,

@@ -28,7 +28,7 @@ from titanlab.metrics.mlflow_sink import check_mlflow
 from titanlab.distributed.parallelize import param_dtype
 from titanlab.distributed.tensor_parallel import linear_split_dims
 from titanlab.planning.layouts import check_parallel_layout
-from titanlab.planning.memory import check_memory
+from titanlab.planning.memory import MemoryEstimate, check_memory
 from titanlab.models.registry import ModelFamily
 from titanlab.peft.lora import lora_targets
 from titanlab.peft.qlora import shard_problem
@@ -43,6 +43,7 @@ class Plan:
     tokenizer: AnyTokenizer
     family: ModelFamily
     model_args: Any
+    memory: MemoryEstimate
 
 
 def check(config: JobConfig, world_size: int, local_world_size: int) -> Plan:
@@ -77,9 +78,11 @@ def check(config: JobConfig, world_size: int, local_world_size: int) -> Plan:
     check_rl(config, batch, tokenizer)
     if config.distill.teacher_path:
         teacher_args(config, family, model_args.vocab_size)
-    check_memory(model_args, config, world_size, local_world_size, param_dtype(config, device))
+    memory = check_memory(
+        model_args, config, world_size, local_world_size, param_dtype(config, device)
+    )
     check_files(config, tokenizer)
-    return Plan(parallel_dims, batch, tokenizer, family, model_args)
+    return Plan(parallel_dims, batch, tokenizer, family, model_args, memory)
 
 
 def check_files(config: JobConfig, tokenizer: AnyTokenizer) -> None:

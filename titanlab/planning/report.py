@@ -18,9 +18,12 @@ def run(opts: argparse.Namespace, rest: list[str]) -> int:
     from titanlab.planning.cluster import get_profile
 
     config = build_config(rest)
-    cluster = get_profile(opts.cluster).with_nodes(opts.nodes)
     model_args = planner.model_args_of(config)
-    run = planner.run_of(config)
+    if opts.calibrate:
+        cluster = calibrated(config, model_args, opts.nproc, opts.calibrate)
+    else:
+        cluster = get_profile(opts.cluster).with_nodes(opts.nodes)
+    run = planner.run_of(config, cluster.device_type)
     ranked = planner.plan(config, model_args, cluster, run)
     print(
         f"{config.model.name} {config.model.flavor} on {cluster.nodes} × {cluster.devices_per_node} "
@@ -54,6 +57,52 @@ def run(opts: argparse.Namespace, rest: list[str]) -> int:
             f.write(to_toml(apply_layout(config, chosen.layout, run.global_batch)))
         print(f"\nwrote {chosen.layout.name} to {opts.apply} (./run_train.sh {opts.apply})")
     return 0
+
+
+def calibrated(config, model_args, nproc: int, path: str):
+    """Measure this machine for `nproc` ranks (`titanlab.planning.calibrate`), write the profile
+    to `path` and print what was measured."""
+    from titanlab.planning.calibrate import calibrate
+    from titanlab.planning.cluster import save_profile
+
+    if nproc < 1:
+        raise ConfigError(f"--nproc={nproc}: a profile needs at least 1 rank per node")
+    cluster = calibrate(config, model_args, nproc)
+    save_profile(cluster, path)
+    e = cluster.efficiency
+    print(
+        f"calibrated {cluster.name} for {nproc} ranks: matmul {max(cluster.peak_flops.values()) / 1e9:.1f} "
+        f"GFLOP/s per rank ({', '.join(cluster.peak_flops)}), attention {e.attention:.2f} of "
+        f"it, pointwise {e.pointwise:.2f} of the GEMM time, optimizer "
+        f"{cluster.memory_bandwidth / 1e9:.1f} GB/s, link α {cluster.intra_latency * 1e6:.0f} µs "
+        f"β {cluster.intra_bandwidth / 1e9:.2f} GB/s; written to {path}"
+    )
+    return cluster
+
+
+def preflight_summary(config, plan, world_size: int) -> str:
+    """The pre-flight's line for a config that passes: its layout, the memory estimate (the
+    check just made) and the planner's prediction on this machine's profile, when there is one
+    (`cluster.profile_of_this_machine`)."""
+    from titanlab.planning.cluster import profile_of_this_machine
+    from titanlab.planning.perf_model import ModelShape, predict
+    from titanlab.planning.planner import layout_of, run_of
+
+    lay = layout_of(config, world_size, plan.batch.grad_accum_steps)
+    m = plan.memory
+    line = f"pre-flight: {lay.name} passes; memory {m.total / GIB:.2f} GiB per rank ({m.summary()})"
+    cluster = profile_of_this_machine()
+    if cluster is None:
+        return line + (
+            "; no profile to predict the step with (python -m titanlab.plan --calibrate "
+            "PROFILE.json, then TITANLAB_CLUSTER_PROFILE=PROFILE.json)"
+        )
+    run = run_of(config, cluster.device_type, plan.batch.global_batch_size)
+    p = predict(ModelShape.of(plan.model_args), run, lay, cluster)
+    return line + (
+        f"; predicted on {cluster.name}: {p.step_s * 1e3:,.1f} ms a step, "
+        f"{p.tokens_per_s_per_device:,.0f} tokens/s per device, MFU {p.mfu:.1%}"
+    )
 
 
 def table(cands: list[Candidate]) -> str:

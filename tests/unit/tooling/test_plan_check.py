@@ -1,0 +1,12 @@
+import pytest
+
+from tools.plan_check import spearman
+
+
+def test_spearman_of_hand_worked_rankings():
+    assert spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
+    assert spearman([1, 2, 3, 4], [40, 30, 20, 10]) == pytest.approx(-1.0)
+    # ranks 0..3 against 0, 2, 1, 3: d² = 0 + 1 + 1 + 0 → 1 − 6·2 / (4 · 15) = 0.8
+    assert spearman([1, 2, 3, 4], [1, 3, 2, 4]) == pytest.approx(0.8)
+    # ties share the mean rank: x ranks (0, 1.5, 1.5, 3)
+    assert spearman([1, 2, 2, 3], [1, 2, 3, 4]) == pytest.approx(0.9486833, rel=1e-6)

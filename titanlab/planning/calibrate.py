@@ -1,0 +1,182 @@
+"""Measure the machine at hand into a cluster profile (`python -m titanlab.plan --calibrate`).
+
+Each rate comes from a short timed run of the job's own shapes, one thread per rank as the
+ranks run:
+- matmul peak: one block's Linear layers, forward and backward, at the job's tokens per
+  microbatch (the GEMMs' achieved FLOP/s; `Efficiency.matmul` is then 1);
+- attention efficiency: SDPA forward and backward (causal) at the job's heads and sequence,
+  its 12·H·Q·s FLOPs per token and layer ÷ time ÷ the matmul peak;
+- pointwise share: a whole block's forward and backward minus its GEMMs and attention, ÷ the
+  GEMM time;
+- memory bandwidth: a fused AdamW step over the model's parameter count (28 bytes each);
+- link α and β: all-reduces of 256 KiB and 16 MiB between 2 processes (gloo on CPU, NCCL on 2+
+  GPUs), solved from t = 2(n−1)/n·M/β + 2(n−1)·α at n = 2.
+On CPU the ranks share the cores (`Cluster.shared_cores`). Units as `Cluster`'s.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from titanlab.planning.cluster import Cluster, Efficiency
+
+REPEATS = 5
+SIZES = (256 * 2**10, 16 * 2**20)
+"""All-reduce buffer sizes in bytes (fp32 elements × 4)."""
+
+
+def _seconds(fn: Callable[[], object], device: torch.device, repeats: int = REPEATS) -> float:
+    """Median wall seconds of `fn` after one warm-up call."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        begin = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - begin)
+    return statistics.median(times)
+
+
+def _fwd_bwd(module: Callable, *inputs: torch.Tensor) -> Callable[[], None]:
+    def run() -> None:
+        out = module(*inputs)
+        out.float().sum().backward()
+
+    return run
+
+
+def _block_rates(model_args, tokens: int, seq: int, dtype, device) -> dict[str, float]:
+    """(matmul FLOP/s, attention ÷ matmul efficiency, pointwise share) of one block."""
+    from titanlab.models.registry import build_model
+
+    args = dataclasses.replace(model_args, n_layers=1, max_seq_len=seq)
+    with torch.device(device):
+        model = build_model(args).to(dtype)
+    block = next(iter(model.layers.values()))  # type: ignore[union-attr]
+    batch = max(tokens // seq, 1)
+    x = torch.randn(batch, seq, args.dim, device=device, dtype=dtype, requires_grad=True)
+    cos, sin = model.rope_cos[:seq], model.rope_sin[:seq]
+    block_s = _seconds(_fwd_bwd(block, x, cos, sin), device)
+
+    gemm_s, gemm_flops = 0.0, 0.0
+    for lin in (m for m in block.modules() if isinstance(m, nn.Linear)):
+        inp = torch.randn(batch * seq, lin.in_features, device=device, dtype=dtype)
+        inp.requires_grad_(True)
+        gemm_s += _seconds(_fwd_bwd(lin, inp), device)
+        gemm_flops += 6 * lin.in_features * lin.out_features * batch * seq
+    heads, head_dim = args.n_heads, args.head_dim
+    q = torch.randn(batch, heads, seq, head_dim, device=device, dtype=dtype, requires_grad=True)
+    k, v = (torch.randn_like(q).requires_grad_(True) for _ in range(2))
+    attn_s = _seconds(_fwd_bwd(lambda a, b, c: F.scaled_dot_product_attention(
+        a, b, c, is_causal=True), q, k, v), device)  # fmt: skip
+    attn_flops = 12 * heads * head_dim * seq * batch * seq
+    peak = gemm_flops / gemm_s
+    return {
+        "peak": peak,
+        "attention": min(1.0, attn_flops / attn_s / peak),
+        "pointwise": max(0.0, (block_s - gemm_s - attn_s) / gemm_s),
+    }
+
+
+def _optimizer_bandwidth(n_params: int, device) -> float:
+    """Bytes per second of a fused AdamW step (28 bytes per fp32 parameter)."""
+    n = min(n_params, 64 * 2**20)  # rates settle well before; bounds the calibration's memory
+    p = nn.Parameter(torch.randn(n, device=device))
+    p.grad = torch.randn_like(p)
+    opt = torch.optim.AdamW([p], lr=1e-4, fused=True)
+    return 28 * n / _seconds(opt.step, device)
+
+
+def _link_worker(rank: int, port: int, backend: str, out: dict) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+    if backend == "nccl":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2)  # fmt: skip
+    try:
+        for size in SIZES:
+            buf = torch.ones(size // 4, device=device)
+            dist.barrier()
+            t = _seconds(lambda b=buf: dist.all_reduce(b), device, repeats=10)
+            if rank == 0:
+                out[size] = t
+    finally:
+        dist.destroy_process_group()
+
+
+def _link(device) -> tuple[float, float]:
+    """(α seconds, β bytes/s) of an all-reduce between 2 processes of this machine."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    backend = "nccl" if device.type == "cuda" and torch.cuda.device_count() > 1 else "gloo"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with mp.Manager() as manager:
+        out = manager.dict()
+        mp.spawn(_link_worker, args=(port, backend, out), nprocs=2)
+        small, large = out[SIZES[0]], out[SIZES[1]]
+    # n = 2: t = M/β + 2α
+    beta = (SIZES[1] - SIZES[0]) / max(large - small, 1e-9)
+    alpha = max((small - SIZES[0] / beta) / 2, 1e-7)
+    return alpha, beta
+
+
+def calibrate(config, model_args, nproc: int) -> Cluster:
+    """A profile of this machine for `nproc` ranks running `config`'s job (see the module
+    docstring): one node of `nproc` devices. Takes about a minute on CPU."""
+    from titanlab.distributed.parallelize import param_dtype
+    from titanlab.models.common.decoder import count_params
+    from titanlab.planning.memory import _meta_model, available_bytes_per_rank
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        dtype = param_dtype(config, device)
+        seq = config.training.seq_len
+        tokens = config.training.local_batch_size * seq
+        rates = _block_rates(model_args, tokens, seq, dtype, device)
+        bandwidth = _optimizer_bandwidth(count_params(_meta_model(model_args)), device)
+        alpha, beta = _link(device)
+    finally:
+        torch.set_num_threads(threads)
+    memory, _ = available_bytes_per_rank(nproc)
+    name = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+    return Cluster(
+        name=f"calibrated {device.type}"
+        + (f" ({torch.cuda.get_device_name()})" if device.type == "cuda" else ""),
+        devices_per_node=nproc,
+        memory_bytes=float(memory),
+        peak_flops={name[dtype]: rates["peak"]},
+        memory_bandwidth=bandwidth,
+        intra_bandwidth=beta,
+        inter_bandwidth=beta,
+        intra_latency=alpha,
+        inter_latency=alpha,
+        efficiency=Efficiency(
+            matmul=1.0,
+            attention=rates["attention"],
+            optimizer=1.0,
+            pointwise=rates["pointwise"],
+            link=1.0,
+        ),
+        shared_cores=(os.cpu_count() or 1) if device.type == "cpu" else 0,
+        device_type=device.type,
+    )
