@@ -57,10 +57,14 @@ def spearman(xs: list[float], ys: list[float]) -> float:
     return cov / var if var else 0.0
 
 
-def measure(lay, steps: int, dataset: str, workdir: str) -> tuple[float, int] | str:
-    """(median step seconds, largest peak of live tensor bytes over the ranks), or the failure."""
-    dump = os.path.join(workdir, lay.name)
+def measure(cand, steps: int, dataset: str, workdir: str) -> tuple[float, int] | str:
+    """(median step seconds, largest peak of live tensor bytes over the ranks) of a planner
+    candidate (its layout and AC mode), or the failure."""
+    lay, ac = cand.layout, cand.config.activation_checkpoint
+    dump = os.path.join(workdir, f"{lay.name}-{cand.ac_mode}")
     args = [*JOB, *lay.overrides(16), "--training.steps", str(steps),
+            "--activation_checkpoint.mode", ac.mode,
+            "--activation_checkpoint.selective_ac_option", ac.selective_ac_option,
             "--checkpoint.enable", "false", "--validation.enable", "false",
             "--metrics.log_freq", "1", "--metrics.save_plot", "false",
             "--data.dataset_path", dataset, "--job.dump_folder", dump,
@@ -100,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
         rows = []
         for i, c in enumerate(fitting, 1):
             began = time.time()
-            got = measure(c.layout, a.steps, dataset, work)
+            got = measure(c, a.steps, dataset, work)
             print(f"[{i}/{len(fitting)}] {c.layout.name}: {got} ({time.time() - began:.0f} s)",
                   flush=True)  # fmt: skip
             rows.append((c, got))
@@ -112,17 +116,18 @@ def main(argv: list[str] | None = None) -> int:
     best = min(meas)
     regret = meas[0] / best - 1  # `fitting` is in the planner's order: ok[0] is its pick
     lines = [
-        "| # | layout | predicted step (ms) | measured step (ms) | predicted peak (MiB) "
+        "| # | layout | AC | predicted step (ms) | measured step (ms) | predicted peak (MiB) "
         "| measured peak (MiB) | memory error |",
-        "|---:|---|---:|---:|---:|---:|---:|",
+        "|---:|---|---|---:|---:|---:|---:|---:|",
     ]
     for i, (c, g) in enumerate(rows, 1):
         if isinstance(g, str):
-            lines.append(f"| {i} | {c.layout.name} | {c.prediction.step_s * 1e3:.0f} | "
+            lines.append(f"| {i} | {c.layout.name} | {c.ac_mode} | {c.prediction.step_s * 1e3:.0f} | "
                          f"failed: {g} | | | |")  # fmt: skip
             continue
         lines.append(
-            f"| {i} | {c.layout.name} | {c.prediction.step_s * 1e3:.0f} | {g[0] * 1e3:.0f} | "
+            f"| {i} | {c.layout.name} | {c.ac_mode} | {c.prediction.step_s * 1e3:.0f} | "
+            f"{g[0] * 1e3:.0f} | "
             f"{c.memory.peak_tensors / 2**20:.1f} | {g[1] / 2**20:.1f} | "
             f"{c.memory.peak_tensors / g[1] - 1:+.1%} |"
         )

@@ -6,18 +6,21 @@ Candidates: tp a power of two within a node, cp (sequences of 32k tokens or more
 pp a power of two up to the number of blocks, each split of the remaining data-parallel ranks
 into dp_replicate × dp_shard, each pipeline schedule, ZeRO stages 2 and 3 where ranks shard,
 expert parallel (MoE models) each power of two up to the experts and the borrowable ranks; one
-sample per pipeline microbatch (`parallelism.pipeline_parallel_microbatch_size`), and the fewest
-gradient-accumulation steps (a power of two) whose memory fits.
+sample per pipeline microbatch (`parallelism.pipeline_parallel_microbatch_size`); for each, the
+activation checkpointing (none, selective op, full) and the fewest gradient-accumulation steps
+(a power of two) whose memory fits and whose predicted step is the fastest.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from dataclasses import dataclass
 
 import torch
 
 from titanlab.config.job_config import ConfigError, JobConfig
+from titanlab.config.performance import ActivationCheckpoint
 from titanlab.planning.cluster import Cluster
 from titanlab.planning.layouts import Layout, apply_layout, check_layout, enumerate_layouts
 from titanlab.planning.memory import GIB, MemoryEstimate, estimate_memory
@@ -32,11 +35,28 @@ class Candidate:
     prediction: Prediction | None = None
     memory: MemoryEstimate | None = None
     refused: str | None = None
+    ac_mode: str = ""
+    """The activation checkpointing of the prediction (none, selective_op, full)."""
+    config: JobConfig | None = None
+    """The job with this layout and AC mode: what `--apply` writes."""
+
+    @property
+    def step_s(self) -> float:
+        """The predicted step in seconds (infinite for a layout that cannot run)."""
+        return self.prediction.step_s if self.prediction is not None else float("inf")
 
     @property
     def fits(self) -> bool:
         """Whether the layout runs: the validator accepts it and its estimate fits the device."""
         return self.refused is None
+
+
+AC_MODES = (
+    ("none", ActivationCheckpoint("none")),
+    ("selective_op", ActivationCheckpoint("selective", "op")),
+    ("full", ActivationCheckpoint("full")),
+)
+"""The activation checkpointing the planner tries: the performance model's name, the config."""
 
 
 def _power_of_two(n: int) -> bool:
@@ -71,34 +91,40 @@ def candidate_layouts(world: int, cluster: Cluster, shape: ModelShape, run: Run)
 
 
 def plan(
-    config: JobConfig, model_args, cluster: Cluster, run: Run | None = None
+    config: JobConfig,
+    model_args,
+    cluster: Cluster,
+    run: Run | None = None,
+    search_ac: bool = True,
 ) -> list[Candidate]:
-    """Every candidate layout of `cluster` for `config`'s model, seq_len and global batch:
-    fitting ones first, fastest predicted step first; then those refused (validator or
-    memory), each with its one-line reason. ConfigError when none fits."""
+    """Every candidate layout of `cluster` for `config`'s model, seq_len and global batch, each
+    in the AC mode (none, selective op, full; `config`'s own when not `search_ac`) and with the
+    fewest accumulation steps that predict the fastest step that fits: fitting ones first,
+    fastest first; then those refused (validator or memory), each with its one-line reason.
+    ConfigError when none fits."""
     run = run or run_of(config, cluster.device_type)
     shape = ModelShape.of(model_args)
     dtype = getattr(torch, run.dtype if run.dtype != "float8" else "bfloat16")
+    modes = AC_MODES if search_ac else ((run.ac_mode, config.activation_checkpoint),)
     out = []
     for lay in candidate_layouts(cluster.world_size, cluster, shape, run):
-        dp = lay.dp_replicate * lay.dp_shard
-        # the fewest accumulation steps that fit (more only add FSDP traffic and smaller GEMMs)
-        for accum in (
-            a for a in _powers(run.global_batch // dp) if run.global_batch % (dp * a) == 0
-        ):
-            cand = _evaluate(
-                config,
-                model_args,
-                shape,
-                run,
-                dataclasses.replace(lay, grad_accum=accum),
-                cluster,
-                dtype,
+        best: Candidate | None = None
+        for ac_mode, ac in modes:
+            cfg = copy.deepcopy(config)
+            cfg.activation_checkpoint.mode, cfg.activation_checkpoint.selective_ac_option = (
+                ac.mode,
+                ac.selective_ac_option,
             )
-            if cand.fits or cand.memory is None:
+            cand = _fewest_microbatches(cfg, model_args, shape, dataclasses.replace(
+                run, ac_mode=ac_mode), lay, cluster, dtype)  # fmt: skip
+            if cand.memory is None:  # the validator's refusal: the same in every AC mode
+                best = cand
                 break
-        out.append(cand)
-    fitting = sorted((c for c in out if c.fits), key=lambda c: c.prediction.step_s)  # type: ignore[union-attr]
+            if best is None or (cand.fits and (not best.fits or cand.step_s < best.step_s)):
+                best = cand
+        assert best is not None
+        out.append(best)
+    fitting = sorted((c for c in out if c.fits), key=lambda c: c.step_s)
     if not fitting:
         raise ConfigError(
             f"no layout of {cluster.world_size} {cluster.name} devices holds "
@@ -106,6 +132,18 @@ def plan(
             f"global_batch_size={run.global_batch}; use more nodes, a smaller batch or seq_len"
         )
     return fitting + [c for c in out if not c.fits]
+
+
+def _fewest_microbatches(config, model_args, shape, run, lay, cluster, dtype) -> Candidate:
+    """`lay` with the fewest gradient-accumulation steps whose memory fits (more only add FSDP
+    traffic and smaller GEMMs); the last one tried when none fits."""
+    dp = lay.dp_replicate * lay.dp_shard
+    for accum in (a for a in _powers(run.global_batch // dp) if run.global_batch % (dp * a) == 0):
+        lay_a = dataclasses.replace(lay, grad_accum=accum)
+        cand = _evaluate(config, model_args, shape, run, lay_a, cluster, dtype)
+        if cand.fits or cand.memory is None:
+            break
+    return cand
 
 
 def _powers(limit: int) -> list[int]:
@@ -121,6 +159,7 @@ def _evaluate(config, model_args, shape, run, lay, cluster, dtype) -> Candidate:
         cand.refused = why
         return cand
     cfg = apply_layout(config, lay, run.global_batch)
+    cand.config, cand.ac_mode = cfg, run.ac_mode
     cand.memory = estimate_memory(model_args, cfg, lay.world_size, dtype)
     cand.prediction = predict(shape, run, lay, cluster)
     if cand.memory.total > cluster.memory_bytes:

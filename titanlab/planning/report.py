@@ -28,8 +28,7 @@ def run(opts: argparse.Namespace, rest: list[str]) -> int:
     print(
         f"{config.model.name} {config.model.flavor} on {cluster.nodes} × {cluster.devices_per_node} "
         f"{cluster.name} ({cluster.world_size} devices, {cluster.memory_bytes / GIB:.0f} GiB "
-        f"each): seq_len {run.seq_len}, global batch {run.global_batch}, {run.dtype}, "
-        f"AC {run.ac_mode}"
+        f"each): seq_len {run.seq_len}, global batch {run.global_batch}, {run.dtype}"
     )
     print(table([c for c in ranked if c.fits][: opts.top]))
     refused = [c for c in ranked if not c.fits]
@@ -49,12 +48,12 @@ def run(opts: argparse.Namespace, rest: list[str]) -> int:
         print("\n" + explain(chosen))
     if opts.apply:
         from titanlab.config.dump import to_toml
-        from titanlab.planning.layouts import apply_layout
 
         if not chosen.fits:
             raise ConfigError(f"--apply: {chosen.layout.name} does not run: {chosen.refused}")
+        assert chosen.config is not None  # set for every layout the validator accepts
         with open(opts.apply, "w", encoding="utf-8") as f:
-            f.write(to_toml(apply_layout(config, chosen.layout, run.global_batch)))
+            f.write(to_toml(chosen.config))
         print(f"\nwrote {chosen.layout.name} to {opts.apply} (./run_train.sh {opts.apply})")
     return 0
 
@@ -110,16 +109,17 @@ def table(cands: list[Candidate]) -> str:
     MFU (of the bf16 peak), memory per device in GiB (the pre-flight's estimate), exposed
     communication in milliseconds, the pipeline bubble as a fraction of compute."""
     rows = [
-        "| # | layout | ZeRO | step ms | tokens/s/device | MFU | memory GiB | exposed comm ms "
-        "| bubble |",
-        "|---:|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| # | layout | ZeRO | AC | grad accum | step ms | tokens/s/device | MFU | memory GiB "
+        "| exposed comm ms | bubble |",
+        "|---:|---|---:|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for i, c in enumerate(cands, 1):
         p, m = c.prediction, c.memory
         assert p is not None and m is not None
         zero = c.layout.zero_stage if c.layout.dp_shard * c.layout.cp > 1 else "-"
         rows.append(
-            f"| {i} | {c.layout.name} | {zero} | {p.step_s * 1e3:,.1f} | "
+            f"| {i} | {c.layout.name} | {zero} | {c.ac_mode} | {c.layout.grad_accum} | "
+            f"{p.step_s * 1e3:,.1f} | "
             f"{p.tokens_per_s_per_device:,.0f} | {p.mfu:.1%} | {m.total / GIB:.1f} | "
             f"{p.exposed_comm_s * 1e3:,.1f} | {p.bubble:.1%} |"
         )
@@ -135,7 +135,8 @@ def explain(c: Candidate) -> str:
         f"{c.layout.name}: step {p.step_s:.4f} s = compute {p.compute_s:.4f} + bubble "
         f"{p.bubble_s:.4f} ({p.bubble:.1%} of compute) + optimizer {p.optimizer_s:.4f} + "
         f"exposed communication {p.exposed_comm_s:.4f}",
-        f"MFU {p.mfu:.1%}, {p.tokens_per_s_per_device:,.0f} tokens/s per device",
+        f"AC {c.ac_mode}, {c.layout.grad_accum} accumulation step(s); MFU {p.mfu:.1%}, "
+        f"{p.tokens_per_s_per_device:,.0f} tokens/s per device",
         "| collective | mesh dim | group | link | bytes per step | calls | seconds | exposed s |",
         "|---|---|---:|---|---:|---:|---:|---:|",
     ]
