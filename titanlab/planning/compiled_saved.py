@@ -52,7 +52,7 @@ def saved_bytes_compiled(fn: Callable[..., Any], *inputs: Any) -> int:
                 storage = value.untyped_storage()
                 key = StorageWeakRef(storage).cdata
                 if key not in inputs:
-                    seen[key] = storage.nbytes()
+                    seen[key] = int(storage.nbytes())
         found.append(sum(seen.values()))
         return make_boxed_func(gm.forward)
 
@@ -75,7 +75,9 @@ def saved_bytes_compiled(fn: Callable[..., Any], *inputs: Any) -> int:
     sac_log.setLevel(logging.ERROR)
     torch._dynamo.reset()
     try:
-        out = torch.compile(fn, backend=backend, fullgraph=True)(*inputs)
+        # static shapes: a planner asks for many batch sizes, and dynamo would otherwise turn
+        # a changed size symbolic (its automatic dynamic shapes), leaving SymInt byte counts
+        out = torch.compile(fn, backend=backend, fullgraph=True, dynamic=False)(*inputs)
         del out
     finally:
         torch._dynamo.reset()
