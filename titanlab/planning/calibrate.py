@@ -17,10 +17,12 @@ On CPU the ranks share the cores (`Cluster.shared_cores`). Units as `Cluster`'s.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import statistics
 import time
 from collections.abc import Callable
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -63,10 +65,12 @@ def _block_rates(model_args, tokens: int, seq: int, dtype, device) -> dict[str, 
     args = dataclasses.replace(model_args, n_layers=1, max_seq_len=seq)
     with torch.device(device):
         model = build_model(args).to(dtype)
-    block = next(iter(model.layers.values()))  # type: ignore[union-attr]
+    layers = cast(nn.ModuleDict, model.layers)
+    block = next(iter(layers.values()))
     batch = max(tokens // seq, 1)
     x = torch.randn(batch, seq, args.dim, device=device, dtype=dtype, requires_grad=True)
-    cos, sin = model.rope_cos[:seq], model.rope_sin[:seq]
+    rope_cos, rope_sin = cast(torch.Tensor, model.rope_cos), cast(torch.Tensor, model.rope_sin)
+    cos, sin = rope_cos[:seq], rope_sin[:seq]
     block_s = _seconds(_fwd_bwd(block, x, cos, sin), device)
 
     gemm_s, gemm_flops = 0.0, 0.0
@@ -111,7 +115,7 @@ def _link_worker(rank: int, port: int, backend: str, out: dict) -> None:
         for size in SIZES:
             buf = torch.ones(size // 4, device=device)
             dist.barrier()
-            t = _seconds(lambda b=buf: dist.all_reduce(b), device, repeats=10)
+            t = _seconds(functools.partial(dist.all_reduce, buf), device, repeats=10)
             if rank == 0:
                 out[size] = t
     finally:
