@@ -1,0 +1,130 @@
+"""The communication of a layout's step, per mesh dimension: which link each group uses and
+the seconds of each collective in the α–β ring model (`titanlab.planning.perf_model`'s module
+docstring gives the rules and their sources). Units: seconds, bytes."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from titanlab.planning.cluster import Cluster
+from titanlab.planning.layouts import Layout
+
+MESH_ORDER = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+"""Outermost first: `ParallelDims`' mesh order; the innermost dims are the nearest ranks."""
+
+
+@dataclass
+class Comm:
+    """One kind of collective on one mesh dimension, per step and rank."""
+
+    kind: str
+    dim: str
+    group: int
+    bytes: float
+    """The buffer every call moves (the gathered size of an all-gather), summed over a step."""
+    seconds: float
+    calls: int = 1
+    exposed: float = 0.0
+    """Seconds of it the step waits for."""
+    intra_node: bool = True
+
+
+def _degrees(lay: Layout) -> dict[str, int]:
+    return {"pp": lay.pp, "dp_replicate": lay.dp_replicate, "dp_shard": lay.dp_shard,
+            "cp": lay.cp, "tp": lay.tp}  # fmt: skip
+
+
+def _on_one_node(span: int, cluster: Cluster) -> bool:
+    """Whether every block of `span` consecutive ranks (aligned to `span`) lies on one node."""
+    return span <= cluster.devices_per_node and cluster.devices_per_node % span == 0
+
+
+def intra_node(lay: Layout, dims: tuple[str, ...], cluster: Cluster) -> bool:
+    """Whether every group over `dims` (adjacent in `MESH_ORDER`) lies on one node."""
+    deg = _degrees(lay)
+    inner = MESH_ORDER[MESH_ORDER.index(dims[-1]) + 1 :]
+    span = math.prod(deg[d] for d in inner) * math.prod(deg[d] for d in dims)
+    return _on_one_node(span, cluster)
+
+
+def _ring(kind: str, n: int, nbytes: float, calls: int, intra: bool, cluster: Cluster) -> float:
+    """Seconds of `calls` collectives of `nbytes` each over a ring of `n` ranks."""
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    bw = (cluster.intra_bandwidth if intra else cluster.inter_bandwidth) * cluster.efficiency.link
+    alpha = cluster.intra_latency if intra else cluster.inter_latency
+    if kind == "send":
+        return calls * (alpha + nbytes / bw)
+    one = (n - 1) * alpha + (n - 1) / n * nbytes / bw
+    return calls * (2 * one if kind == "all-reduce" else one)
+
+
+def _blocks_rerun(ac_mode: str) -> float:
+    """The share of blocks whose whole forward (its TP collectives too) runs again in backward."""
+    if ac_mode == "full":
+        return 1.0
+    tail = ac_mode.split("_", 1)[-1]
+    return 1 / int(tail) if ac_mode.startswith("selective_") and tail.isdigit() else 0.0
+
+
+def _communication(shape: Any, run: Any, lay: Layout, cluster: Cluster, work: Any) -> list[Comm]:
+    """Every collective of one step of one rank (see the module docstring): `shape` a
+    `perf_model.ModelShape`, `run` a `perf_model.Run`, `work` its per-rank step quantities
+    (typed loosely: perf_model imports this module)."""
+    out: list[Comm] = []
+    e, g = run.param_bytes, run.grad_bytes
+    micro = work.microbatches
+    dense = shape.total_params - shape.expert_params
+    # one stage's weights on one rank before FSDP: dense ones split by tp, experts by ep
+    stage_params = (dense / lay.tp + shape.expert_params / lay.ep) / lay.pp
+    fsdp = lay.dp_shard * lay.cp
+    if fsdp > 1:
+        dims = ("dp_shard", "cp") if lay.cp > 1 else ("dp_shard",)
+        intra = intra_node(lay, dims, cluster)
+        gathers = {3: 2 * micro, 2: micro, 1: 1, 0: 0}[lay.zero_stage]
+        reduces = micro if lay.zero_stage >= 2 else 1
+        name = "+".join(dims)
+        for kind, calls, nbytes in (("all-gather", gathers, stage_params * e),
+                                    ("reduce-scatter", reduces, stage_params * g)):  # fmt: skip
+            if calls and lay.zero_stage > 0:
+                t = _ring(kind, fsdp, nbytes, calls, intra, cluster)
+                out.append(Comm(kind, name, fsdp, calls * nbytes, t, calls, intra_node=intra))
+    replicas = lay.dp_replicate * (fsdp if lay.zero_stage == 0 else 1)  # stage 0: DDP
+    if replicas > 1:
+        dims = ("dp_replicate", "dp_shard") if lay.zero_stage == 0 else ("dp_replicate",)
+        intra = intra_node(lay, dims, cluster)
+        nbytes = stage_params / (fsdp if lay.zero_stage else 1) * g
+        t = _ring("all-reduce", replicas, nbytes, 1, intra, cluster)
+        out.append(Comm("all-reduce", "dp_replicate", replicas, nbytes, t, 1, intra_node=intra))
+    tokens_mb = work.samples_per_microbatch * run.seq_len // lay.cp
+    recomputed = _blocks_rerun(run.ac_mode)
+    if lay.tp > 1:  # Megatron + SP: 2 all-gathers and 2 reduce-scatters forward, as many back,
+        intra = intra_node(lay, ("tp",), cluster)  # and the forward's again where recomputed
+        nbytes = tokens_mb * shape.dim * e
+        calls = round((4 + 2 * recomputed) * work.blocks * micro)
+        for kind in ("all-gather", "reduce-scatter"):
+            t = _ring(kind, lay.tp, nbytes, calls, intra, cluster)
+            out.append(Comm(kind, "tp", lay.tp, calls * nbytes, t, calls, intra_node=intra))
+    if lay.cp > 1:  # K and V gathered forward, their gradients reduce-scattered backward
+        intra = intra_node(lay, ("cp",), cluster)
+        kv = 2 * tokens_mb * lay.cp * shape.kv_heads * shape.head_dim // lay.tp * e
+        calls = work.blocks * micro
+        for kind in ("all-gather", "reduce-scatter"):
+            t = _ring(kind, lay.cp, kv, calls, intra, cluster)
+            out.append(Comm(kind, "cp", lay.cp, calls * kv, t, calls, intra_node=intra))
+    if lay.ep > 1 and shape.moe_layers:  # dispatch and combine, forward and backward
+        intra = _on_one_node(lay.ep, cluster)  # ep ranks: the innermost of dp_shard × cp × tp
+        nbytes = tokens_mb // lay.tp * shape.top_k * shape.dim * e
+        moe_blocks = math.ceil(work.blocks * shape.moe_layers / shape.n_layers)
+        calls = 4 * moe_blocks * micro
+        t = _ring("all-to-all", lay.ep, nbytes, calls, intra, cluster)
+        out.append(Comm("all-to-all", "ep", lay.ep, calls * nbytes, t, calls, intra_node=intra))
+    if lay.pp > 1:  # each microbatch's activations forward and their gradient backward
+        intra = intra_node(lay, ("pp",), cluster)
+        nbytes = tokens_mb * shape.dim // lay.tp * e
+        calls = 2 * micro * work.per_rank
+        t = _ring("send", 2, nbytes, calls, intra, cluster)
+        out.append(Comm("send", "pp", lay.pp, calls * nbytes, t, calls, intra_node=intra))
+    return out
