@@ -20,6 +20,12 @@ Per-rank bytes, predicted from the config and world size without allocating anyt
 - the "head": embedding output, final norm, the output projection's input, the loss's fp32
   log-softmax (a compiled loss keeps none), and in backward the gradients of the logits (two
   fp32 tensors eagerly, one in the compute dtype from a compiled loss);
+- under pipeline parallel, per rank (its own stages: the first holds the embedding, the last
+  the head): the activations of the microbatches its schedule keeps in flight
+  (`titanlab.planning.pipeline_memory`, from torch's own schedule order), each stage's whole
+  gradients from its first backward to the step's one reduce-scatter, every parameter of its
+  stages gathered (FSDP does not reshard between a pipeline's microbatches) and the stages'
+  receive buffers, one per microbatch; the estimate is the rank with the largest peak;
 - a fixed runtime overhead (CUDA context and allocator slack on GPU, the interpreter on CPU).
 
 The peak comes at the start of backward, when all activations and the logits' gradients are
@@ -44,6 +50,8 @@ from torch import nn
 
 from titanlab.config.performance import fused_loss
 from titanlab.config.job_config import ConfigError, JobConfig
+from titanlab.distributed.parallelize import reshard_policy
+from titanlab.planning.pipeline_memory import rank_loads
 
 GIB = 2**30
 
@@ -63,6 +71,7 @@ class MemoryEstimate:
     recompute: int = 0  # one block's activations, recomputed in backward under full/per-layer AC
     grads_during_forward: bool = False  # gradient accumulation keeps them through forwards
     last_block: int = 0  # the first block's activations, alive while its backward runs
+    pipeline_buffers: int = 0  # a pipeline stage's receive buffers, one per microbatch
 
     @property
     def peak_tensors(self) -> int:
@@ -73,6 +82,7 @@ class MemoryEstimate:
         backward = (
             self.activations
             + self.a2a_buffers
+            + self.pipeline_buffers
             + max(self.logits, self.recompute)
             + (self.grads if self.grads_during_forward else 0)
         )
@@ -93,6 +103,7 @@ class MemoryEstimate:
                 "gathered_params",
                 "activations",
                 "a2a_buffers",
+                "pipeline_buffers",
                 "logits",
                 "overhead",
             )
@@ -125,7 +136,6 @@ def estimate_memory(
     replicas = p.data_parallel_replicate_degree
     if stage == 0:  # DDP: the dp_shard ranks replicate (ParallelDims.from_config)
         dp_shard, replicas = 1, replicas * dp_shard
-    shard = dp_shard * cp * tp * pp
     elem = torch.finfo(compute_dtype).bits // 8
 
     b, s = config.training.local_batch_size, config.training.seq_len
@@ -136,9 +146,11 @@ def estimate_memory(
     autocast = compute_dtype != torch.float32 and not fsdp2_managed
     compiled = config.compile.enable
     compiled_loss = compiled and "loss" in config.compile.components and tp == 1
+    # Under pipeline parallel a rank runs one microbatch at a time and keeps several in flight.
+    mb = p.pipeline_parallel_microbatch_size if pp > 1 else b
     traced = trace_activation_bytes(  # remembered per arguments
         model_args,
-        b,
+        mb,
         s_local,
         compute_dtype,
         autocast=autocast,
@@ -148,73 +160,104 @@ def estimate_memory(
         # The fused head keeps the same bytes whatever its chunk (the gradients of its input
         # and weight; a chunk's logits are freed before the next): traced as one chunk, it
         # costs a few fake ops rather than one pass per chunk (seconds at 8B, seq 8192).
-        fused_chunk=b * s_local if fused_loss(config) else 0,
+        fused_chunk=mb * s_local if fused_loss(config) else 0,
     )
     block = {mode: n // tp for mode, n in traced.per_block.items()}
     mode, option = (
         config.activation_checkpoint.mode,
         config.activation_checkpoint.selective_ac_option,
     )
-    if mode == "full":
-        acts = layers * block["full"]
-    elif mode == "selective" and option == "op":
-        acts = layers * block["op"]
-    elif mode == "selective":
-        every = int(option)
-        checkpointed = layers // every
-        acts = checkpointed * block["full"] + (layers - checkpointed) * block["none"]
-    else:
-        acts = layers * block["none"]
-    if config.activation_checkpoint.offload and torch.cuda.is_available():
-        acts = max(block.values())  # in host memory but for the block in use (on CPU: a no-op)
+
+    def blocks_bytes(n: int) -> int:
+        """What n blocks keep for backward in the AC mode."""
+        if mode == "full":
+            return n * block["full"]
+        if mode == "selective" and option == "op":
+            return n * block["op"]
+        if mode == "selective":
+            checkpointed = n // int(option)
+            return checkpointed * block["full"] + (n - checkpointed) * block["none"]
+        return n * block["none"]
+
+    acts = blocks_bytes(layers)
     # Eager: the gradients of the fp32 log-softmax and of the fp32 upcast; a compiled loss
     # writes the logits' gradient in their own dtype in one fused kernel.
     logits_grads = (
-        b * s_local * model_args.vocab_size * elem
+        mb * s_local * model_args.vocab_size * elem
         if compiled_loss
-        else 2 * b * s_local * model_args.vocab_size * 4
+        else 2 * mb * s_local * model_args.vocab_size * 4
     )
     if fused_loss(config):  # one chunk's fp32 logits, turned in place into
         # their gradient (and, in a 16-bit compute dtype, the matmul's output before the upcast)
-        chunk = min(config.loss.chunk_size, b * s_local) * model_args.vocab_size
+        chunk = min(config.loss.chunk_size, mb * s_local) * model_args.vocab_size
         logits_grads = chunk * (4 + (elem if elem < 4 else 0))
-    dp = world_size // (tp * pp * cp)
+    logits = (traced.head + logits_grads) // tp
+    accumulating = config.training.global_batch_size > max(world_size // (tp * pp * cp), 1) * b
+    # ZeRO-1 accumulates whole gradients over the microbatches (one reduce-scatter a step), and
+    # so does FSDP under a pipeline schedule (each stage's gradients reduce-scattered once, after
+    # its last microbatch's backward: `PipelineStage.perform_reduce_grad`).
+    whole_grads = (stage == 1 and accumulating) or (pp > 1 and dp_shard * cp > 1)
+    if config.activation_checkpoint.offload and torch.cuda.is_available():
+        acts = max(block.values())  # in host memory but for the block in use (on CPU: a no-op)
     ep = p.expert_parallel_degree
     moes = moe_layers(model)
 
-    def gathered(block: nn.Module) -> int:
-        """A block's weights gathered by FSDP: the dense ones tp-sharded, the experts (not
+    def gathered(module: nn.Module) -> int:
+        """A module's weights gathered by FSDP: the dense ones tp-sharded, the experts (not
         tensor-parallel) all of them, or this rank's num_experts / ep under expert parallel."""
-        experts = sum(count_params(m.experts) for m in moe_layers(block))
-        return (count_params(block) - experts) // tp + experts // ep
+        experts = sum(count_params(m.experts) for m in moe_layers(module))
+        return (count_params(module) - experts) // tp + experts // ep
 
     gathered_block = max(gathered(block) for block in cast(nn.ModuleDict, model.layers).values())
-    gathered_units = _gathered_units(
-        model, layers * gathered_block, gathered_block, tp, pp, stage, dp_shard * cp > 1
-    )
+    resharded = reshard_policy(p.fsdp_reshard_after_forward, pp > 1, stage)
     a2a = 0
     if moes and ep > 1:
         tokens = b * s_local // tp  # an MoE layer under TP routes its rank's sequence shard
         per_layer = 2 * tokens * moes[0].args.top_k * model_args.dim * elem
         a2a = per_layer * len(moes) // pp
-    accumulating = config.training.global_batch_size > max(dp, 1) * b  # -1: no accumulation
-    on_gpu = torch.cuda.is_available()
-    return MemoryEstimate(
-        params=4 * n_params // shard,
-        # ZeRO-1 accumulates whole gradients over the microbatches (one reduce-scatter a step)
-        grads=4 * n_params // (shard // (dp_shard * cp) if stage == 1 and accumulating else shard),
-        optimizer=8 * n_params // shard,
-        gathered_params=gathered_units * elem if dp_shard * cp > 1 or replicas > 1 else 0,
-        activations=acts,
-        logits=(traced.head + logits_grads) // tp,
-        overhead=(2 if on_gpu else 1) * GIB // 2,
-        a2a_buffers=a2a,
-        recompute=block["none"]
-        if mode == "full" or (mode == "selective" and option != "op")
-        else 0,
-        grads_during_forward=accumulating,
-        last_block=block["none"],
-    )
+    sharded_by = dp_shard * cp * tp  # the ranks that split one pipeline stage's parameters
+    gathers = dp_shard * cp > 1 or replicas > 1
+
+    def estimate(params: int, gathered_units: int, **rank) -> MemoryEstimate:
+        """The estimate of a rank holding `params` parameter elements (unsharded)."""
+        return MemoryEstimate(
+            params=4 * params // sharded_by,
+            grads=4 * params // (tp if whole_grads else sharded_by),
+            optimizer=8 * params // sharded_by,
+            gathered_params=gathered_units * elem if gathers else 0,
+            overhead=(2 if torch.cuda.is_available() else 1) * GIB // 2,
+            a2a_buffers=a2a,
+            recompute=block["none"]
+            if mode == "full" or (mode == "selective" and option != "op")
+            else 0,
+            last_block=block["none"],
+            **rank,
+        )
+
+    if pp == 1:
+        units = _gathered_units(model, layers * gathered_block, gathered_block, tp, pp,
+                                resharded, dp_shard * cp > 1)  # fmt: skip
+        return estimate(n_params, units, activations=acts, logits=logits,
+                        grads_during_forward=accumulating)  # fmt: skip
+    # Each pipeline rank's own stages and microbatches in flight; the rank with the largest peak.
+    loads = rank_loads(
+        model, config, blocks_bytes, traced.head // tp, mb * s_local * model_args.dim * elem,
+        logits_grads // tp, lambda n: 4 * n // (tp if whole_grads else sharded_by), gathered,
+    )  # fmt: skip
+    return max(
+        (
+            estimate(
+                load.params,
+                max(2 * gathered_block, load.largest_unit) if resharded and dp_shard * cp > 1
+                else load.gathered,
+                activations=load.in_flight, logits=load.transient,
+                grads_during_forward=accumulating or load.grads_alive,
+                pipeline_buffers=load.buffers,
+            )
+            for load in loads
+        ),
+        key=lambda e: e.total,
+    )  # fmt: skip
 
 
 _CACHE_SIZE = 64
@@ -236,7 +279,7 @@ def _meta_model(model_args) -> nn.Module:
 
 
 def _gathered_units(
-    model: nn.Module, blocks: int, block: int, tp: int, pp: int, stage: int, sharded: bool
+    model: nn.Module, blocks: int, block: int, tp: int, pp: int, resharded: bool, sharded: bool
 ) -> int:
     """Parameters (elements) a rank holds gathered at its peak, the start of backward, besides
     its shards (`titanlab.distributed.parallelize`'s units: each block, the embedding, the final
@@ -258,7 +301,7 @@ def _gathered_units(
     tied = output is not None and embedding is not None and output.weight is embedding.weight
     tail = params(getattr(model, "norm", None), None if tied else output)
     embed = params(embedding)
-    if sharded and stage == 3:
+    if sharded and resharded:
         return max(2 * block, embed if tied else tail)  # tied: the root keeps the shared weight
     # A pipeline stage holds the embedding (first) or the norm + output (last), not both.
     return blocks + (embed + tail if pp == 1 else max(embed, tail))
