@@ -10,14 +10,15 @@ ranks run:
   GEMM time;
 - memory bandwidth: a fused AdamW step over the model's parameter count (28 bytes each);
 - link α and β: all-reduces of 256 KiB and 16 MiB between 2 processes (gloo on CPU, NCCL on 2+
-  GPUs), solved from t = 2(n−1)/n·M/β + 2(n−1)·α at n = 2.
+  GPUs), solved from t = 2(n−1)/n·M/β + 2(n−1)·α at n = 2; on CPU with more ranks than cores,
+  measured with all the ranks running, in pairs, computing between all-reduces (α is then
+  mostly the wait for the partner to get a core).
 On CPU the ranks share the cores (`Cluster.shared_cores`). Units as `Cluster`'s.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import os
 import statistics
 import time
@@ -102,7 +103,10 @@ def _optimizer_bandwidth(n_params: int, device) -> float:
     return 28 * n / _seconds(opt.step, device)
 
 
-def _link_worker(rank: int, port: int, backend: str, out: dict) -> None:
+def _link_worker(rank: int, world: int, port: int, backend: str, out: dict) -> None:
+    """Rank `rank` of `world` processes in pairs (0-1, 2-3, ...): all-reduces of each of
+    `SIZES` within its pair, each after a burst of compute (a matmul loop of about
+    `BURST_S`), and the same bursts without them; rank 0 reports the seconds per iteration."""
     import torch.distributed as dist
 
     torch.set_num_threads(1)
@@ -110,33 +114,59 @@ def _link_worker(rank: int, port: int, backend: str, out: dict) -> None:
     if backend == "nccl":
         torch.cuda.set_device(device)
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=2)  # fmt: skip
+                            world_size=world)  # fmt: skip
     try:
+        pairs = [dist.new_group([i, i + 1]) for i in range(0, world, 2)]
+        pair = pairs[rank // 2]
+        a = torch.randn(128, 128, device=device)
+        per = _seconds(lambda: a @ a, device, repeats=20)
+        bursts = max(1, round(BURST_S / per)) if world > 2 else 0
+
+        def burst() -> None:
+            for _ in range(bursts):
+                a @ a
+
         for size in SIZES:
             buf = torch.ones(size // 4, device=device)
-            dist.barrier()
-            t = _seconds(functools.partial(dist.all_reduce, buf), device, repeats=10)
-            if rank == 0:
-                out[size] = t
+            for comm in (False, True):
+                dist.barrier()
+
+                def step(comm=comm, buf=buf) -> None:
+                    burst()
+                    if comm:
+                        dist.all_reduce(buf, group=pair)
+
+                t = _seconds(step, device, repeats=10)
+                if rank == 0:
+                    out[(size, comm)] = t
     finally:
         dist.destroy_process_group()
 
 
-def _link(device) -> tuple[float, float]:
-    """(α seconds, β bytes/s) of an all-reduce between 2 processes of this machine."""
+BURST_S = 5e-3
+"""Compute between two all-reduces when the ranks share cores: long enough that the pair
+partner is rarely the process running, as in a training step."""
+
+
+def _link(device, nproc: int) -> tuple[float, float]:
+    """(α seconds, β bytes/s) of an all-reduce between 2 processes of this machine, solved from
+    t = M/β + 2α (n = 2). With more ranks than cores (`nproc` > cores, CPU) all `nproc` ranks
+    run at once, in pairs, computing between all-reduces as a training step does: α then
+    includes the wait for the partner to be scheduled, and the time taken from the others."""
     import socket
 
     import torch.multiprocessing as mp
 
     backend = "nccl" if device.type == "cuda" and torch.cuda.device_count() > 1 else "gloo"
+    shared = device.type == "cpu" and nproc > (os.cpu_count() or 1)
+    world = 2 * (nproc // 2) if shared else 2
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     with mp.Manager() as manager:
         out = manager.dict()
-        mp.spawn(_link_worker, args=(port, backend, out), nprocs=2)
-        small, large = out[SIZES[0]], out[SIZES[1]]
-    # n = 2: t = M/β + 2α
+        mp.spawn(_link_worker, args=(world, port, backend, out), nprocs=world)
+        small, large = (out[(n, True)] - out[(n, False)] for n in SIZES)
     beta = (SIZES[1] - SIZES[0]) / max(large - small, 1e-9)
     alpha = max((small - SIZES[0] / beta) / 2, 1e-7)
     return alpha, beta
@@ -158,7 +188,7 @@ def calibrate(config, model_args, nproc: int) -> Cluster:
         tokens = config.training.local_batch_size * seq
         rates = _block_rates(model_args, tokens, seq, dtype, device)
         bandwidth = _optimizer_bandwidth(count_params(_meta_model(model_args)), device)
-        alpha, beta = _link(device)
+        alpha, beta = _link(device, nproc)
     finally:
         torch.set_num_threads(threads)
     memory, _ = available_bytes_per_rank(nproc)

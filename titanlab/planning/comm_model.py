@@ -49,6 +49,15 @@ def intra_node(lay: Layout, dims: tuple[str, ...], cluster: Cluster) -> bool:
     return _on_one_node(span, cluster)
 
 
+def latency_s(c: Comm, cluster: Cluster) -> float:
+    """The α (latency) part of `c`'s seconds: what its calls cost beyond moving the bytes."""
+    if c.group <= 1 or c.bytes <= 0:
+        return 0.0
+    alpha = cluster.intra_latency if c.intra_node else cluster.inter_latency
+    steps = {"send": 1, "all-reduce": 2 * (c.group - 1)}.get(c.kind, c.group - 1)
+    return c.calls * steps * alpha
+
+
 def _ring(kind: str, n: int, nbytes: float, calls: int, intra: bool, cluster: Cluster) -> float:
     """Seconds of `calls` collectives of `nbytes` each over a ring of `n` ranks."""
     if n <= 1 or nbytes <= 0:
@@ -80,14 +89,17 @@ def _communication(shape: Any, run: Any, lay: Layout, cluster: Cluster, work: An
     # one stage's weights on one rank before FSDP: dense ones split by tp, experts by ep
     stage_params = (dense / lay.tp + shape.expert_params / lay.ep) / lay.pp
     fsdp = lay.dp_shard * lay.cp
+    # FSDP2 (and its `replicate`, titanlab's DDP) runs one collective per unit: each block, the
+    # embedding and the norm + output; each pays the link's latency.
+    units = work.blocks + 2
     if fsdp > 1:
         dims = ("dp_shard", "cp") if lay.cp > 1 else ("dp_shard",)
         intra = intra_node(lay, dims, cluster)
-        gathers = {3: 2 * micro, 2: micro, 1: 1, 0: 0}[lay.zero_stage]
-        reduces = micro if lay.zero_stage >= 2 else 1
+        gathers = {3: 2 * micro, 2: micro, 1: 1, 0: 0}[lay.zero_stage] * units
+        reduces = (micro if lay.zero_stage >= 2 else 1) * units
         name = "+".join(dims)
-        for kind, calls, nbytes in (("all-gather", gathers, stage_params * e),
-                                    ("reduce-scatter", reduces, stage_params * g)):  # fmt: skip
+        for kind, calls, nbytes in (("all-gather", gathers, stage_params * e / units),
+                                    ("reduce-scatter", reduces, stage_params * g / units)):  # fmt: skip
             if calls and lay.zero_stage > 0:
                 t = _ring(kind, fsdp, nbytes, calls, intra, cluster)
                 out.append(Comm(kind, name, fsdp, calls * nbytes, t, calls, intra_node=intra))
@@ -95,9 +107,10 @@ def _communication(shape: Any, run: Any, lay: Layout, cluster: Cluster, work: An
     if replicas > 1:
         dims = ("dp_replicate", "dp_shard") if lay.zero_stage == 0 else ("dp_replicate",)
         intra = intra_node(lay, dims, cluster)
-        nbytes = stage_params / (fsdp if lay.zero_stage else 1) * g
-        t = _ring("all-reduce", replicas, nbytes, 1, intra, cluster)
-        out.append(Comm("all-reduce", "dp_replicate", replicas, nbytes, t, 1, intra_node=intra))
+        nbytes = stage_params / (fsdp if lay.zero_stage else 1) * g / units
+        t = _ring("all-reduce", replicas, nbytes, units, intra, cluster)
+        out.append(Comm("all-reduce", "dp_replicate", replicas, units * nbytes, t, units,
+                        intra_node=intra))  # fmt: skip
     tokens_mb = work.samples_per_microbatch * run.seq_len // lay.cp
     recomputed = _blocks_rerun(run.ac_mode)
     if lay.tp > 1:  # Megatron + SP: 2 all-gathers and 2 reduce-scatters forward, as many back,

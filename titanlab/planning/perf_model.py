@@ -27,6 +27,14 @@ the communication left exposed (docs/planning.md writes the model out with its s
   the compute is exposed, and so are the first unit's all-gather and the last unit's reduction
   (nothing is left to hide them). TP's, CP's and EP's collectives are on the critical path; of
   the pipeline's sends only the fill and drain are.
+- FSDP2 (and its `replicate`, titanlab's DDP) runs one collective per unit (each block, the
+  embedding, the norm + output), each paying the ring's latency.
+- Ranks sharing CPU cores (more ranks than `Cluster.shared_cores`): compute slows by ranks ÷
+  cores; the pipeline bubble is free at twice as many ranks as cores (an idle rank gives its
+  core away) and costs in proportion below that; nothing overlaps for free (the cores move the
+  bytes): every collective's bytes ÷ β is exposed, and the latency of those that block the
+  compute (TP, CP, EP, the pipeline's sends); the data-parallel ones run in the background
+  and hide their latency. α and β are calibrated with all the ranks on the shared cores.
 - MFU: model FLOPs (no recomputation) ÷ (step time × devices × the bf16 peak), the trainer's
   convention (`titanlab.metrics`), also for float8 runs (a calibrated CPU profile without a
   bf16 peak: of its measured GEMM rate).
@@ -44,6 +52,7 @@ from titanlab.planning.comm_model import (  # noqa: F401 (MESH_ORDER, intra_node
     Comm,
     _communication,
     intra_node,
+    latency_s,
 )
 from titanlab.planning.layouts import Layout
 
@@ -262,10 +271,15 @@ def predict(shape: ModelShape, run: Run, lay: Layout, cluster: Cluster) -> Predi
     attn_s = attn * tokens_global / devices_per_replica / (attn_peak * eff.attention)
     compute_s = (gemm_s * (1 + eff.pointwise) + attn_s) * slowdown
     bubble = bubble_fraction(lay.schedule, lay.pp, work.pp_microbatches, work.per_rank)
-    bubble_s = compute_s * bubble
+    # Ranks sharing cores: a rank idle in the bubble gives its core to another; with twice as
+    # many ranks as cores the bubble costs nothing.
+    bubble_s = compute_s * bubble * max(0.0, 2.0 - slowdown)
 
     comm = _communication(shape, run, lay, cluster, work)
-    _set_exposed(comm, compute_s, lay, work)
+    if slowdown > 1:
+        _set_exposed_shared_cores(comm, cluster)
+    else:
+        _set_exposed(comm, compute_s, lay, work)
     shard = lay.tp * lay.pp * (lay.dp_shard * lay.cp if lay.zero_stage >= 1 else 1)
     optimizer_s = 28 * shape.total_params / shard / (cluster.memory_bandwidth * eff.optimizer)
     step_s = compute_s + bubble_s + optimizer_s + sum(c.exposed for c in comm)
@@ -277,13 +291,23 @@ def predict(shape: ModelShape, run: Run, lay: Layout, cluster: Cluster) -> Predi
     )  # fmt: skip
 
 
+def _set_exposed_shared_cores(comm: list[Comm], cluster: Cluster) -> None:
+    """Exposure when ranks outnumber the cores they share (CPU): nothing overlaps compute for
+    free, since moving bytes takes the same cores (every collective's bytes ÷ β is exposed),
+    and a rank blocked in a collective of the critical path (TP, CP, EP, the pipeline's sends)
+    waits for its peers to be scheduled (α, calibrated with the ranks on the shared cores). The
+    data-parallel collectives run asynchronously (FSDP's prefetch, the gradients' reduction
+    in the background), so their latency is hidden."""
+    for c in comm:
+        c.exposed = c.seconds - (latency_s(c, cluster) if c.dim in DP_DIMS else 0.0)
+
+
 def _set_exposed(comm: list[Comm], compute_s: float, lay: Layout, work: _Work) -> None:
     """Each collective's exposed seconds (see the module docstring's overlap rules)."""
     dp = [c for c in comm if c.dim in DP_DIMS]
     dp_s = sum(c.seconds for c in dp)
-    units = work.blocks + 2  # FSDP units of a rank: its blocks, the embedding and the head
     # the first unit's all-gather and the last unit's reduction have no compute to hide behind
-    ends = sum(c.seconds / (c.calls * units) for c in dp if c.calls)
+    ends = sum(c.seconds / c.calls for c in dp if c.calls)
     dp_exposed = max(0.0, dp_s - compute_s) + ends
     for c in dp:
         c.exposed = min(c.seconds, dp_exposed * c.seconds / dp_s)

@@ -84,16 +84,18 @@ def test_groups_on_one_node_use_the_fast_link():
 
 
 def test_a_ring_costs_what_the_alpha_beta_model_says():
-    """All-reduce of 1 GiB of fp32 gradients over 8 DDP ranks on one H100 node: 2 × (7 α + 7/8 ×
-    M / (0.8 × 450 GB/s)), behind the backward except what exceeds the compute."""
+    """All-reduce of 1 GiB of fp32 gradients over 8 DDP ranks on one H100 node, one call per
+    FSDP2 unit (one block, the embedding, the head: each pays the ring's 7 α): 2 × (3 × 7 α +
+    7/8 × M / (0.8 × 450 GB/s)), behind the backward except what exceeds the compute."""
     shape = ModelShape.of(_args("llama3", "8B", n_layers=1))
     run = Run(seq_len=1536, global_batch=8)
     pred = predict(shape, run, Layout(1, 8, 1, 1, None, 1, zero_stage=0), H100)
     (ar,) = [c for c in pred.comm if c.kind == "all-reduce"]
     m = shape.total_params * 4
-    want = 2 * (7 * 5e-6 + 7 / 8 * m / (0.8 * 450e9))
-    assert ar.bytes == m and ar.seconds == pytest.approx(want)
-    units = 1 + 2  # one block, the embedding and the head
+    units = 1 + 2
+    want = 2 * (units * 7 * 5e-6 + 7 / 8 * m / (0.8 * 450e9))
+    assert ar.bytes == pytest.approx(m) and ar.calls == units
+    assert ar.seconds == pytest.approx(want)
     assert ar.seconds / units < pred.compute_s < ar.seconds  # partly hidden
     assert ar.exposed == pytest.approx(ar.seconds - pred.compute_s + ar.seconds / units)
 
@@ -153,3 +155,28 @@ def test_one_h100_step_of_the_8b_shaped_model_is_near_the_measured_one():
     pred = predict(shape, Run(seq_len=8192, global_batch=1), Layout(1, 1, 1, 1, None, 1), H100)
     assert pred.step_s == pytest.approx(0.333, rel=0.15)
     assert pred.optimizer_s == pytest.approx(0.053, rel=0.15)
+
+
+def test_ranks_sharing_cores_get_no_bubble_credit_and_wait_on_blocking_collectives():
+    """4 CPU ranks on 2 cores: compute takes twice as long; a pipeline bubble costs nothing (an
+    idle rank gives its core away); the data-parallel collectives run in the background, so
+    only their bytes (the cores move them) are exposed; TP's and the pipeline's sends block:
+    their latency is exposed too."""
+    cpu = dataclasses.replace(
+        H100, name="cpu", devices_per_node=4, peak_flops={"float32": 5e10},
+        intra_latency=2e-3, inter_latency=2e-3, intra_bandwidth=1e9, inter_bandwidth=1e9,
+        shared_cores=2, device_type="cpu",
+    )  # fmt: skip
+    own = dataclasses.replace(cpu, shared_cores=0)
+    shape = ModelShape.of(_args("llama3", "debugmodel", vocab_size=4096))
+    run = Run(128, 16, param_bytes=4, dtype="float32")
+    fsdp = Layout(1, 4, 1, 1, None, 1)
+    shared, alone = predict(shape, run, fsdp, cpu), predict(shape, run, fsdp, own)
+    assert shared.compute_s == pytest.approx(2 * alone.compute_s)
+    for c in shared.comm:  # the latency hidden, the bytes not
+        assert c.exposed == pytest.approx(c.seconds - c.calls * 3 * 2e-3)
+    pipe = predict(shape, run, Layout(1, 2, 1, 2, "GPipe", 1), cpu)
+    assert pipe.bubble > 0 and pipe.bubble_s == 0
+    tp = predict(shape, run, Layout(1, 2, 2, 1, None, 1), cpu)
+    blocking = [c for c in tp.comm + pipe.comm if c.dim in ("tp", "pp")]
+    assert blocking and all(c.exposed == c.seconds for c in blocking)

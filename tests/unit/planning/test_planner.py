@@ -35,11 +35,11 @@ def test_every_layout_that_runs_is_valid_fits_and_is_ranked_by_step_time(ranked)
 
 def test_a_debug_model_on_one_node_keeps_tensor_parallel_off(ranked):
     """At 0.5k tokens per sample TP's 8 collectives per block are latency-bound (α = 5 µs each
-    against microseconds of compute): the best layout splits the samples instead, and its
-    prediction is the sum of its parts."""
+    against microseconds of compute): the best layout splits the samples or the layers
+    instead, and its prediction is the sum of its parts."""
     _, _, cands = ranked
     best = cands[0]
-    assert best.layout.tp == 1 and best.layout.dp_replicate * best.layout.dp_shard >= 4
+    assert best.layout.tp == 1 and best.layout.dp_replicate * best.layout.dp_shard >= 2
     p = best.prediction
     assert p.step_s == pytest.approx(p.compute_s + p.bubble_s + p.optimizer_s + p.exposed_comm_s)
 
