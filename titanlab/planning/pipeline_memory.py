@@ -15,6 +15,7 @@ only on the stage indices, the pp size and the microbatch count).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -28,6 +29,7 @@ from titanlab.distributed.pipeline import LOOPED, SINGLE, V_SHAPE, stage_ids, st
 Actions = list[tuple[str, int]]
 
 
+@functools.lru_cache(maxsize=512)  # the planner asks for each (schedule, pp, m) many times
 def rank_actions(schedule: str, pp: int, microbatches: int, per_rank: int) -> dict[int, Actions]:
     """Each pp rank's forwards and backwards, in the order torch's `schedule` runs them.
 
@@ -35,7 +37,7 @@ def rank_actions(schedule: str, pp: int, microbatches: int, per_rank: int) -> di
         schedule: a `parallelism.pipeline_parallel_schedule` name; pp: ranks (≥ 2);
         microbatches: per step; per_rank: `pipeline_parallel_stages_per_rank` (looped ones).
     Returns:
-        {pp rank: [(kind, stage index), ...]}; kind "F" forward, "B" full backward, "I"/"W" the
+        {pp rank: [(kind, stage index), ...]} (shared: do not modify); kind "F" forward, "B" full backward, "I"/"W" the
         input and weight halves of a split backward (an overlapped F+B is listed as F then B).
     Raises:
         ValueError: an unknown schedule, or a microbatch count the schedule refuses.
@@ -170,10 +172,12 @@ def rank_loads(
     def bytes_of(stage: int) -> int:
         return blocks_bytes(counts[stage]) + (head if stage == n_stages - 1 else boundary)
 
+    stage_params = [sum(count_params(m) for m in modules(s)) for s in range(n_stages)]
+    stage_gathered = [sum(gathered_of(m) for m in modules(s)) for s in range(n_stages)]
     out = []
     for rank, actions in rank_actions(schedule, pp, microbatches, per).items():
         ids = stage_ids(schedule, rank, pp, spr)
-        params = sum(count_params(m) for s in ids for m in modules(s))
+        params = sum(stage_params[s] for s in ids)
         peak, alive = peak_in_flight(actions, bytes_of, grads_of(params))
         units = ([gathered_of(embed)] if 0 in ids else []) + (
             [sum(gathered_of(m) for m in tail)] if n_stages - 1 in ids else []
@@ -182,7 +186,7 @@ def rank_loads(
         out.append(RankLoad(
             in_flight=peak, transient=transient if n_stages - 1 in ids else 0,
             grads_alive=alive, params=params,
-            gathered=sum(gathered_of(m) for s in ids for m in modules(s)),
+            gathered=sum(stage_gathered[s] for s in ids),
             largest_unit=max(units, default=0), buffers=receives * microbatches * boundary,
         ))  # fmt: skip
     return out
