@@ -49,13 +49,18 @@ def intra_node(lay: Layout, dims: tuple[str, ...], cluster: Cluster) -> bool:
     return _on_one_node(span, cluster)
 
 
+def _alpha_steps(kind: str, n: int) -> int:
+    """How many α one call of `kind` over a ring of n ranks pays."""
+    return {"send": 1, "all-reduce": 2 * (n - 1)}.get(kind, n - 1)
+
+
 def latency_s(c: Comm, cluster: Cluster) -> float:
     """The α (latency) part of `c`'s seconds: what its calls cost beyond moving the bytes."""
     if c.group <= 1 or c.bytes <= 0:
         return 0.0
     alpha = cluster.intra_latency if c.intra_node else cluster.inter_latency
-    steps = {"send": 1, "all-reduce": 2 * (c.group - 1)}.get(c.kind, c.group - 1)
-    return c.calls * steps * alpha
+    n = 2 if c.kind == "send" else c.group
+    return c.calls * _alpha_steps(c.kind, n) * alpha
 
 
 def _ring(kind: str, n: int, nbytes: float, calls: int, intra: bool, cluster: Cluster) -> float:
@@ -64,10 +69,8 @@ def _ring(kind: str, n: int, nbytes: float, calls: int, intra: bool, cluster: Cl
         return 0.0
     bw = (cluster.intra_bandwidth if intra else cluster.inter_bandwidth) * cluster.efficiency.link
     alpha = cluster.intra_latency if intra else cluster.inter_latency
-    if kind == "send":
-        return calls * (alpha + nbytes / bw)
-    one = (n - 1) * alpha + (n - 1) / n * nbytes / bw
-    return calls * (2 * one if kind == "all-reduce" else one)
+    volume = {"send": 1.0, "all-reduce": 2 * (n - 1) / n}.get(kind, (n - 1) / n) * nbytes
+    return calls * (_alpha_steps(kind, n) * alpha + volume / bw)
 
 
 def _blocks_rerun(ac_mode: str) -> float:

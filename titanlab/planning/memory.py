@@ -197,8 +197,9 @@ def estimate_memory(
     # so does FSDP under a pipeline schedule (each stage's gradients reduce-scattered once, after
     # its last microbatch's backward: `PipelineStage.perform_reduce_grad`).
     whole_grads = (stage == 1 and accumulating) or (pp > 1 and dp_shard * cp > 1)
-    if config.activation_checkpoint.offload and torch.cuda.is_available():
-        acts = max(block.values())  # in host memory but for the block in use (on CPU: a no-op)
+    offloaded = config.activation_checkpoint.offload and torch.cuda.is_available()
+    if offloaded:  # in host memory but for the block in use (on CPU: a no-op)
+        acts = max(block.values())
     ep = p.expert_parallel_degree
     moes = moe_layers(model)
 
@@ -250,7 +251,7 @@ def estimate_memory(
                 load.params,
                 max(2 * gathered_block, load.largest_unit) if resharded and dp_shard * cp > 1
                 else load.gathered,
-                activations=load.in_flight, logits=load.transient,
+                activations=acts if offloaded else load.in_flight, logits=load.transient,
                 grads_during_forward=accumulating or load.grads_alive,
                 pipeline_buffers=load.buffers,
             )

@@ -12,6 +12,7 @@ import torch
 from titanlab.config.job_config import JobConfig
 from titanlab.models.llama3 import llama3_flavors
 from titanlab.planning.memory import estimate_memory
+from titanlab.distributed.pipeline import LOOPED, SINGLE, V_SHAPE, stage_ids, stages_per_rank
 from titanlab.planning.activation_memory import trace_activation_bytes
 from titanlab.planning.pipeline_memory import peak_in_flight, rank_actions, rank_loads
 
@@ -103,3 +104,21 @@ def _meta(args):
 
     with torch.device("meta"):
         return build_model(args)
+
+
+@pytest.mark.parametrize("schedule", sorted({**SINGLE, **LOOPED, **V_SHAPE}))
+@pytest.mark.parametrize("pp,factor", [(2, 1), (2, 4), (4, 2)])
+def test_every_schedule_runs_each_forward_once_and_frees_it(schedule, pp, factor):
+    """Every schedule the trainer offers, generated: each rank runs each of its stages' forwards
+    once per microbatch and frees each (B, or W after a split backward), so nothing is in
+    flight at the end and the peak lies between 1 and all of them."""
+    spr = stages_per_rank(schedule, 2)
+    microbatches = pp * spr * factor  # as many as stages at least (DualPipeV asks it)
+    for rank, actions in rank_actions(schedule, pp, microbatches, 2).items():
+        ids = stage_ids(schedule, rank, pp, spr)
+        forwards = [s for kind, s in actions if kind == "F"]
+        assert sorted(forwards) == sorted(ids * microbatches)
+        frees = [s for kind, s in actions if kind == "B" or kind == "W"]
+        assert sorted(frees) == sorted(forwards)
+        peak, _ = peak_in_flight(actions, lambda s: 1)
+        assert 1 <= peak <= microbatches * spr
