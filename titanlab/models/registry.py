@@ -21,6 +21,7 @@ FAMILIES: dict[str, str] = {
     "llama3": "titanlab.models.llama3.family",
     "qwen3": "titanlab.models.qwen3.family",
     "qwen3_moe": "titanlab.models.qwen3_moe.family",
+    "deepseek_v3": "titanlab.models.deepseek_v3.family",
 }
 """Family name → module defining `FAMILY`. Imported on first use."""
 

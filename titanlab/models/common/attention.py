@@ -16,7 +16,7 @@ from titanlab.models.common.rope import apply_rotary_emb
 
 
 @functools.cache
-def _compiled_flex_attention():
+def compiled_flex_attention():
     """flex attention compiled once (eager flex attention materializes the scores)."""
     return torch.compile(flex_attention)
 
@@ -96,7 +96,7 @@ class Attention(nn.Module):
             k = k[:, :, :, None, :].expand(-1, -1, -1, n_rep, -1).flatten(2, 3)
             v = v[:, :, :, None, :].expand(-1, -1, -1, n_rep, -1).flatten(2, 3)
         if isinstance(mask, BlockMask):
-            out = _compiled_flex_attention()(
+            out = compiled_flex_attention()(
                 q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=mask
             )
         elif mask is None:

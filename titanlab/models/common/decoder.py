@@ -8,7 +8,8 @@ The model knows nothing of parallelism: tensor/pipeline/data parallelism is appl
   set to None, so a pipeline stage keeps only its own layers.
 
 A family's args (`DecoderArgs`) choose what differs: head_dim, the SwiGLU width, per-head q/k
-norms, RoPE base and scaling, tied embeddings, and, for Mixture-of-Experts families, which blocks
+norms, RoPE base and scaling, tied embeddings, the attention (grouped-query by default,
+multi-head latent with `attention_type = "mla"`), and, for Mixture-of-Experts families, which blocks
 replace the dense FFN by an `MoE` (a `moe_layer(layer_id) -> MoEArgs | None` method on the args;
 families without it are dense).
 """
@@ -26,8 +27,9 @@ from titanlab.models.common.feed_forward import FeedForward
 from titanlab.models.common.document_mask import build_attention_mask
 from titanlab.models.common.init import trunc_normal_
 from titanlab.models.common.kv_cache import KVCache, LayerCache
+from titanlab.models.common.mla import MLAttention
 from titanlab.models.common.moe import MoE, MoEArgs
-from titanlab.models.common.rope import RopeScaling, precompute_rope_cos_sin
+from titanlab.models.common.rope import RopeScaling, YarnScaling, precompute_rope_cos_sin
 
 
 class DecoderArgs(Protocol):
@@ -50,7 +52,7 @@ class DecoderArgs(Protocol):
     @property
     def rope_theta(self) -> float: ...
     @property
-    def rope_scaling(self) -> RopeScaling | None: ...
+    def rope_scaling(self) -> RopeScaling | YarnScaling | None: ...
     @property
     def max_seq_len(self) -> int: ...
     @property
@@ -64,18 +66,37 @@ class DecoderArgs(Protocol):
     def validate(self) -> None: ...
 
 
+def mla_attention(args: Any) -> MLAttention:
+    """The multi-head latent attention of a family whose args say `attention_type == "mla"`
+    (they carry q_lora_rank, kv_lora_rank, qk_nope/rope_head_dim, v_head_dim, softmax_scale)."""
+    return MLAttention(
+        args.dim,
+        args.n_heads,
+        args.q_lora_rank,
+        args.kv_lora_rank,
+        args.qk_nope_head_dim,
+        args.qk_rope_head_dim,
+        args.v_head_dim,
+        args.softmax_scale,
+    )
+
+
 class TransformerBlock(nn.Module):
     """Pre-norm block: h = x + attn(norm(x)); out = h + ffn(norm(h))."""
 
     def __init__(self, layer_id: int, args: DecoderArgs):
         super().__init__()
         self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
-        self.attention = Attention(
-            args.dim,
-            args.n_heads,
-            args.kv_heads,
-            args.head_dim,
-            args.norm_eps if args.qk_norm else None,
+        self.attention: Attention | MLAttention = (
+            mla_attention(args)
+            if getattr(args, "attention_type", "gqa") == "mla"
+            else Attention(
+                args.dim,
+                args.n_heads,
+                args.kv_heads,
+                args.head_dim,
+                args.norm_eps if args.qk_norm else None,
+            )
         )
         self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         moe_layer = getattr(args, "moe_layer", None)

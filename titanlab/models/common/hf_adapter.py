@@ -1,6 +1,7 @@
 """The one map between a titanlab decoder's state dict and Hugging Face's `LlamaForCausalLM` /
-`Qwen3ForCausalLM` / `Qwen3MoeForCausalLM` (the same names; Qwen3 adds the per-head q/k norms,
-Qwen3-MoE the router and per-expert weights, stacked here).
+`Qwen3ForCausalLM` / `Qwen3MoeForCausalLM` / `DeepseekV3ForCausalLM` (the same names; Qwen3 adds
+the per-head q/k norms, Qwen3-MoE the router and per-expert weights, stacked here, DeepSeek-V3
+multi-head latent attention, shared experts and the routing bias).
 
 Used by both directions of `tools/convert_checkpoint.py`, by the trainer's
 `checkpoint.last_save_in_hf` and by the tests. Names here are the model's own state-dict names,
@@ -14,6 +15,12 @@ without the `model.` prefix that a titanlab DCP checkpoint puts in front of them
 | `layers.{i}.attention.q_norm / k_norm.weight` (Qwen3) | `model.layers.{i}.self_attn.q_norm / k_norm.weight` |
 | `layers.{i}.attention_norm.weight` | `model.layers.{i}.input_layernorm.weight` |
 | `layers.{i}.ffn_norm.weight` | `model.layers.{i}.post_attention_layernorm.weight` |
+| `layers.{i}.attention.wq_a / wq_b / wkv_a / wkv_b.weight` (MLA) | `model.layers.{i}.self_attn.q_a_proj / q_b_proj / kv_a_proj_with_mqa / kv_b_proj.weight` |
+| `layers.{i}.attention.q_a_norm / kv_a_norm.weight` (MLA) | `model.layers.{i}.self_attn.q_a_layernorm / kv_a_layernorm.weight` |
+| `layers.{i}.feed_forward.router.gate.weight` (MoE) | `model.layers.{i}.mlp.gate.weight` |
+| `layers.{i}.feed_forward.experts.w1 / w3 / w2` (MoE, stacked) | `model.layers.{i}.mlp.experts.{e}.gate_proj / up_proj / down_proj.weight` |
+| `layers.{i}.feed_forward.shared_experts.w1 / w2 / w3.weight` | `model.layers.{i}.mlp.shared_experts.gate_proj / down_proj / up_proj.weight` |
+| `layers.{i}.feed_forward.expert_bias` (buffer; routing bias in the selection) | `model.layers.{i}.mlp.gate.e_score_correction_bias` |
 | `norm.weight` | `model.norm.weight` |
 | `output.weight` | `lm_head.weight` (absent from HF files when the embeddings are tied) |
 
@@ -28,6 +35,9 @@ not touched. This is the permutation of Hugging Face's `convert_llama_weights_to
 needs no change: both models let kv head j serve query heads j*n_rep .. (j+1)*n_rep - 1.
 The per-head q/k norm weights (head_dim,) get the same reordering as one head's rows: RMSNorm
 does not change under a permutation of its inputs when its weight is permuted alike.
+Multi-head latent attention needs no reordering: DeepSeek's `rope_interleave` layout rotates the
+interleaved pairs like titanlab, and writes them de-interleaved for q and k alike, which leaves
+every q·k product unchanged.
 """
 
 from __future__ import annotations
@@ -36,7 +46,7 @@ import re
 
 import torch
 
-from titanlab.models.common.decoder import DecoderArgs
+from titanlab.models.common.decoder import DecoderArgs, moe_layer_args
 
 _GLOBAL_TO_HF = {
     "tok_embeddings.weight": "model.embed_tokens.weight",
@@ -56,6 +66,16 @@ _LAYER_TO_HF = {
     "attention_norm.weight": "input_layernorm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
     "feed_forward.router.gate.weight": "mlp.gate.weight",
+    "feed_forward.expert_bias": "mlp.gate.e_score_correction_bias",
+    "feed_forward.shared_experts.w1.weight": "mlp.shared_experts.gate_proj.weight",
+    "feed_forward.shared_experts.w2.weight": "mlp.shared_experts.down_proj.weight",
+    "feed_forward.shared_experts.w3.weight": "mlp.shared_experts.up_proj.weight",
+    "attention.wq_a.weight": "self_attn.q_a_proj.weight",
+    "attention.q_a_norm.weight": "self_attn.q_a_layernorm.weight",
+    "attention.wq_b.weight": "self_attn.q_b_proj.weight",
+    "attention.wkv_a.weight": "self_attn.kv_a_proj_with_mqa.weight",
+    "attention.kv_a_norm.weight": "self_attn.kv_a_layernorm.weight",
+    "attention.wkv_b.weight": "self_attn.kv_b_proj.weight",
 }
 # MoE experts: one titanlab tensor (num_experts, out, in) per projection and layer, one HF tensor
 # `model.layers.{i}.mlp.experts.{e}.{proj}.weight` (out, in) per expert.
@@ -91,7 +111,7 @@ def split_hf_name(hf_name: str) -> tuple[str, int | None]:
     within its stacked titanlab tensor, None for every other weight.
 
     Raises:
-        ValueError: `hf_name` is not a Llama/Qwen3/Qwen3-MoE weight.
+        ValueError: `hf_name` is not a weight of a registered family.
     """
     m = _HF_EXPERT.match(hf_name)
     if m and m.group(3) in _EXPERT_FROM_HF:
@@ -121,7 +141,7 @@ def from_hf_name(hf_name: str) -> str:
     """titanlab state-dict key of Hugging Face weight `hf_name` (inverse of `to_hf_name`).
 
     Raises:
-        ValueError: `hf_name` is not a Llama/Qwen3 weight (biases, rotary buffers, ...).
+        ValueError: `hf_name` is not a weight of a registered family (biases, rotary buffers, ...).
     """
     if hf_name in _GLOBAL_FROM_HF:
         return _GLOBAL_FROM_HF[hf_name]
@@ -129,7 +149,7 @@ def from_hf_name(hf_name: str) -> str:
     if m and m.group(2) in _LAYER_FROM_HF:
         return f"layers.{m.group(1)}.{_LAYER_FROM_HF[m.group(2)]}"
     raise ValueError(
-        f"{hf_name!r} is not a Hugging Face Llama/Qwen3 weight name; valid: "
+        f"{hf_name!r} is not a Hugging Face weight name titanlab knows; valid: "
         f"{', '.join(_GLOBAL_FROM_HF)}, model.layers.N.{{{', '.join(_LAYER_FROM_HF)}}}"
     )
 
@@ -174,8 +194,12 @@ class HFStateDictAdapter:
 
     def __init__(self, args: DecoderArgs) -> None:
         self.args = args
+        self._mla = getattr(args, "attention_type", "gqa") == "mla"
+        self._route_bias = any(m.route_bias for m in moe_layer_args(args))
 
     def _heads(self, name: str) -> int | None:
+        if self._mla:
+            return None  # DeepSeek's interleaved RoPE layout: no reordering
         if name.endswith("attention.wq.weight"):
             return self.args.n_heads
         if name.endswith("attention.wk.weight"):
@@ -201,9 +225,11 @@ class HFStateDictAdapter:
     def skipped_in_hf(self, name: str) -> bool:
         """True when titanlab tensor `name` has no tensor of its own in a Hugging Face folder:
         `output.weight` of a tied model (HF ties `lm_head` to the embedding at load), and the
-        MoE expert bias (auxiliary-loss-free balancing state, not part of HF's model)."""
+        MoE expert bias unless it routes every forward (`MoEArgs.route_bias`, DeepSeek-V3's
+        `e_score_correction_bias`): otherwise it is auxiliary-loss-free balancing state that
+        HF's model does not have."""
         if name.endswith("feed_forward.expert_bias"):
-            return True
+            return not self._route_bias
         return self.args.tie_word_embeddings and name == "output.weight"
 
     def hf_parts(self, name: str, shape: tuple[int, ...]) -> list[tuple[str, int | None]]:
@@ -225,7 +251,7 @@ class HFStateDictAdapter:
         """(titanlab name, tensor in titanlab layout) of HF weight `hf_name`; shape, dtype kept.
 
         Raises:
-            ValueError: `hf_name` is not a Llama/Qwen3 weight.
+            ValueError: `hf_name` is not a weight of a registered family.
         """
         name = from_hf_name(hf_name)
         return name, self._permute(name, tensor, to_hf=False)

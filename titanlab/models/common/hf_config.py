@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from titanlab.models.common.rope import RopeScaling
+from titanlab.models.common.rope import RopeScaling, YarnScaling
 
 
 HF_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -57,13 +57,17 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 def rope_from_config(
     cfg: dict[str, Any], allowed: tuple[str, ...]
-) -> tuple[float, RopeScaling | None]:
-    """(rope_theta, Llama 3.1 scaling or None) from `rope_parameters` (transformers >= 5) or
-    `rope_theta` + `rope_scaling` (older files). Missing theta: 10000, transformers' default.
+) -> tuple[float, RopeScaling | YarnScaling | None]:
+    """(rope_theta, scaling or None) from `rope_parameters` (transformers >= 5) or `rope_theta` +
+    `rope_scaling` (older files; the type under `rope_type` or `type`). Missing theta: 10000,
+    transformers' default. Type "llama3" gives a `RopeScaling`, "yarn" a `YarnScaling`
+    (transformers' `_compute_yarn_parameters` reading: a missing `factor` is
+    max_position_embeddings / original_max_position_embeddings; an absent, null or zero
+    beta_fast / beta_slow is 32 / 1; an absent mscale or mscale_all_dim is 0, unset).
 
     Raises:
-        ValueError: a rope type not in `allowed` ("default", "llama3"), or llama3 scaling lacking
-            a key.
+        ValueError: a rope type not in `allowed` ("default", "llama3", "yarn"), or scaling
+            lacking a key.
     """
     params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
     theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
@@ -74,6 +78,8 @@ def rope_from_config(
         )
     if kind == "default":
         return theta, None
+    if kind == "yarn":
+        return theta, _yarn_from_params(params, cfg)
     try:
         return theta, RopeScaling(
             factor=float(params["factor"]),
@@ -83,6 +89,55 @@ def rope_from_config(
         )
     except KeyError as e:
         raise ValueError(f"config.json llama3 rope scaling lacks {e.args[0]!r}") from None
+
+
+def _yarn_from_params(params: dict[str, Any], cfg: dict[str, Any]) -> YarnScaling:
+    """The `YarnScaling` of a yarn `rope_parameters` / `rope_scaling` dict; see
+    `rope_from_config`."""
+    if params.get("original_max_position_embeddings") is None:
+        raise ValueError("config.json yarn rope scaling lacks 'original_max_position_embeddings'")
+    original = int(params["original_max_position_embeddings"])
+    factor = params.get("factor")
+    if factor is None:  # the extended context over the original one, as transformers derives it
+        if cfg.get("max_position_embeddings") is None:
+            raise ValueError(
+                "config.json yarn rope scaling lacks 'factor' (and max_position_embeddings to "
+                "derive it)"
+            )
+        factor = require_int(cfg, "max_position_embeddings") / original
+    attention_factor = params.get("attention_factor")
+    return YarnScaling(
+        factor=float(factor),
+        original_max_position_embeddings=original,
+        beta_fast=float(params.get("beta_fast") or 32.0),
+        beta_slow=float(params.get("beta_slow") or 1.0),
+        mscale=float(params.get("mscale") or 0.0),
+        mscale_all_dim=float(params.get("mscale_all_dim") or 0.0),
+        attention_factor=None if attention_factor is None else float(attention_factor),
+        truncate=bool(params.get("truncate", True)),
+    )
+
+
+def yarn_to_config(scaling: YarnScaling) -> dict[str, Any]:
+    """The legacy `rope_scaling` dict for `scaling`, in the form of DeepSeek's published
+    config.json (both `type` and `rope_type` "yarn"; `attention_factor` only when set,
+    `truncate` only when False). `rope_from_config` and transformers' `DeepseekV3Config` read it
+    back to the same parameters."""
+    out: dict[str, Any] = {
+        "type": "yarn",
+        "rope_type": "yarn",
+        "factor": scaling.factor,
+        "original_max_position_embeddings": scaling.original_max_position_embeddings,
+        "beta_fast": scaling.beta_fast,
+        "beta_slow": scaling.beta_slow,
+        "mscale": scaling.mscale,
+        "mscale_all_dim": scaling.mscale_all_dim,
+    }
+    if scaling.attention_factor is not None:
+        out["attention_factor"] = scaling.attention_factor
+    if not scaling.truncate:
+        out["truncate"] = False
+    return out
 
 
 def require_int(cfg: dict[str, Any], key: str, default: int | None = None) -> int:

@@ -15,8 +15,10 @@ import torch
 class KVCache:
     """The keys and values of every layer for `bs` sequences of at most `max_seq_len` slots.
 
-    Buffers are allocated on a layer's first update with the shape of its keys, so under tensor
-    parallel each rank caches its own heads: k and v are (bs, max_seq_len, kv_heads, head_dim).
+    Buffers are allocated on a layer's first update with the shapes of its keys and values, so
+    under tensor parallel each rank caches its own heads: k and v are (bs, max_seq_len, kv_heads,
+    head_dim). Multi-head latent attention caches its compressed latent as k (bs, max_seq_len, 1,
+    kv_lora_rank) and its rotary key as v (bs, max_seq_len, 1, qk_rope_head_dim).
 
     Args:
         pad: (bs,) int64, the number of left-padding slots of each sequence.
@@ -63,9 +65,8 @@ class KVCache:
         (bs, 1, seq, kv_len) bool (True: attend)."""
         assert self._mask is not None and k.shape[1] == self._seq, "call begin(seq) first"
         if layer not in self._k:
-            shape = (k.shape[0], self.max_seq_len, *k.shape[2:])
-            self._k[layer] = k.new_zeros(shape)
-            self._v[layer] = v.new_zeros(shape)
+            self._k[layer] = k.new_zeros((k.shape[0], self.max_seq_len, *k.shape[2:]))
+            self._v[layer] = v.new_zeros((v.shape[0], self.max_seq_len, *v.shape[2:]))
         end = self.length + self._seq
         self._k[layer][:, self.length : end] = k
         self._v[layer][:, self.length : end] = v

@@ -4,6 +4,12 @@
   token, optionally renormalized over the k chosen (`route_norm`, Qwen3's `norm_topk_prob`) and
   multiplied by `route_scale`. An optional per-expert bias shifts which experts are *chosen*
   but not the weights (DeepSeek-V3's auxiliary-loss-free balancing, Wang et al. 2024).
+- Group-limited top-k (`n_groups` > 1; DeepSeek-V3 tech report, arXiv:2412.19437 §2.1.2, the
+  node-limited form of DeepSeek-V2's device-limited routing, arXiv:2405.04434 §2.2.2): the E
+  experts form G groups of E/G consecutive ones; a group scores the sum of its two best
+  selection scores, only the `topk_groups` best groups stay eligible, and the top-k is taken
+  among their experts. In DeepSeek-V3 a group is the experts of one node, so each token's
+  dispatch reaches at most `topk_groups` nodes.
 - Experts: SwiGLU weights stacked as (num_experts, out, in); tokens are sorted by expert and run
   either with `torch._grouped_mm` or with an exact per-expert loop (same numbers within fp32
   rounding). No token is dropped.
@@ -63,6 +69,15 @@ class MoEArgs:
     bias_update_speed: float = 0.0
     """Step of the auxiliary-loss-free expert bias per optimizer step (0: off; DeepSeek-V3:
     0.001)."""
+    n_groups: int = 1
+    """Expert groups G for group-limited routing (HF `n_group`; 1: plain top-k over all E)."""
+    topk_groups: int = 1
+    """Groups each token may route into, the best by the sum of their two best selection scores
+    (HF `topk_group`; used only when n_groups > 1)."""
+    route_bias: bool = False
+    """Always add the expert bias to the selection scores, as DeepSeek-V3's
+    `e_score_correction_bias` (so an imported bias routes even with bias_update_speed 0); with
+    False it is used only when bias_update_speed > 0."""
 
     def validate(self) -> None:
         """Raises ValueError naming the first bad value."""
@@ -76,6 +91,21 @@ class MoEArgs:
             raise ValueError(
                 f"load_balance_coeff={self.load_balance_coeff} and bias_update_speed="
                 f"{self.bias_update_speed} must be >= 0"
+            )
+        e, g, gk = self.num_experts, self.n_groups, self.topk_groups
+        if g < 1 or e % g:
+            raise ValueError(f"n_groups={g} must be >= 1 and divide num_experts ({e})")
+        if g > 1 and e // g < 2:
+            raise ValueError(
+                f"n_groups={g} leaves {e // g} expert per group; a group scores its top-2, so "
+                f"num_experts/n_groups must be >= 2 (num_experts={e})"
+            )
+        if not 1 <= gk <= g:
+            raise ValueError(f"topk_groups={gk} must be in 1..n_groups ({g})")
+        if self.top_k > gk * (e // g):
+            raise ValueError(
+                f"top_k={self.top_k} exceeds the {gk * (e // g)} experts of topk_groups={gk} "
+                f"groups of {e // g}"
             )
 
 
@@ -91,7 +121,8 @@ def grouped_mm_supported(x: torch.Tensor) -> bool:
 
 
 class Router(nn.Module):
-    """Token-choice top-k router. `gate.weight` is (num_experts, dim)."""
+    """Token-choice top-k router, group-limited when `n_groups` > 1. `gate.weight` is
+    (num_experts, dim)."""
 
     def __init__(self, dim: int, args: MoEArgs):
         super().__init__()
@@ -101,19 +132,35 @@ class Router(nn.Module):
     def forward(
         self, x_td: torch.Tensor, expert_bias: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x_td: (tokens, dim). Returns (weights (tokens, k) fp32, experts (tokens, k) int64,
-        scores (tokens, num_experts) fp32 of every expert, for the load-balance loss)."""
+        """x_td: (tokens, dim); expert_bias: (num_experts,) fp32 added to the scores that choose
+        the experts (not to the weights), or None. Returns (weights (tokens, k) fp32, experts
+        (tokens, k) int64, scores (tokens, num_experts) fp32 of every expert, unbiased, for the
+        load-balance loss)."""
         with torch.autocast(x_td.device.type, enabled=False):  # fp32 even under autocast
             # The gate weight is fp32 (mixed precision keeps it so): a module call, so that a
             # parallel style applied from outside can wrap it.
             logits = self.gate(x_td.float())  # (tokens, E)
         scores = logits.softmax(-1) if self.args.score_func == "softmax" else logits.sigmoid()
         choose = scores if expert_bias is None else scores + expert_bias
+        if self.args.n_groups > 1:
+            choose = self._limit_groups(choose)
         experts = choose.topk(self.args.top_k, dim=-1).indices  # (tokens, k)
         weights = scores.gather(-1, experts)
         if self.args.route_norm:
+            # No `+ 1e-20` as in transformers' DeepSeek-V3: it is a no-op in fp32 only for sums
+            # >= 2^-42, and a bias can choose softmax experts whose scores sum to less.
             weights = weights / weights.sum(-1, keepdim=True)
         return weights * self.args.route_scale, experts, scores
+
+    def _limit_groups(self, choose: torch.Tensor) -> torch.Tensor:
+        """choose: (tokens, E) selection scores. Returns them with -inf for every expert outside
+        the token's `topk_groups` best groups (a group's score: the sum of its two best)."""
+        g = self.args.n_groups
+        by_group = choose.view(choose.shape[0], g, -1)  # (tokens, G, E/G)
+        group_scores = by_group.topk(2, dim=-1).values.sum(-1)  # (tokens, G)
+        kept = group_scores.topk(self.args.topk_groups, dim=-1).indices  # (tokens, Gk)
+        dropped = torch.ones_like(group_scores, dtype=torch.bool).scatter_(-1, kept, False)
+        return by_group.masked_fill(dropped[..., None], float("-inf")).view_as(choose)
 
 
 def _local(w: torch.Tensor) -> torch.Tensor:
@@ -218,8 +265,9 @@ class MoE(nn.Module):
             if args.num_shared_experts > 0
             else None
         )
-        # Always a checkpointed buffer (zeros unless auxiliary-loss-free balancing is on), so
-        # checkpoints and imports have the same keys whichever balancing a run uses.
+        # Always a checkpointed buffer (zeros unless auxiliary-loss-free balancing is on or a
+        # bias was imported), so checkpoints and imports have the same keys whichever balancing
+        # a run uses; `route_bias` routes with it even when it is never updated.
         self.register_buffer("expert_bias", torch.zeros(args.num_experts), persistent=True)
         self.register_buffer("tokens_per_expert", torch.zeros(args.num_experts), persistent=False)
         self.register_buffer("step_aux", torch.zeros(()), persistent=False)
@@ -243,7 +291,8 @@ class MoE(nn.Module):
         """(bs, seq, dim) -> (bs, seq, dim)."""
         bs, seq, dim = x_bsd.shape
         x = x_bsd.reshape(-1, dim)
-        bias = self.expert_bias if self.args.bias_update_speed > 0 else None
+        use_bias = self.args.route_bias or self.args.bias_update_speed > 0
+        bias = self.expert_bias if use_bias else None
         weights, experts, scores = self.router(x, bias)
         num_experts, k = self.args.num_experts, self.args.top_k
         flat = experts.flatten()  # (tokens * k,), token t's slots at t*k .. t*k+k-1

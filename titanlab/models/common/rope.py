@@ -1,4 +1,12 @@
-"""Rotary position embedding (RoPE; Su et al. 2021, "RoFormer") with Llama 3.1 frequency scaling.
+"""Rotary position embedding (RoPE; Su et al. 2021, "RoFormer") with long-context scaling.
+
+Two scalings stretch the frequencies for contexts longer than the model was pretrained on:
+Llama 3.1's rule (`RopeScaling`) and YaRN (`YarnScaling`; Peng et al. 2023, arXiv:2309.00071,
+the DeepSeek-V3 family's). YaRN also scales attention: the cos/sin tables are multiplied by
+`rope_attention_factor` (so the rotated dims of every q·k score by its square), and DeepSeek-V3
+multiplies the softmax scale d_qk**-0.5 by `softmax_mscale`. Both follow transformers 5
+(`modeling_rope_utils._compute_yarn_parameters`, `DeepseekV3Attention`), and the frequencies are
+computed in its floating-point order, so the tables agree bitwise on CPU.
 
 titanlab rotates the interleaved pairs (2i, 2i+1) of each head, like Meta's reference; Hugging
 Face rotates the halves (i, i + head_dim/2). The two agree after a fixed reordering of the q/k
@@ -28,23 +36,71 @@ class RopeScaling:
     """Context length (tokens) of the model before the long-context extension."""
 
 
+@dataclass(frozen=True)
+class YarnScaling:
+    """YaRN RoPE scaling (Peng et al. 2023), as DeepSeek-V3 configures it; see
+    `rope_frequencies`, `rope_attention_factor` and `softmax_mscale`.
+
+    Raises:
+        ValueError: factor, original_max_position_embeddings, beta_fast or beta_slow not > 0.
+    """
+
+    factor: float
+    """Context extension ratio s: the low frequencies are divided by it (40 for DeepSeek-V3)."""
+    original_max_position_embeddings: int
+    """Context length L (tokens) before the extension; it places the ramp between the two betas."""
+    beta_fast: float = 32.0
+    """Frequencies turning more than this many times in L tokens are kept unchanged."""
+    beta_slow: float = 1.0
+    """Frequencies turning fewer than this many times in L tokens are divided by `factor`."""
+    mscale: float = 1.0
+    """Weight a of the cos/sin multiplier's numerator m(s, a) = 0.1·a·ln s + 1; 0 means unset."""
+    mscale_all_dim: float = 0.0
+    """Weight of the cos/sin multiplier's denominator and of the softmax multiplier m(s, a)²;
+    0 means unset (no softmax multiplier)."""
+    attention_factor: float | None = None
+    """The cos/sin multiplier itself, overriding the one derived from the mscales."""
+    truncate: bool = True
+    """Round the ramp's ends to whole pair indices (floor / ceil), as the YaRN paper does."""
+
+    def __post_init__(self) -> None:
+        for name in ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow"):
+            value = getattr(self, name)
+            if not value > 0:
+                raise ValueError(f"YarnScaling {name}={value!r} must be > 0")
+
+
 def rope_frequencies(
-    head_dim: int, theta: float, scaling: RopeScaling | None, device: torch.device | None = None
+    head_dim: int,
+    theta: float,
+    scaling: RopeScaling | YarnScaling | None,
+    device: torch.device | None = None,
 ) -> torch.Tensor:
     """RoPE angular frequencies (radians per token), shape (head_dim // 2,) fp32.
 
-    freq_i = theta ** (-2i / head_dim). With `scaling`, the Llama 3.1 rule (Meta llama-models
-    `apply_scaling`; Llama 3 paper) rescales each frequency by its wavelength 2*pi/freq, with
-    L = original_max_position_embeddings:
+    freq_i = theta ** (-2i / head_dim). With a `RopeScaling`, the Llama 3.1 rule (Meta
+    llama-models `apply_scaling`; Llama 3 paper) rescales each frequency by its wavelength
+    2*pi/freq, with L = original_max_position_embeddings:
     - wavelen > L / low_freq_factor: freq / factor;
     - wavelen < L / high_freq_factor: freq unchanged;
     - otherwise (1 - s) * freq / factor + s * freq, s = (L / wavelen - low) / (high - low).
+
+    With a `YarnScaling`, YaRN's "NTK-by-parts" rule (Peng et al. 2023 §3.2; transformers
+    `_compute_yarn_parameters`), with s = factor, L as above and n = head_dim:
+    - corr(r) = n * ln(L / (2*pi*r)) / (2 ln theta), the pair index whose frequency turns r times
+      in L tokens; lo = floor(corr(beta_fast)), hi = ceil(corr(beta_slow)) (unrounded when not
+      `truncate`), clamped to [0, n - 1]; hi += 0.001 when they meet;
+    - ramp_i = clamp((i - lo) / (hi - lo), 0, 1); freq'_i = freq_i * (1 - ramp_i) + freq_i / s * ramp_i
+      (high frequencies kept, low ones interpolated).
     """
-    freqs = 1.0 / theta ** (
+    period = theta ** (
         torch.arange(0, head_dim, 2, device=device)[: head_dim // 2].float() / head_dim
     )
+    freqs = 1.0 / period
     if scaling is None:
         return freqs
+    if isinstance(scaling, YarnScaling):
+        return _yarn_frequencies(freqs, period, head_dim, theta, scaling)
     orig = scaling.original_max_position_embeddings
     low, high = scaling.low_freq_factor, scaling.high_freq_factor
     wavelen = 2 * math.pi / freqs
@@ -54,20 +110,83 @@ def rope_frequencies(
     return torch.where(wavelen < orig / high, freqs, out)
 
 
+def _yarn_frequencies(
+    freqs: torch.Tensor, period: torch.Tensor, head_dim: int, theta: float, scaling: YarnScaling
+) -> torch.Tensor:
+    """YaRN's blend of `freqs` (head_dim // 2,) fp32 and `1 / (factor * period)`; see
+    `rope_frequencies`. Each step is in transformers' floating-point order (bitwise on CPU)."""
+    length = scaling.original_max_position_embeddings
+
+    def pair_turning(rotations: float) -> float:  # corr(r): the (fractional) pair index
+        return (head_dim * math.log(length / (rotations * 2 * math.pi))) / (2 * math.log(theta))
+
+    lo, hi = pair_turning(scaling.beta_fast), pair_turning(scaling.beta_slow)
+    if scaling.truncate:
+        lo, hi = math.floor(lo), math.ceil(hi)
+    lo, hi = max(lo, 0), min(hi, head_dim - 1)
+    if lo == hi:
+        hi += 0.001  # a step instead of a division by zero
+    pair = torch.arange(head_dim // 2, dtype=torch.float32)
+    ramp = torch.clamp((pair - lo) / (hi - lo), 0, 1).to(freqs.device)  # 1: interpolated
+    kept = 1 - ramp  # the share of the original frequency
+    return freqs * kept + (1.0 / (scaling.factor * period)) * (1 - kept)
+
+
+def _yarn_mscale(factor: float, weight: float) -> float:
+    """m(s, a) = 0.1·a·ln s + 1 for s > 1, else 1: the YaRN paper's sqrt(1/t) (§3.4), weighted
+    as in DeepSeek's `yarn_get_mscale`."""
+    if factor <= 1:
+        return 1.0
+    return 0.1 * weight * math.log(factor) + 1.0
+
+
+def rope_attention_factor(scaling: RopeScaling | YarnScaling | None) -> float:
+    """The multiplier on the cos and sin tables (the rotated dims of q·k scale by its square).
+
+    1.0 without scaling and for `RopeScaling`. For `YarnScaling` (transformers
+    `_compute_yarn_parameters`): `attention_factor` when set; else m(s, mscale) / m(s,
+    mscale_all_dim) when both are non-zero; else m(s, 1), with s = factor and m as in
+    `_yarn_mscale`. DeepSeek-V3 (mscale = mscale_all_dim) gets 1.0.
+    """
+    if not isinstance(scaling, YarnScaling):
+        return 1.0
+    if scaling.attention_factor is not None:
+        return scaling.attention_factor
+    s = scaling.factor
+    if scaling.mscale and scaling.mscale_all_dim:
+        return _yarn_mscale(s, scaling.mscale) / _yarn_mscale(s, scaling.mscale_all_dim)
+    return _yarn_mscale(s, 1.0)
+
+
+def softmax_mscale(scaling: RopeScaling | YarnScaling | None) -> float:
+    """The multiplier on the attention softmax scale d_qk**-0.5 (transformers
+    `DeepseekV3Attention.scaling`): m(s, mscale_all_dim)**2 for a `YarnScaling` with a non-zero
+    `mscale_all_dim`, else 1.0. DeepSeek-V3 671B (s = 40): 1.873854."""
+    if not isinstance(scaling, YarnScaling) or not scaling.mscale_all_dim:
+        return 1.0
+    m = _yarn_mscale(scaling.factor, scaling.mscale_all_dim)
+    return m * m
+
+
 def precompute_rope_cos_sin(
     head_dim: int,
     end: int,
     theta: float,
-    scaling: RopeScaling | None,
+    scaling: RopeScaling | YarnScaling | None,
     device: torch.device | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of the RoPE angles position * freq, each shape (end, head_dim // 2) fp32.
+    """cos and sin of the RoPE angles position * freq, each shape (end, head_dim // 2) fp32,
+    times `rope_attention_factor(scaling)` (YaRN only; 1.0 leaves the tables untouched).
 
-    Frequencies (with optional Llama 3.1 scaling) come from `rope_frequencies`.
+    Frequencies (with optional Llama 3.1 or YaRN scaling) come from `rope_frequencies`.
     """
     freqs = rope_frequencies(head_dim, theta, scaling, device)
     angles = torch.outer(torch.arange(end, device=freqs.device, dtype=torch.float32), freqs)
-    return angles.cos(), angles.sin()
+    cos, sin = angles.cos(), angles.sin()
+    factor = rope_attention_factor(scaling)
+    if factor != 1.0:
+        cos, sin = cos * factor, sin * factor
+    return cos, sin
 
 
 def apply_rotary_emb(

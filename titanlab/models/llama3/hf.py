@@ -19,6 +19,7 @@ from titanlab.models.common.hf_config import (
     require_int,
     rope_from_config,
 )
+from titanlab.models.common.rope import RopeScaling
 from titanlab.models.llama3.args import TransformerModelArgs
 
 
@@ -86,6 +87,7 @@ def from_config(cfg: dict[str, Any]) -> TransformerModelArgs:
             f"(needs hidden_size / num_attention_heads = {dim / heads:g})"
         )
     theta, scaling = rope_from_config(cfg, ("default", "llama3"))
+    assert scaling is None or isinstance(scaling, RopeScaling)  # "yarn" is not allowed
     return TransformerModelArgs(
         dim=dim,
         n_layers=require_int(cfg, "num_hidden_layers"),

@@ -31,14 +31,22 @@ def to_config(
 
     Raises:
         ValueError: unresolved vocab size, an unsupported dtype, or MoE settings Hugging Face's
-            Qwen3-MoE cannot express (sigmoid scores, shared experts, a route scale).
+            Qwen3-MoE cannot express (sigmoid scores, shared experts, a route scale,
+            group-limited routing, a routing bias).
     """
     moe = args.moe
-    if moe.score_func != "softmax" or moe.num_shared_experts or moe.route_scale != 1.0:
+    if (
+        moe.score_func != "softmax"
+        or moe.num_shared_experts
+        or moe.route_scale != 1.0
+        or moe.n_groups != 1
+        or moe.route_bias
+    ):
         raise ValueError(
-            "Qwen3MoeForCausalLM routes with softmax, no shared experts and route_scale 1; "
-            f"these args have score_func={moe.score_func!r}, num_shared_experts="
-            f"{moe.num_shared_experts}, route_scale={moe.route_scale}"
+            "Qwen3MoeForCausalLM routes with softmax over all experts, no shared experts, "
+            f"route_scale 1 and no routing bias; these args have score_func={moe.score_func!r}, "
+            f"num_shared_experts={moe.num_shared_experts}, route_scale={moe.route_scale}, "
+            f"n_groups={moe.n_groups}, route_bias={moe.route_bias}"
         )
     dense = {f.name: getattr(args, f.name) for f in dataclasses.fields(Qwen3ModelArgs)}
     cfg = qwen3_hf.to_config(Qwen3ModelArgs(**dense), dtype, max_position_embeddings, bos, eos)

@@ -109,7 +109,7 @@ def test_unknown_names_are_one_line_errors(bad):
     with pytest.raises(ValueError, match="valid:") as e:
         to_hf_name(bad)
     assert "\n" not in str(e.value) and repr(bad) in str(e.value)
-    with pytest.raises(ValueError, match="is not a Hugging Face Llama/Qwen3 weight"):
+    with pytest.raises(ValueError, match="is not a Hugging Face weight name titanlab knows"):
         from_hf_name("model.layers.0.self_attn.rotary_emb.inv_freq")
 
 
