@@ -43,6 +43,7 @@ LONGEST_FIRST = (
     "test_parallel_parity.py",  # ~320 s
     "test_qwen3_moe.py",  # ~260 s
     "test_faults.py",  # ~155 s
+    "test_deepseek_v3.py",  # ~140 s
     "test_data_mixture.py",  # ~130 s
     "test_qwen3.py",  # ~120 s
     "test_multinode_slurm.py",  # ~105 s

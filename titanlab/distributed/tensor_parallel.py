@@ -3,7 +3,8 @@
 Plan (Shoeybi et al. 2019, "Megatron-LM"; Korthikanti et al. 2022 for sequence parallel):
 - tok_embeddings: row-wise (vocab sharded); output sharded on the sequence dim for the norms.
 - each block: `titanlab.distributed.tp_plan.decoder_block_plan` (the per-head q/k norms
-  included when the model's args have them; an MoE layer runs on each rank's local tokens): attention wq/wk/wv and FFN w1/w3 column-wise (heads / hidden
+  included when the model's args have them; an MoE layer runs on each rank's local tokens;
+  multi-head latent attention by `titanlab.distributed.tp_mla`): attention wq/wk/wv and FFN w1/w3 column-wise (heads / hidden
   units sharded), so attention runs on local heads; wo and w2 row-wise, their outputs
   reduce-scattered onto sequence shards; Qwen3's per-head q/k norms on the sharded heads dim.
 - attention_norm, ffn_norm, norm: sequence parallel (each rank normalizes its own tokens), so
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
@@ -40,8 +42,10 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from titanlab.distributed.tp_mla import mla_attention_plan
 from titanlab.distributed.tp_plan import SequenceParallel, decoder_block_plan
 from titanlab.models.common.decoder import moe_layers
+from titanlab.models.common.mla import MLAttention
 
 if TYPE_CHECKING:
     from torch.distributed.tensor.parallel import ParallelStyle
@@ -128,16 +132,9 @@ def apply_tp(
     # tensors; the sequence-parallel norms read them as Shard(1).
     blocks = list(model.layers.values())
     for block in blocks:
-        moes = moe_layers(block)
-        plan = decoder_block_plan(
-            colwise,
-            rowwise,
-            prepare_input,
-            qk_norm=model.args.qk_norm,
-            moe=bool(moes),
-            shared_experts=bool(moes) and moes[0].shared_experts is not None,
+        parallelize_module(
+            block, tp_mesh, _block_plan(model, block, colwise, rowwise, prepare_input)
         )
-        parallelize_module(block, tp_mesh, plan)
     # Pipeline stages exchange plain tensors (this rank's sequence shard): convert at the edges.
     if blocks and model.tok_embeddings is None:
         parallelize_module(
@@ -159,21 +156,38 @@ def apply_tp(
         )
 
 
+def _block_plan(
+    model: Decoder, block: nn.Module, colwise: type, rowwise: type, prepare_input: type
+) -> dict[str, ParallelStyle]:
+    """The plan of one block of `model`: GQA or MLA attention, dense or MoE feed-forward."""
+    moes = moe_layers(block)
+    attention = getattr(block, "attention", None)
+    mla = None
+    if isinstance(attention, MLAttention):
+        mla = mla_attention_plan(
+            colwise,
+            rowwise,
+            q_lora=attention.wq is None,
+            qk_rope_head_dim=attention.qk_rope_head_dim,
+        )
+    return decoder_block_plan(
+        colwise,
+        rowwise,
+        prepare_input,
+        qk_norm=model.args.qk_norm,
+        moe=bool(moes),
+        shared_experts=bool(moes) and moes[0].shared_experts is not None,
+        mla=mla,
+    )
+
+
 def linear_split_dims(model: Decoder) -> dict[str, int]:
     """Module name → the dim of its weight that `apply_tp` splits (0: column-wise, by output
     rows; 1: row-wise, by input columns), for every Linear it splits in `model` (a meta-device
     model is enough); read from the same plan `apply_tp` applies."""
     dims = {"output": 0} if model.output is not None else {}
     for index, block in model.layers.items():
-        moes = moe_layers(block)
-        plan = decoder_block_plan(
-            ColwiseParallel,
-            RowwiseParallel,
-            PrepareModuleInput,
-            qk_norm=model.args.qk_norm,
-            moe=bool(moes),
-            shared_experts=bool(moes) and moes[0].shared_experts is not None,
-        )
+        plan = _block_plan(model, block, ColwiseParallel, RowwiseParallel, PrepareModuleInput)
         for path, style in plan.items():
             if isinstance(style, (ColwiseParallel, RowwiseParallel)):
                 dims[f"layers.{index}.{path}"] = 0 if isinstance(style, ColwiseParallel) else 1

@@ -30,10 +30,12 @@ from torch.distributed.tensor.parallel import SequenceParallel as _TorchSequence
 class SequenceParallel(_TorchSequenceParallel):
     """torch's `SequenceParallel`, except that a replicated parameter keeps `requires_grad`:
     torch 2.13 re-creates each one as trainable, which trained the frozen norms of a LoRA
-    run under TP."""
+    run under TP; and that a module with children (the shared experts' SwiGLU) works: torch
+    calls this for every submodule but registers each one's parameters recursively, under
+    dotted names `register_parameter` refuses."""
 
     def _replicate_module_fn(self, name, module, device_mesh):
-        for p_name, param in module.named_parameters():
+        for p_name, param in module.named_parameters(recurse=False):
             replicated = DTensor.from_local(param, device_mesh, [Replicate()], run_check=False)
             module.register_parameter(
                 p_name, torch.nn.Parameter(replicated, requires_grad=param.requires_grad)
@@ -48,6 +50,7 @@ def decoder_block_plan(
     qk_norm: bool,
     moe: bool = False,
     shared_experts: bool = False,
+    mla: dict[str, ParallelStyle] | None = None,
 ) -> dict[str, ParallelStyle]:
     """Module path within a block → parallel style.
 
@@ -55,6 +58,8 @@ def decoder_block_plan(
         colwise, rowwise, prepare_input: the style classes (torch's, or torchao's float8 ones).
         qk_norm: the block's attention has `q_norm` / `k_norm`.
         moe: the block's `feed_forward` is an MoE layer; `shared_experts`: it has shared experts.
+        mla: the attention is multi-head latent attention, with these styles for its
+            projections (`titanlab.distributed.tp_mla.mla_attention_plan`) in place of GQA's.
     """
     plan: dict[str, ParallelStyle] = {
         "attention_norm": SequenceParallel(),
@@ -74,6 +79,10 @@ def decoder_block_plan(
         "feed_forward.w3": colwise(),
         "feed_forward.w2": rowwise(output_layouts=Shard(1), use_local_output=False),
     }
+    if mla is not None:
+        for name in ("attention.wq", "attention.wk", "attention.wv", "attention.wo"):
+            del plan[name]
+        plan.update(mla)
     if moe:
         for name in ("feed_forward", "feed_forward.w1", "feed_forward.w3", "feed_forward.w2"):
             del plan[name]

@@ -94,6 +94,13 @@ def validate_layout(config: JobConfig, dims: ParallelDims, model_args, device_ty
             "context-parallel attention takes only a causal mask; use context_parallel_degree=1 "
             "or data.packing=false (one sample per window)"
         )
+    if dims.cp > 1 and getattr(model_args, "attention_type", "gqa") == "mla":
+        raise ConfigError(
+            f"parallelism.context_parallel_degree={dims.cp} with model.name={config.model.name}: "
+            "multi-head latent attention (value heads narrower than query/key heads, its own "
+            "softmax scale) is not supported by PyTorch's context-parallel attention here; "
+            "use context_parallel_degree=1"
+        )
     if dims.cp > 1:
         if device_type != "cuda":
             from titanlab.distributed.cp_cpu import PrivateNameMissing, check_private_names
@@ -214,6 +221,9 @@ def _validate_tp_2d(config: JobConfig, dims: ParallelDims, model_args) -> None:
         "data.document_mask=true": config.data.document_mask,
         f"model.name={config.model.name} (per-head q/k norms)": bool(model_args.qk_norm),
         f"model.name={config.model.name} (routed experts)": bool(moe_layer_args(model_args)),
+        f"model.name={config.model.name} (multi-head latent attention)": (
+            getattr(model_args, "attention_type", "gqa") == "mla"
+        ),
     }
     for option, on in features.items():
         if on:

@@ -176,19 +176,20 @@ deepseek_v3_flavors: dict[str, DeepSeekV3ModelArgs] = {
         n_dense_layers=1,
         moe=_moe(8, 2, 128, 1, 2, 1, 2.5),
     ),
-    # 8 thin layers: enough stages for 4-rank pipelines in CPU parity tests.
+    # 8 thin layers: enough stages for 4-rank pipelines in CPU parity tests; the compressed
+    # query and group-limited routing (2 groups of 4, the best one kept) as in 671B.
     "debugmodel_deep": DeepSeekV3ModelArgs(
         dim=64,
         n_layers=8,
         n_heads=4,
-        q_lora_rank=0,
+        q_lora_rank=16,
         kv_lora_rank=32,
         qk_nope_head_dim=16,
         qk_rope_head_dim=8,
-        v_head_dim=16,
+        v_head_dim=12,
         hidden_dim=160,
         n_dense_layers=1,
-        moe=_moe(8, 2, 32, 1, 1, 1, 2.5),
+        moe=_moe(8, 2, 32, 1, 2, 1, 2.5),
     ),
     # moonshotai/Moonlight-16B-A3B (DeepSeek-V3 architecture; 16.0B total, 3.0B active).
     "16B": DeepSeekV3ModelArgs(

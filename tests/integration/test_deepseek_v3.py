@@ -1,0 +1,128 @@
+"""DeepSeek-V3 (multi-head latent attention, dense first block, group-limited routing with the
+auxiliary-loss-free bias, a shared expert) under data, tensor, pipeline and expert parallelism
+equals one process, from one seed checkpoint, fp32, 5 steps, within 1e-5, and its expert biases
+after 5 steps are equal bitwise. The debug config trains on 2 processes and its export loads in
+transformers with equal logits.
+
+The cases are generated from the layouts of 2 and 4 ranks the trainer's validator accepts for
+the model: the smallest layout with each of FSDP 2, TP 2, EP 2, PP 2 (1F1B) and with each pair
+of them. `make test-parity-full` (TITANLAB_PARITY_FULL=1) runs every accepted layout, every
+pipeline schedule included.
+"""
+
+import dataclasses
+import itertools
+import os
+import subprocess
+
+import pytest
+import torch
+
+from conftest import CONSTANT_LR, REPO, checkpoint_every, read_metrics
+from titanlab.checkpoint.convert import DcpModelReader
+from titanlab.data.tokenizer import Tokenizer, default_tokenizer_path
+from titanlab.models.registry import build_model
+from titanlab.models.stored_args import read_model_args
+from titanlab.planning.layouts import SCHEDULES
+from tools import parity_matrix
+
+FULL = os.environ.get("TITANLAB_PARITY_FULL") == "1"
+OPTIONS = ["--model.name", "deepseek_v3", "--model.moe_bias_update_speed", "0.01"]
+SINGLE = ("fsdp", "tp", "ep", "pp:1F1B")
+
+
+def _cases() -> list[parity_matrix.Layout]:
+    pool = parity_matrix.valid_layouts(
+        (2, 4), OPTIONS, with_ep=True, schedules=SCHEDULES if FULL else ("1F1B",)
+    )
+    if FULL:
+        return pool
+    needs = [frozenset([f]) for f in SINGLE]
+    needs += [frozenset(p) for p in itertools.combinations(SINGLE, 2)]
+    picked = []
+    for need in needs:
+        fits = [lay for lay in pool if need <= lay.tags and lay.grad_accum == 1]
+        assert fits, f"no valid layout of 2 or 4 ranks has {sorted(need)}"
+        picked.append(min(fits, key=lambda lay: (lay.world_size, len(lay.features), lay.name)))
+    return list(dict.fromkeys(picked))
+
+
+CASES = _cases()
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_dataset, tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("deepseek_v3"))
+    return (*parity_matrix.prepare_reference(root, tiny_dataset, extra=OPTIONS), root)
+
+
+def _biases(dump: str) -> dict[str, torch.Tensor]:
+    reader = DcpModelReader(os.path.join(dump, "checkpoint", f"step-{parity_matrix.STEPS}"))
+    return {k: reader.load(k) for k in reader.tensors if k.endswith("expert_bias")}
+
+
+@pytest.mark.parametrize("layout", CASES, ids=[lay.name for lay in CASES])
+def test_deepseek_v3_layout_matches_single_process(layout, reference):
+    dataset, seed, losses, root = reference
+    outcome = parity_matrix.run_layout(layout, dataset, seed, losses, root, extra=OPTIONS)
+    assert outcome.error is None, outcome.report()
+    print(f"deepseek_v3 {layout.name}: worst |Δloss| {outcome.max_abs_diff:.3g}")
+    assert outcome.max_abs_diff <= parity_matrix.TOLERANCE, (layout.name, outcome.max_abs_diff)
+    assert losses[parity_matrix.STEPS] < losses[1]
+    want = _biases(os.path.join(root, "reference"))
+    got = _biases(os.path.join(root, "runs", layout.name))
+    assert want and want.keys() == got.keys()
+    assert all(torch.equal(got[k], want[k]) for k in want), "expert biases differ"
+    assert any(v.abs().sum() > 0 for v in want.values())  # the bias did move
+
+
+def test_deepseek_v3_debug_config_trains_resumes_exactly_and_exports_to_transformers(
+    tiny_dataset, tmp_path
+):
+    """run_train.sh train_configs/deepseek_v3_debug.toml on 2 processes (FSDP 2 × EP 2): the
+    loss falls, a run resumed at step 6 logs the same 12 losses bitwise, and the trainer's Hugging
+    Face export loads in transformers with the trained model's logits."""
+    transformers = pytest.importorskip("transformers")
+    common = [
+        "train_configs/deepseek_v3_debug.toml",
+        "--data.dataset_path", tiny_dataset,
+        "--training.seq_len", "64",
+        "--training.local_batch_size", "4",
+        "--metrics.log_freq", "1",
+        "--validation.enable", "false",
+        "--debug.deterministic", "true",
+        *CONSTANT_LR,
+        *checkpoint_every(6, "--checkpoint.keep_latest_k", "0"),
+        "--checkpoint.export_at_end", "true",
+        "--checkpoint.last_save_in_hf", "true",
+    ]  # fmt: skip
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    for steps, dump in (("12", straight), ("6", resumed), ("12", resumed)):
+        proc = subprocess.run(
+            [os.path.join(REPO, "run_train.sh"), *common, "--training.steps", steps,
+             "--job.dump_folder", str(dump)],
+            cwd=REPO, env=dict(os.environ, NGPU="2", OMP_NUM_THREADS="1"),
+            capture_output=True, text=True, timeout=600,
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "model: deepseek_v3 debugmodel" in proc.stdout and "ep=2" in proc.stdout
+    want, got = read_metrics(str(straight)), read_metrics(str(resumed))
+    assert [got[s] for s in range(1, 13)] == [want[s] for s in range(1, 13)]  # bitwise
+    assert want[12] < want[1]
+
+    export = straight / "checkpoint" / "export-step-12"
+    stored = read_model_args(str(export))
+    assert stored is not None and stored[0].name == "deepseek_v3"
+    reader = DcpModelReader(str(export))
+    model = build_model(dataclasses.replace(stored[2], max_seq_len=64)).eval()
+    model.load_state_dict({k: reader.load(k) for k in model.state_dict()})
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        str(straight / "checkpoint" / "hf-step-12"), dtype=torch.float32
+    ).eval()
+    tokenizer = Tokenizer(default_tokenizer_path())
+    with open(os.path.join(REPO, "titanlab", "models", "common", "mla.py"), encoding="utf-8") as f:
+        tokens = torch.tensor(tokenizer.encode(f.read(), bos=True, eos=False)[:128]).view(2, 64)
+    with torch.no_grad():
+        diff = (model(tokens) - hf(tokens).logits).abs().max().item()
+    print(f"deepseek_v3 debug export: max |logits - transformers| = {diff:.3g}")
+    assert diff < 1e-4
