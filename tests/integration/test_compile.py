@@ -1,7 +1,8 @@
 """torch.compile (per block, fullgraph) trains to the eager losses under FSDP 2, FSDP 2 × TP 2
 and PP 2 × FSDP 2, and for Qwen3 (q/k norms sharded on heads) under TP 2 with selective
 activation checkpointing, and Qwen3-MoE (dense parts compiled, experts eager) under EP 2 × FSDP 2
-with selective AC. CI leaves out the Llama FSDP 2 × TP 2, PP 2 × FSDP 2 and MoE cases (compile meets FSDP in the
+with selective AC, and DeepSeek-V3 (multi-head latent attention) under TP 2 × EP 2 with full AC.
+CI leaves out the Llama FSDP 2 × TP 2, PP 2 × FSDP 2 and MoE cases (compile meets FSDP in the
 first case and TP in the Qwen3 one; `make test-parity-full`, TITANLAB_PARITY_FULL=1, runs it)."""
 
 import os
@@ -65,8 +66,31 @@ COMMON = ["--training.steps", "5", "--checkpoint.enable", "false"]
                 reason="MoE × compile is in the feature-pair matrix; make test-parity-full runs it",
             ),
         ),
+        # DeepSeek-V3: MLA's tensor-parallel hooks (replicated latent projections, the rotary
+        # key's gradient summed over tp) inside compiled blocks, with full AC.
+        (
+            2,
+            4,
+            [
+                "--model.name",
+                "deepseek_v3",
+                "--parallelism.tensor_parallel_degree",
+                "2",
+                "--parallelism.expert_parallel_degree",
+                "2",
+                "--activation_checkpoint.mode",
+                "full",
+            ],
+        ),
     ],
-    ids=["fsdp2", "fsdp2_tp2", "pp2_fsdp2", "qwen3_tp2_selective_ac", "moe_ep2_fsdp2_sac"],
+    ids=[
+        "fsdp2",
+        "fsdp2_tp2",
+        "pp2_fsdp2",
+        "qwen3_tp2_selective_ac",
+        "moe_ep2_fsdp2_sac",
+        "deepseek_v3_tp2_ep2_full_ac",
+    ],
 )
 def test_compiled_matches_eager(nproc, local_batch, extra, train, tmp_path):
     eager, compiled = str(tmp_path / "eager"), str(tmp_path / "compiled")

@@ -25,6 +25,7 @@ from titanlab.planning.memory import estimate_memory
 from titanlab.models.llama3 import llama3_flavors
 from titanlab.models.qwen3 import qwen3_flavors
 from titanlab.models.qwen3_moe import qwen3_moe_flavors
+from titanlab.models.deepseek_v3 import deepseek_v3_flavors
 from titanlab.models.registry import build_model
 from titanlab.components.optim import OptimizersContainer
 
@@ -34,6 +35,7 @@ MODELS = {
         ("llama3", llama3_flavors),
         ("qwen3", qwen3_flavors),
         ("qwen3_moe", qwen3_moe_flavors),
+        ("deepseek_v3", deepseek_v3_flavors),  # MLA; 1 dense block, then MoE blocks
     )
 }
 BATCH, SEQ = 4, 256

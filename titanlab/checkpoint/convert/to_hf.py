@@ -59,7 +59,8 @@ def dcp_to_hf(
             "debugmodel". The vocab size is taken from the embedding's shape.
         model_args: use these args (of `model_name`) instead (vocab size still from the
             checkpoint).
-        dtype: dtype of the written weights (fp32, bf16 or fp16).
+        dtype: dtype of the written weights (fp32, bf16 or fp16); a router that Hugging Face
+            keeps in fp32 (DeepSeek-V3's gate and bias) is written in fp32 whatever `dtype`.
         max_shard_bytes: a shard holds tensors up to this many bytes (one larger tensor gets a
             shard of its own).
         max_position_embeddings: context length written to config.json; default: the model's
@@ -114,11 +115,12 @@ def dcp_to_hf(
     for name in names:
         for hf_name, expert in adapter.hf_parts(name, expected[name]):
             shape = expected[name][1:] if expert is not None else expected[name]
-            nbytes = torch.Size(shape).numel() * dtype.itemsize
+            tensor_dtype = adapter.hf_dtype(name, dtype)
+            nbytes = torch.Size(shape).numel() * tensor_dtype.itemsize
             if shards[-1] and size + nbytes > max_shard_bytes:
                 shards.append([])
                 size = 0
-            shards[-1].append((hf_name, shape, dtype))
+            shards[-1].append((hf_name, shape, tensor_dtype))
             size += nbytes
             hf_to_ours[hf_name] = (name, expert)
     stacked: dict[str, torch.Tensor] = {}  # the one stacked expert tensor being written out

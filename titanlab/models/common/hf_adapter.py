@@ -232,6 +232,17 @@ class HFStateDictAdapter:
             return not self._route_bias
         return self.args.tie_word_embeddings and name == "output.weight"
 
+    def hf_dtype(self, name: str, dtype: torch.dtype) -> torch.dtype:
+        """The dtype to write titanlab tensor `name` in, for an export in `dtype`: fp32 for the
+        router's gate and bias of a model whose bias routes every forward (DeepSeek-V3:
+        transformers keeps `mlp.gate.weight` and `e_score_correction_bias` in fp32, and a bias
+        rounded to bf16 chooses other experts), else `dtype`."""
+        if self._route_bias and name.endswith(
+            ("feed_forward.router.gate.weight", "feed_forward.expert_bias")
+        ):
+            return torch.float32
+        return dtype
+
     def hf_parts(self, name: str, shape: tuple[int, ...]) -> list[tuple[str, int | None]]:
         """(HF name, expert index or None) of each HF tensor titanlab tensor `name` of `shape`
         becomes: one per expert for stacked expert weights, else one."""

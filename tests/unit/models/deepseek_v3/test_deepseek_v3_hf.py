@@ -58,6 +58,9 @@ def ds_config(**change):
         qk_rope_head_dim=8,
         v_head_dim=12,  # ≠ qk_nope_head_dim: a wrong split of kv_b_proj shows
         n_routed_experts=8,
+        n_group=2,
+        topk_group=1,
+        first_k_dense_replace=1,
         num_experts_per_tok=2,
         n_shared_experts=1,
         routed_scaling_factor=2.5,
@@ -121,3 +124,22 @@ def test_group_settings_that_do_not_fit_are_one_line():
         with pytest.raises(ValueError) as e:
             from_config({**cfg, **change}).validate()
         assert "\n" not in str(e.value)
+
+
+def test_a_bf16_export_keeps_the_router_gate_and_bias_fp32(tmp_path):
+    """transformers keeps DeepSeek-V3's gate and bias in fp32; a bias rounded to bf16 routes
+    differently, so to-hf writes those two in fp32 whatever --dtype."""
+    from test_qwen3_hf import read_folder
+
+    from titanlab.checkpoint.convert import dcp_to_hf
+
+    random_ds_model(ds_config()).save_pretrained(str(tmp_path / "hf"))
+    hf_to_dcp(str(tmp_path / "hf"), str(tmp_path / "dcp"), progress=False)
+    dcp_to_hf(str(tmp_path / "dcp"), str(tmp_path / "bf16"), dtype=torch.bfloat16, progress=False)
+    original, tensors = read_folder(str(tmp_path / "hf")), read_folder(str(tmp_path / "bf16"))
+    router = [k for k in tensors if k.endswith(("mlp.gate.weight", "e_score_correction_bias"))]
+    assert len(router) == 4  # 2 MoE blocks × (gate, bias)
+    for k, v in tensors.items():
+        assert v.dtype == (torch.float32 if k in router else torch.bfloat16), k
+        if k in router:
+            assert torch.equal(v, original[k])
