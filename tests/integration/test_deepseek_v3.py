@@ -1,8 +1,9 @@
 """DeepSeek-V3 (multi-head latent attention, dense first block, group-limited routing with the
 auxiliary-loss-free bias, a shared expert) under data, tensor, pipeline and expert parallelism
 equals one process, from one seed checkpoint, fp32, 5 steps, within 1e-5, and its expert biases
-after 5 steps are equal bitwise. The debug config trains on 2 processes and its export loads in
-transformers with equal logits.
+after 5 steps are equal bitwise; the debug flavor's multi-token prediction depth trains under
+FSDP × EP to the 1-process losses. The debug config trains on 2 processes, resumes bitwise, and
+its export loads in transformers with equal logits.
 
 The cases are generated from the layouts of 2 and 4 ranks the trainer's validator accepts for
 the model: the smallest layout with each of FSDP 2, TP 2, EP 2, PP 2 (1F1B) and with each pair
@@ -12,6 +13,7 @@ pipeline schedule included.
 
 import dataclasses
 import itertools
+import json
 import os
 import subprocess
 
@@ -76,6 +78,24 @@ def test_deepseek_v3_layout_matches_single_process(layout, reference):
     assert any(v.abs().sum() > 0 for v in want.values())  # the bias did move
 
 
+MTP_CASES = ["ws2-fsdp2-ep2"] if not FULL else ["ws2-fsdp2-ep2", "ws2-ddp2", "ws4-fsdp2-ep4"]
+
+
+@pytest.mark.parametrize("name", MTP_CASES)
+def test_multi_token_prediction_trains_equal_to_one_process(name, tiny_dataset, tmp_path):
+    """The debug flavor's MTP depth (its block's experts split by EP, the depth an FSDP unit of
+    its own, the output head used twice per forward) trains to the 1-process losses."""
+    options = [*OPTIONS, "--model.flavor", "debugmodel"]
+    layout = next(lay for lay in parity_matrix.valid_layouts((2, 4), options, with_ep=True)
+                  if lay.name == name)  # fmt: skip
+    root = str(tmp_path)
+    dataset, seed, losses = parity_matrix.prepare_reference(root, tiny_dataset, extra=options)
+    outcome = parity_matrix.run_layout(layout, dataset, seed, losses, root, extra=options)
+    assert outcome.error is None, outcome.report()
+    print(f"deepseek_v3 debugmodel (MTP) {name}: worst |Δloss| {outcome.max_abs_diff:.3g}")
+    assert outcome.max_abs_diff <= parity_matrix.TOLERANCE
+
+
 def test_deepseek_v3_debug_config_trains_resumes_exactly_and_exports_to_transformers(
     tiny_dataset, tmp_path
 ):
@@ -109,6 +129,9 @@ def test_deepseek_v3_debug_config_trains_resumes_exactly_and_exports_to_transfor
     want, got = read_metrics(str(straight)), read_metrics(str(resumed))
     assert [got[s] for s in range(1, 13)] == [want[s] for s in range(1, 13)]  # bitwise
     assert want[12] < want[1]
+    with open(straight / "metrics.jsonl", encoding="utf-8") as f:
+        mtp = {r["step"]: r["mtp_loss"] for r in map(json.loads, f)}  # the MTP depth trains
+    assert mtp[12] < mtp[1] and "mtp_loss:" in proc.stdout
 
     export = straight / "checkpoint" / "export-step-12"
     stored = read_model_args(str(export))

@@ -154,7 +154,7 @@ def model_architecture(config: JobConfig, vocab_size: int) -> Any:
                 f"model.flavor={stored[0]!r}"
             )
         args = dataclasses.replace(published, vocab_size=vocab_size)
-    return _validated(config, _with_moe_options(config, args))
+    return _validated(config, _with_mtp_options(config, _with_moe_options(config, args)))
 
 
 def _validated(config: JobConfig, args: Any) -> Any:
@@ -164,6 +164,20 @@ def _validated(config: JobConfig, args: Any) -> Any:
     except ValueError as e:
         raise ConfigError(f"model.flavor={config.model.flavor}: {e}") from None
     return args
+
+
+def _with_mtp_options(config: JobConfig, args: Any) -> Any:
+    """`args` with `model.mtp_loss_weight` applied (a value >= 0 replaces the flavor's). Raises
+    ConfigError for a model without multi-token prediction depths given it."""
+    weight = config.model.mtp_loss_weight
+    if weight < 0:
+        return args
+    if not getattr(args, "mtp_layers", 0):
+        raise ConfigError(
+            f"model.mtp_loss_weight={weight} needs a model with multi-token prediction depths; "
+            f"model.name={config.model.name} flavor {config.model.flavor} has none"
+        )
+    return dataclasses.replace(args, mtp_loss_weight=weight)
 
 
 def _with_moe_options(config: JobConfig, args: Any) -> Any:

@@ -107,8 +107,12 @@ class Model:
     """MoE models: step of the auxiliary-loss-free expert bias (DeepSeek-V3) per optimizer step
     (0: off). -1: the flavor's (0, off)."""
 
+    mtp_loss_weight: float = -1.0
+    """Models with multi-token prediction depths (deepseek_v3): λ, the weight of their loss
+    (0: not computed, the depths do not train). -1: the flavor's (DeepSeek-V3: 0.3)."""
+
     def validate(self) -> None:
-        for name in ("moe_load_balance_coeff", "moe_bias_update_speed"):
+        for name in ("moe_load_balance_coeff", "moe_bias_update_speed", "mtp_loss_weight"):
             value = getattr(self, name)
             _require(
                 value == -1.0 or value >= 0,

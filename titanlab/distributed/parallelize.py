@@ -284,7 +284,9 @@ def apply_fsdp(
     """
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     offload = CPUOffloadPolicy(pin_memory=pin_memory) if cpu_offload else OffloadPolicy()
-    for block in model.layers.values():
+    mtp = list(model.mtp.values()) if getattr(model, "mtp", None) is not None else []
+    # Multi-token prediction depths (DeepSeek-V3) are one more unit each, their block inside.
+    for block in [*model.layers.values(), *(m.block for m in mtp)]:
         for moe in moe_layers(block):
             fully_shard(
                 moe.router,
@@ -305,6 +307,15 @@ def apply_fsdp(
                 moe.experts.set_force_sum_reduction_for_comms(experts.sum_reduce)  # type: ignore[operator]
         fully_shard(
             block,
+            reshard_after_forward=reshard_after_forward,
+            mesh=mesh,
+            mp_policy=mp,
+            offload_policy=offload,
+            dp_mesh_dims=dp_mesh_dims,
+        )
+    for depth in mtp:
+        fully_shard(
+            depth,
             reshard_after_forward=reshard_after_forward,
             mesh=mesh,
             mp_policy=mp,

@@ -30,6 +30,8 @@ def format_line(rec: dict[str, Any], memory_kind: str) -> str:
         f"{rec['step_time_ms_max']:.1f})  data_ms: {rec['data_wait_ms']:.1f}  "
         f"cpu: {rec['cpu_util_pct']:.0f}%"
     )
+    if "mtp_loss" in rec:  # multi-token prediction depths (DeepSeek-V3)
+        line += f"  mtp_loss: {rec['mtp_loss']:.6f}"
     if "loss_scale" in rec:
         line += f"  loss_scale: {rec['loss_scale']:g}"
     if rec.get("alloc_retries"):

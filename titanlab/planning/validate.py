@@ -94,6 +94,7 @@ def validate_layout(config: JobConfig, dims: ParallelDims, model_args, device_ty
             "context-parallel attention takes only a causal mask; use context_parallel_degree=1 "
             "or data.packing=false (one sample per window)"
         )
+    _validate_mtp(config, dims, model_args)
     if dims.cp > 1 and getattr(model_args, "attention_type", "gqa") == "mla":
         raise ConfigError(
             f"parallelism.context_parallel_degree={dims.cp} with model.name={config.model.name}: "
@@ -114,6 +115,26 @@ def validate_layout(config: JobConfig, dims: ParallelDims, model_args, device_ty
                 ) from None
     if dims.pp > 1:
         _validate_pipeline(config, dims, model_args)
+
+
+def _validate_mtp(config: JobConfig, dims: ParallelDims, model_args) -> None:
+    """Multi-token prediction depths (trained when their loss weight is above 0) need the
+    embedding and the head on one rank, the whole sequence on it, and a plain causal mask."""
+    if not getattr(model_args, "mtp_layers", 0) or not getattr(model_args, "mtp_loss_weight", 0):
+        return
+    refused = {
+        f"parallelism.pipeline_parallel_degree={dims.pp}": dims.pp > 1,
+        f"parallelism.tensor_parallel_degree={dims.tp}": dims.tp > 1,
+        "data.document_mask=true": config.data.document_mask,
+        "distill.teacher_path": bool(config.distill.teacher_path),
+    }
+    for option, on in refused.items():
+        if on:
+            raise ConfigError(
+                f"{option} with the multi-token prediction depths of model.name="
+                f"{config.model.name} (mtp_layers={model_args.mtp_layers}) is not supported yet; "
+                "set model.mtp_loss_weight=0 to train without them"
+            )
 
 
 def packed_chat_data(config: JobConfig) -> bool:

@@ -9,10 +9,11 @@ distillation loss) over every valid token of the global batch, whatever the layo
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, cast
 
 import torch
 from torch.distributed.fsdp import FSDPModule
@@ -28,6 +29,7 @@ from titanlab.distributed import moe_stats
 from titanlab.distributed.context_parallel import cp_context
 from titanlab.distributed.parallel_dims import ParallelDims
 from titanlab.distributed.utils import clip_grad_norm_, global_sum
+from titanlab.models.common.mtp import mtp_targets
 from titanlab.posttrain.distill import PipelineDistillLoss, distillation_loss_sum
 from titanlab.components.fused_head import fused_distillation, fused_targets, teacher_hidden
 from titanlab.components.fused_pipeline import LABELS
@@ -110,6 +112,7 @@ class TrainStep:
         if self.scaler is not None:  # float16: backward on a dynamically scaled loss
             scale = self.scaler.scale(scale).reshape(())
         loss_sum = torch.zeros((), device=self.device)  # this rank's token-loss sum
+        self.mtp_loss_sum = torch.zeros((), device=self.device)  # its MTP depths' (`_mtp_loss`)
         microbatches = len(batches) * (self.pp_microbatches if self.schedule is not None else 1)
         moe_stats.set_aux_grad_scale(
             self.model_parts,
@@ -141,6 +144,10 @@ class TrainStep:
         self.moe_metrics = moe_stats.end_step(
             self.model_parts, self._moe_stats_mesh, microbatches, stepped
         )
+        if getattr(self.model_parts[0], "last_mtp_loss", None) is not None:
+            # the depths' summed cross-entropy over the main loss's token count
+            mtp = global_sum(self.mtp_loss_sum, self._loss_mesh) / global_tokens
+            self.moe_metrics["mtp_loss"] = mtp.detach()
         return loss.detach(), grad_norm.detach().float()
 
     def _set_microbatch_sync(self, last: bool) -> None:
@@ -211,10 +218,30 @@ class TrainStep:
         # dtypes forward chose, without autocast's dispatch on every backward op (a profile of
         # one bf16 CPU step showed 62 extra casts when backward ran inside it).
         with context:
-            with self.autocast():
+            with self.autocast(), self._mtp_loss(labels, scale):
                 token_loss = self._loss(inputs, labels, kwargs)
             (token_loss * scale).backward()
         return local_value(token_loss)
+
+    def _mtp_loss(self, labels: torch.Tensor, scale: torch.Tensor) -> Any:
+        """Multi-token prediction (DeepSeek-V3; `titanlab.models.common.mtp`): within, the
+        model's forward also computes its depths' loss, weighted λ / D times the main loss's
+        scale in backward, and adds its token sum to `self.mtp_loss_sum`; a no-op for a model
+        without depths or with λ = 0."""
+        model = self.model_parts[0]
+        args = getattr(model, "args", None)
+        depths = getattr(args, "mtp_layers", 0)
+        weight = getattr(args, "mtp_loss_weight", 0.0)
+        if not depths or not weight or getattr(model, "mtp", None) is None:
+            return contextlib.nullcontext()
+
+        @contextlib.contextmanager
+        def computing() -> Iterator[None]:
+            with mtp_targets(model, labels, scale * (weight / depths)):
+                yield
+            self.mtp_loss_sum = self.mtp_loss_sum + cast(torch.Tensor, model.last_mtp_loss)
+
+        return computing()
 
     def _loss(self, inputs: torch.Tensor, labels: torch.Tensor, kwargs: dict) -> torch.Tensor:
         """The token-loss sum of one batch (0-dim fp32; a DTensor under loss parallel): the

@@ -21,7 +21,7 @@ from titanlab.checkpoint.streaming import (
     LazyModelPlanner,
     read_safetensors_tensor,
 )
-from titanlab.models.common.hf_adapter import HFStateDictAdapter, split_hf_name
+from titanlab.models.common.hf_adapter import HFStateDictAdapter
 from titanlab.models.registry import (
     ModelFamily,
     family_of_hf_config,
@@ -132,9 +132,12 @@ def hf_to_dcp(
                 if adapter.args.tie_word_embeddings and hf_name == "lm_head.weight":
                     continue  # tied: the embedding is the output projection
                 try:
-                    ours, expert = split_hf_name(hf_name)
+                    name_, expert = adapter.split_hf_name(hf_name)
                 except ValueError as e:
                     raise ConversionError(str(e)) from None
+                if name_ is None:
+                    continue  # an MTP depth's copy of the embedding or head
+                ours = name_
                 sl = f.get_slice(hf_name)
                 shape, st_dtype = sl.get_shape(), sl.get_dtype()
                 if st_dtype not in ST_FROM_NAME:

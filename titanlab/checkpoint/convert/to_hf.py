@@ -113,7 +113,7 @@ def dcp_to_hf(
     size = 0
     hf_to_ours: dict[str, tuple[str, int | None]] = {}
     for name in names:
-        for hf_name, expert in adapter.hf_parts(name, expected[name]):
+        for hf_name, expert in adapter.hf_parts(name, expected[name], copies=True):
             shape = expected[name][1:] if expert is not None else expected[name]
             tensor_dtype = adapter.hf_dtype(name, dtype)
             nbytes = torch.Size(shape).numel() * tensor_dtype.itemsize

@@ -28,6 +28,7 @@ from titanlab.models.common.document_mask import build_attention_mask
 from titanlab.models.common.init import trunc_normal_
 from titanlab.models.common.kv_cache import KVCache, LayerCache
 from titanlab.models.common.mla import MLAttention
+from titanlab.models.common.mtp import MTPModule, add_mtp_loss, mtp_loss_sum
 from titanlab.models.common.moe import MoE, MoEArgs
 from titanlab.models.common.rope import RopeScaling, YarnScaling, precompute_rope_cos_sin
 
@@ -169,6 +170,22 @@ class Decoder(nn.Module):
         )
         self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        # Multi-token prediction depths (DeepSeek-V3; `common/mtp.py`), each with the block of
+        # layer id n_layers + k; computed only inside `mtp_targets` (training).
+        depths = getattr(args, "mtp_layers", 0)
+        self.mtp: nn.ModuleDict | None = None
+        if depths:
+            self.mtp = nn.ModuleDict(
+                {
+                    str(k): MTPModule(
+                        args.dim, args.norm_eps, TransformerBlock(args.n_layers + k, args)
+                    )
+                    for k in range(depths)
+                }
+            )
+        self.mtp_labels: torch.Tensor | None = None
+        self.mtp_grad_scale: Any = 0.0
+        self.last_mtp_loss: torch.Tensor | None = None
         if args.tie_word_embeddings:
             self.output.weight = self.tok_embeddings.weight
         cos, sin = precompute_rope_cos_sin(
@@ -230,6 +247,9 @@ class Decoder(nn.Module):
             trunc_normal_(self.output.weight, self.args.dim**-0.5)
         elif self.args.tie_word_embeddings and self.tok_embeddings is not None:
             trunc_normal_(self.tok_embeddings.weight, self.args.dim**-0.5)
+        if self.mtp is not None:
+            for k in sorted(self.mtp.keys(), key=int):
+                cast(MTPModule, self.mtp[k]).init_weights()
 
     def forward(
         self,
@@ -257,6 +277,7 @@ class Decoder(nn.Module):
             ValueError: if seq exceeds `args.max_seq_len` (the RoPE table length).
         """
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        embed = h
         seq = h.shape[1]
         if seq > self.rope_cos.shape[0]:
             raise ValueError(f"sequence length {seq} exceeds max_seq_len={self.rope_cos.shape[0]}")
@@ -278,7 +299,19 @@ class Decoder(nn.Module):
             cache.end()
         if self.norm is not None:
             h = self.norm(h)
-        return self.output(h) if self.output is not None else h
+        if self.output is None:
+            return h
+        out = self.output(h)
+        if self.mtp is not None and self.mtp_labels is not None:
+            assert segments is None and positions is None and cache is None, "refused by config"
+            assert self.tok_embeddings is not None, "refused by config (pipeline)"
+            loss = mtp_loss_sum(
+                self.mtp, self.output, embed, h, self.mtp_labels, self.rope_cos, self.rope_sin
+            )
+            self.last_mtp_loss = loss.detach()
+            if torch.is_grad_enabled() and self.training:
+                out = add_mtp_loss(out, loss, self.mtp_grad_scale)
+        return out
 
 
 def moe_layers(model: nn.Module) -> list[MoE]:
@@ -287,12 +320,14 @@ def moe_layers(model: nn.Module) -> list[MoE]:
 
 
 def moe_layer_args(args) -> list[MoEArgs]:
-    """The MoEArgs of every MoE block of the whole model, from its args alone (no module built):
-    empty for a dense family (args without `moe_layer`)."""
+    """The MoEArgs of every MoE block of the whole model, multi-token prediction depths
+    included, from its args alone (no module built): empty for a dense family (args without
+    `moe_layer`)."""
     moe_layer = getattr(args, "moe_layer", None)
     if moe_layer is None:
         return []
-    return [a for i in range(args.n_layers) if (a := moe_layer(i)) is not None]
+    blocks = args.n_layers + getattr(args, "mtp_layers", 0)  # MTP depths: layer ids L, L+1, ..
+    return [a for i in range(blocks) if (a := moe_layer(i)) is not None]
 
 
 def count_active_params(model: nn.Module, exclude_embedding: bool = False) -> int:

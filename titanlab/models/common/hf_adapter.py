@@ -47,6 +47,7 @@ import re
 import torch
 
 from titanlab.models.common.decoder import DecoderArgs, moe_layer_args
+from titanlab.models.common.hf_mtp import MTPNames
 
 _GLOBAL_TO_HF = {
     "tok_embeddings.weight": "model.embed_tokens.weight",
@@ -196,6 +197,7 @@ class HFStateDictAdapter:
         self.args = args
         self._mla = getattr(args, "attention_type", "gqa") == "mla"
         self._route_bias = any(m.route_bias for m in moe_layer_args(args))
+        self._mtp = MTPNames(args.n_layers, getattr(args, "mtp_layers", 0))
 
     def _heads(self, name: str) -> int | None:
         if self._mla:
@@ -243,12 +245,46 @@ class HFStateDictAdapter:
             return torch.float32
         return dtype
 
-    def hf_parts(self, name: str, shape: tuple[int, ...]) -> list[tuple[str, int | None]]:
+    def hf_parts(
+        self, name: str, shape: tuple[int, ...], copies: bool = False
+    ) -> list[tuple[str, int | None]]:
         """(HF name, expert index or None) of each HF tensor titanlab tensor `name` of `shape`
-        becomes: one per expert for stacked expert weights, else one."""
-        if is_stacked(name):
-            return [(expert_hf_name(name, e), e) for e in range(shape[0])]
-        return [(to_hf_name(name), None)]
+        becomes: one per expert for stacked expert weights, else one; with `copies` (export),
+        also the copies of the embedding and head that each MTP depth's layer holds
+        (`common/hf_mtp.py`)."""
+        layer = self._mtp.block_as_layer(name) or name
+        parts: list[tuple[str, int | None]]
+        if is_stacked(layer):
+            parts = [(expert_hf_name(layer, e), e) for e in range(shape[0])]
+        else:
+            parts = [(self._hf_name(name), None)]
+        if copies:
+            parts += [(hf, None) for hf in self._mtp.copies(name)]
+        return parts
+
+    def _hf_name(self, name: str) -> str:
+        own = self._mtp.own_hf_name(name)
+        return own if own is not None else to_hf_name(self._mtp.block_as_layer(name) or name)
+
+    def split_hf_name(self, hf_name: str) -> tuple[str | None, int | None]:
+        """(titanlab name, expert index or None) of HF weight `hf_name`, as the module-level
+        `split_hf_name`, MTP depths' layers included; (None, None) for a depth's copy of the
+        embedding or head, which import drops.
+
+        Raises:
+            ValueError: `hf_name` is not a weight of a registered family.
+        """
+        depth = self._mtp.depth_of_hf(hf_name)
+        if depth is None:
+            return split_hf_name(hf_name)
+        k, rest = depth
+        if self._mtp.is_copy(rest):
+            return None, None
+        own = self._mtp.own_from_hf(k, rest)
+        if own is not None:
+            return own, None
+        name, expert = split_hf_name(hf_name)
+        return self._mtp.block_from_layer(name), expert
 
     def to_hf(self, name: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor]:
         """(HF name, tensor in HF layout) of titanlab weight `name`; shape and dtype kept.
@@ -256,15 +292,18 @@ class HFStateDictAdapter:
         Raises:
             ValueError: `name` is not a decoder weight.
         """
-        return to_hf_name(name), self._permute(name, tensor, to_hf=True)
+        return self._hf_name(name), self._permute(name, tensor, to_hf=True)
 
     def from_hf(self, hf_name: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor]:
         """(titanlab name, tensor in titanlab layout) of HF weight `hf_name`; shape, dtype kept.
 
         Raises:
-            ValueError: `hf_name` is not a weight of a registered family.
+            ValueError: `hf_name` is not a weight of a registered family, or an MTP depth's
+                copy of the embedding or head (see `split_hf_name`).
         """
-        name = from_hf_name(hf_name)
+        name, expert = self.split_hf_name(hf_name)
+        if name is None or expert is not None:
+            raise ValueError(f"{hf_name!r} is not a tensor of its own in titanlab's model")
         return name, self._permute(name, tensor, to_hf=False)
 
     def to_hf_state_dict(self, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -274,10 +313,8 @@ class HFStateDictAdapter:
         for k, v in state_dict.items():
             if self.skipped_in_hf(k):
                 continue
-            if is_stacked(k):
-                out.update({hf: v[e] for hf, e in self.hf_parts(k, tuple(v.shape))})
-            else:
-                out.update([self.to_hf(k, v)])
+            for hf, e in self.hf_parts(k, tuple(v.shape), copies=True):
+                out[hf] = v[e] if e is not None else self._permute(k, v, to_hf=True)
         return out
 
     def from_hf_state_dict(self, hf_state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -289,7 +326,9 @@ class HFStateDictAdapter:
         for k, v in hf_state_dict.items():
             if self.args.tie_word_embeddings and k == "lm_head.weight":
                 continue
-            name, expert = split_hf_name(k)
+            name, expert = self.split_hf_name(k)
+            if name is None:
+                continue  # an MTP depth's copy of the embedding or head
             if expert is None:
                 sd.update([self.from_hf(k, v)])
             else:

@@ -48,6 +48,13 @@ class DeepSeekV3ModelArgs:
     """Blocks 0 .. n_dense_layers-1 are dense, the rest MoE (`first_k_dense_replace`)."""
     moe: MoEArgs = field(default_factory=lambda: _moe(256, 8, 2048, 1, 8, 4, 2.5))
     """The MoE blocks' shape and routing."""
+    mtp_layers: int = 0
+    """Multi-token prediction depths D (`num_nextn_predict_layers`; DeepSeek-V3: 1), each one
+    MLA + MoE block predicting one more token ahead (`common/mtp.py`); trained, not exported
+    to the model transformers runs."""
+    mtp_loss_weight: float = 0.3
+    """λ, the weight of the MTP loss (the paper's 0.3 for the first 10T tokens, then 0.1);
+    training only, not part of config.json."""
     vocab_size: int = -1
     """Vocabulary size; -1 means "set from the tokenizer when the model is built"."""
     norm_eps: float = 1e-6
@@ -126,6 +133,11 @@ class DeepSeekV3ModelArgs:
             raise ValueError(
                 f"n_dense_layers={self.n_dense_layers} must be in 0..n_layers ({self.n_layers})"
             )
+        if self.mtp_layers < 0 or self.mtp_loss_weight < 0:
+            raise ValueError(
+                f"mtp_layers={self.mtp_layers} and mtp_loss_weight={self.mtp_loss_weight} "
+                "must be >= 0"
+            )
         if self.norm_eps <= 0 or self.rope_theta <= 0:
             raise ValueError(
                 f"norm_eps={self.norm_eps} and rope_theta={self.rope_theta} must be positive"
@@ -175,6 +187,7 @@ deepseek_v3_flavors: dict[str, DeepSeekV3ModelArgs] = {
         hidden_dim=640,
         n_dense_layers=1,
         moe=_moe(8, 2, 128, 1, 2, 1, 2.5),
+        mtp_layers=1,
     ),
     # 8 thin layers: enough stages for 4-rank pipelines in CPU parity tests; the compressed
     # query and group-limited routing (2 groups of 4, the best one kept) as in 671B.
@@ -209,8 +222,9 @@ deepseek_v3_flavors: dict[str, DeepSeekV3ModelArgs] = {
         rope_theta=50000.0,
         max_seq_len=8192,
     ),
-    # deepseek-ai/DeepSeek-V3 (671B total, 37B active; the MTP module is not counted).
+    # deepseek-ai/DeepSeek-V3 (671B total, 37B active, without its one MTP depth: 11.6B more).
     "671B": DeepSeekV3ModelArgs(
+        mtp_layers=1,
         vocab_size=DEEPSEEK_V3_VOCAB_SIZE,
         rope_scaling=YarnScaling(
             factor=40.0, original_max_position_embeddings=4096, mscale=1.0, mscale_all_dim=1.0

@@ -29,10 +29,16 @@ def _meta(flavor: str) -> DeepSeekV3Transformer:
 
 @pytest.mark.parametrize("flavor", list(PUBLISHED))
 def test_published_parameter_counts(flavor):
+    """The main model's counts (the published ones leave the MTP depth out); 671B's MTP depth
+    is 11.6B more (README_WEIGHTS.md of deepseek-ai/DeepSeek-V3: "11.5B unique")."""
     model = _meta(flavor)
-    total, active = count_params(model), count_active_params(model)
-    print(f"deepseek_v3 {flavor}: {total:,} total, {active:,} active")
+    mtp = count_params(model.mtp) if model.mtp is not None else 0
+    total, active = count_params(model) - mtp, count_active_params(model)
+    if model.mtp is not None:
+        active -= count_active_params(model.mtp)
+    print(f"deepseek_v3 {flavor}: {total:,} total, {active:,} active, MTP {mtp:,}")
     assert (total, active) == PUBLISHED[flavor]
+    assert mtp == (11_610_067_968 if flavor == "671B" else 0)
 
 
 @pytest.mark.parametrize("flavor", list(deepseek_v3_flavors))
@@ -42,7 +48,8 @@ def test_every_flavor_builds_with_mla_and_dense_first_blocks(flavor):
     blocks = [model.layers[str(i)] for i in range(args.n_layers)]
     assert all(isinstance(b.attention, MLAttention) for b in blocks)
     assert all((b.attention.wq is None) == (args.q_lora_rank > 0) for b in blocks)
-    assert len(moe_layers(model)) == args.n_layers - args.n_dense_layers
+    assert len(moe_layers(model)) == args.n_layers - args.n_dense_layers + args.mtp_layers
+    assert (model.mtp is None) == (args.mtp_layers == 0)
     assert get_family("deepseek_v3").flavors[flavor] is deepseek_v3_flavors[flavor]
 
 
