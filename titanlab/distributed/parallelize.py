@@ -10,7 +10,7 @@ with `to_empty` + `init_weights` (or a checkpoint load).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import nn
@@ -284,9 +284,11 @@ def apply_fsdp(
     """
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     offload = CPUOffloadPolicy(pin_memory=pin_memory) if cpu_offload else OffloadPolicy()
-    mtp = list(model.mtp.values()) if getattr(model, "mtp", None) is not None else []
+    depths: nn.ModuleDict | None = getattr(model, "mtp", None)
+    mtp = list(depths.values()) if depths is not None else []
     # Multi-token prediction depths (DeepSeek-V3) are one more unit each, their block inside.
-    for block in [*model.layers.values(), *(m.block for m in mtp)]:
+    blocks: list[nn.Module] = [*model.layers.values(), *(cast(nn.Module, m.block) for m in mtp)]
+    for block in blocks:
         for moe in moe_layers(block):
             fully_shard(
                 moe.router,
