@@ -12,8 +12,9 @@ Costs per unit (`unit_costs`):
   holds in weights, gradients and optimizer state;
 - flops: training FLOPs per token of the unit (forward + backward): 6 × its matmul parameters
   (Kaplan et al. 2020; an MoE block's experts counted at top_k / num_experts, the ones a token
-  runs) plus a block's attention, 12 × heads × head_dim × seq_len (PaLM, Chowdhery et al. 2022,
-  App. B), as `titanlab.models.common.decoder.flops_per_token` counts the whole model; the
+  runs) plus a block's attention, `attention_flops_per_token` (12 × heads × head_dim × seq_len
+  for GQA; PaLM, Chowdhery et al. 2022, App. B), as
+  `titanlab.models.common.decoder.flops_per_token` counts the whole model; the
   embedding is a lookup (0), the final norm + output projection 6 × (dim + vocab × dim). With a large vocabulary the
   output is worth many blocks, so the last stage gets fewer of them.
 """
@@ -26,6 +27,7 @@ from typing import cast
 from torch import nn
 
 from titanlab.config.job_config import ConfigError
+from titanlab.models.common.decoder import attention_flops_per_token
 
 SPLITS = ("layers", "params", "flops")
 
@@ -77,7 +79,7 @@ def unit_costs(model: nn.Module, args, seq_len: int, by: str) -> UnitCosts:
         )
     if by != "flops":
         raise ValueError(f"unit costs by {by!r}; valid: params, flops")
-    attention = 12 * args.n_heads * args.head_dim * seq_len
+    attention = attention_flops_per_token(args, seq_len)
     return UnitCosts(
         0,
         tuple(6 * _block_matmul_params(b) + attention for b in blocks),

@@ -81,6 +81,13 @@ class ModelShape:
     top_k: int
     num_experts: int
     total_params: int
+    attention_width: int = 0
+    """Dqk + Dv of one head (2 · head_dim for GQA; multi-head latent attention's own); 0: 2 ·
+    head_dim."""
+
+    def __post_init__(self) -> None:
+        if not self.attention_width:
+            object.__setattr__(self, "attention_width", 2 * self.head_dim)
 
     @classmethod
     def of(cls, model_args) -> ModelShape:
@@ -105,6 +112,8 @@ class ModelShape:
             top_k=moes[0].args.top_k if moes else 0,
             num_experts=moes[0].args.num_experts if moes else 0,
             total_params=count_params(model),
+            attention_width=getattr(model_args, "qk_head_dim", model_args.head_dim)
+            + getattr(model_args, "v_head_dim", model_args.head_dim),
         )
 
     @property
@@ -113,8 +122,9 @@ class ModelShape:
         return (self.active_params - self.output_params) / self.n_layers
 
     def attention_flops_per_token(self, seq_len: int) -> int:
-        """12·L·H·Q·s: the score and value matmuls, forward and backward, no causal discount."""
-        return 12 * self.n_layers * self.n_heads * self.head_dim * seq_len
+        """L · 6·H·(Dqk + Dv)·s: the score and value matmuls, forward and backward, no causal
+        discount (12·L·H·Q·s for GQA; `titanlab.models.common.decoder.attention_flops_per_token`)."""
+        return self.n_layers * 6 * self.n_heads * self.attention_width * seq_len
 
     def flops_per_token(self, seq_len: int) -> int:
         """Training FLOPs per token without recomputation (what MFU counts): the trainer's

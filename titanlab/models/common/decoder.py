@@ -354,16 +354,31 @@ def count_params(model: nn.Module, exclude_embedding: bool = False) -> int:
     return n
 
 
-def flops_per_token(args: DecoderArgs, seq_len: int, n_params_non_embedding: int) -> int:
-    """Training (forward + backward) FLOPs per token: 6 * N + 12 * L * H * Q * T.
+def attention_flops_per_token(args: DecoderArgs, seq_len: int) -> int:
+    """Training FLOPs per token of one block's attention: 6 · H · (Dqk + Dv) · T, the score
+    (width Dqk) and value (width Dv) matmuls at 2 FLOPs per multiply-add, forward and backward
+    (3x), no causal discount (PaLM, Chowdhery et al. 2022, Appendix B: 12·H·Q·T when
+    Dqk = Dv = Q = head_dim). Multi-head latent attention's args give `qk_head_dim` and
+    `v_head_dim`; its latent projections are ordinary matmuls, counted in the parameters."""
+    qk = getattr(args, "qk_head_dim", args.head_dim)
+    v = getattr(args, "v_head_dim", args.head_dim)
+    return 6 * args.n_heads * (qk + v) * seq_len
 
-    N: parameters without the embedding table (the output projection is counted), L: n_layers,
-    H: n_heads, Q: head_dim, T: seq_len (tokens). 6N is the dense matmul cost (2 forward +
-    4 backward per parameter, Kaplan et al. 2020); 12*L*H*Q*T is the attention score and value
-    matmuls with no causal discount (PaLM, Chowdhery et al. 2022, Appendix B). The q/k norms'
-    elementwise work is not counted (it is not a matmul).
+
+def flops_per_token(args: DecoderArgs, seq_len: int, n_params_non_embedding: int) -> int:
+    """Training (forward + backward) FLOPs per token: 6 · N + (L + D) · A + 6 · D · V · d.
+
+    N: parameters without the embedding table (the output projection and any multi-token
+    prediction depths counted), L: n_layers, A: `attention_flops_per_token`, D: multi-token
+    prediction depths (`args.mtp_layers`, 0 for most families), each running one more block
+    and the output head (V × d) once more. 6N is the dense matmul cost (2 forward + 4 backward
+    per parameter, Kaplan et al. 2020). The q/k norms' elementwise work is not counted (it is
+    not a matmul).
     """
-    return 6 * n_params_non_embedding + 12 * args.n_layers * args.n_heads * args.head_dim * seq_len
+    depths = getattr(args, "mtp_layers", 0)
+    attention = (args.n_layers + depths) * attention_flops_per_token(args, seq_len)
+    head = 6 * depths * args.vocab_size * args.dim
+    return 6 * n_params_non_embedding + attention + head
 
 
 def get_nparams_and_flops(model: nn.Module, args: DecoderArgs, seq_len: int) -> tuple[int, int]:

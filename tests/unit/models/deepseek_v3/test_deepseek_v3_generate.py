@@ -11,6 +11,7 @@ import torch
 
 from titanlab.generation import generate
 from titanlab.models.common.hf_adapter import HFStateDictAdapter
+from titanlab.models.common.rope import YarnScaling
 from titanlab.models.deepseek_v3 import deepseek_v3_flavors
 from titanlab.models.deepseek_v3.hf import to_config
 from titanlab.models.registry import build_model
@@ -24,11 +25,25 @@ TINY = dataclasses.replace(
     moe=dataclasses.replace(deepseek_v3_flavors["debugmodel"].moe, hidden_dim=32),
 )  # fmt: skip
 PROMPTS = [[5, 17, 3], [9, 2, 44, 61, 7, 8, 30], [1], [12, 13, 14, 15, 16]]
+# The switches of the architecture, as in test_deepseek_v3_hf.py's shapes.
+SHAPES = {
+    "q_lora, 1 dense, 2 groups, mtp": TINY,
+    "no q_lora, 0 dense, 4 groups of 2, yarn": dataclasses.replace(
+        TINY, q_lora_rank=0, n_dense_layers=0, mtp_layers=0,
+        moe=dataclasses.replace(TINY.moe, n_groups=4, topk_groups=2),
+        rope_scaling=YarnScaling(factor=4.0, original_max_position_embeddings=16,
+                                 mscale=1.0, mscale_all_dim=1.0),
+    ),
+    "q_lora, 2 dense, 1 group, 2 shared": dataclasses.replace(
+        TINY, n_layers=4, n_dense_layers=2, mtp_layers=0,
+        moe=dataclasses.replace(TINY.moe, n_groups=1, topk_groups=1, num_shared_experts=2),
+    ),
+}  # fmt: skip
 
 
-def tiny_model(seed: int = 3):
+def tiny_model(seed: int = 3, args=TINY):
     torch.manual_seed(seed)
-    model = build_model(TINY)
+    model = build_model(args)
     model.init_weights()
     with torch.no_grad():
         for name, buf in model.named_buffers():
@@ -48,20 +63,23 @@ def test_cached_decode_equals_recomputing_the_whole_sequence():
                 torch.testing.assert_close(step_logits[b], want, atol=1e-5, rtol=0)
 
 
-def test_greedy_equals_transformers_generate(tmp_path):
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_greedy_equals_transformers_generate(shape, tmp_path):
     transformers = pytest.importorskip("transformers")
     from safetensors.torch import save_file
 
-    model = tiny_model()
+    args = SHAPES[shape]
+    model = tiny_model(args=args)
     # Through a saved folder: transformers fuses the per-expert tensors of the files on load.
     (tmp_path / "config.json").write_text(
-        json.dumps(to_config(TINY, torch.float32, 64, None, None))
+        json.dumps(to_config(args, torch.float32, 64, None, None))
     )
-    state = HFStateDictAdapter(TINY).to_hf_state_dict(model.state_dict())
+    state = HFStateDictAdapter(args).to_hf_state_dict(model.state_dict())
     save_file({k: v.clone() for k, v in state.items()}, str(tmp_path / "model.safetensors"))
     hf = transformers.DeepseekV3ForCausalLM.from_pretrained(str(tmp_path)).eval()
-    bias = hf.model.layers[1].mlp.gate.e_score_correction_bias
-    assert torch.equal(bias, model.layers["1"].feed_forward.expert_bias) and bias.abs().sum() > 0
+    moe = str(args.n_dense_layers)  # the first MoE block
+    bias = hf.model.layers[int(moe)].mlp.gate.e_score_correction_bias
+    assert torch.equal(bias, model.layers[moe].feed_forward.expert_bias) and bias.abs().sum() > 0
     longest = max(map(len, PROMPTS))
     ids = torch.zeros(len(PROMPTS), longest, dtype=torch.long)
     mask = torch.zeros_like(ids)
