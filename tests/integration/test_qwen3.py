@@ -104,7 +104,7 @@ def _first_batch(dataset: str, seq: int, batch: int) -> tuple[torch.Tensor, torc
     return next(iter(build_loader(build_data(config, tokenizer).train, config, 0, 1)))
 
 
-@pytest.mark.parametrize("family", ["qwen3", "llama3"])
+@pytest.mark.parametrize("family", ["qwen3", "llama3", "deepseek_v3"])
 def test_run_from_an_imported_checkpoint_logs_transformers_loss(family, tiny_dataset, tmp_path):
     """A random transformers model of a shape no flavor has (9 heads, 3 KV heads, eps 1e-6),
     imported with from-hf, trains with `model.flavor = "hf"` from `initial_load_path`: its
@@ -128,6 +128,14 @@ def test_run_from_an_imported_checkpoint_logs_transformers_loss(family, tiny_dat
     if family == "qwen3":
         config = transformers.Qwen3Config(**shape, head_dim=16)
         hf_model = transformers.Qwen3ForCausalLM(config)
+    elif family == "deepseek_v3":  # MLA (9 key-value heads), 1 dense block, 4 groups of 2
+        config = transformers.DeepseekV3Config(
+            **{**shape, "num_key_value_heads": 9}, q_lora_rank=24, kv_lora_rank=16,
+            qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12, moe_intermediate_size=32,
+            n_routed_experts=8, n_group=4, topk_group=2, num_experts_per_tok=2,
+            first_k_dense_replace=1, num_mtp_layers=0,
+        )  # fmt: skip
+        hf_model = transformers.DeepseekV3ForCausalLM(config)
     else:
         config = transformers.LlamaConfig(**shape)
         hf_model = transformers.LlamaForCausalLM(config)
