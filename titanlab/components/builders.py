@@ -181,10 +181,11 @@ def _with_mtp_options(config: JobConfig, args: Any) -> Any:
 
 
 def _with_moe_options(config: JobConfig, args: Any) -> Any:
-    """`args` with `model.moe_load_balance_coeff` / `model.moe_bias_update_speed` applied
-    (values >= 0 replace the flavor's). Raises ConfigError for a dense model given either."""
+    """`args` with `model.moe_load_balance_coeff` / `model.moe_bias_update_speed` (values >= 0)
+    and `model.moe_load_balance_type` (non-empty) replacing the flavor's. Raises ConfigError
+    for a dense model given any."""
     m = config.model
-    change = {
+    change: dict[str, Any] = {
         field: value
         for field, value in (
             ("load_balance_coeff", m.moe_load_balance_coeff),
@@ -192,6 +193,8 @@ def _with_moe_options(config: JobConfig, args: Any) -> Any:
         )
         if value >= 0
     }
+    if m.moe_load_balance_type:
+        change["load_balance_type"] = m.moe_load_balance_type
     if not change:
         return args
     if not hasattr(args, "moe"):

@@ -107,6 +107,12 @@ class Model:
     """MoE models: step of the auxiliary-loss-free expert bias (DeepSeek-V3) per optimizer step
     (0: off). -1: the flavor's (0, off)."""
 
+    moe_load_balance_type: str = ""
+    """MoE models: the load-balance loss's form, "global" (Switch/GShard over the global
+    microbatch) or "sequence" (DeepSeek-V3's sequence-wise loss, each sequence's own; not with
+    tensor or context parallel). Empty: the flavor's (Qwen3-MoE: global, DeepSeek-V3:
+    sequence)."""
+
     mtp_loss_weight: float = -1.0
     """Models with multi-token prediction depths (deepseek_v3): λ, the weight of their loss
     (0: not computed, the depths do not train). -1: the flavor's (DeepSeek-V3: 0.3)."""
@@ -118,6 +124,11 @@ class Model:
                 value == -1.0 or value >= 0,
                 f"model.{name}={value} must be >= 0, or -1 for the flavor's value",
             )
+        _require(
+            self.moe_load_balance_type in ("", "global", "sequence"),
+            f"model.moe_load_balance_type={self.moe_load_balance_type!r}; valid: global, "
+            "sequence, or empty for the flavor's",
+        )
         # The family and flavor are checked against the model registry in the pre-flight
         # (`titanlab.components.builders.build_model_args`): config/ stays a leaf of the package.
         _require(bool(self.name), "model.name must not be empty")

@@ -294,6 +294,15 @@ def _validate_experts(config: JobConfig, dims: ParallelDims, model_args) -> None
             f"parallelism.expert_parallel_degree={dims.ep} must divide the number of experts "
             f"({moe.num_experts}) of {config.model.flavor}"
         )
+    if moe.load_balance_coeff > 0 and moe.load_balance_type == "sequence":
+        for option, degree in (("tensor", dims.tp), ("context", dims.cp)):
+            if degree > 1:
+                raise ConfigError(
+                    f"parallelism.{option}_parallel_degree={degree} with the sequence-wise "
+                    "load-balance loss: each rank holds part of every sequence, and the loss "
+                    "needs each sequence's own statistics; use model.moe_load_balance_type="
+                    f"global or {option}_parallel_degree=1"
+                )
     if dims.tp > 1 and dims.ep % dims.tp:
         raise ConfigError(
             f"parallelism.tensor_parallel_degree={dims.tp} with an MoE model needs "

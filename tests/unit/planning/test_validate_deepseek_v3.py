@@ -12,7 +12,9 @@ from titanlab.models.deepseek_v3 import deepseek_v3_flavors
 from titanlab.planning.validate import validate_layout
 
 
-def error(flavor: str, world: int = 4, config_change=None, **parallelism) -> str | None:
+def error(
+    flavor: str, world: int = 4, config_change=None, args_change=None, **parallelism
+) -> str | None:
     config = JobConfig()
     config.model.name, config.model.flavor = "deepseek_v3", flavor
     config.training.seq_len, config.training.local_batch_size = 64, 8
@@ -22,12 +24,18 @@ def error(flavor: str, world: int = 4, config_change=None, **parallelism) -> str
         config_change(config)
     dims = ParallelDims.from_config(config.parallelism, world)
     args = dataclasses.replace(deepseek_v3_flavors[flavor], vocab_size=4352, max_seq_len=64)
+    if args_change:
+        args = args_change(args)
     try:
         validate_layout(config, dims, args, "cpu")
     except ConfigError as e:
         assert "\n" not in str(e)
         return str(e)
     return None
+
+
+def _sequence_aux(args):
+    return dataclasses.replace(args, moe=dataclasses.replace(args.moe, load_balance_coeff=1e-4))
 
 
 def _doc_mask(c):
@@ -74,3 +82,13 @@ def test_the_same_layouts_pass_without_the_refused_part():
     assert (
         error("debugmodel", world=2, data_parallel_shard_degree=2, expert_parallel_degree=2) is None
     )
+
+
+def test_the_sequence_wise_aux_loss_is_refused_where_ranks_split_a_sequence():
+    message = error(
+        "debugmodel_deep", args_change=_sequence_aux, tensor_parallel_degree=2,
+        expert_parallel_degree=2,
+    )  # fmt: skip
+    assert message is not None and "sequence-wise load-balance loss" in message, message
+    assert "tensor_parallel_degree=2" in message
+    assert error("debugmodel_deep", args_change=_sequence_aux, pipeline_parallel_degree=2) is None

@@ -65,7 +65,12 @@ class MoEArgs:
     num_shared_experts: int = 0
     """Dense SwiGLU experts every token also goes through (width num_shared × hidden_dim)."""
     load_balance_coeff: float = 0.0
-    """Weight of the auxiliary load-balance loss (0: off; Qwen3-MoE trains with 0.001)."""
+    """Weight of the auxiliary load-balance loss (0: off; Qwen3-MoE trains with 0.001,
+    DeepSeek-V3 with 0.0001 sequence-wise)."""
+    load_balance_type: Literal["global", "sequence"] = "global"
+    """The aux loss's form: "global", the Switch/GShard loss over the global microbatch;
+    "sequence", DeepSeek-V3's sequence-wise balance loss (arXiv:2412.19437, eqs. 17-20), each
+    sequence's own, averaged over the sequences."""
     bias_update_speed: float = 0.0
     """Step of the auxiliary-loss-free expert bias per optimizer step (0: off; DeepSeek-V3:
     0.001)."""
@@ -87,6 +92,10 @@ class MoEArgs:
             raise ValueError(f"moe hidden_dim={self.hidden_dim} must be positive")
         if self.score_func not in ("softmax", "sigmoid"):
             raise ValueError(f"score_func={self.score_func!r}; valid: softmax, sigmoid")
+        if self.load_balance_type not in ("global", "sequence"):
+            raise ValueError(
+                f"load_balance_type={self.load_balance_type!r}; valid: global, sequence"
+            )
         if self.load_balance_coeff < 0 or self.bias_update_speed < 0:
             raise ValueError(
                 f"load_balance_coeff={self.load_balance_coeff} and bias_update_speed="
@@ -315,24 +324,36 @@ class MoE(nn.Module):
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         if self.record_stats:  # the recomputation reruns it too: the same saved tensors
-            out = self._load_balance(out, counts, scores, count)
+            if self.args.load_balance_type == "sequence":
+                out = self._load_balance(out, counts, scores, count, experts.view(bs, seq, -1))
+            else:
+                out = self._load_balance(out, counts, scores, count)
         return out.view(bs, seq, dim)
 
     def _load_balance(
-        self, out: torch.Tensor, counts: torch.Tensor, scores: torch.Tensor, count: bool
+        self,
+        out: torch.Tensor,
+        counts: torch.Tensor,
+        scores: torch.Tensor,
+        count: bool,
+        experts_bsk: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Record the global aux loss of this microbatch; attach its gradient when training."""
+        """Record the aux loss of this microbatch (global, or sequence-wise when the chosen
+        experts come as `experts_bsk` (bs, seq, k)); attach its gradient when training."""
         if self.args.load_balance_coeff <= 0:
             self.last_aux = None
             return out
-        stats = self.reduce_stats(
-            torch.cat([counts.float(), scores.new_tensor([scores.shape[0]])]).detach()
-        )
-        global_counts, global_tokens = stats[:-1], stats[-1]
-        f = global_counts / global_tokens  # token-slot fraction per expert; sums to k
-        # This rank's share of E · Σ f_i · P_i (P over the global tokens): the shares sum to the
-        # global loss, and the gradient through this rank's scores is the global one.
-        share = self.args.num_experts * (f * scores.sum(0)).sum() / global_tokens
+        if experts_bsk is not None:
+            share = self._sequence_share(scores, experts_bsk)
+        else:
+            stats = self.reduce_stats(
+                torch.cat([counts.float(), scores.new_tensor([scores.shape[0]])]).detach()
+            )
+            global_counts, global_tokens = stats[:-1], stats[-1]
+            f = global_counts / global_tokens  # token-slot fraction per expert; sums to k
+            # This rank's share of E · Σ f_i · P_i (P over the global tokens): the shares sum
+            # to the global loss, and the gradient through this rank's scores is the global one.
+            share = self.args.num_experts * (f * scores.sum(0)).sum() / global_tokens
         if count:
             self.last_aux = share.detach()
             with torch.no_grad():
@@ -340,6 +361,21 @@ class MoE(nn.Module):
         if self.training and self.aux_grad_scale and torch.is_grad_enabled():
             out = _AddAuxGrad.apply(out, share, self.aux_grad_scale)
         return out
+
+    def _sequence_share(self, scores: torch.Tensor, experts_bsk: torch.Tensor) -> torch.Tensor:
+        """This rank's share of DeepSeek-V3's sequence-wise balance loss, the mean over the
+        global microbatch's sequences of Σ_i f_i · P_i with, per sequence of T tokens,
+        f_i = E / (k·T) · (tokens choosing expert i) and P_i = mean over its tokens of the
+        normalized score s_i / Σ_j s_j (arXiv:2412.19437, eqs. 17-20). A sequence's statistics
+        are its own, so only the count of sequences is summed over the ranks."""
+        bs, seq, k = experts_bsk.shape
+        e = self.args.num_experts
+        chosen = torch.zeros(bs, seq, e, device=scores.device).scatter_(-1, experts_bsk, 1.0)
+        f = chosen.sum(1) * (e / (k * seq))  # (bs, E), no gradient: which experts were chosen
+        normalized = scores / scores.sum(-1, keepdim=True)  # (tokens, E); softmax: unchanged
+        p = normalized.view(bs, seq, e).mean(1)  # (bs, E)
+        sequences = self.reduce_stats(scores.new_tensor([bs]))[0]
+        return (f * p).sum() / sequences
 
     @torch.no_grad()
     def end_step(self, load: torch.Tensor, update_bias: bool = True) -> None:

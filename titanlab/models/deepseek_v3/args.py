@@ -155,7 +155,8 @@ def _moe(
     route_scale: float,
 ) -> MoEArgs:
     """DeepSeek-V3's routing: sigmoid scores, the bias always in the selection and updated by
-    auxiliary-loss-free balancing (γ = 0.001, the paper's), renormalized top-k, no aux loss."""
+    auxiliary-loss-free balancing (γ = 0.001, the paper's), renormalized top-k; the aux loss
+    sequence-wise when turned on (the paper's α = 0.0001; off by default)."""
     return MoEArgs(
         num_experts=num_experts,
         top_k=top_k,
@@ -168,6 +169,7 @@ def _moe(
         topk_groups=topk_groups,
         route_bias=True,
         load_balance_coeff=0.0,
+        load_balance_type="sequence",
         bias_update_speed=0.001,
     )
 

@@ -126,6 +126,7 @@ def from_config(cfg: dict[str, Any]) -> DeepSeekV3ModelArgs:
         topk_groups=int(cfg.get("topk_group") or 1),
         route_bias=True,
         load_balance_coeff=0.0,
+        load_balance_type="sequence",
         bias_update_speed=0.001,
     )
     return DeepSeekV3ModelArgs(
