@@ -59,17 +59,22 @@ def test_greedy_equals_transformers_generate():
     config = transformers.LlamaConfig(**to_config(TINY, torch.float32, 64, None, None))
     hf = transformers.LlamaForCausalLM(config).eval()
     hf.load_state_dict(HFStateDictAdapter(TINY).to_hf_state_dict(model.state_dict()))
-    longest = max(map(len, PROMPTS))
-    ids = torch.zeros(len(PROMPTS), longest, dtype=torch.long)
+    assert generate(model, PROMPTS, 24) == hf_greedy(hf, PROMPTS, 24)
+
+
+def hf_greedy(hf, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+    """transformers' greedy `generate` of each prompt, the batch left-padded (as generation
+    with a batch needs): the new tokens only."""
+    longest = max(map(len, prompts))
+    ids = torch.zeros(len(prompts), longest, dtype=torch.long)
     mask = torch.zeros_like(ids)
-    for b, p in enumerate(PROMPTS):  # left padding, as generation with a batch needs
+    for b, p in enumerate(prompts):
         ids[b, longest - len(p) :] = torch.tensor(p)
         mask[b, longest - len(p) :] = 1
-    want = hf.generate(
-        input_ids=ids, attention_mask=mask, max_new_tokens=24, do_sample=False,
+    return hf.generate(
+        input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False,
         pad_token_id=0, eos_token_id=None,
     )[:, longest:].tolist()  # fmt: skip
-    assert generate(model, PROMPTS, 24) == want
 
 
 def test_seeded_sampling_is_reproducible_and_the_filters_narrow_it():

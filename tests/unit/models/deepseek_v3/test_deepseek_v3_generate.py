@@ -5,9 +5,15 @@ left padding, and the cache's size against a full K/V cache at the 671B shape.""
 import dataclasses
 import json
 import os
+import sys
 
 import pytest
 import torch
+
+sys.path.insert(
+    0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(__file__))), "generation")
+)
+from test_generate import hf_greedy
 
 from titanlab.generation import generate
 from titanlab.models.common.hf_adapter import HFStateDictAdapter
@@ -80,17 +86,7 @@ def test_greedy_equals_transformers_generate(shape, tmp_path):
     moe = str(args.n_dense_layers)  # the first MoE block
     bias = hf.model.layers[int(moe)].mlp.gate.e_score_correction_bias
     assert torch.equal(bias, model.layers[moe].feed_forward.expert_bias) and bias.abs().sum() > 0
-    longest = max(map(len, PROMPTS))
-    ids = torch.zeros(len(PROMPTS), longest, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for b, p in enumerate(PROMPTS):  # left padding, as generation with a batch needs
-        ids[b, longest - len(p) :] = torch.tensor(p)
-        mask[b, longest - len(p) :] = 1
-    want = hf.generate(
-        input_ids=ids, attention_mask=mask, max_new_tokens=24, do_sample=False,
-        pad_token_id=0, eos_token_id=None,
-    )[:, longest:].tolist()  # fmt: skip
-    assert generate(model, PROMPTS, 24) == want
+    assert generate(model, PROMPTS, 24) == hf_greedy(hf, PROMPTS, 24)
 
 
 def test_the_671b_latent_cache_is_71x_smaller_than_a_full_kv_cache():
