@@ -74,6 +74,8 @@ COMMON = ["--training.steps", "5", "--checkpoint.enable", "false"]
             [
                 "--model.name",
                 "deepseek_v3",
+                "--model.flavor",
+                "debugmodel_deep",  # no MTP depth (refused with TP while it trains)
                 "--parallelism.tensor_parallel_degree",
                 "2",
                 "--parallelism.expert_parallel_degree",
