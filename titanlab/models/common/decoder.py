@@ -28,7 +28,8 @@ from titanlab.models.common.document_mask import build_attention_mask
 from titanlab.models.common.init import trunc_normal_
 from titanlab.models.common.kv_cache import KVCache, LayerCache
 from titanlab.models.common.mla import MLAttention
-from titanlab.models.common.mtp import MTPModule, add_mtp_loss, mtp_loss_sum
+from titanlab.models.common.aux_loss import add_loss_grad
+from titanlab.models.common.mtp import MTPModule, mtp_loss_sum
 from titanlab.models.common.moe import MoE, MoEArgs
 from titanlab.models.common.rope import RopeScaling, YarnScaling, precompute_rope_cos_sin
 
@@ -310,7 +311,7 @@ class Decoder(nn.Module):
             )
             self.last_mtp_loss = loss.detach()
             if torch.is_grad_enabled() and self.training:
-                out = add_mtp_loss(out, loss, self.mtp_grad_scale)
+                out = add_loss_grad(out, loss, self.mtp_grad_scale)
         return out
 
 

@@ -42,6 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from titanlab.models.common.aux_loss import add_loss_grad
 from titanlab.models.common.feed_forward import FeedForward
 from titanlab.models.common.init import trunc_normal_
 
@@ -226,21 +227,6 @@ def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
-class _AddAuxGrad(torch.autograd.Function):
-    """Identity on `out`; in backward, also sends d(aux)/d(aux's inputs) · `scale`."""
-
-    @staticmethod
-    def forward(ctx, out: torch.Tensor, aux: torch.Tensor, scale: float) -> torch.Tensor:
-        ctx.scale = scale
-        ctx.save_for_backward(aux)
-        return out.view_as(out)
-
-    @staticmethod
-    def backward(ctx, grad_out: torch.Tensor):
-        (aux,) = ctx.saved_tensors
-        return grad_out, torch.full_like(aux, ctx.scale), None
-
-
 class MoE(nn.Module):
     """Routed experts (+ shared experts) replacing a block's dense FFN.
 
@@ -359,7 +345,7 @@ class MoE(nn.Module):
             with torch.no_grad():
                 self.step_aux += self.last_aux
         if self.training and self.aux_grad_scale and torch.is_grad_enabled():
-            out = _AddAuxGrad.apply(out, share, self.aux_grad_scale)
+            out = add_loss_grad(out, share, self.aux_grad_scale)
         return out
 
     def _sequence_share(self, scores: torch.Tensor, experts_bsk: torch.Tensor) -> torch.Tensor:

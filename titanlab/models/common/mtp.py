@@ -65,23 +65,6 @@ class MTPModule(nn.Module):
         return self.norm(self.block(h, cos, sin))
 
 
-class _AddLossGrad(torch.autograd.Function):
-    """Identity on `out`; in backward, also d(loss)/d(loss's inputs) · `scale` (a float or a
-    0-dim tensor: the trainer's loss scale is a tensor)."""
-
-    @staticmethod
-    def forward(ctx: Any, out: torch.Tensor, loss: torch.Tensor, scale: Any) -> torch.Tensor:
-        ctx.scale = scale
-        ctx.save_for_backward(loss)
-        return out.view_as(out)
-
-    @staticmethod
-    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
-        (loss,) = ctx.saved_tensors
-        scale = torch.as_tensor(ctx.scale, dtype=loss.dtype, device=loss.device)
-        return grad_out, scale.expand_as(loss).clone(), None
-
-
 def mtp_loss_sum(
     mtp: nn.ModuleDict,
     head: nn.Module,
@@ -123,11 +106,6 @@ def mtp_loss_sum(
                 logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
             )
     return total
-
-
-def add_mtp_loss(out: torch.Tensor, loss: torch.Tensor, scale: Any) -> torch.Tensor:
-    """`out` unchanged; its backward also sends `scale` · d(loss) (see the module docstring)."""
-    return _AddLossGrad.apply(out, loss, scale)
 
 
 @contextlib.contextmanager
