@@ -146,7 +146,7 @@ def plain_loop(spec: dict) -> dict:
     import torch.nn.functional as F
 
     from titanlab.metrics import device_peak_flops
-    from titanlab.models.common.decoder import count_active_params
+    from titanlab.models.common.counting import count_active_params
     from titanlab.models.registry import get_family
 
     torch.set_num_threads(spec["threads"])

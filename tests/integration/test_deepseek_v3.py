@@ -2,7 +2,7 @@
 auxiliary-loss-free bias, a shared expert) under data, tensor, pipeline and expert parallelism
 equals one process, from one seed checkpoint, fp32, 5 steps, within 1e-5, and its expert biases
 after 5 steps are equal bitwise; the debug flavor's multi-token prediction depth trains under
-FSDP × EP to the 1-process losses. The debug config trains on 2 processes, resumes bitwise, and
+FSDP × EP, TP, PP and TP × PP to the 1-process losses (main and MTP). The debug config trains on 2 processes, resumes bitwise, and
 its export loads in transformers with equal logits.
 
 The cases are generated from the layouts of 2 and 4 ranks the trainer's validator accepts for
@@ -78,43 +78,96 @@ def test_deepseek_v3_layout_matches_single_process(layout, reference):
     assert any(v.abs().sum() > 0 for v in want.values())  # the bias did move
 
 
-# The debug flavor: its MTP depth, and DeepSeek-V3's sequence-wise balance loss (weight far
-# above the paper's 1e-4, so a wrong gradient shows in 5 steps).
-MTP_OPTIONS = [*OPTIONS, "--model.flavor", "debugmodel", "--model.moe_load_balance_coeff", "0.1"]
-MTP_NEEDS = [{"fsdp", "ep"}, {"fsdp", "ep", "grad_accum"}] + ([{"ddp"}, {"ep4"}] if FULL else [])
+# The debug flavor's MTP depth, with DeepSeek-V3's sequence-wise balance loss (weight far above
+# the paper's 1e-4, so a wrong gradient shows in 5 steps; refused under TP) or with the bias
+# balancing alone (any layout).
+MTP_FLAVOR = [*OPTIONS, "--model.flavor", "debugmodel"]
+MTP_OPTIONS = {
+    "seq_aux": [*MTP_FLAVOR, "--model.moe_load_balance_coeff", "0.1"],
+    "bias": MTP_FLAVOR,
+}
+MTP_NEEDS = [
+    ("seq_aux", {"fsdp", "ep"}),
+    ("seq_aux", {"fsdp", "ep", "grad_accum"}),
+    ("bias", {"tp"}),
+    ("bias", {"pp:1F1B"}),
+    ("bias", {"tp", "pp:1F1B"}),
+] + (
+    [
+        ("seq_aux", {"ddp"}),
+        ("seq_aux", {"ep4"}),
+        ("bias", {"tp", "ep"}),
+        ("bias", {"pp:1F1B", "ep"}),
+    ]
+    + [("bias", {f"pp:{s}"}) for s in SCHEDULES if s != "1F1B"]
+    if FULL
+    else []
+)
 
 
-def _mtp_case(need: set[str]) -> parity_matrix.Layout:
-    pool = parity_matrix.valid_layouts((2, 4), MTP_OPTIONS, with_ep=True)
+def _mtp_case(kind: str, need: set[str]) -> parity_matrix.Layout:
+    schedules = SCHEDULES if FULL else ("1F1B",)
+    pool = parity_matrix.valid_layouts((2, 4), MTP_OPTIONS[kind], with_ep=True, schedules=schedules)
     fits = [
         lay for lay in pool if need <= lay.tags and ("grad_accum" in need) == (lay.grad_accum > 1)
     ]
+    assert fits, f"no valid layout of 2 or 4 ranks has {sorted(need)}"
     return min(fits, key=lambda lay: (lay.world_size, len(lay.features), lay.name))
 
 
-@pytest.mark.parametrize("need", MTP_NEEDS, ids=["-".join(sorted(n)) for n in MTP_NEEDS])
-def test_multi_token_prediction_trains_equal_to_one_process(need, tiny_dataset, tmp_path):
-    """The debug flavor's MTP depth (its block's experts split by EP, the depth an FSDP unit of
-    its own, the output head used twice per forward) and the sequence-wise balance loss (each
-    sequence's statistics, a mean over the global batch's sequences, gradient accumulation
-    included) train to the 1-process losses."""
-    options = MTP_OPTIONS
-    layout = _mtp_case(need)
-    name = layout.name
-    root = str(tmp_path)
-    dataset, seed, losses = parity_matrix.prepare_reference(root, tiny_dataset, extra=options)
-    outcome = parity_matrix.run_layout(layout, dataset, seed, losses, root, extra=options)
+@pytest.fixture(scope="module")
+def mtp_references(tiny_dataset, tmp_path_factory):
+    """(dataset, seed checkpoint, 1-process losses, root) per MTP option set, made once."""
+    made: dict = {}
+
+    def get(kind: str):
+        if kind not in made:
+            root = str(tmp_path_factory.mktemp(f"deepseek_v3_mtp_{kind}"))
+            ref = parity_matrix.prepare_reference(root, tiny_dataset, extra=MTP_OPTIONS[kind])
+            made[kind] = (*ref, root)
+        return made[kind]
+
+    return get
+
+
+def _mtp_losses(dump: str) -> dict[int, float]:
+    with open(os.path.join(dump, "metrics.jsonl"), encoding="utf-8") as f:
+        return {r["step"]: r["mtp_loss"] for r in map(json.loads, f)}
+
+
+@pytest.mark.parametrize(
+    "kind,need", MTP_NEEDS, ids=[f"{k}-" + "-".join(sorted(n)) for k, n in MTP_NEEDS]
+)
+def test_multi_token_prediction_trains_equal_to_one_process(kind, need, mtp_references):
+    """The debug flavor's MTP depth trains to the 1-process losses, main and MTP: its block's
+    experts split by EP, the depth an FSDP unit of its own, the output head used twice per
+    forward; under TP sequence-sharded (its norms and eh_proj replicated, the block by the
+    block plan, the head's loss vocab-parallel); under PP on the last stage, with the rolled
+    tokens' embeddings carried from the first stage across every boundary. With the
+    sequence-wise balance loss (each sequence's statistics, a mean over the global batch's
+    sequences, gradient accumulation included) where the layout allows it."""
+    dataset, seed, losses, root = mtp_references(kind)
+    layout = _mtp_case(kind, need)
+    outcome = parity_matrix.run_layout(layout, dataset, seed, losses, root, extra=MTP_OPTIONS[kind])
     assert outcome.error is None, outcome.report()
-    print(f"deepseek_v3 debugmodel (MTP) {name}: worst |Δloss| {outcome.max_abs_diff:.3g}")
+    want = _mtp_losses(os.path.join(root, "reference"))
+    got = _mtp_losses(os.path.join(root, "runs", layout.name))
+    mtp_diff = max(abs(got[s] - want[s]) for s in want)
+    print(
+        f"deepseek_v3 debugmodel (MTP, {kind}) {layout.name}: worst |Δloss| "
+        f"{outcome.max_abs_diff:.3g}, worst |Δmtp_loss| {mtp_diff:.3g}"
+    )
     assert outcome.max_abs_diff <= parity_matrix.TOLERANCE
+    assert mtp_diff <= parity_matrix.TOLERANCE and want[parity_matrix.STEPS] < want[1]
 
 
 def test_deepseek_v3_debug_config_trains_resumes_exactly_and_exports_to_transformers(
-    tiny_dataset, tmp_path
+    tiny_dataset, tmp_path, capsys
 ):
     """run_train.sh train_configs/deepseek_v3_debug.toml on 2 processes (FSDP 2 × EP 2): the
-    loss falls, a run resumed at step 6 logs the same 12 losses bitwise, and the trainer's Hugging
-    Face export loads in transformers with the trained model's logits."""
+    loss falls, a run resumed at step 6 logs the same 12 losses bitwise, the trainer's Hugging
+    Face export loads in transformers with the trained model's logits, and generation from the
+    export with its trained MTP depth drafting prints what plain decoding prints."""
     transformers = pytest.importorskip("transformers")
     common = [
         "train_configs/deepseek_v3_debug.toml",
@@ -162,3 +215,15 @@ def test_deepseek_v3_debug_config_trains_resumes_exactly_and_exports_to_transfor
         diff = (model(tokens) - hf(tokens).logits).abs().max().item()
     print(f"deepseek_v3 debug export: max |logits - transformers| = {diff:.3g}")
     assert diff < 1e-4
+
+    # the trained MTP depth drafts for `python -m titanlab.generate`: the same text, fewer forwards
+    from titanlab.generation import cli
+
+    texts, _ = [], capsys.readouterr()
+    for extra in ([], ["--mtp-draft"]):
+        argv = [str(export), "--prompt", "def main(", "--prompt", "import os", *extra]
+        assert cli.main([*argv, "--max-new-tokens", "24"]) == 0
+        texts.append(capsys.readouterr())
+    assert texts[1].out == texts[0].out
+    print(texts[1].err.strip().splitlines()[-2])  # MTP draft: N of M drafts accepted (..%)
+    assert texts[1].err.strip().splitlines()[-2].startswith("MTP draft: ")

@@ -9,6 +9,10 @@ sharded along the sequence as they are); `take_labels` pops the keyword in every
 its forward and hands it to the stage's head, if it has one, for that forward only. The
 stage's output is then its microbatch's token-loss sum ((1,) fp32), which `returned_loss`
 passes to the schedule as the loss.
+
+Trained multi-token prediction depths (DeepSeek-V3, on the last stage) need each microbatch's
+labels in the same way: `take_labels` also hands them to the stage (`mtp_labels`) while it is
+inside `titanlab.models.common.mtp.mtp_targets`.
 """
 
 from __future__ import annotations
@@ -26,17 +30,23 @@ LABELS = "labels"
 def take_labels(stage: nn.Module) -> None:
     """Hooks on `stage` (a pipeline stage's module): before its forward, the `labels` keyword
     ((microbatch, seq) int64, -100 ignored) is removed and set on `stage.output` when that is a
-    `FusedLossHead`; after it, the head's labels are cleared (a later forward returns logits)."""
+    `FusedLossHead`, and as `stage.mtp_labels` when the stage computes trained MTP depths'
+    loss (`mtp_active`); after it, both are cleared (a later forward returns logits)."""
     head = getattr(stage, "output", None)
     head = head if isinstance(head, FusedLossHead) else None
+    has_mtp = getattr(stage, "mtp", None) is not None
 
-    def before(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict]:
+    def before(module: Any, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict]:
         labels = kwargs.pop(LABELS, None)
         if head is not None:
             head.labels = labels
+        if has_mtp and getattr(module, "mtp_active", False):
+            module.mtp_labels = labels
         return args, kwargs
 
-    def after(module: nn.Module, args: tuple, output: Any) -> Any:
+    def after(module: Any, args: tuple, output: Any) -> Any:
+        if has_mtp and getattr(module, "mtp_active", False):
+            module.mtp_labels = None
         if head is None or head.labels is None:  # no labels given: logits
             return None
         head.labels = None

@@ -2,7 +2,7 @@
 `torch.distributed.pipelining` schedule over them.
 
 Stages hold whole transformer blocks; the first stage also holds the token embedding, the last
-the final norm and output projection. Each rank holds one stage (GPipe, 1F1B), several stages
+the final norm and output projection (and any multi-token prediction depths). Each rank holds one stage (GPipe, 1F1B), several stages
 placed round-robin (Interleaved1F1B, LoopedBFS, InterleavedZeroBubble; Narayanan et al. 2021,
 Qi et al. 2023) or two stages in a V (ZBVZeroBubble, DualPipeV; rank r holds stages r and
 2·pp−1−r; Qi et al. 2024, DeepSeek-V3 report).
@@ -38,12 +38,18 @@ ZERO_BUBBLE = {"InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"}
 
 class _Stage(PipelineStage):
     """A `PipelineStage` whose shape-inference pass (torch 2.13 runs one real forward and
-    backward per stage before the first step) leaves the MoE layers' load statistics alone:
-    counted, it would skew step 1's expert-bias update and aux loss."""
+    backward per stage before the first step) leaves the MoE layers' load statistics and the
+    multi-token prediction loss's running sum alone: counted, they would skew step 1's
+    expert-bias update, aux loss and logged MTP loss."""
 
     def _forward_metadata_inference(self, *args, **kwargs):
-        with moe_stats.stats_paused(self.submod):
-            return super()._forward_metadata_inference(*args, **kwargs)
+        mtp_loss = getattr(self.submod, "last_mtp_loss", None)
+        try:
+            with moe_stats.stats_paused(self.submod):
+                return super()._forward_metadata_inference(*args, **kwargs)
+        finally:
+            if hasattr(self.submod, "last_mtp_loss"):
+                self.submod.last_mtp_loss = mtp_loss
 
     def _backward_metadata_inference(self, *args, **kwargs):
         with moe_stats.stats_paused(self.submod):
@@ -181,12 +187,16 @@ def split_counts(model: Decoder, config, n_stages: int) -> list[int] | None:
 
 
 def build_stage_module(model: Decoder, fqns: list[str]) -> Decoder:
-    """A copy of `model` (on the meta device) keeping only the modules named in `fqns`."""
+    """A copy of `model` (on the meta device) keeping only the modules named in `fqns`; the
+    multi-token prediction depths (DeepSeek-V3's `mtp`) go with the output head, whose input
+    they extend (the stage boundaries then carry their embeddings: `common/mtp.py`)."""
     stage = copy.deepcopy(model)
     keep = set(fqns)
     for name in ("tok_embeddings", "norm", "output"):
         if name not in keep:
             setattr(stage, name, None)
+    if "output" not in keep and getattr(stage, "mtp", None) is not None:
+        stage.mtp = None
     for layer_id in list(stage.layers.keys()):
         if f"layers.{layer_id}" not in keep:
             del stage.layers[layer_id]

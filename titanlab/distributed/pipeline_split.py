@@ -2,7 +2,7 @@
 parameter count or by FLOPs rather than by layer count (`parallelism.pipeline_parallel_split`).
 
 The model is a chain of units: the embedding, each transformer block, and the final norm +
-output projection. A stage is a contiguous run of blocks, the first stage also holding the
+output projection (with any multi-token prediction depths, which run after it). A stage is a contiguous run of blocks, the first stage also holding the
 embedding and the last the norm + output. `balanced_counts` picks the blocks per stage that make
 the costliest stage as cheap as possible (the linear-partition problem, solved exactly by
 dynamic programming over the block boundaries); every stage keeps at least one block.
@@ -14,7 +14,7 @@ Costs per unit (`unit_costs`):
   (Kaplan et al. 2020; an MoE block's experts counted at top_k / num_experts, the ones a token
   runs) plus a block's attention, `attention_flops_per_token` (12 × heads × head_dim × seq_len
   for GQA; PaLM, Chowdhery et al. 2022, App. B), as
-  `titanlab.models.common.decoder.flops_per_token` counts the whole model; the
+  `titanlab.models.common.counting.flops_per_token` counts the whole model; the
   embedding is a lookup (0), the final norm + output projection 6 × (dim + vocab × dim). With a large vocabulary the
   output is worth many blocks, so the last stage gets fewer of them.
 """
@@ -27,7 +27,8 @@ from typing import cast
 from torch import nn
 
 from titanlab.config.job_config import ConfigError
-from titanlab.models.common.decoder import attention_flops_per_token
+from titanlab.models.common.counting import attention_flops_per_token
+from titanlab.models.common.mtp import trains_mtp
 
 SPLITS = ("layers", "params", "flops")
 
@@ -73,17 +74,25 @@ def unit_costs(model: nn.Module, args, seq_len: int, by: str) -> UnitCosts:
     blocks = list(cast(nn.ModuleDict, model.layers).values())
     embedding = getattr(model, "tok_embeddings", None)
     head = [getattr(model, "norm", None), getattr(model, "output", None)]
+    depths = getattr(model, "mtp", None)
+    mtp = list(depths.values()) if depths is not None else []
     if by == "params":
         return UnitCosts(
-            _params(embedding), tuple(_params(b) for b in blocks), sum(map(_params, head))
+            _params(embedding),
+            tuple(_params(b) for b in blocks),
+            sum(map(_params, head)) + sum(map(_params, mtp)),
         )
     if by != "flops":
         raise ValueError(f"unit costs by {by!r}; valid: params, flops")
     attention = attention_flops_per_token(args, seq_len)
+    # trained MTP depths: each its block, its eh_proj and norms, and the output head once more
+    trained = mtp if trains_mtp(args) else []
+    output = _params(getattr(model, "output", None))
+    depth_flops = sum(6 * (_block_matmul_params(d) + output) + attention for d in trained)
     return UnitCosts(
         0,
         tuple(6 * _block_matmul_params(b) + attention for b in blocks),
-        6 * sum(map(_params, head)),
+        6 * sum(map(_params, head)) + depth_flops,
     )
 
 

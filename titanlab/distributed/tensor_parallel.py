@@ -154,6 +154,45 @@ def apply_tp(
                 output_layouts=Shard(1), desired_output_layouts=Shard(1), use_local_output=True
             ),
         )
+    _apply_mtp_tp(model, tp_mesh, colwise, rowwise, prepare_input)
+
+
+def _apply_mtp_tp(
+    model: Decoder, tp_mesh: DeviceMesh, colwise: type, rowwise: type, prepare_input: type
+) -> None:
+    """Multi-token prediction depths (DeepSeek-V3; `titanlab.models.common.mtp`) run
+    sequence-sharded like the blocks: each depth takes (h, embedding, cos, sin) with h and the
+    embedding `Shard(1)` (DTensors, or the plain shards a pipeline stage received), its norms
+    and `eh_proj` replicated over tp and applied to each rank's own tokens (their gradients
+    summed over the tp ranks, like the block norms'), its block by the block plan; the output
+    head then gathers the sequence as for the main loss. A pipeline stage's `mtp_carry` hands
+    on plain shards."""
+    depths = getattr(model, "mtp", None)
+    for depth in depths.values() if depths is not None else []:
+        parallelize_module(
+            depth,
+            tp_mesh,
+            PrepareModuleInput(
+                input_layouts=(Shard(1), Shard(1), None, None),
+                desired_input_layouts=(Shard(1), Shard(1), None, None),
+                use_local_output=False,
+            ),
+        )
+        norms = ("enorm", "hnorm", "eh_proj", "norm")
+        parallelize_module(depth, tp_mesh, {name: SequenceParallel() for name in norms})
+        parallelize_module(
+            depth.block, tp_mesh, _block_plan(model, depth.block, colwise, rowwise, prepare_input)
+        )
+    carrier = getattr(model, "mtp_carry", None)
+    if carrier is not None:
+        shards = (Shard(1),) * (1 + getattr(model.args, "mtp_layers", 0))
+        parallelize_module(
+            carrier,
+            tp_mesh,
+            PrepareModuleInput(
+                input_layouts=shards, desired_input_layouts=shards, use_local_output=True
+            ),
+        )
 
 
 def _block_plan(

@@ -7,6 +7,7 @@ May import `config`, `models`, `distributed`, `data` and `checkpoint`: it sits b
 """
 
 from titanlab.generation.generate import generate
+from titanlab.generation.mtp_draft import DraftStats
 from titanlab.generation.sampling import SamplingParams, sample_next
 
-__all__ = ["SamplingParams", "generate", "sample_next"]
+__all__ = ["DraftStats", "SamplingParams", "generate", "sample_next"]

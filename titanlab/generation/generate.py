@@ -8,6 +8,7 @@ from typing import cast
 import torch
 from torch import nn
 
+from titanlab.generation.mtp_draft import DraftStats, draft_decode
 from titanlab.generation.sampling import SamplingParams, sample_next
 from titanlab.models.common.kv_cache import KVCache
 
@@ -26,6 +27,7 @@ def generate(
     max_seq_len: int | None = None,
     on_step: Callable[[list[int | None]], None] | None = None,
     step_logits: list[torch.Tensor] | None = None,
+    mtp_draft: DraftStats | None = None,
 ) -> list[list[int]]:
     """Continue each prompt by up to `max_new_tokens` tokens; returns the new tokens per prompt
     (ending with the EOS token when one was produced).
@@ -40,10 +42,14 @@ def generate(
         on_step: called after each decode step with each sequence's new token (None once the
             sequence has ended), for streaming.
         step_logits: when given, receives each step's next-token logits, (bs, vocab) float32.
+        mtp_draft: when given, decode self-speculatively with the model's first multi-token
+            prediction depth (DeepSeek-V3; `titanlab.generation.mtp_draft`), counting its drafts
+            into this `DraftStats`: the same output in fewer main-model forwards.
 
     Raises:
-        ValueError: an empty prompt, `max_new_tokens < 1`, bad sampling parameters, or a prompt
-            longer than `max_seq_len - max_new_tokens` (one line naming the lengths).
+        ValueError: an empty prompt, `max_new_tokens < 1`, bad sampling parameters, a prompt
+            longer than `max_seq_len - max_new_tokens` (one line naming the lengths), or
+            `mtp_draft` for a model without MTP depths.
     """
     params.validate()
     if max_new_tokens < 1:
@@ -64,16 +70,20 @@ def generate(
     tokens = torch.zeros(bs, longest, dtype=torch.long, device=device)
     for b, p in enumerate(prompts):
         tokens[b, longest - len(p) :] = torch.tensor(list(p), dtype=torch.long)
-    cache = KVCache(pad, longest + max_new_tokens)
+    if mtp_draft is not None and getattr(model, "mtp", None) is None:
+        raise ValueError(
+            f"drafting with multi-token prediction needs a model with MTP depths; "
+            f"{type(model).__name__} (mtp_layers=0) has none: decode without the draft"
+        )
     generator = torch.Generator(device=device).manual_seed(seed)
     eos = set(eos_ids)
     out: list[list[int]] = [[] for _ in range(bs)]
     done = [False] * bs
-    logits = model(tokens, cache)[:, -1].float()  # (bs, vocab)
-    for step in range(max_new_tokens):
+
+    def emit(nxt: torch.Tensor, logits: torch.Tensor) -> bool:
+        """Append each unfinished sequence's new token; True when every one has ended."""
         if step_logits is not None:
             step_logits.append(logits)
-        nxt = sample_next(logits, params, generator)  # (bs,)
         new: list[int | None] = []
         for b, t in enumerate(nxt.tolist()):
             new.append(None if done[b] else t)
@@ -82,7 +92,16 @@ def generate(
                 done[b] = t in eos
         if on_step is not None:
             on_step(new)
-        if all(done) or step == max_new_tokens - 1:
+        return all(done)
+
+    if mtp_draft is not None:
+        draft_decode(model, tokens, pad, max_new_tokens, params, generator, emit, done, mtp_draft)
+        return out
+    cache = KVCache(pad, longest + max_new_tokens)
+    logits = model(tokens, cache)[:, -1].float()  # (bs, vocab)
+    for step in range(max_new_tokens):
+        nxt = sample_next(logits, params, generator)  # (bs,)
+        if emit(nxt, logits) or step == max_new_tokens - 1:
             break
         logits = model(nxt[:, None], cache)[:, -1].float()
     return out

@@ -176,7 +176,7 @@ def calibrate(config, model_args, nproc: int) -> Cluster:
     """A profile of this machine for `nproc` ranks running `config`'s job (see the module
     docstring): one node of `nproc` devices. Takes about a minute on CPU."""
     from titanlab.distributed.parallelize import param_dtype
-    from titanlab.models.common.decoder import count_params
+    from titanlab.models.common.counting import count_params
     from titanlab.planning.memory import _meta_model, available_bytes_per_rank
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -139,7 +139,7 @@ def _communication(shape: Any, run: Any, lay: Layout, cluster: Cluster, work: An
         out.append(Comm("all-to-all", "ep", lay.ep, calls * nbytes, t, calls, intra_node=intra))
     if lay.pp > 1:  # each microbatch's activations forward and their gradient backward
         intra = intra_node(lay, ("pp",), cluster)
-        nbytes = tokens_mb * shape.dim // lay.tp * e
+        nbytes = tokens_mb * shape.dim * shape.boundary_width // lay.tp * e
         calls = 2 * micro * work.per_rank
         t = _ring("send", 2, nbytes, calls, intra, cluster)
         out.append(Comm("send", "pp", lay.pp, calls * nbytes, t, calls, intra_node=intra))

@@ -51,6 +51,7 @@ from torch import nn
 from titanlab.config.performance import fused_loss
 from titanlab.config.job_config import ConfigError, JobConfig
 from titanlab.distributed.parallelize import reshard_policy
+from titanlab.models.common.mtp import boundary_width
 from titanlab.planning.pipeline_memory import rank_loads
 
 GIB = 2**30
@@ -122,7 +123,8 @@ def estimate_memory(
     Returns:
         bytes per rank by category; `total` is the predicted peak including overhead.
     """
-    from titanlab.models.common.decoder import count_params, moe_layers
+    from titanlab.models.common.decoder import moe_layers
+    from titanlab.models.common.counting import count_params
     from titanlab.planning.activation_memory import trace_activation_bytes
 
     model = _meta_model(model_args)
@@ -242,7 +244,8 @@ def estimate_memory(
                         grads_during_forward=accumulating)  # fmt: skip
     # Each pipeline rank's own stages and microbatches in flight; the rank with the largest peak.
     loads = rank_loads(
-        model, config, blocks_bytes, traced.head // tp, mb * s_local * model_args.dim * elem,
+        model, config, blocks_bytes, traced.head // tp,
+        mb * s_local * model_args.dim * boundary_width(model_args) * elem,
         logits_grads // tp, lambda n: 4 * n // (tp if whole_grads else sharded_by), gathered,
     )  # fmt: skip
     return max(
@@ -292,7 +295,7 @@ def _gathered_units(
     is larger. Stages 1 and 2 keep every unit gathered from forward to backward; so does
     FSDP2's `replicate` (DDP: stage 0, or dp_replicate without dp_shard), whose parameters live
     twice, as the one-rank "shard" and as the gathered copy the blocks compute with."""
-    from titanlab.models.common.decoder import count_params
+    from titanlab.models.common.counting import count_params
 
     def params(*modules) -> int:
         return sum(count_params(m) for m in modules if m is not None) // tp

@@ -84,6 +84,9 @@ class ModelShape:
     attention_width: int = 0
     """Dqk + Dv of one head (2 · head_dim for GQA; multi-head latent attention's own); 0: 2 ·
     head_dim."""
+    boundary_width: int = 1
+    """Vectors of width dim a pipeline boundary carries per token: 1, plus one per trained
+    multi-token prediction depth (their embeddings ride along, `titanlab.models.common.mtp`)."""
 
     def __post_init__(self) -> None:
         if not self.attention_width:
@@ -92,7 +95,9 @@ class ModelShape:
     @classmethod
     def of(cls, model_args) -> ModelShape:
         """From a registered family's args (the estimator's cached meta model is counted)."""
-        from titanlab.models.common.decoder import count_active_params, count_params, moe_layers
+        from titanlab.models.common.decoder import moe_layers
+        from titanlab.models.common.counting import count_active_params, count_params
+        from titanlab.models.common.mtp import boundary_width
         from titanlab.planning.memory import _meta_model
 
         model = _meta_model(model_args)
@@ -114,6 +119,7 @@ class ModelShape:
             total_params=count_params(model),
             attention_width=getattr(model_args, "qk_head_dim", model_args.head_dim)
             + getattr(model_args, "v_head_dim", model_args.head_dim),
+            boundary_width=boundary_width(model_args),  # common/mtp.py
         )
 
     @property
@@ -123,12 +129,12 @@ class ModelShape:
 
     def attention_flops_per_token(self, seq_len: int) -> int:
         """L · 6·H·(Dqk + Dv)·s: the score and value matmuls, forward and backward, no causal
-        discount (12·L·H·Q·s for GQA; `titanlab.models.common.decoder.attention_flops_per_token`)."""
+        discount (12·L·H·Q·s for GQA; `titanlab.models.common.counting.attention_flops_per_token`)."""
         return self.n_layers * 6 * self.n_heads * self.attention_width * seq_len
 
     def flops_per_token(self, seq_len: int) -> int:
         """Training FLOPs per token without recomputation (what MFU counts): the trainer's
-        `titanlab.models.common.decoder.flops_per_token`."""
+        `titanlab.models.common.counting.flops_per_token`."""
         return 6 * self.active_params + self.attention_flops_per_token(seq_len)
 
 

@@ -151,7 +151,7 @@ def rank_loads(
             once a backward has run.
         gathered_of(module): a module's parameter elements as its rank gathers them.
     """
-    from titanlab.models.common.decoder import count_params
+    from titanlab.models.common.counting import count_params
 
     p = config.parallelism
     pp, per = p.pipeline_parallel_degree, p.pipeline_parallel_stages_per_rank

@@ -13,7 +13,7 @@ import contextlib
 import functools
 import logging
 from collections.abc import Callable, Iterator
-from typing import Any, cast
+from typing import Any
 
 import torch
 from torch.distributed.fsdp import FSDPModule
@@ -29,7 +29,7 @@ from titanlab.distributed import moe_stats
 from titanlab.distributed.context_parallel import cp_context
 from titanlab.distributed.parallel_dims import ParallelDims
 from titanlab.distributed.utils import clip_grad_norm_, global_sum
-from titanlab.models.common.mtp import mtp_targets
+from titanlab.models.common.mtp import mtp_targets, trains_mtp
 from titanlab.posttrain.distill import PipelineDistillLoss, distillation_loss_sum
 from titanlab.components.fused_head import fused_distillation, fused_targets, teacher_hidden
 from titanlab.components.fused_pipeline import LABELS
@@ -144,9 +144,11 @@ class TrainStep:
         self.moe_metrics = moe_stats.end_step(
             self.model_parts, self._moe_stats_mesh, microbatches, stepped
         )
-        if getattr(self.model_parts[0], "last_mtp_loss", None) is not None:
-            # the depths' summed cross-entropy over the main loss's token count
-            mtp = global_sum(self.mtp_loss_sum, self._loss_mesh) / global_tokens
+        if trains_mtp(getattr(self.model_parts[0], "args", None)):
+            # the depths' summed cross-entropy over the main loss's token count (the last
+            # pipeline stage's ranks hold it; the others add 0)
+            mtp = global_sum(self.mtp_loss_sum, self._loss_mesh)
+            mtp = global_sum(mtp, self.parallel_dims.mesh("pp")) / global_tokens
             self.moe_metrics["mtp_loss"] = mtp.detach()
         return loss.detach(), grad_norm.detach().float()
 
@@ -205,11 +207,12 @@ class TrainStep:
             if isinstance(self.pp_loss, PipelineDistillLoss) and self.has_last:
                 self.pp_loss.prepare(inputs, labels, kwargs)  # the teacher runs per microbatch
                 target = self.pp_loss.rows_of(labels)
-            if fused_loss(self.config):  # every stage's `take_labels`
-                kwargs = {**kwargs, LABELS: labels}  # hands them to the fused head
+            if fused_loss(self.config) or trains_mtp(getattr(self.model_parts[0], "args", None)):
+                # every stage's `take_labels` hands them to the fused head and MTP depths
+                kwargs = {**kwargs, LABELS: labels}
             # every stage's ranks hold their sequence shard of each microbatch; the schedule
             # runs forward and backward together, so both run under autocast
-            with context, self.autocast():
+            with context, self.autocast(), self._mtp_loss(None, scale):
                 self.schedule.step(*args, target=target, losses=losses, **kwargs)
             if not self.has_last:
                 return torch.zeros((), device=self.device)
@@ -223,23 +226,23 @@ class TrainStep:
             (token_loss * scale).backward()
         return local_value(token_loss)
 
-    def _mtp_loss(self, labels: torch.Tensor, scale: torch.Tensor) -> Any:
+    def _mtp_loss(self, labels: torch.Tensor | None, scale: torch.Tensor) -> Any:
         """Multi-token prediction (DeepSeek-V3; `titanlab.models.common.mtp`): within, the
-        model's forward also computes its depths' loss, weighted λ / D times the main loss's
-        scale in backward, and adds its token sum to `self.mtp_loss_sum`; a no-op for a model
-        without depths or with λ = 0."""
-        model = self.model_parts[0]
-        args = getattr(model, "args", None)
-        depths = getattr(args, "mtp_layers", 0)
-        weight = getattr(args, "mtp_loss_weight", 0.0)
-        if not depths or not weight or getattr(model, "mtp", None) is None:
+        forward of the part holding the depths (the model, or the last pipeline stage, whose
+        labels come per microbatch: `labels` None) also computes their loss, weighted λ / D
+        times the main loss's scale in backward, and adds its token sum to
+        `self.mtp_loss_sum`; a no-op without trained depths or on ranks without them."""
+        parts: list[Any] = [p for p in self.model_parts if getattr(p, "mtp", None) is not None]
+        if not parts or not trains_mtp(parts[0].args):
             return contextlib.nullcontext()
+        model, args = parts[0], parts[0].args
 
         @contextlib.contextmanager
         def computing() -> Iterator[None]:
-            with mtp_targets(model, labels, scale * (weight / depths)):
+            with mtp_targets(model, labels, scale * (args.mtp_loss_weight / args.mtp_layers)):
                 yield
-            self.mtp_loss_sum = self.mtp_loss_sum + cast(torch.Tensor, model.last_mtp_loss)
+            if model.last_mtp_loss is not None:
+                self.mtp_loss_sum = self.mtp_loss_sum + local_value(model.last_mtp_loss)
 
         return computing()
 

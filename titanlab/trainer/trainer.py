@@ -33,7 +33,9 @@ from titanlab.distributed.parallelize import tp_grid_loss
 from titanlab.distributed.pipeline import pipeline_model
 from titanlab.metrics import MetricsLogger, device_peak_flops
 from titanlab.metrics.build import build_sinks
-from titanlab.models.common.decoder import Decoder, count_active_params, count_params
+from titanlab.models.common.decoder import Decoder
+from titanlab.models.common.counting import count_active_params, count_params
+from titanlab.models.common.mtp import trains_mtp
 from titanlab.observability import warning_filters
 from titanlab.components.fused_head import use_fused_loss
 from titanlab.components.fused_pipeline import returned_loss, take_labels
@@ -197,7 +199,7 @@ class Trainer(TrainLoop):
             self.schedule, self.model_parts, self.has_first, self.has_last = pipeline_model(
                 model, dims, config, self.device, prepare, self.pp_loss
             )
-            if fused:
+            if fused or trains_mtp(self.model_args):  # the last stage's head or MTP depths
                 for part in self.model_parts:
                     take_labels(part)
         else:

@@ -73,6 +73,7 @@ def test_single_prompt_streams_the_same_text(folders, capsys):
         (["--max-new-tokens", "1000000"], "+ max_new_tokens=1000000 exceeds max_seq_len="),
         ([], "no prompt; give --prompt TEXT, --prompt-file FILE or --chat FILE"),
         (["--chat", "/nonexistent.jsonl"], "chat file '/nonexistent.jsonl': No such file"),
+        (["--mtp-draft"], "(mtp_layers=0) has none: decode without the draft"),
     ],
 )
 def test_bad_input_is_one_line(folders, capsys, extra, message):

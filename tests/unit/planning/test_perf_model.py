@@ -3,7 +3,7 @@ import dataclasses
 import pytest
 import torch
 
-from titanlab.models.common.decoder import count_active_params, flops_per_token
+from titanlab.models.common.counting import count_active_params, flops_per_token
 from titanlab.models.registry import build_model, get_family, get_flavor
 from titanlab.planning.cluster import PROFILES
 from titanlab.planning.layouts import Layout

@@ -1,6 +1,7 @@
 """What DeepSeek-V3 cannot run with yet is refused before launch with one line naming the option:
-context parallel and 2D tensor parallel (multi-head latent attention), and pipeline/tensor
-parallel, document masking and distillation while its multi-token prediction depths train."""
+context parallel and 2D tensor parallel (multi-head latent attention), and document masking and
+distillation while its multi-token prediction depths train (which pipeline and tensor parallel
+now carry)."""
 
 import dataclasses
 
@@ -60,13 +61,6 @@ def _distill(c):
             None,
             "tensor_parallel_mode=2d",
         ),
-        ("debugmodel", {"pipeline_parallel_degree": 2}, None, "pipeline_parallel_degree=2"),
-        (
-            "debugmodel",
-            {"tensor_parallel_degree": 2, "expert_parallel_degree": 2},
-            None,
-            "tensor_parallel_degree=2",
-        ),
         ("debugmodel", {}, _doc_mask, "data.document_mask=true"),
         ("debugmodel", {}, _distill, "distill.teacher_path"),
     ],
@@ -79,6 +73,10 @@ def test_refused_with_one_line(flavor, parallelism, change, named):
 def test_the_same_layouts_pass_without_the_refused_part():
     assert error("debugmodel_deep", pipeline_parallel_degree=2) is None  # no MTP depths
     assert error("debugmodel_deep", tensor_parallel_degree=2, expert_parallel_degree=2) is None
+    assert error("debugmodel", pipeline_parallel_degree=2) is None  # MTP on the last stage
+    assert error("debugmodel", tensor_parallel_degree=2, expert_parallel_degree=2) is None
+    assert error("debugmodel", world=8, tensor_parallel_degree=2, expert_parallel_degree=2,
+                 pipeline_parallel_degree=2) is None  # fmt: skip
     assert (
         error("debugmodel", world=2, data_parallel_shard_degree=2, expert_parallel_degree=2) is None
     )

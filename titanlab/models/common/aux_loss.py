@@ -27,7 +27,8 @@ class _AddLossGrad(torch.autograd.Function):
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
         (loss,) = ctx.saved_tensors
         scale = torch.as_tensor(ctx.scale, dtype=loss.dtype, device=loss.device)
-        return grad_out, scale.expand_as(loss).clone(), None
+        # ones_like keeps a DTensor loss (multi-token prediction under loss parallel) a DTensor
+        return grad_out, torch.ones_like(loss) * scale, None
 
 
 def add_loss_grad(out: torch.Tensor, loss: torch.Tensor, scale: Any) -> torch.Tensor:

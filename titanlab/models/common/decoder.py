@@ -29,7 +29,14 @@ from titanlab.models.common.init import trunc_normal_
 from titanlab.models.common.kv_cache import KVCache, LayerCache
 from titanlab.models.common.mla import MLAttention
 from titanlab.models.common.aux_loss import add_loss_grad
-from titanlab.models.common.mtp import MTPModule, mtp_loss_sum
+from titanlab.models.common.mtp import (
+    MTPModule,
+    MTPCarry,
+    carries_mtp,
+    mtp_embeddings,
+    mtp_loss_sum,
+    uncarry,
+)
 from titanlab.models.common.moe import MoE, MoEArgs
 from titanlab.models.common.rope import RopeScaling, YarnScaling, precompute_rope_cos_sin
 
@@ -184,6 +191,8 @@ class Decoder(nn.Module):
                     for k in range(depths)
                 }
             )
+        self.mtp_carry = MTPCarry() if depths else None  # pipeline stages: see forward
+        self.mtp_active = False  # inside `mtp_targets`: the depths' loss is computed
         self.mtp_labels: torch.Tensor | None = None
         self.mtp_grad_scale: Any = 0.0
         self.last_mtp_loss: torch.Tensor | None = None
@@ -273,12 +282,22 @@ class Decoder(nn.Module):
                 document); None: 0..seq-1.
         Returns:
             (bs, seq, vocab) logits in the compute dtype, or (bs, seq, dim) hidden states when
-            `norm` / `output` are None.
+            `norm` / `output` are None ((bs, seq, (1 + D) · dim) on a pipeline stage that
+            carries D trained MTP depths' embeddings, `titanlab.models.common.mtp.MTPCarry`).
         Raises:
             ValueError: if seq exceeds `args.max_seq_len` (the RoPE table length).
         """
-        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
-        embed = h
+        carried: list[torch.Tensor] = []  # the MTP depths' embeddings, between pipeline stages
+        if self.tok_embeddings is None:
+            h = tokens
+            if carries_mtp(self):
+                h, carried = uncarry(tokens, self.args.dim)
+        else:
+            h = self.tok_embeddings(tokens)
+            if carries_mtp(self):  # a first pipeline stage
+                carried = mtp_embeddings(
+                    self.tok_embeddings, tokens, getattr(self.args, "mtp_layers", 0)
+                )
         seq = h.shape[1]
         if seq > self.rope_cos.shape[0]:
             raise ValueError(f"sequence length {seq} exceeds max_seq_len={self.rope_cos.shape[0]}")
@@ -301,15 +320,19 @@ class Decoder(nn.Module):
         if self.norm is not None:
             h = self.norm(h)
         if self.output is None:
-            return h
+            return cast(nn.Module, self.mtp_carry)(h, *carried) if carried else h
         out = self.output(h)
-        if self.mtp is not None and self.mtp_labels is not None:
+        if self.mtp is not None and self.mtp_active and self.mtp_labels is not None:
             assert segments is None and positions is None and cache is None, "refused by config"
-            assert self.tok_embeddings is not None, "refused by config (pipeline)"
+            if not carried:
+                carried = mtp_embeddings(
+                    cast(nn.Module, self.tok_embeddings), tokens, len(self.mtp)
+                )
             loss = mtp_loss_sum(
-                self.mtp, self.output, embed, h, self.mtp_labels, self.rope_cos, self.rope_sin
+                self.mtp, self.output, carried, h, self.mtp_labels, self.rope_cos, self.rope_sin
             )
-            self.last_mtp_loss = loss.detach()
+            done = loss.detach()
+            self.last_mtp_loss = done if self.last_mtp_loss is None else self.last_mtp_loss + done
             if torch.is_grad_enabled() and self.training:
                 out = add_loss_grad(out, loss, self.mtp_grad_scale)
         return out
@@ -329,60 +352,3 @@ def moe_layer_args(args) -> list[MoEArgs]:
         return []
     blocks = args.n_layers + getattr(args, "mtp_layers", 0)  # MTP depths: layer ids L, L+1, ..
     return [a for i in range(blocks) if (a := moe_layer(i)) is not None]
-
-
-def count_active_params(model: nn.Module, exclude_embedding: bool = False) -> int:
-    """Parameters one token uses: routed experts count top_k of num_experts (the FLOPs and MFU
-    of an MoE model use this); equals `count_params` for a dense model."""
-    n = count_params(model, exclude_embedding)
-    for moe in moe_layers(model):
-        per_expert = sum(p.numel() for p in moe.experts.parameters()) // moe.args.num_experts
-        n -= per_expert * (moe.args.num_experts - moe.args.top_k)
-    return n
-
-
-def count_params(model: nn.Module, exclude_embedding: bool = False) -> int:
-    """Number of parameters; shared (tied) tensors are counted once. Works on the meta device.
-
-    With `exclude_embedding`, the token embedding table is left out (it is a lookup, not a
-    matmul) unless it is tied to the output projection, which is a matmul and stays counted.
-    """
-    n = sum(p.numel() for p in model.parameters())
-    emb = getattr(model, "tok_embeddings", None)
-    out = getattr(model, "output", None)
-    if exclude_embedding and emb is not None and (out is None or out.weight is not emb.weight):
-        n -= emb.weight.numel()
-    return n
-
-
-def attention_flops_per_token(args: DecoderArgs, seq_len: int) -> int:
-    """Training FLOPs per token of one block's attention: 6 · H · (Dqk + Dv) · T, the score
-    (width Dqk) and value (width Dv) matmuls at 2 FLOPs per multiply-add, forward and backward
-    (3x), no causal discount (PaLM, Chowdhery et al. 2022, Appendix B: 12·H·Q·T when
-    Dqk = Dv = Q = head_dim). Multi-head latent attention's args give `qk_head_dim` and
-    `v_head_dim`; its latent projections are ordinary matmuls, counted in the parameters."""
-    qk = getattr(args, "qk_head_dim", args.head_dim)
-    v = getattr(args, "v_head_dim", args.head_dim)
-    return 6 * args.n_heads * (qk + v) * seq_len
-
-
-def flops_per_token(args: DecoderArgs, seq_len: int, n_params_non_embedding: int) -> int:
-    """Training (forward + backward) FLOPs per token: 6 · N + (L + D) · A + 6 · D · V · d.
-
-    N: parameters without the embedding table (the output projection and any multi-token
-    prediction depths counted), L: n_layers, A: `attention_flops_per_token`, D: multi-token
-    prediction depths (`args.mtp_layers`, 0 for most families), each running one more block
-    and the output head (V × d) once more. 6N is the dense matmul cost (2 forward + 4 backward
-    per parameter, Kaplan et al. 2020). The q/k norms' elementwise work is not counted (it is
-    not a matmul).
-    """
-    depths = getattr(args, "mtp_layers", 0)
-    attention = (args.n_layers + depths) * attention_flops_per_token(args, seq_len)
-    head = 6 * depths * args.vocab_size * args.dim
-    return 6 * n_params_non_embedding + attention + head
-
-
-def get_nparams_and_flops(model: nn.Module, args: DecoderArgs, seq_len: int) -> tuple[int, int]:
-    """(total parameter count, training FLOPs per token at `seq_len`); see `flops_per_token`."""
-    n_non_embedding = count_params(model, exclude_embedding=True)
-    return count_params(model), flops_per_token(args, seq_len, n_non_embedding)

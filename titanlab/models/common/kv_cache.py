@@ -77,6 +77,12 @@ class KVCache:
         self.length += self._seq
         self._mask, self._seq = None, 0
 
+    def truncate(self, length: int) -> None:
+        """Forget every slot from `length` on (speculative decoding drops a rejected draft's);
+        the next forward overwrites them."""
+        assert 0 <= length <= self.length and self._mask is None, "between forwards only"
+        self.length = length
+
     def layer(self, index: int) -> LayerCache:
         return LayerCache(self, index)
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from titanlab.models.common.decoder import flops_per_token
+from titanlab.models.common.counting import flops_per_token
 from titanlab.models.deepseek_v3.args import DeepSeekV3ModelArgs, deepseek_v3_flavors
 from titanlab.models.deepseek_v3.hf import HF
 from titanlab.models.deepseek_v3.model import DeepSeekV3Transformer

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from titanlab.models.common.decoder import flops_per_token
+from titanlab.models.common.counting import flops_per_token
 from titanlab.models.llama3.args import TransformerModelArgs, llama3_flavors
 from titanlab.models.llama3.hf import HF
 from titanlab.models.llama3.model import Transformer

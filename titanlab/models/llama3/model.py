@@ -8,12 +8,8 @@ no biases, head_dim = dim / n_heads.
 
 from __future__ import annotations
 
-from titanlab.models.common.decoder import (
-    Decoder,
-    count_params,
-    flops_per_token,
-    get_nparams_and_flops,
-)
+from titanlab.models.common.counting import count_params, flops_per_token, get_nparams_and_flops
+from titanlab.models.common.decoder import Decoder
 from titanlab.models.llama3.args import TransformerModelArgs
 
 

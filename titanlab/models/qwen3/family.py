@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from titanlab.models.common.decoder import flops_per_token
+from titanlab.models.common.counting import flops_per_token
 from titanlab.models.qwen3.args import Qwen3ModelArgs, qwen3_flavors
 from titanlab.models.qwen3.hf import HF
 from titanlab.models.qwen3.model import Qwen3Transformer

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from titanlab.models.common.decoder import flops_per_token
+from titanlab.models.common.counting import flops_per_token
 from titanlab.models.qwen3_moe.args import Qwen3MoEModelArgs, qwen3_moe_flavors
 from titanlab.models.qwen3_moe.hf import HF
 from titanlab.models.qwen3_moe.model import Qwen3MoETransformer

@@ -5,7 +5,8 @@ import dataclasses
 import pytest
 import torch
 
-from titanlab.models.common.decoder import count_active_params, count_params, moe_layers
+from titanlab.models.common.decoder import moe_layers
+from titanlab.models.common.counting import count_active_params, count_params
 from titanlab.models.common.mla import MLAttention
 from titanlab.models.deepseek_v3 import DeepSeekV3Transformer, deepseek_v3_flavors
 from titanlab.models.registry import get_family

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
-from titanlab.models.common.decoder import count_active_params
+from titanlab.models.common.counting import count_active_params
 from titanlab.models.common.mtp import mtp_targets
 from titanlab.models.deepseek_v3 import deepseek_v3_flavors
 from titanlab.models.registry import build_model, get_family

@@ -5,7 +5,7 @@ import dataclasses
 import pytest
 import torch
 
-from titanlab.models.common.decoder import count_params
+from titanlab.models.common.counting import count_params
 from titanlab.models.qwen3 import Qwen3ModelArgs, Qwen3Transformer, qwen3_flavors
 
 # (total, non-embedding) parameters in billions as published on the Qwen3 model cards

@@ -5,7 +5,8 @@ import dataclasses
 import pytest
 import torch
 
-from titanlab.models.common.decoder import count_active_params, count_params, moe_layers
+from titanlab.models.common.decoder import moe_layers
+from titanlab.models.common.counting import count_active_params, count_params
 from titanlab.models.qwen3_moe import Qwen3MoETransformer, qwen3_moe_flavors
 
 # (total, active) parameters in billions as published (Qwen3 Technical Report, model cards).
