@@ -98,7 +98,8 @@ def _wrap(block: nn.Module, mode: str, option: str, layer_idx: int) -> nn.Module
 
 
 def apply_ac(model: nn.Module, mode: str, selective_ac_option: str = "op") -> None:
-    """Wrap each block of `model.layers` (a ModuleDict) in place for activation checkpointing.
+    """Wrap each block of `model.layers` (a ModuleDict), and the block of each multi-token
+    prediction depth (`model.mtp`, if any), in place for activation checkpointing.
 
     Args:
         mode: "none" (no-op), "full" or "selective".
@@ -113,3 +114,7 @@ def apply_ac(model: nn.Module, mode: str, selective_ac_option: str = "op") -> No
     layers = cast(nn.ModuleDict, model.layers)
     for i, (name, block) in enumerate(list(layers.items())):
         layers[name] = _wrap(block, mode, selective_ac_option, i)
+    # multi-token prediction depths (DeepSeek-V3): each one's block, numbered after the layers
+    depths = getattr(model, "mtp", None)
+    for k, depth in enumerate(depths.values() if depths is not None else []):
+        depth.block = _wrap(depth.block, mode, selective_ac_option, len(layers) + k)

@@ -251,8 +251,11 @@ def apply_compile(model: Decoder, backend: str) -> None:
     per-expert counts (a graph break for every expert, and a recompile whenever the counts
     change), so the block's attention is compiled whole (`fullgraph=True`) and the norms (torch
     modules, which Dynamo does not compile as a frame of their own) and the MoE layer (router,
-    dispatch, experts) run eagerly."""
-    for block in model.layers.values():
+    dispatch, experts) run eagerly. The blocks of multi-token prediction depths (`model.mtp`)
+    compile the same way."""
+    depths = getattr(model, "mtp", None)
+    mtp_blocks = [cast(nn.Module, d.block) for d in depths.values()] if depths is not None else []
+    for block in [*model.layers.values(), *mtp_blocks]:
         inner = getattr(block, "_checkpoint_wrapped_module", block)
         if not moe_layers(inner):
             block.compile(backend=backend, fullgraph=True)

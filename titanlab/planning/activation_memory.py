@@ -110,6 +110,7 @@ def trace_activation_bytes(
     from titanlab.components.fused_head import fused_targets, use_fused_loss
     from titanlab.components.loss import cross_entropy_sum
     from titanlab.models.common.decoder import moe_layers
+    from titanlab.models.common.mtp import mtp_targets, trains_mtp
     from titanlab.models.registry import build_model
 
     weight_dtype = torch.float32 if autocast else dtype
@@ -143,7 +144,11 @@ def trace_activation_bytes(
             model.to_empty(device="cpu")
             tokens = torch.zeros(batch, seq, dtype=torch.long)
             counter = LiveTensorBytes()
-            with counter, precision():
+            # trained multi-token prediction depths run in the training forward (the head's)
+            depths = (
+                mtp_targets(model, tokens, 0.0) if with_loss and trains_mtp(model_args) else None
+            )
+            with counter, precision(), depths or contextlib.nullcontext():
                 if fused_chunk and with_loss:
                     with fused_targets(model, tokens):
                         out = model(tokens)

@@ -30,11 +30,13 @@ def _loss(logits, labels):
     return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum")
 
 
-@pytest.mark.parametrize("mtp_loss_weight", [0.3, 0.0])
-def test_stages_chained_equal_the_whole_model(mtp_loss_weight):
-    """λ = 0.3: the boundaries are (bs, seq, 2·dim); λ = 0 (the trainer enters no
+@pytest.mark.parametrize(
+    "mtp_loss_weight,depths", [(0.3, 1), (0.3, 2), (0.0, 1)], ids=["D1", "D2", "untrained"]
+)
+def test_stages_chained_equal_the_whole_model(mtp_loss_weight, depths):
+    """λ = 0.3: the boundaries are (bs, seq, (1 + D)·dim); λ = 0 (the trainer enters no
     `mtp_targets`): plain (bs, seq, dim) boundaries, the depth idle on the last stage."""
-    args = dataclasses.replace(ARGS, mtp_loss_weight=mtp_loss_weight)
+    args = dataclasses.replace(ARGS, mtp_loss_weight=mtp_loss_weight, mtp_layers=depths)
     torch.manual_seed(0)
     whole = build_model(args)
     whole.init_weights()
@@ -61,7 +63,7 @@ def test_stages_chained_equal_the_whole_model(mtp_loss_weight):
         with targets(stage) if i == len(stages) - 1 else contextlib.nullcontext():
             x = stage(x)
         outs.append(x)
-    width = (2 if mtp_loss_weight else 1) * args.dim
+    width = (1 + depths if mtp_loss_weight else 1) * args.dim
     assert [o.shape[-1] for o in outs[:-1]] == [width, width]
     torch.testing.assert_close(outs[-1], want_logits, rtol=0, atol=1e-6)
     if mtp_loss_weight:

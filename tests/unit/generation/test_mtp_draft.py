@@ -14,7 +14,7 @@ from titanlab.models.deepseek_v3 import deepseek_v3_flavors
 from titanlab.models.registry import build_model
 
 PROMPTS = [[5, 17, 2, 40, 33], [7, 1, 9, 60, 3, 8, 22, 90, 11], [64, 4, 70]]
-NEW = 17
+NEW = 11
 
 
 @pytest.fixture(scope="module")

@@ -1,14 +1,15 @@
 """The memory estimate against the peak that PyTorch's memory profiler measures on CPU.
 
 One training step (forward, loss, backward, AdamW step) of a small Llama, of a small Qwen3
-(per-head q/k norms, head_dim ≠ dim / heads) and of a small Qwen3-MoE (8 experts, top-2), runs
-under
+(per-head q/k norms, head_dim ≠ dim / heads), of a small Qwen3-MoE (8 experts, top-2) and of a
+small DeepSeek-V3 (MLA, its multi-token prediction depth training), runs under
 `torch.profiler` with memory profiling; the peak of the categorized memory timeline (parameters,
 optimizer state, gradients, activations, autograd temporaries) is compared with
 `estimate_memory(...).peak_tensors`, which excludes the fixed runtime overhead.
 """
 
 import dataclasses
+from contextlib import nullcontext
 
 import numpy as np
 import pytest
@@ -26,6 +27,7 @@ from titanlab.models.llama3 import llama3_flavors
 from titanlab.models.qwen3 import qwen3_flavors
 from titanlab.models.qwen3_moe import qwen3_moe_flavors
 from titanlab.models.deepseek_v3 import deepseek_v3_flavors
+from titanlab.models.common.mtp import mtp_targets, trains_mtp
 from titanlab.models.registry import build_model
 from titanlab.components.optim import OptimizersContainer
 
@@ -71,7 +73,8 @@ def measured_peak(args, cfg: JobConfig, autocast: bool = False) -> int:
     tokens = torch.randint(0, args.vocab_size, (BATCH, SEQ + 1))
 
     def step():
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        depths = mtp_targets(model, tokens[:, 1:], 0.3) if trains_mtp(args) else nullcontext()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast), depths:
             if fused:
                 with fused_targets(model, tokens[:, 1:]):
                     model(tokens[:, :-1]).backward()

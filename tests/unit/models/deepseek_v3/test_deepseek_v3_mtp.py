@@ -159,3 +159,74 @@ def test_the_mtp_gradient_is_the_weighted_loss_gradient(depths):
         d = (injected[n] - p.grad).abs().max().item()
         assert d <= 1e-7 + 1e-5 * p.grad.abs().max().item(), (n, d, p.grad.abs().max().item())
     assert injected["mtp.0.eh_proj.weight"].abs().sum() > 0
+
+
+def test_the_fused_loss_head_gives_the_same_mtp_loss_and_gradients():
+    """With `loss.fused_linear_cross_entropy` the head returns each depth's loss in chunks (its
+    labels swapped per depth): the main and MTP losses and every gradient equal the logits
+    path's."""
+    import copy
+    import dataclasses
+
+    from titanlab.components.fused_head import fused_targets, use_fused_loss
+    from titanlab.models.deepseek_v3 import deepseek_v3_flavors
+
+    args = dataclasses.replace(deepseek_v3_flavors["debugmodel"], vocab_size=97, max_seq_len=32)
+    torch.manual_seed(0)
+    plain = build_model(args)
+    plain.init_weights()
+    fused = copy.deepcopy(plain)
+    use_fused_loss(fused, chunk_size=7)
+    tokens = torch.randint(0, 97, (2, 17))
+    inputs, labels = tokens[:, :-1], tokens[:, 1:]
+    with mtp_targets(plain, labels, 0.3):
+        want = F.cross_entropy(plain(inputs).flatten(0, 1), labels.flatten(), reduction="sum")
+        want.backward()
+    with fused_targets(fused, labels), mtp_targets(fused, labels, 0.3):
+        got = fused(inputs)
+        got.backward()
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-5)
+    torch.testing.assert_close(fused.last_mtp_loss, plain.last_mtp_loss, rtol=1e-6, atol=1e-5)
+    grads = dict(fused.named_parameters())
+    for n, p in plain.named_parameters():
+        scale = p.grad.abs().max().item()
+        assert (grads[n].grad - p.grad).abs().max().item() <= 1e-7 + 1e-5 * scale, n
+
+
+@pytest.mark.parametrize("how", ["ac-full", "ac-selective", "compile"])
+def test_the_depth_block_is_checkpointed_and_compiled_like_the_layers(how):
+    """Activation checkpointing wraps the depth's block as it wraps the layers, and compile
+    compiles its attention as in the layers' MoE blocks; the losses and gradients stay those
+    of the plain model."""
+    import copy
+    import dataclasses
+
+    from titanlab.distributed.activation_checkpoint import apply_ac
+    from titanlab.distributed.parallelize import apply_compile
+    from titanlab.models.deepseek_v3 import deepseek_v3_flavors
+
+    args = dataclasses.replace(deepseek_v3_flavors["debugmodel"], vocab_size=97, max_seq_len=32)
+    torch.manual_seed(0)
+    plain = build_model(args)
+    plain.init_weights()
+    other = copy.deepcopy(plain)
+    if how == "compile":
+        torch._dynamo.reset()
+        apply_compile(other, "aot_eager")
+        assert other.mtp["0"].block.attention._compiled_call_impl is not None
+    else:
+        apply_ac(other, how.split("-")[1], "op")
+        assert type(other.mtp["0"].block).__name__ == "CheckpointWrapper"
+    tokens = torch.randint(0, 97, (2, 17))
+    inputs, labels = tokens[:, :-1], tokens[:, 1:]
+    for model in (plain, other):
+        with mtp_targets(model, labels, 0.3):
+            F.cross_entropy(
+                model(inputs).flatten(0, 1), labels.flatten(), reduction="sum"
+            ).backward()
+    torch.testing.assert_close(other.last_mtp_loss, plain.last_mtp_loss, rtol=1e-6, atol=1e-5)
+    assert other.state_dict().keys() == plain.state_dict().keys()  # names unchanged
+    grads = {n.replace("_checkpoint_wrapped_module.", ""): p for n, p in other.named_parameters()}
+    for n, p in plain.named_parameters():
+        scale = p.grad.abs().max().item()
+        assert (grads[n].grad - p.grad).abs().max().item() <= 1e-7 + 1e-5 * scale, n
