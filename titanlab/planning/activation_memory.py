@@ -57,11 +57,16 @@ class LiveTensorBytes(TorchDispatchMode):
 @dataclasses.dataclass(frozen=True)
 class ActivationBytes:
     """Bytes kept for backward, per rank: `per_block[mode]` for one transformer block under AC
-    mode "none", "full" or "op", and `head` for everything outside the blocks (embedding, final
-    norm, output projection and the loss, which keeps the fp32 log-softmax of the logits)."""
+    mode "none", "full" or "op", `head` for everything outside the blocks (embedding, final
+    norm, output projection and the loss, which keeps the fp32 log-softmax of the logits), and
+    `depths[mode]` for multi-token prediction depths."""
 
     per_block: dict[str, int]
     head: int
+    depths: dict[str, int] = dataclasses.field(default_factory=dict)
+    """Trained multi-token prediction depths (DeepSeek-V3), all together, by the AC mode of
+    their blocks: their blocks, norms and eh_proj, and their loss's fp32 log-softmax; empty
+    without trained depths."""
 
 
 _CACHE: dict[tuple, ActivationBytes] = {}
@@ -136,7 +141,9 @@ def trace_activation_bytes(
     def precision():
         return torch.autocast("cpu", dtype=dtype) if autocast else contextlib.nullcontext()
 
-    def live_after_forward(n_layers: int, mode: str, with_loss: bool = True) -> int:
+    def live_after_forward(
+        n_layers: int, mode: str, with_loss: bool = True, with_depths: bool = False
+    ) -> int:
         model = build(n_layers, mode)
         # Fake CPU tensors rather than meta ones: SDPA then picks the fused (flash) kernel, which
         # keeps O(seq) per head as on GPUs, where meta would pick the O(seq²) math kernel.
@@ -145,9 +152,7 @@ def trace_activation_bytes(
             tokens = torch.zeros(batch, seq, dtype=torch.long)
             counter = LiveTensorBytes()
             # trained multi-token prediction depths run in the training forward (the head's)
-            depths = (
-                mtp_targets(model, tokens, 0.0) if with_loss and trains_mtp(model_args) else None
-            )
+            depths = mtp_targets(model, tokens, 0.0) if with_depths else None
             with counter, precision(), depths or contextlib.nullcontext():
                 if fused_chunk and with_loss:
                     with fused_targets(model, tokens):
@@ -203,5 +208,10 @@ def trace_activation_bytes(
                 per_block = {m: compiled_block(m) for m in one}
             except Exception:  # a block compile cannot capture whole: estimated as eager code
                 per_block = eager
-        _CACHE[key] = ActivationBytes(per_block=per_block, head=head)
+        depths = {}
+        if trains_mtp(model_args):  # the same one-block model, its depths trained
+            depths = {
+                mode: live_after_forward(1, mode, with_depths=True) - one[mode] for mode in one
+            }
+        _CACHE[key] = ActivationBytes(per_block=per_block, head=head, depths=depths)
     return _CACHE[key]

@@ -193,7 +193,7 @@ def estimate_memory(
         # their gradient (and, in a 16-bit compute dtype, the matmul's output before the upcast)
         chunk = min(config.loss.chunk_size, mb * s_local) * model_args.vocab_size
         logits_grads = chunk * (4 + (elem if elem < 4 else 0))
-    logits = (traced.head + logits_grads) // tp
+    logits = (traced.head + depth_bytes(traced.depths, mode, option, layers) + logits_grads) // tp
     accumulating = config.training.global_batch_size > max(world_size // (tp * pp * cp), 1) * b
     # ZeRO-1 accumulates whole gradients over the microbatches (one reduce-scatter a step), and
     # so does FSDP under a pipeline schedule (each stage's gradients reduce-scattered once, after
@@ -244,7 +244,7 @@ def estimate_memory(
                         grads_during_forward=accumulating)  # fmt: skip
     # Each pipeline rank's own stages and microbatches in flight; the rank with the largest peak.
     loads = rank_loads(
-        model, config, blocks_bytes, traced.head // tp,
+        model, config, blocks_bytes, (traced.head + depth_bytes(traced.depths, mode, option, layers)) // tp,
         mb * s_local * model_args.dim * boundary_width(model_args) * elem,
         logits_grads // tp, lambda n: 4 * n // (tp if whole_grads else sharded_by), gathered,
     )  # fmt: skip
@@ -266,6 +266,20 @@ def estimate_memory(
 
 _CACHE_SIZE = 64
 _META_MODELS: dict[str, nn.Module] = {}
+
+
+def depth_bytes(depths: dict[str, int], mode: str, option: str, n_layers: int) -> int:
+    """What trained multi-token prediction depths keep for backward in the AC mode (their
+    blocks are wrapped like the layers, numbered after them: `apply_ac`); 0 without depths."""
+    if not depths:
+        return 0
+    if mode == "full":
+        return depths["full"]
+    if mode == "selective" and option == "op":
+        return depths["op"]
+    if mode == "selective":
+        return depths["full" if n_layers % int(option) == 0 else "none"]
+    return depths["none"]
 
 
 def _meta_model(model_args) -> nn.Module:
