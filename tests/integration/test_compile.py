@@ -69,8 +69,9 @@ COMMON = ["--training.steps", "5", "--checkpoint.enable", "false"]
         # DeepSeek-V3: MLA's tensor-parallel hooks (replicated latent projections, the rotary
         # key's gradient summed over tp) inside compiled blocks, with full AC. Its routed
         # experts make it an MoE case: compiled numerics can flip a near-tied routing choice
-        # (measured 2.6e-5 once in CI, within 1e-5 in another run), so CI leaves it out like the
-        # Qwen3-MoE case.
+        # (measured 2.6e-5 once in CI, within 1e-5 in another run; 0.022 in a run handed a
+        # graph from inductor's on-disk cache compiled under another layout, which the trainer
+        # no longer reads under TP: `apply_compile`), so CI leaves it out like the Qwen3-MoE case.
         pytest.param(
             2,
             4,
@@ -78,7 +79,7 @@ COMMON = ["--training.steps", "5", "--checkpoint.enable", "false"]
                 "--model.name",
                 "deepseek_v3",
                 "--model.flavor",
-                "debugmodel_deep",  # no MTP depth (refused with TP while it trains)
+                "debugmodel",  # its MTP depth trains: compiled and checkpointed like the layers
                 "--parallelism.tensor_parallel_degree",
                 "2",
                 "--parallelism.expert_parallel_degree",

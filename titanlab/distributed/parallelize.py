@@ -117,7 +117,9 @@ def parallelize_model(
     if config.activation_checkpoint.offload:
         apply_offload(list(model.layers.values()), device)
     if config.compile.enable and "model" in config.compile.components:
-        apply_compile(model, config.compile.backend)
+        # tensor and context parallel put collectives inside the compiled blocks
+        in_graph = parallel_dims.tp_enabled or parallel_dims.cp > 1
+        apply_compile(model, config.compile.backend, collectives_in_graph=in_graph)
     if parallel_dims.dp_replicate_enabled and not parallel_dims.fsdp_enabled:
         dp_mesh = parallel_dims.mesh("dp_replicate")
         assert dp_mesh is not None  # built whenever dp_replicate > 1
@@ -243,9 +245,17 @@ def reshard_policy(option: str, pp_enabled: bool, zero_stage: int = 3) -> bool:
     return not pp_enabled
 
 
-def apply_compile(model: Decoder, backend: str) -> None:
+def apply_compile(model: Decoder, backend: str, collectives_in_graph: bool = False) -> None:
     """Compile each transformer block in place (`Module.compile`, so parameter names do not
     change and checkpoints stay portable). Blocks are identical, so one graph serves all.
+
+    `collectives_in_graph` (tensor or context parallel): compile afresh, with inductor's on-disk
+    FX-graph and AOT-autograd caches off. Those caches keep compiled code with the process-group
+    names of its collectives written in, and hand it to a later run whose groups are numbered
+    otherwise. Measured here (torch 2.13, CPU): a TP 2 × EP 2 run on 2 ranks given the graph a
+    TP 2 × FSDP 2 run had compiled ran its all-gathers over another group, and one step's
+    gradients came out up to 5e-4 off eager's with nothing reported; the other way round, the
+    run stopped with "Could not resolve the process group registered under the name 4".
 
     In a block with routed experts the token dispatch splits the tokens by data-dependent
     per-expert counts (a graph break for every expert, and a recompile whenever the counts
@@ -253,6 +263,12 @@ def apply_compile(model: Decoder, backend: str) -> None:
     modules, which Dynamo does not compile as a frame of their own) and the MoE layer (router,
     dispatch, experts) run eagerly. The blocks of multi-token prediction depths (`model.mtp`)
     compile the same way."""
+    if collectives_in_graph:
+        import torch._functorch.config
+        import torch._inductor.config
+
+        torch._inductor.config.fx_graph_cache = False
+        torch._functorch.config.enable_autograd_cache = False
     depths = getattr(model, "mtp", None)
     mtp_blocks = [cast(nn.Module, d.block) for d in depths.values()] if depths is not None else []
     for block in [*model.layers.values(), *mtp_blocks]:
