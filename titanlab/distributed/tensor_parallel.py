@@ -225,11 +225,15 @@ def linear_split_dims(model: Decoder) -> dict[str, int]:
     rows; 1: row-wise, by input columns), for every Linear it splits in `model` (a meta-device
     model is enough); read from the same plan `apply_tp` applies."""
     dims = {"output": 0} if model.output is not None else {}
-    for index, block in model.layers.items():
+    blocks = {f"layers.{index}": block for index, block in model.layers.items()}
+    depths = getattr(model, "mtp", None)  # multi-token prediction depths' blocks (`_apply_mtp_tp`)
+    for k, depth in depths.items() if depths is not None else []:
+        blocks[f"mtp.{k}.block"] = depth.block
+    for prefix, block in blocks.items():
         plan = _block_plan(model, block, ColwiseParallel, RowwiseParallel, PrepareModuleInput)
         for path, style in plan.items():
             if isinstance(style, (ColwiseParallel, RowwiseParallel)):
-                dims[f"layers.{index}.{path}"] = 0 if isinstance(style, ColwiseParallel) else 1
+                dims[f"{prefix}.{path}"] = 0 if isinstance(style, ColwiseParallel) else 1
     return dims
 
 

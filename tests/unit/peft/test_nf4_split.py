@@ -92,3 +92,18 @@ def test_split_dims_follow_the_tp_plan():
     }  # fmt: skip
     # MoE experts and the router are not tensor-parallel.
     assert not [k for k in linear_split_dims(moe) if "feed_forward" in k]
+
+
+def test_split_dims_name_the_mtp_blocks_as_the_plan_splits_them():
+    """DeepSeek-V3's MTP depth block gets the block plan under TP (`_apply_mtp_tp`), so its
+    Linear layers are named like a layer's (QLoRA quantizes each whole, TP keeps the shard)."""
+    from titanlab.models.deepseek_v3 import deepseek_v3_flavors
+
+    args = dataclasses.replace(deepseek_v3_flavors["debugmodel"], vocab_size=512)
+    with torch.device("meta"):
+        model = build_model(args)
+    dims = linear_split_dims(model)
+    last = str(args.n_layers - 1)  # an MoE layer, like the depth's block
+    layer = {k.split(".", 2)[2]: v for k, v in dims.items() if k.startswith(f"layers.{last}.")}
+    depth = {k[len("mtp.0.block.") :]: v for k, v in dims.items() if k.startswith("mtp.0.block.")}
+    assert depth == layer and depth["attention.wo"] == 1
