@@ -1,16 +1,20 @@
 """Check the layout planner against measured runs on this machine (issue 34's CPU check).
 
-    python tools/plan_check.py [--nproc 4] [--steps 8] [--out docs/planning.md]
+    python tools/plan_check.py [--nproc 4] [--steps 8] [--repeats 2] [--out docs/planning.md]
 
 Calibrates a profile of this machine for `--nproc` ranks (`titanlab.plan --calibrate`), ranks
 every layout of the debug model that the validator accepts and the memory estimate fits
 (`titanlab.planning.planner.plan`), then trains each a few steps on `--nproc` forked ranks:
 its step time is the median of steps 3 .. N-1 (metrics.jsonl, log_freq 1), its memory the
 largest peak of live tensors over the ranks in step N (`profiling.enable_memory_snapshot`, the
-CPU memory timeline), compared with the estimate's `peak_tensors`. Prints and writes (block
-`plan-check-cpu` of `--out`) each layout's predicted and measured figures, Spearman's ρ between
-the predicted and measured step times, the worst memory error, and how far the planner's
-first pick is from the measured best.
+CPU memory timeline), compared with the estimate's `peak_tensors`. With `--repeats R` every
+layout is measured R times in interleaved passes (forward order, then reverse, ...), so a
+drift of the machine over the tens of minutes falls on every layout alike; its step time is
+the mean of its passes' medians, and Spearman's ρ between the passes (the measurement's own
+repeatability, the ceiling for any model) is printed beside the model's. Prints and writes
+(block `plan-check-cpu` of `--out`) each layout's predicted and measured figures, Spearman's ρ
+between the predicted and measured step times, the worst memory error, and how far the
+planner's first pick is from the measured best.
 """
 
 from __future__ import annotations
@@ -83,10 +87,27 @@ def measure(cand, steps: int, dataset: str, workdir: str) -> tuple[float, int] |
     return statistics.median(ms[s] for s in range(3, steps)) / 1000, max(peaks)
 
 
+def combined(results: list[tuple[float, int] | str]) -> tuple[float, int] | str:
+    """One layout's figures over its passes: the mean of the median step times and the largest
+    peak, or the first failure."""
+    failed = [r for r in results if isinstance(r, str)]
+    if failed:
+        return failed[0]
+    done = [r for r in results if not isinstance(r, str)]
+    return statistics.mean(t for t, _ in done), max(m for _, m in done)
+
+
+def step_of(result: tuple[float, int] | str) -> float:
+    """The step seconds of a measured (not failed) result."""
+    assert not isinstance(result, str), result
+    return result[0]
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--nproc", type=int, default=4)
     p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--repeats", type=int, default=1, help="interleaved passes over the layouts")
     p.add_argument("--out", default=os.path.join(REPO, "docs", "planning.md"))
     a = p.parse_args(argv)
     from titanlab.config.manager import build_config
@@ -101,14 +122,23 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="titanlab_plan_check_") as work:
         cluster = calibrated(config, args, a.nproc, os.path.join(work, "cpu.json"))
         fitting = [c for c in planner.plan(config, args, cluster) if c.fits]
-        rows = []
-        for i, c in enumerate(fitting, 1):
-            began = time.time()
-            got = measure(c, a.steps, dataset, work)
-            print(f"[{i}/{len(fitting)}] {c.layout.name}: {got} ({time.time() - began:.0f} s)",
-                  flush=True)  # fmt: skip
-            rows.append((c, got))
+        passes: list[dict[int, tuple[float, int] | str]] = []
+        for r in range(a.repeats):
+            order = list(range(len(fitting)))[:: 1 if r % 2 == 0 else -1]
+            got: dict[int, tuple[float, int] | str] = {}
+            for n, i in enumerate(order, 1):
+                began = time.time()
+                got[i] = measure(fitting[i], a.steps, dataset, work)
+                print(f"[pass {r + 1}, {n}/{len(fitting)}] {fitting[i].layout.name}: {got[i]} "
+                      f"({time.time() - began:.0f} s)", flush=True)  # fmt: skip
+            passes.append(got)
+        rows = [(c, combined([p[i] for p in passes])) for i, c in enumerate(fitting)]
     ok = [(c, g) for c, g in rows if not isinstance(g, str)]
+    retest = ""
+    if a.repeats > 1:
+        both = [i for i in range(len(fitting)) if all(not isinstance(p[i], str) for p in passes)]
+        first, second = ([step_of(p[i]) for i in both] for p in passes[:2])
+        retest = f" (pass 1 against pass 2: ρ = {spearman(first, second):.2f})"
     pred = [c.prediction.step_s for c, _ in ok]
     meas = [g[0] for _, g in ok]
     rho = spearman(pred, meas)
@@ -133,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     summary = (
         f"{len(ok)} of {len(rows)} layouts measured: Spearman ρ (predicted vs measured step "
-        f"time) = {rho:.2f}; memory error {min(mem_err):+.1%} .. {max(mem_err):+.1%} "
+        f"time) = {rho:.2f}{retest}; memory error {min(mem_err):+.1%} .. {max(mem_err):+.1%} "
         f"(worst |error| {max(abs(e) for e in mem_err):.1%}); the planner's first pick "
         f"{ok[0][0].layout.name} measured {meas[0] * 1e3:.0f} ms, the measured best "
         f"{ok[meas.index(best)][0].layout.name} {best * 1e3:.0f} ms ({regret:+.1%})."
