@@ -2,10 +2,11 @@
 `torch.distributed.pipelining` schedule over them.
 
 Stages hold whole transformer blocks; the first stage also holds the token embedding, the last
-the final norm and output projection (and any multi-token prediction depths). Each rank holds one stage (GPipe, 1F1B), several stages
-placed round-robin (Interleaved1F1B, LoopedBFS, InterleavedZeroBubble; Narayanan et al. 2021,
-Qi et al. 2023) or two stages in a V (ZBVZeroBubble, DualPipeV; rank r holds stages r and
-2·pp−1−r; Qi et al. 2024, DeepSeek-V3 report).
+the final norm and output projection (and any multi-token prediction depths). Each rank holds
+one stage (GPipe, 1F1B), several stages placed round-robin (Interleaved1F1B, LoopedBFS,
+InterleavedZeroBubble; Narayanan et al. 2021, Qi et al. 2023) or two stages in a V
+(ZBVZeroBubble, DualPipeV; rank r holds stages r and 2·pp−1−r; Qi et al. 2024, DeepSeek-V3
+report).
 """
 
 from __future__ import annotations

@@ -6,9 +6,10 @@ line) or `--chat` (a JSONL file of `{"messages": [...]}` conversations, rendered
 template and answered as the assistant; `titanlab.data.chat`); several prompts run as one
 left-padded batch. Under torchrun
 (`torchrun --nproc_per_node N -m titanlab.generate ...`) the model runs tensor parallel over the
-N ranks (`titanlab.generation.tensor_parallel`) and rank 0 prints. Greedy by default; `--temperature`,
-`--top-k`, `--top-p` and `--seed` sample. `--mtp-draft` drafts with a DeepSeek-V3 model's
-multi-token prediction depth (`titanlab.generation.mtp_draft`): same output, fewer forwards. A single prompt streams its tokens to the terminal; the
+N ranks (`titanlab.generation.tensor_parallel`) and rank 0 prints. Greedy by default;
+`--temperature`, `--top-k`, `--top-p` and `--seed` sample. `--mtp-draft` drafts with a
+DeepSeek-V3 model's multi-token prediction depth (`titanlab.generation.mtp_draft`): same output,
+fewer forwards. A single prompt streams its tokens to the terminal; the
 last line reports the tokens generated per second. Bad input ends with one line, exit code 2.
 """
 

@@ -80,6 +80,8 @@ class TrainStep:
         # parallel, each tp rank's MoE layers route their own sequence shard).
         self._moe_stats_mesh = dims.mesh("dp_cp_tp")
         moe_stats.install_stats_reduction(self.model_parts, self._moe_stats_mesh)
+        # multi-token prediction depths train (their loss computed and logged as `mtp_loss`)
+        self.trains_mtp = trains_mtp(getattr(self.model_parts[0], "args", None))
         self.moe_metrics: dict[str, torch.Tensor] = {}
         self.pp_microbatches = (
             config.training.local_batch_size // config.parallelism.pipeline_parallel_microbatch_size
@@ -144,7 +146,7 @@ class TrainStep:
         self.moe_metrics = moe_stats.end_step(
             self.model_parts, self._moe_stats_mesh, microbatches, stepped
         )
-        if trains_mtp(getattr(self.model_parts[0], "args", None)):
+        if self.trains_mtp:
             # the depths' summed cross-entropy over the main loss's token count (the last
             # pipeline stage's ranks hold it; the others add 0)
             mtp = global_sum(self.mtp_loss_sum, self._loss_mesh)
@@ -207,7 +209,7 @@ class TrainStep:
             if isinstance(self.pp_loss, PipelineDistillLoss) and self.has_last:
                 self.pp_loss.prepare(inputs, labels, kwargs)  # the teacher runs per microbatch
                 target = self.pp_loss.rows_of(labels)
-            if fused_loss(self.config) or trains_mtp(getattr(self.model_parts[0], "args", None)):
+            if fused_loss(self.config) or self.trains_mtp:
                 # every stage's `take_labels` hands them to the fused head and MTP depths
                 kwargs = {**kwargs, LABELS: labels}
             # every stage's ranks hold their sequence shard of each microbatch; the schedule
@@ -233,7 +235,7 @@ class TrainStep:
         times the main loss's scale in backward, and adds its token sum to
         `self.mtp_loss_sum`; a no-op without trained depths or on ranks without them."""
         parts: list[Any] = [p for p in self.model_parts if getattr(p, "mtp", None) is not None]
-        if not parts or not trains_mtp(parts[0].args):
+        if not parts or not self.trains_mtp:
             return contextlib.nullcontext()
         model, args = parts[0], parts[0].args
 
