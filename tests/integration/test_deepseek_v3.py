@@ -227,3 +227,25 @@ def test_deepseek_v3_debug_config_trains_resumes_exactly_and_exports_to_transfor
     assert texts[1].out == texts[0].out
     print(texts[1].err.strip().splitlines()[-2])  # MTP draft: N of M drafts accepted (..%)
     assert texts[1].err.strip().splitlines()[-2].startswith("MTP draft: ")
+
+
+def test_multi_token_prediction_under_pp_and_tp_resumes_bitwise(train, tmp_path):
+    """TP 2 × EP 2 × PP 2 with the MTP depth training (its weights and optimizer state on the
+    last stage): a run stopped at step 3 and resumed logs the straight run's 6 losses and MTP
+    losses bitwise."""
+    common = [*MTP_FLAVOR, "--parallelism.tensor_parallel_degree", "2",
+              "--parallelism.expert_parallel_degree", "2",
+              "--parallelism.pipeline_parallel_degree", "2",
+              "--training.local_batch_size", "4", "--metrics.log_freq", "1",
+              "--debug.deterministic", "true", *CONSTANT_LR,
+              *checkpoint_every(3, "--checkpoint.keep_latest_k", "0")]  # fmt: skip
+    straight, resumed = str(tmp_path / "straight"), str(tmp_path / "resumed")
+    train(4, *common, "--training.steps", "6", dump=straight).check()
+    train(4, *common, "--training.steps", "3", dump=resumed).check()
+    train(4, *common, "--training.steps", "6", dump=resumed).check()
+    want, got = read_metrics(straight), read_metrics(resumed)
+    assert [got[s] for s in range(1, 7)] == [want[s] for s in range(1, 7)]
+    assert _mtp_losses(resumed) == _mtp_losses(straight)
+    with open(os.path.join(resumed, "metrics.jsonl"), encoding="utf-8") as f:
+        logged = [r["step"] for r in map(json.loads, f)]
+    assert logged == [1, 2, 3, 4, 5, 6]  # the second run started at step 4, from the checkpoint
