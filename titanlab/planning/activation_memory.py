@@ -67,6 +67,31 @@ class ActivationBytes:
     """Trained multi-token prediction depths (DeepSeek-V3), all together, by the AC mode of
     their blocks: their blocks, norms and eh_proj, and their loss's fp32 log-softmax; empty
     without trained depths."""
+    gathered_per_block: dict[str, int] = dataclasses.field(default_factory=dict)
+    """Of `per_block[mode]`, the bytes tensor parallel holds whole on every tp rank: the inputs
+    its plan all-gathers over the sequence (the attention's and the feed-forward's, kept by
+    their column-wise Linears; `titanlab.distributed.tp_plan`), where the rest is split."""
+    gathered_head: int = 0
+    """Of `head`, the bytes held whole on every tp rank: the output projection's gathered input
+    (or, for the fused loss's head, the gradient of that input, computed in forward)."""
+    weight_grads_per_block: int = 0
+    """What a split backward keeps per block between its input and weight halves: a gradient
+    the size of each weight op's output (`titanlab.planning.split_backward`)."""
+    weight_grads_head: int = 0
+    """The same for the head (final norm, output projection; the plain head's logits)."""
+
+    def split(self, total: int, gathered: int, tp: int) -> int:
+        """Bytes per tp rank of `total` bytes of which `gathered` are held whole by each."""
+        gathered = min(gathered, total) if tp > 1 else 0
+        return (total - gathered) // tp + gathered
+
+    def block_bytes(self, mode: str, tp: int) -> int:
+        """Bytes one block keeps per tp rank in AC mode `mode` (sequence-parallel TP)."""
+        return self.split(self.per_block[mode], self.gathered_per_block.get(mode, 0), tp)
+
+    def head_bytes(self, tp: int) -> int:
+        """Bytes the head keeps per tp rank (its logits vocab-split under loss parallel)."""
+        return self.split(self.head, self.gathered_head, tp)
 
 
 _CACHE: dict[tuple, ActivationBytes] = {}
@@ -111,6 +136,8 @@ def trace_activation_bytes(
         about a second for the 8B shapes, whatever seq is; a compiled one a few seconds).
     """
     from titanlab.planning.compiled_saved import saved_bytes_compiled
+    from titanlab.planning.split_backward import WeightOpOutputs
+    from titanlab.planning.tp_gathered import watch_gathered
     from titanlab.distributed.activation_checkpoint import apply_ac
     from titanlab.components.fused_head import fused_targets, use_fused_loss
     from titanlab.components.loss import cross_entropy_sum
@@ -143,7 +170,9 @@ def trace_activation_bytes(
 
     def live_after_forward(
         n_layers: int, mode: str, with_loss: bool = True, with_depths: bool = False
-    ) -> int:
+    ) -> tuple[int, int, int]:
+        """(bytes alive after forward, of them those tensor parallel would gather, the output
+        bytes of the weight ops: what a split backward keeps between its halves)."""
         model = build(n_layers, mode)
         # Fake CPU tensors rather than meta ones: SDPA then picks the fused (flash) kernel, which
         # keeps O(seq) per head as on GPUs, where meta would pick the O(seq²) math kernel.
@@ -151,9 +180,11 @@ def trace_activation_bytes(
             model.to_empty(device="cpu")
             tokens = torch.zeros(batch, seq, dtype=torch.long)
             counter = LiveTensorBytes()
+            gathered = watch_gathered(model, lambda: counter._storages)
+            weight_ops = WeightOpOutputs(model.parameters())
             # trained multi-token prediction depths run in the training forward (the head's)
             depths = mtp_targets(model, tokens, 0.0) if with_depths else None
-            with counter, precision(), depths or contextlib.nullcontext():
+            with counter, weight_ops, precision(), depths or contextlib.nullcontext():
                 if fused_chunk and with_loss:
                     with fused_targets(model, tokens):
                         out = model(tokens)
@@ -162,8 +193,9 @@ def trace_activation_bytes(
                 if with_loss and not fused_chunk:
                     out = cross_entropy_sum(out, tokens)
             held = counter.live() - (out.untyped_storage().nbytes() if with_loss else 0)
+            whole = gathered.live()
             del out
-        return held
+        return held, whole, weight_ops.bytes
 
     def compiled_block(mode: str) -> int:
         model = build(1, mode)
@@ -194,13 +226,18 @@ def trace_activation_bytes(
         fused_chunk,
     )
     if key not in _CACHE:
-        one = {mode: live_after_forward(1, mode) for mode in ("none", "full", "op")}
-        eager = {mode: live_after_forward(2, mode) - one[mode] for mode in one}
+        ones = {mode: live_after_forward(1, mode) for mode in ("none", "full", "op")}
+        twos = {mode: live_after_forward(2, mode) for mode in ones}
+        one = {mode: n for mode, (n, _, _) in ones.items()}
+        eager = {mode: twos[mode][0] - one[mode] for mode in one}
+        gathered = {mode: twos[mode][1] - ones[mode][1] for mode in one}
         head = one["none"] - eager["none"]
+        gathered_head = ones["none"][1] - gathered["none"]
+        weight_grads = twos["none"][2] - ones["none"][2]
         if (
             compiled_loss and not fused_chunk
         ):  # the head up to the logits, run eagerly, then the compiled loss
-            head = live_after_forward(1, "none", with_loss=False) - eager["none"]
+            head = live_after_forward(1, "none", with_loss=False)[0] - eager["none"]
             head += compiled_loss_bytes()
         per_block = eager
         if compiled_blocks:
@@ -211,7 +248,15 @@ def trace_activation_bytes(
         depths = {}
         if trains_mtp(model_args):  # the same one-block model, its depths trained
             depths = {
-                mode: live_after_forward(1, mode, with_depths=True) - one[mode] for mode in one
+                mode: live_after_forward(1, mode, with_depths=True)[0] - one[mode] for mode in one
             }
-        _CACHE[key] = ActivationBytes(per_block=per_block, head=head, depths=depths)
+        _CACHE[key] = ActivationBytes(
+            per_block=per_block,
+            head=head,
+            depths=depths,
+            gathered_per_block=gathered,
+            gathered_head=gathered_head,
+            weight_grads_per_block=weight_grads,
+            weight_grads_head=ones["none"][2] - weight_grads,
+        )
     return _CACHE[key]

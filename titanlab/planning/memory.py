@@ -16,13 +16,16 @@ Per-rank bytes, predicted from the config and world size without allocating anyt
   partitioner recomputes pointwise ops instead of saving them), under autocast (mixed precision
   without FSDP) with the compute-dtype weight copies autocast keeps, with float8 Linears their
   float8 copies; under full or per-layer AC, one block's activations are recomputed at a time
-  in backward;
+  in backward; under tensor parallel they are split over tp but for the inputs its plan
+  gathers over the sequence, which every tp rank keeps whole (`titanlab.planning.tp_gathered`);
 - the "head": embedding output, final norm, the output projection's input, the loss's fp32
   log-softmax (a compiled loss keeps none), and in backward the gradients of the logits (two
   fp32 tensors eagerly, one in the compute dtype from a compiled loss);
 - under pipeline parallel, per rank (its own stages: the first holds the embedding, the last
   the head): the activations of the microbatches its schedule keeps in flight
-  (`titanlab.planning.pipeline_memory`, from torch's own schedule order), each stage's whole
+  (`titanlab.planning.pipeline_memory`, from torch's own schedule order; a zero-bubble
+  schedule's split backward also keeps the weight ops' output gradients from its input half to
+  its weight half, `titanlab.planning.split_backward`), each stage's whole
   gradients from its first backward to the step's one reduce-scatter, every parameter of its
   stages gathered (FSDP does not reshard between a pipeline's microbatches) and the stages'
   receive buffers, one per microbatch; the estimate is the rank with the largest peak;
@@ -164,7 +167,7 @@ def estimate_memory(
         # costs a few fake ops rather than one pass per chunk (seconds at 8B, seq 8192).
         fused_chunk=mb * s_local if fused_loss(config) else 0,
     )
-    block = {mode: n // tp for mode, n in traced.per_block.items()}
+    block = {mode: traced.block_bytes(mode, tp) for mode in traced.per_block}
     mode, option = (
         config.activation_checkpoint.mode,
         config.activation_checkpoint.selective_ac_option,
@@ -193,7 +196,8 @@ def estimate_memory(
         # their gradient (and, in a 16-bit compute dtype, the matmul's output before the upcast)
         chunk = min(config.loss.chunk_size, mb * s_local) * model_args.vocab_size
         logits_grads = chunk * (4 + (elem if elem < 4 else 0))
-    logits = (traced.head + depth_bytes(traced.depths, mode, option, layers) + logits_grads) // tp
+    head = traced.head_bytes(tp) + depth_bytes(traced.depths, mode, option, layers) // tp
+    logits = head + logits_grads // tp
     accumulating = config.training.global_batch_size > max(world_size // (tp * pp * cp), 1) * b
     # ZeRO-1 accumulates whole gradients over the microbatches (one reduce-scatter a step), and
     # so does FSDP under a pipeline schedule (each stage's gradients reduce-scattered once, after
@@ -244,9 +248,10 @@ def estimate_memory(
                         grads_during_forward=accumulating)  # fmt: skip
     # Each pipeline rank's own stages and microbatches in flight; the rank with the largest peak.
     loads = rank_loads(
-        model, config, blocks_bytes, (traced.head + depth_bytes(traced.depths, mode, option, layers)) // tp,
+        model, config, blocks_bytes, head,
         mb * s_local * model_args.dim * boundary_width(model_args) * elem,
         logits_grads // tp, lambda n: 4 * n // (tp if whole_grads else sharded_by), gathered,
+        (traced.weight_grads_per_block // tp, traced.weight_grads_head // tp),
     )  # fmt: skip
     return max(
         (

@@ -82,23 +82,28 @@ def _flatten(actions) -> Actions:
 
 
 def peak_in_flight(
-    actions: Actions, bytes_of: Callable[[int], int], after_backward: int = 0
+    actions: Actions,
+    bytes_of: Callable[[int], int],
+    after_backward: int = 0,
+    pending_of: Callable[[int], int] = lambda stage: 0,
 ) -> tuple[int, bool]:
     """The peak, over one rank's action list, of the bytes of microbatches whose forward on a
     stage ran and whose backward did not finish (`bytes_of(stage)` each; freed at "B", or at
-    "W" after a split backward, "I" freeing nothing), plus `after_backward` (the stage's
-    gradients) once a backward has run: (those in-flight bytes, whether a backward had run)."""
+    "W" after a split backward), plus `pending_of(stage)` from a split backward's "I" to its
+    "W" (the weight ops' output gradients; `titanlab.planning.split_backward`; none on stage 0,
+    whose I does nothing), plus `after_backward` (the stage's gradients) once a backward has
+    run: (those in-flight bytes, whether a backward had run)."""
     live = best = 0
     backward_ran = False
     at_peak = (0, False)
     for kind, stage in actions:
-        if kind == "F":
-            live += bytes_of(stage)
-            total = live + (after_backward if backward_ran else 0)
+        if kind in ("F", "I"):
+            live += bytes_of(stage) if kind == "F" else (pending_of(stage) if stage else 0)
+            total = live + (after_backward if backward_ran or kind == "I" else 0)
             if total > best:
-                best, at_peak = total, (live, backward_ran)
+                best, at_peak = total, (live, backward_ran or kind == "I")
         elif kind in ("B", "W"):
-            live -= bytes_of(stage)
+            live -= bytes_of(stage) + (pending_of(stage) if kind == "W" and stage else 0)
         backward_ran = backward_ran or kind in ("B", "I")
     return at_peak
 
@@ -136,6 +141,7 @@ class RankLoad:
 def rank_loads(
     model, config, blocks_bytes: Callable[[int], int], head: int, boundary: int, transient: int,
     grads_of: Callable[[int], int], gathered_of: Callable[[nn.Module], int],
+    pending: tuple[int, int] = (0, 0),
 ) -> list[RankLoad]:  # fmt: skip
     """Each pipeline rank's load for `config`'s schedule, pp degree and microbatches.
 
@@ -150,6 +156,8 @@ def rank_loads(
         grads_of(params): gradient bytes of a rank with that many parameter elements, alive
             once a backward has run.
         gathered_of(module): a module's parameter elements as its rank gathers them.
+        pending: (per block, for the head) bytes a split backward keeps from its input half to
+            its weight half, per microbatch (`titanlab.planning.split_backward`).
     """
     from titanlab.models.common.counting import count_params
 
@@ -172,13 +180,16 @@ def rank_loads(
     def bytes_of(stage: int) -> int:
         return blocks_bytes(counts[stage]) + (head if stage == n_stages - 1 else boundary)
 
+    def pending_of(stage: int) -> int:
+        return pending[0] * counts[stage] + (pending[1] if stage == n_stages - 1 else 0)
+
     stage_params = [sum(count_params(m) for m in modules(s)) for s in range(n_stages)]
     stage_gathered = [sum(gathered_of(m) for m in modules(s)) for s in range(n_stages)]
     out = []
     for rank, actions in rank_actions(schedule, pp, microbatches, per).items():
         ids = stage_ids(schedule, rank, pp, spr)
         params = sum(stage_params[s] for s in ids)
-        peak, alive = peak_in_flight(actions, bytes_of, grads_of(params))
+        peak, alive = peak_in_flight(actions, bytes_of, grads_of(params), pending_of)
         units = ([gathered_of(embed)] if 0 in ids else []) + (
             [sum(gathered_of(m) for m in tail)] if n_stages - 1 in ids else []
         )

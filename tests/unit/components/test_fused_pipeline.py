@@ -9,6 +9,7 @@ from torch import nn
 from titanlab.components.fused_ce import linear_cross_entropy_sum
 from titanlab.components.fused_head import use_fused_loss
 from titanlab.components.fused_pipeline import returned_loss, take_labels
+from titanlab.components.loss import ScaledLoss
 
 
 class _Stage(nn.Module):
@@ -42,3 +43,33 @@ def test_a_stage_without_the_head_drops_the_keyword():
     take_labels(stage)
     x = torch.randn(2, 5, 8)
     assert torch.equal(stage(x, labels=torch.zeros(2, 5, dtype=torch.long)), stage(x))
+
+
+def test_a_split_backward_frees_the_last_stages_graph_and_gives_the_full_gradients():
+    """Zero-bubble schedules run torch's `stage_backward_input`, then detach the stage's output
+    in place (`PipelineStage.backward_one_chunk`, which skips views), and later
+    `stage_backward_weight`. The output is kept to the step's end (`output_chunks`): were it a
+    view, it would keep the graph, and every tensor saved by nodes the weight half never runs
+    (attention's, the activation's), alive until then (measured: +9.7 MiB on the debug model's
+    ZBV step)."""
+    from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+
+    torch.manual_seed(0)
+    stage = _Stage(with_head=True)
+    use_fused_loss(stage, chunk_size=3)
+    take_labels(stage)
+    x, labels = torch.randn(2, 5, 8, requires_grad=True), torch.randint(32, (2, 5))
+    out = stage(x, labels=labels)
+    loss = ScaledLoss(returned_loss)(out, labels)  # the trainer's loss_fn with the fused head
+    _, groups = stage_backward_input([loss], None, [x], stage.parameters())
+    assert not out._is_view()
+    out.detach_()  # what the stage does to its output after the input half
+    assert out.grad_fn is None
+    stage_backward_weight(stage.parameters(), groups)
+    split = [x.grad.clone()] + [p.grad.clone() for p in stage.parameters()]
+
+    x.grad = None
+    stage.zero_grad()
+    ScaledLoss(returned_loss)(stage(x, labels=labels), labels).backward()
+    whole = [x.grad] + [p.grad for p in stage.parameters()]
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(split, whole))
