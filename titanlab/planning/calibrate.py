@@ -10,9 +10,10 @@ ranks run:
   GEMM time;
 - memory bandwidth: a fused AdamW step over the model's parameter count (28 bytes each);
 - link α and β: all-reduces of 256 KiB and 16 MiB between 2 processes (gloo on CPU, NCCL on 2+
-  GPUs), solved from t = 2(n−1)/n·M/β + 2(n−1)·α at n = 2; on CPU with more ranks than cores,
-  measured with all the ranks running, in pairs, computing between all-reduces (α is then
-  mostly the wait for the partner to get a core).
+  GPUs), solved from t = 2(n−1)/n·M/β + 2(n−1)·α at n = 2, each t the median over 100
+  iterations of (compute + all-reduce) − (the same compute alone), timed back to back; on CPU
+  with more ranks than cores, measured with all the ranks running, in pairs, computing between
+  all-reduces (α is then mostly the wait for the partner to get a core).
 On CPU the ranks share the cores (`Cluster.shared_cores`). Units as `Cluster`'s.
 """
 
@@ -104,9 +105,11 @@ def _optimizer_bandwidth(n_params: int, device) -> float:
 
 
 def _link_worker(rank: int, world: int, port: int, backend: str, out: dict) -> None:
-    """Rank `rank` of `world` processes in pairs (0-1, 2-3, ...): all-reduces of each of
-    `SIZES` within its pair, each after a burst of compute (a matmul loop of about
-    `BURST_S`), and the same bursts without them; rank 0 reports the seconds per iteration."""
+    """Rank `rank` of `world` processes in pairs (0-1, 2-3, ...): for each of `SIZES`,
+    `LINK_REPEATS` iterations that each time a burst of compute (a matmul loop of about
+    `BURST_S`) alone and the same burst followed by an all-reduce within the pair, back to back,
+    so a drift of the machine falls on both; rank 0 reports the median of the differences
+    (seconds an all-reduce adds to an iteration)."""
     import torch.distributed as dist
 
     torch.set_num_threads(1)
@@ -122,27 +125,31 @@ def _link_worker(rank: int, world: int, port: int, backend: str, out: dict) -> N
         per = _seconds(lambda: a @ a, device, repeats=20)
         bursts = max(1, round(BURST_S / per)) if world > 2 else 0
 
-        def burst() -> None:
+        def timed(comm: bool, buf: torch.Tensor) -> float:
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            begin = time.perf_counter()
             for _ in range(bursts):
                 a @ a
+            if comm:
+                dist.all_reduce(buf, group=pair)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            return time.perf_counter() - begin
 
         for size in SIZES:
             buf = torch.ones(size // 4, device=device)
-            for comm in (False, True):
-                dist.barrier()
-
-                def step(comm=comm, buf=buf) -> None:
-                    burst()
-                    if comm:
-                        dist.all_reduce(buf, group=pair)
-
-                t = _seconds(step, device, repeats=10)
-                if rank == 0:
-                    out[(size, comm)] = t
+            dist.barrier()
+            timed(True, buf)  # warm-up: the pair's first collective connects
+            added = [timed(True, buf) - timed(False, buf) for _ in range(LINK_REPEATS)]
+            if rank == 0:
+                out[size] = statistics.median(added)
     finally:
         dist.destroy_process_group()
 
 
+LINK_REPEATS = 100
+"""Paired iterations per all-reduce size (the median difference is taken)."""
 BURST_S = 5e-3
 """Compute between two all-reduces when the ranks share cores: long enough that the pair
 partner is rarely the process running, as in a training step."""
@@ -166,7 +173,7 @@ def _link(device, nproc: int) -> tuple[float, float]:
     with mp.Manager() as manager:
         out = manager.dict()
         mp.spawn(_link_worker, args=(world, port, backend, out), nprocs=world)
-        small, large = (out[(n, True)] - out[(n, False)] for n in SIZES)
+        small, large = (out[n] for n in SIZES)
     beta = (SIZES[1] - SIZES[0]) / max(large - small, 1e-9)
     alpha = max((small - SIZES[0] / beta) / 2, 1e-7)
     return alpha, beta
