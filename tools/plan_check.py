@@ -192,7 +192,8 @@ def cluster_line(cluster) -> str:
         f"cores): matmul {max(cluster.peak_flops.values()) / 1e9:.1f} GFLOP/s per rank, "
         f"attention {e.attention:.2f} of it, pointwise {e.pointwise:.2f} of the GEMM time, "
         f"optimizer {cluster.memory_bandwidth / 1e9:.1f} GB/s, link α "
-        f"{cluster.intra_latency * 1e6:.0f} µs, β {cluster.intra_bandwidth / 1e9:.2f} GB/s."
+        f"{cluster.intra_latency * 1e6:.0f} µs, β {cluster.intra_bandwidth / 1e9:.2f} GB/s, "
+        f"split backward {cluster.split_backward_s * 1e3:.2f} ms per block and microbatch."
     )
 
 

@@ -9,6 +9,8 @@ ranks run:
 - pointwise share: a whole block's forward and backward minus its GEMMs and attention, ÷ the
   GEMM time;
 - memory bandwidth: a fused AdamW step over the model's parameter count (28 bytes each);
+- split backward: what a block's backward over a pipeline microbatch costs beyond a whole one
+  when split into torch's input and weight halves (zero-bubble schedules);
 - link α and β: all-reduces of 256 KiB and 16 MiB between 2 processes (gloo on CPU, NCCL on 2+
   GPUs), solved from t = 2(n−1)/n·M/β + 2(n−1)·α at n = 2, each t the median over 100
   iterations of (compute + all-reduce) − (the same compute alone), timed back to back; on CPU
@@ -93,6 +95,43 @@ def _block_rates(model_args, tokens: int, seq: int, dtype, device) -> dict[str, 
         "attention": min(1.0, attn_flops / attn_s / peak),
         "pointwise": max(0.0, (block_s - gemm_s - attn_s) / gemm_s),
     }
+
+
+def _split_backward_s(model_args, tokens: int, seq: int, dtype, device) -> float:
+    """Seconds a block's backward over `tokens` (a pipeline microbatch) takes beyond a whole
+    backward when split into torch's input and weight halves, as a zero-bubble schedule runs a
+    middle stage's: the median of `SPLIT_REPEATS` back-to-back pairs (≥ 0)."""
+    from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+
+    from titanlab.models.registry import build_model
+
+    args = dataclasses.replace(model_args, n_layers=1, max_seq_len=seq)
+    with torch.device(device):
+        model = build_model(args).to(dtype)
+    block = next(iter(cast(nn.ModuleDict, model.layers).values()))
+    batch = max(tokens // seq, 1)
+    x = torch.randn(batch, seq, args.dim, device=device, dtype=dtype, requires_grad=True)
+    rope_cos, rope_sin = cast(torch.Tensor, model.rope_cos), cast(torch.Tensor, model.rope_sin)
+    cos, sin = rope_cos[:seq], rope_sin[:seq]
+
+    def whole() -> None:
+        out = block(x, cos, sin)
+        out.backward(torch.ones_like(out))
+
+    def split() -> None:
+        out = block(x, cos, sin)
+        _, groups = stage_backward_input([out], [torch.ones_like(out)], [x], block.parameters())
+        stage_backward_weight(block.parameters(), groups)
+
+    whole()  # warm-up
+    split()
+    return max(0.0, statistics.median(
+        _seconds(split, device, repeats=1) - _seconds(whole, device, repeats=1)
+        for _ in range(SPLIT_REPEATS)
+    ))  # fmt: skip
+
+
+SPLIT_REPEATS = 15
 
 
 def _optimizer_bandwidth(n_params: int, device) -> float:
@@ -195,6 +234,8 @@ def calibrate(config, model_args, nproc: int) -> Cluster:
         tokens = config.training.local_batch_size * seq
         rates = _block_rates(model_args, tokens, seq, dtype, device)
         bandwidth = _optimizer_bandwidth(count_params(_meta_model(model_args)), device)
+        microbatch = config.parallelism.pipeline_parallel_microbatch_size * seq
+        split_s = _split_backward_s(model_args, microbatch, seq, dtype, device)
         alpha, beta = _link(device, nproc)
     finally:
         torch.set_num_threads(threads)
@@ -220,4 +261,5 @@ def calibrate(config, model_args, nproc: int) -> Cluster:
         ),
         shared_cores=(os.cpu_count() or 1) if device.type == "cpu" else 0,
         device_type=device.type,
+        split_backward_s=split_s,
     )

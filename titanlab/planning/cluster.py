@@ -76,6 +76,11 @@ class Cluster:
     device_type: str = "cuda"
     """What the trainer runs on: "cuda", or "cpu" (float32 compute unless
     `training.mixed_precision_on_cpu`)."""
+    split_backward_s: float = 0.0
+    """Seconds a block's backward takes, per microbatch, beyond a whole backward when a
+    zero-bubble schedule splits it into an input half and a weight half (torch's
+    `stage_backward_input` and `stage_backward_weight`: one autograd call per parameter group),
+    measured by calibration; 0 in the built-in GPU profiles (not measured there)."""
 
     @property
     def world_size(self) -> int:
@@ -156,6 +161,8 @@ def load_profile(path: str) -> Cluster:
         bad.append("peak_flops")
     if cluster.devices_per_node < 1 or cluster.nodes < 1:
         bad.append("devices_per_node and nodes")
+    if not cluster.split_backward_s >= 0:
+        bad.append("split_backward_s")
     eff = dataclasses.asdict(cluster.efficiency)
     bad += [
         f"efficiency.{k}"
@@ -165,7 +172,7 @@ def load_profile(path: str) -> Cluster:
     if bad:
         raise ConfigError(
             f"cluster profile file {path} is malformed: {', '.join(bad)} must be positive "
-            "(efficiencies in (0, 1])"
+            "(efficiencies in (0, 1], split_backward_s 0 or more)"
         )
     return cluster
 

@@ -174,6 +174,9 @@ class Prediction:
     comm: list[Comm] = field(default_factory=list)
     mfu: float = 0.0
     tokens_per_s_per_device: float = 0.0
+    split_backward_s: float = 0.0
+    """What splitting the backward (zero-bubble schedules) adds: `Cluster.split_backward_s` per
+    split block backward."""
 
     @property
     def exposed_comm_s(self) -> float:
@@ -298,13 +301,31 @@ def predict(shape: ModelShape, run: Run, lay: Layout, cluster: Cluster) -> Predi
         _set_exposed(comm, compute_s, lay, work)
     shard = lay.tp * lay.pp * (lay.dp_shard * lay.cp if lay.zero_stage >= 1 else 1)
     optimizer_s = 28 * shape.total_params / shard / (cluster.memory_bandwidth * eff.optimizer)
-    step_s = compute_s + bubble_s + optimizer_s + sum(c.exposed for c in comm)
+    split_s = cluster.split_backward_s * split_blocks(shape, run, lay, work) * slowdown
+    step_s = compute_s + bubble_s + optimizer_s + split_s + sum(c.exposed for c in comm)
     flops = shape.flops_per_token(run.seq_len) * tokens_global
     return Prediction(
         lay, step_s, compute_s, bubble, bubble_s, optimizer_s, comm,
         mfu=flops / (step_s * world * (cluster.peak_flops.get("bfloat16") or mm_peak)),
-        tokens_per_s_per_device=tokens_global / step_s / world,
+        tokens_per_s_per_device=tokens_global / step_s / world, split_backward_s=split_s,
     )  # fmt: skip
+
+
+def split_blocks(shape: ModelShape, run: Run, lay: Layout, work: _Work) -> int:
+    """Block backwards a zero-bubble schedule splits into an input and a weight half in one
+    step, on the pipeline rank with the most: each "I" of torch's schedule order for that rank
+    (`titanlab.planning.pipeline_memory.rank_actions`) counts its stage's blocks, but on the
+    first stage, whose weight half runs the whole backward; 0 for other schedules."""
+    if lay.pp <= 1 or not lay.schedule:
+        return 0
+    from titanlab.distributed.pipeline import layers_per_stage, stages_per_rank
+    from titanlab.planning.pipeline_memory import rank_actions
+
+    per_rank = stages_per_rank(lay.schedule, run.looped_stages_per_rank)
+    counts = layers_per_stage(shape.n_layers, lay.pp * per_rank, run.layers_per_stage)
+    order = rank_actions(lay.schedule, lay.pp, work.pp_microbatches, run.looped_stages_per_rank)
+    split = max(sum(counts[s] for kind, s in acts if kind == "I" and s) for acts in order.values())
+    return lay.grad_accum * split
 
 
 def _set_exposed_shared_cores(comm: list[Comm], cluster: Cluster) -> None:

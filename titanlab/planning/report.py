@@ -74,7 +74,8 @@ def calibrated(config, model_args, nproc: int, path: str):
         f"GFLOP/s per rank ({', '.join(cluster.peak_flops)}), attention {e.attention:.2f} of "
         f"it, pointwise {e.pointwise:.2f} of the GEMM time, optimizer "
         f"{cluster.memory_bandwidth / 1e9:.1f} GB/s, link α {cluster.intra_latency * 1e6:.0f} µs "
-        f"β {cluster.intra_bandwidth / 1e9:.2f} GB/s; written to {path}"
+        f"β {cluster.intra_bandwidth / 1e9:.2f} GB/s, split backward "
+        f"{cluster.split_backward_s * 1e3:.2f} ms per block; written to {path}"
     )
     return cluster
 

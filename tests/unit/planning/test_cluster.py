@@ -62,6 +62,7 @@ def test_an_unknown_profile_names_the_valid_ones():
         ("nodes", 0, "devices_per_node and nodes must be positive"),
         ("efficiency", {"matmul": 1.5}, "efficiency.matmul must be positive"),
         ("efficiency", {"link": 0}, "efficiency.link must be positive"),
+        ("split_backward_s", -1e-3, "split_backward_s must be positive .* 0 or more"),
     ],
 )
 def test_a_profile_with_an_impossible_field_is_refused(tmp_path, field, value, words):

@@ -14,6 +14,8 @@ from titanlab.planning.perf_model import (
     intra_node,
     predict,
     recompute_factor,
+    _work,
+    split_blocks,
 )
 
 H100 = PROFILES["h100"]
@@ -180,3 +182,21 @@ def test_ranks_sharing_cores_get_no_bubble_credit_and_wait_on_blocking_collectiv
     tp = predict(shape, run, Layout(1, 2, 2, 1, None, 1), cpu)
     blocking = [c for c in tp.comm + pipe.comm if c.dim in ("tp", "pp")]
     assert blocking and all(c.exposed == c.seconds for c in blocking)
+
+
+def test_a_split_backward_costs_its_calibrated_seconds_per_split_block():
+    """The debug model's 6 blocks on pp 2 × 2 stages per rank are [1, 2, 2, 1]; 8 microbatches.
+    ZBV puts stages 0 and 3 on rank 0 (stage 0's weight half is its whole backward: 8 × 1 split)
+    and 1, 2 on rank 1 (8 × 4); Interleaved zero bubble 0, 2 and 1, 3 (8 × 2, 8 × 3); 1F1B and
+    GPipe split nothing."""
+    shape = ModelShape.of(_args("llama3", "debugmodel", vocab_size=4096))
+    run = Run(128, 16, pp_microbatch_size=1)
+    cpu = dataclasses.replace(H100, split_backward_s=1e-3)
+    for schedule, blocks in [("ZBVZeroBubble", 32), ("InterleavedZeroBubble", 24),
+                             ("1F1B", 0), ("GPipe", 0)]:  # fmt: skip
+        lay = Layout(2, 1, 1, 2, schedule, 1)
+        plain, split = predict(shape, run, lay, H100), predict(shape, run, lay, cpu)
+        work_blocks = split_blocks(shape, run, lay, _work(shape, run, lay))
+        assert work_blocks == blocks
+        assert split.step_s - plain.step_s == pytest.approx(1e-3 * blocks)
+        assert split.split_backward_s == pytest.approx(1e-3 * blocks)
