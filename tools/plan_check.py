@@ -97,6 +97,32 @@ def combined(results: list[tuple[float, int] | str]) -> tuple[float, int] | str:
     return statistics.mean(t for t, _ in done), max(m for _, m in done)
 
 
+def key(cand) -> str:
+    """A candidate's name in saved measurements: its layout and AC mode."""
+    return f"{cand.layout.name}/{cand.ac_mode}"
+
+
+def save(path: str, fitting: list, passes: list[dict]) -> None:
+    """Write each pass's figures per candidate (`key`) as JSON, for `--measured`."""
+    out = [{key(c): p[i] for i, c in enumerate(fitting)} for p in passes]
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(out, f, indent=1)
+
+
+def reuse(path: str, fitting: list) -> list[dict[int, tuple[float, int] | str]]:
+    """Saved passes (`save`) mapped onto this run's candidates; one the saved run did not
+    measure (the model now picks another AC mode or batch for it) reads as not measured."""
+    with open(path, encoding="utf-8") as f:
+        saved = json.load(f)
+
+    def figures(got):
+        return tuple(got) if isinstance(got, list) else got
+
+    return [
+        {i: figures(p.get(key(c), "not measured")) for i, c in enumerate(fitting)} for p in saved
+    ]
+
+
 def step_of(result: tuple[float, int] | str) -> float:
     """The step seconds of a measured (not failed) result."""
     assert not isinstance(result, str), result
@@ -109,6 +135,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--repeats", type=int, default=1, help="interleaved passes over the layouts")
     p.add_argument("--out", default=os.path.join(REPO, "docs", "planning.md"))
+    p.add_argument("--save", default="", help="write the measurements to this JSON file")
+    p.add_argument("--measured", default="",
+                   help="rank against an earlier run's saved measurements instead of measuring "
+                        "(the model and calibration are this run's)")  # fmt: skip
     a = p.parse_args(argv)
     from titanlab.config.manager import build_config
     from titanlab.data.default_corpus import default_cache_dir, ensure_default_corpus
@@ -123,7 +153,9 @@ def main(argv: list[str] | None = None) -> int:
         cluster = calibrated(config, args, a.nproc, os.path.join(work, "cpu.json"))
         fitting = [c for c in planner.plan(config, args, cluster) if c.fits]
         passes: list[dict[int, tuple[float, int] | str]] = []
-        for r in range(a.repeats):
+        if a.measured:
+            passes = reuse(a.measured, fitting)
+        for r in range(0 if a.measured else a.repeats):
             order = list(range(len(fitting)))[:: 1 if r % 2 == 0 else -1]
             got: dict[int, tuple[float, int] | str] = {}
             for n, i in enumerate(order, 1):
@@ -132,10 +164,12 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"[pass {r + 1}, {n}/{len(fitting)}] {fitting[i].layout.name}: {got[i]} "
                       f"({time.time() - began:.0f} s)", flush=True)  # fmt: skip
             passes.append(got)
+        if a.save:
+            save(a.save, fitting, passes)
         rows = [(c, combined([p[i] for p in passes])) for i, c in enumerate(fitting)]
     ok = [(c, g) for c, g in rows if not isinstance(g, str)]
     retest = ""
-    if a.repeats > 1:
+    if len(passes) > 1:
         both = [i for i in range(len(fitting)) if all(not isinstance(p[i], str) for p in passes)]
         first, second = ([step_of(p[i]) for i in both] for p in passes[:2])
         retest = f" (pass 1 against pass 2: ρ = {spearman(first, second):.2f})"

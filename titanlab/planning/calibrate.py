@@ -11,6 +11,8 @@ ranks run:
 - memory bandwidth: a fused AdamW step over the model's parameter count (28 bytes each);
 - split backward: what a block's backward over a pipeline microbatch costs beyond a whole one
   when split into torch's input and weight halves (zero-bubble schedules);
+- tensor parallel's overhead: a block's forward and backward under TP 2 in each pair of ranks
+  beyond half the unsplit block's time and its collectives (`titanlab.planning.calibrate_tp`);
 - link α and β: all-reduces of 256 KiB and 16 MiB between 2 processes (gloo on CPU, NCCL on 2+
   GPUs), solved from t = 2(n−1)/n·M/β + 2(n−1)·α at n = 2, each t the median over 100
   iterations of (compute + all-reduce) − (the same compute alone), timed back to back; on CPU
@@ -143,7 +145,7 @@ def _optimizer_bandwidth(n_params: int, device) -> float:
     return 28 * n / _seconds(opt.step, device)
 
 
-def _link_worker(rank: int, world: int, port: int, backend: str, out: dict) -> None:
+def _link_worker(rank: int, world: int, port: int, backend: str, out: dict, tp_job=None) -> None:
     """Rank `rank` of `world` processes in pairs (0-1, 2-3, ...): for each of `SIZES`,
     `LINK_REPEATS` iterations that each time a burst of compute (a matmul loop of about
     `BURST_S`) alone and the same burst followed by an all-reduce within the pair, back to back,
@@ -183,6 +185,13 @@ def _link_worker(rank: int, world: int, port: int, backend: str, out: dict) -> N
             added = [timed(True, buf) - timed(False, buf) for _ in range(LINK_REPEATS)]
             if rank == 0:
                 out[size] = statistics.median(added)
+        if tp_job is not None:  # (model_args, tokens, seq, dtype): a TP block in each pair
+            from titanlab.planning.calibrate_tp import tp_block_seconds
+
+            model_args, tokens, seq, dtype = tp_job
+            times = tp_block_seconds(model_args, tokens, seq, dtype, device, pair)
+            if rank == 0:
+                out["tp"] = times
     finally:
         dist.destroy_process_group()
 
@@ -194,11 +203,13 @@ BURST_S = 5e-3
 partner is rarely the process running, as in a training step."""
 
 
-def _link(device, nproc: int) -> tuple[float, float]:
+def _link(device, nproc: int, tp_job=None) -> tuple[float, float, float]:
     """(α seconds, β bytes/s) of an all-reduce between 2 processes of this machine, solved from
     t = M/β + 2α (n = 2). With more ranks than cores (`nproc` > cores, CPU) all `nproc` ranks
     run at once, in pairs, computing between all-reduces as a training step does: α then
-    includes the wait for the partner to be scheduled, and the time taken from the others."""
+    includes the wait for the partner to be scheduled, and the time taken from the others.
+    With `tp_job` (model_args, tokens, seq, dtype) also what a TP-2 block adds beyond its FLOPs
+    and collectives (`titanlab.planning.calibrate_tp`; third value, else 0)."""
     import socket
 
     import torch.multiprocessing as mp
@@ -211,11 +222,18 @@ def _link(device, nproc: int) -> tuple[float, float]:
         port = s.getsockname()[1]
     with mp.Manager() as manager:
         out = manager.dict()
-        mp.spawn(_link_worker, args=(world, port, backend, out), nprocs=world)
+        mp.spawn(_link_worker, args=(world, port, backend, out, tp_job), nprocs=world)
         small, large = (out[n] for n in SIZES)
+        t_tp, t_plain = out.get("tp", (0.0, 0.0))
     beta = (SIZES[1] - SIZES[0]) / max(large - small, 1e-9)
     alpha = max((small - SIZES[0] / beta) / 2, 1e-7)
-    return alpha, beta
+    if tp_job is None:
+        return alpha, beta, 0.0
+    from titanlab.planning.calibrate_tp import tp_overhead_s
+
+    model_args, tokens, _, dtype = tp_job
+    elem = torch.finfo(dtype).bits // 8
+    return alpha, beta, tp_overhead_s(t_tp, t_plain, 2, tokens, model_args.dim, elem, alpha, beta)
 
 
 def calibrate(config, model_args, nproc: int) -> Cluster:
@@ -236,7 +254,8 @@ def calibrate(config, model_args, nproc: int) -> Cluster:
         bandwidth = _optimizer_bandwidth(count_params(_meta_model(model_args)), device)
         microbatch = config.parallelism.pipeline_parallel_microbatch_size * seq
         split_s = _split_backward_s(model_args, microbatch, seq, dtype, device)
-        alpha, beta = _link(device, nproc)
+        tp_job = (model_args, tokens, seq, dtype) if nproc >= 2 else None
+        alpha, beta, tp_block = _link(device, nproc, tp_job)
     finally:
         torch.set_num_threads(threads)
     memory, _ = available_bytes_per_rank(nproc)
@@ -262,4 +281,5 @@ def calibrate(config, model_args, nproc: int) -> Cluster:
         shared_cores=(os.cpu_count() or 1) if device.type == "cpu" else 0,
         device_type=device.type,
         split_backward_s=split_s,
+        tp_block_s=tp_block,
     )

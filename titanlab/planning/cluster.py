@@ -81,6 +81,11 @@ class Cluster:
     zero-bubble schedule splits it into an input half and a weight half (torch's
     `stage_backward_input` and `stage_backward_weight`: one autograd call per parameter group),
     measured by calibration; 0 in the built-in GPU profiles (not measured there)."""
+    tp_block_s: float = 0.0
+    """Seconds a block's forward and backward under tensor parallel takes, per microbatch,
+    beyond its share of the FLOPs and its collectives' α–β time (DTensor's dispatch, smaller
+    GEMMs, on shared CPU cores the hand-offs at each collective), measured by calibration with
+    every rank running; 0 in the built-in GPU profiles (not measured there)."""
 
     @property
     def world_size(self) -> int:
@@ -161,8 +166,7 @@ def load_profile(path: str) -> Cluster:
         bad.append("peak_flops")
     if cluster.devices_per_node < 1 or cluster.nodes < 1:
         bad.append("devices_per_node and nodes")
-    if not cluster.split_backward_s >= 0:
-        bad.append("split_backward_s")
+    bad += [f for f in ("split_backward_s", "tp_block_s") if not getattr(cluster, f) >= 0]
     eff = dataclasses.asdict(cluster.efficiency)
     bad += [
         f"efficiency.{k}"
@@ -172,7 +176,7 @@ def load_profile(path: str) -> Cluster:
     if bad:
         raise ConfigError(
             f"cluster profile file {path} is malformed: {', '.join(bad)} must be positive "
-            "(efficiencies in (0, 1], split_backward_s 0 or more)"
+            "(efficiencies in (0, 1], split_backward_s and tp_block_s 0 or more)"
         )
     return cluster
 

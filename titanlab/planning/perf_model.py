@@ -177,6 +177,9 @@ class Prediction:
     split_backward_s: float = 0.0
     """What splitting the backward (zero-bubble schedules) adds: `Cluster.split_backward_s` per
     split block backward."""
+    tp_overhead_s: float = 0.0
+    """What tensor parallel adds beyond FLOPs and collectives: `Cluster.tp_block_s` per block
+    forward and backward of the busiest rank."""
 
     @property
     def exposed_comm_s(self) -> float:
@@ -302,12 +305,15 @@ def predict(shape: ModelShape, run: Run, lay: Layout, cluster: Cluster) -> Predi
     shard = lay.tp * lay.pp * (lay.dp_shard * lay.cp if lay.zero_stage >= 1 else 1)
     optimizer_s = 28 * shape.total_params / shard / (cluster.memory_bandwidth * eff.optimizer)
     split_s = cluster.split_backward_s * split_blocks(shape, run, lay, work) * slowdown
-    step_s = compute_s + bubble_s + optimizer_s + split_s + sum(c.exposed for c in comm)
+    # measured with every rank running (the shared cores' slowdown included)
+    tp_s = cluster.tp_block_s * work.blocks * work.microbatches if lay.tp > 1 else 0.0
+    step_s = compute_s + bubble_s + optimizer_s + split_s + tp_s + sum(c.exposed for c in comm)
     flops = shape.flops_per_token(run.seq_len) * tokens_global
     return Prediction(
         lay, step_s, compute_s, bubble, bubble_s, optimizer_s, comm,
         mfu=flops / (step_s * world * (cluster.peak_flops.get("bfloat16") or mm_peak)),
         tokens_per_s_per_device=tokens_global / step_s / world, split_backward_s=split_s,
+        tp_overhead_s=tp_s,
     )  # fmt: skip
 
 

@@ -28,6 +28,7 @@ def test_the_measured_rates_are_physical(profile, tmp_path):
     assert 0 < cpu.intra_latency < 0.1
     # torch's split backward: an autograd call per parameter group (9 in a Llama block)
     assert 0 < cpu.split_backward_s < 0.05
+    assert 0 <= cpu.tp_block_s < 1.0  # DTensor's dispatch of a TP block, on top of its FLOPs
     path = str(tmp_path / "cpu.json")
     save_profile(cpu, path)
     assert load_profile(path) == cpu

@@ -200,3 +200,25 @@ def test_a_split_backward_costs_its_calibrated_seconds_per_split_block():
         assert work_blocks == blocks
         assert split.step_s - plain.step_s == pytest.approx(1e-3 * blocks)
         assert split.split_backward_s == pytest.approx(1e-3 * blocks)
+
+
+def test_tensor_parallel_costs_its_calibrated_overhead_per_block_and_microbatch():
+    """TP 2 on 6 blocks, 2 microbatches a step: 12 block forwards and backwards on each rank."""
+    shape = ModelShape.of(_args("llama3", "debugmodel", vocab_size=4096))
+    run = Run(128, 16)
+    cpu = dataclasses.replace(H100, tp_block_s=1e-3)
+    tp = Layout(2, 1, 2, 1, None, 2)
+    assert predict(shape, run, tp, cpu).step_s - predict(shape, run, tp, H100).step_s == (
+        pytest.approx(12e-3)
+    )
+    assert predict(shape, run, tp, cpu).tp_overhead_s == pytest.approx(12e-3)
+    dp = Layout(2, 1, 1, 1, None, 2)
+    assert predict(shape, run, dp, cpu).step_s == predict(shape, run, dp, H100).step_s
+
+
+def test_the_tp_overhead_is_what_remains_beyond_half_the_block_and_its_collectives():
+    from titanlab.planning.calibrate_tp import tp_overhead_s
+
+    # 8 collectives of 1 MB over 2 ranks: 8 × (α + 0.5 MB / β) = 8 × (1 ms + 0.5 ms)
+    assert tp_overhead_s(0.050, 0.060, 2, 1000, 250, 4, 1e-3, 1e9) == pytest.approx(0.008)
+    assert tp_overhead_s(0.010, 0.060, 2, 1000, 250, 4, 1e-3, 1e9) == 0.0
