@@ -1,5 +1,6 @@
-"""Predicted step time of a parallel layout on a cluster: compute, pipeline bubble, optimizer and
-the communication left exposed (docs/planning.md writes the model out with its sources).
+"""Predicted step time of a parallel layout on a cluster: compute, pipeline bubble, optimizer,
+the communication left exposed, and the measured overheads of a split backward and of tensor
+parallel (docs/planning.md writes the model out with its sources).
 
 - Compute: the trainer's training FLOPs per token (`flops_per_token`: 6 × the active
   non-embedding parameters, an MoE layer's experts at top_k / num_experts, + 12·L·H·Q·s of
@@ -35,6 +36,12 @@ the communication left exposed (docs/planning.md writes the model out with its s
   bytes): every collective's bytes ÷ β is exposed, and the latency of those that block the
   compute (TP, CP, EP, the pipeline's sends); the data-parallel ones run in the background
   and hide their latency. α and β are calibrated with all the ranks on the shared cores.
+- Split backward (zero-bubble schedules): `Cluster.split_backward_s` per block backward that
+  torch splits into an input and a weight half (every "I" of the busiest rank's schedule order
+  but on the first stage), × the shared-core slowdown (`split_blocks`).
+- Tensor parallel's overhead beyond its FLOPs and collectives (DTensor's dispatch, smaller
+  GEMMs): `Cluster.tp_block_s` per block forward and backward of the busiest rank, measured
+  with every rank running (`titanlab.planning.calibrate_tp`).
 - MFU: model FLOPs (no recomputation) ÷ (step time × devices × the bf16 peak), the trainer's
   convention (`titanlab.metrics`), also for float8 runs (a calibrated CPU profile without a
   bf16 peak: of its measured GEMM rate).
