@@ -41,9 +41,12 @@ SIZES = (256 * 2**10, 16 * 2**20)
 """All-reduce buffer sizes in bytes (fp32 elements × 4)."""
 
 
-def _seconds(fn: Callable[[], object], device: torch.device, repeats: int = REPEATS) -> float:
-    """Median wall seconds of `fn` after one warm-up call."""
-    fn()
+def _seconds(
+    fn: Callable[[], object], device: torch.device, repeats: int = REPEATS, warm_up: bool = True
+) -> float:
+    """Median wall seconds of `fn`, after one warm-up call unless `warm_up` is false."""
+    if warm_up:
+        fn()
     times = []
     for _ in range(repeats):
         if device.type == "cuda":
@@ -128,7 +131,7 @@ def _split_backward_s(model_args, tokens: int, seq: int, dtype, device) -> float
     whole()  # warm-up
     split()
     return max(0.0, statistics.median(
-        _seconds(split, device, repeats=1) - _seconds(whole, device, repeats=1)
+        _seconds(split, device, 1, warm_up=False) - _seconds(whole, device, 1, warm_up=False)
         for _ in range(SPLIT_REPEATS)
     ))  # fmt: skip
 
