@@ -227,7 +227,10 @@ def cluster_line(cluster) -> str:
         f"attention {e.attention:.2f} of it, pointwise {e.pointwise:.2f} of the GEMM time, "
         f"optimizer {cluster.memory_bandwidth / 1e9:.1f} GB/s, link α "
         f"{cluster.intra_latency * 1e6:.0f} µs, β {cluster.intra_bandwidth / 1e9:.2f} GB/s, "
-        f"split backward {cluster.split_backward_s * 1e3:.2f} ms per block and microbatch."
+        f"split backward {cluster.split_backward_s * 1e3:.2f} ms per block and microbatch, TP "
+        f"{cluster.tp_block_s * 1e3:.1f} ms per block and microbatch, FSDP "
+        f"{cluster.fsdp_gather_s * 1e3:.2f} ms per all-gather and "
+        f"{cluster.fsdp_reduce_s * 1e3:.2f} ms per reduce-scatter."
     )
 
 

@@ -13,6 +13,8 @@ ranks run:
   when split into torch's input and weight halves (zero-bubble schedules);
 - tensor parallel's overhead: a block's forward and backward under TP 2 in each pair of ranks
   beyond half the unsplit block's time and its collectives (`titanlab.planning.calibrate_tp`);
+- FSDP2's overhead per all-gather and per reduce-scatter beyond their α–β time: a small model
+  under DDP, ZeRO 2 and ZeRO 3 over all the ranks (`titanlab.planning.calibrate_fsdp`);
 - link α and β: all-reduces of 256 KiB and 16 MiB between 2 processes (gloo on CPU, NCCL on 2+
   GPUs), solved from t = 2(n−1)/n·M/β + 2(n−1)·α at n = 2, each t the median over 100
   iterations of (compute + all-reduce) − (the same compute alone), timed back to back; on CPU
@@ -148,12 +150,13 @@ def _optimizer_bandwidth(n_params: int, device) -> float:
     return 28 * n / _seconds(opt.step, device)
 
 
-def _link_worker(rank: int, world: int, port: int, backend: str, out: dict, tp_job=None) -> None:
+def _link_worker(rank: int, world: int, port: int, backend: str, out: dict, job=None) -> None:
     """Rank `rank` of `world` processes in pairs (0-1, 2-3, ...): for each of `SIZES`,
     `LINK_REPEATS` iterations that each time a burst of compute (a matmul loop of about
     `BURST_S`) alone and the same burst followed by an all-reduce within the pair, back to back,
     so a drift of the machine falls on both; rank 0 reports the median of the differences
-    (seconds an all-reduce adds to an iteration)."""
+    (seconds an all-reduce adds to an iteration). With `job`, then times a TP block in each
+    pair and FSDP2's collectives over all the ranks (`calibrate_tp`, `calibrate_fsdp`)."""
     import torch.distributed as dist
 
     torch.set_num_threads(1)
@@ -188,13 +191,15 @@ def _link_worker(rank: int, world: int, port: int, backend: str, out: dict, tp_j
             added = [timed(True, buf) - timed(False, buf) for _ in range(LINK_REPEATS)]
             if rank == 0:
                 out[size] = statistics.median(added)
-        if tp_job is not None:  # (model_args, tokens, seq, dtype): a TP block in each pair
+        if job is not None:  # (model_args, tokens, seq, dtype): a TP block in each pair,
+            from titanlab.planning.calibrate_fsdp import fsdp_step_seconds  # FSDP over all
             from titanlab.planning.calibrate_tp import tp_block_seconds
 
-            model_args, tokens, seq, dtype = tp_job
+            model_args, tokens, seq, dtype = job
             times = tp_block_seconds(model_args, tokens, seq, dtype, device, pair)
+            fsdp = fsdp_step_seconds(model_args, tokens, seq, dtype, device, dist.group.WORLD)
             if rank == 0:
-                out["tp"] = times
+                out["tp"], out["fsdp"] = times, fsdp
     finally:
         dist.destroy_process_group()
 
@@ -206,13 +211,15 @@ BURST_S = 5e-3
 partner is rarely the process running, as in a training step."""
 
 
-def _link(device, nproc: int, tp_job=None) -> tuple[float, float, float]:
-    """(α seconds, β bytes/s) of an all-reduce between 2 processes of this machine, solved from
-    t = M/β + 2α (n = 2). With more ranks than cores (`nproc` > cores, CPU) all `nproc` ranks
-    run at once, in pairs, computing between all-reduces as a training step does: α then
-    includes the wait for the partner to be scheduled, and the time taken from the others.
-    With `tp_job` (model_args, tokens, seq, dtype) also what a TP-2 block adds beyond its FLOPs
-    and collectives (`titanlab.planning.calibrate_tp`; third value, else 0)."""
+def _link(device, nproc: int, job=None) -> dict[str, float]:
+    """{"alpha": seconds, "beta": bytes/s} of an all-reduce between 2 processes of this machine,
+    solved from t = M/β + 2α (n = 2). With more ranks than cores (`nproc` > cores, CPU) all
+    `nproc` ranks run at once, in pairs, computing between all-reduces as a training step does:
+    α then includes the wait for the partner to be scheduled, and the time taken from the
+    others. With `job` (model_args, tokens, seq, dtype) also "tp_block_s", what a TP-2 block
+    adds beyond its FLOPs and collectives (`titanlab.planning.calibrate_tp`), and
+    "fsdp_gather_s" / "fsdp_reduce_s", what FSDP2 adds per all-gather and reduce-scatter
+    (`titanlab.planning.calibrate_fsdp`)."""
     import socket
 
     import torch.multiprocessing as mp
@@ -225,18 +232,25 @@ def _link(device, nproc: int, tp_job=None) -> tuple[float, float, float]:
         port = s.getsockname()[1]
     with mp.Manager() as manager:
         out = manager.dict()
-        mp.spawn(_link_worker, args=(world, port, backend, out, tp_job), nprocs=world)
+        mp.spawn(_link_worker, args=(world, port, backend, out, job), nprocs=world)
         small, large = (out[n] for n in SIZES)
         t_tp, t_plain = out.get("tp", (0.0, 0.0))
+        fsdp = out.get("fsdp")
     beta = (SIZES[1] - SIZES[0]) / max(large - small, 1e-9)
     alpha = max((small - SIZES[0] / beta) / 2, 1e-7)
-    if tp_job is None:
-        return alpha, beta, 0.0
+    got = {"alpha": alpha, "beta": beta}
+    if job is None:
+        return got
+    from titanlab.planning.calibrate_fsdp import fsdp_overheads, unit_params
     from titanlab.planning.calibrate_tp import tp_overhead_s
 
-    model_args, tokens, _, dtype = tp_job
+    model_args, tokens, _, dtype = job
     elem = torch.finfo(dtype).bits // 8
-    return alpha, beta, tp_overhead_s(t_tp, t_plain, 2, tokens, model_args.dim, elem, alpha, beta)
+    got["tp_block_s"] = tp_overhead_s(t_tp, t_plain, 2, tokens, model_args.dim, elem, alpha, beta)
+    got["fsdp_gather_s"], got["fsdp_reduce_s"] = fsdp_overheads(
+        cast(tuple, fsdp), world, unit_params(model_args), elem, 4, alpha, beta
+    )
+    return got
 
 
 def calibrate(config, model_args, nproc: int) -> Cluster:
@@ -257,8 +271,8 @@ def calibrate(config, model_args, nproc: int) -> Cluster:
         bandwidth = _optimizer_bandwidth(count_params(_meta_model(model_args)), device)
         microbatch = config.parallelism.pipeline_parallel_microbatch_size * seq
         split_s = _split_backward_s(model_args, microbatch, seq, dtype, device)
-        tp_job = (model_args, tokens, seq, dtype) if nproc >= 2 else None
-        alpha, beta, tp_block = _link(device, nproc, tp_job)
+        job = (model_args, tokens, seq, dtype) if nproc >= 2 else None
+        link = _link(device, nproc, job)
     finally:
         torch.set_num_threads(threads)
     memory, _ = available_bytes_per_rank(nproc)
@@ -270,10 +284,10 @@ def calibrate(config, model_args, nproc: int) -> Cluster:
         memory_bytes=float(memory),
         peak_flops={name[dtype]: rates["peak"]},
         memory_bandwidth=bandwidth,
-        intra_bandwidth=beta,
-        inter_bandwidth=beta,
-        intra_latency=alpha,
-        inter_latency=alpha,
+        intra_bandwidth=link["beta"],
+        inter_bandwidth=link["beta"],
+        intra_latency=link["alpha"],
+        inter_latency=link["alpha"],
         efficiency=Efficiency(
             matmul=1.0,
             attention=rates["attention"],
@@ -284,5 +298,7 @@ def calibrate(config, model_args, nproc: int) -> Cluster:
         shared_cores=(os.cpu_count() or 1) if device.type == "cpu" else 0,
         device_type=device.type,
         split_backward_s=split_s,
-        tp_block_s=tp_block,
+        tp_block_s=link.get("tp_block_s", 0.0),
+        fsdp_gather_s=link.get("fsdp_gather_s", 0.0),
+        fsdp_reduce_s=link.get("fsdp_reduce_s", 0.0),
     )

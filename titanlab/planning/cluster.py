@@ -86,6 +86,14 @@ class Cluster:
     beyond its share of the FLOPs and its collectives' α–β time (DTensor's dispatch, smaller
     GEMMs, on shared CPU cores the hand-offs at each collective), measured by calibration with
     every rank running; 0 in the built-in GPU profiles (not measured there)."""
+    fsdp_gather_s: float = 0.0
+    """Seconds one FSDP2 all-gather takes beyond its α–β time (the unit's parameters copied
+    into and out of the flat buffer, on shared CPU cores the hand-off at the blocking call),
+    measured by calibration with every rank running; 0 in the built-in GPU profiles."""
+    fsdp_reduce_s: float = 0.0
+    """The same for one FSDP2 reduce-scatter (the gradients copied into the flat buffer, then
+    out as sharded DTensor gradients); measured as what ZeRO 2 takes per unit beyond DDP's
+    all-reduce, less `fsdp_gather_s`."""
 
     @property
     def world_size(self) -> int:
@@ -166,7 +174,8 @@ def load_profile(path: str) -> Cluster:
         bad.append("peak_flops")
     if cluster.devices_per_node < 1 or cluster.nodes < 1:
         bad.append("devices_per_node and nodes")
-    bad += [f for f in ("split_backward_s", "tp_block_s") if not getattr(cluster, f) >= 0]
+    overheads = ("split_backward_s", "tp_block_s", "fsdp_gather_s", "fsdp_reduce_s")
+    bad += [f for f in overheads if not getattr(cluster, f) >= 0]
     eff = dataclasses.asdict(cluster.efficiency)
     bad += [
         f"efficiency.{k}"
@@ -176,7 +185,8 @@ def load_profile(path: str) -> Cluster:
     if bad:
         raise ConfigError(
             f"cluster profile file {path} is malformed: {', '.join(bad)} must be positive "
-            "(efficiencies in (0, 1], split_backward_s and tp_block_s 0 or more)"
+            "(efficiencies in (0, 1], split_backward_s, tp_block_s, fsdp_gather_s and "
+            "fsdp_reduce_s 0 or more)"
         )
     return cluster
 

@@ -81,6 +81,32 @@ def _blocks_rerun(ac_mode: str) -> float:
     return 1 / int(tail) if ac_mode.startswith("selective_") and tail.isdigit() else 0.0
 
 
+def fsdp_calls(lay: Layout, run: Any, work: Any) -> tuple[int, int]:
+    """(all-gathers, reduce-scatters) FSDP2 runs over dp_shard in one step of one rank, as the
+    trainer and torch issue them, one per unit (each block, the embedding, the norm + output):
+    - without PP, per accumulation microbatch (`titanlab.trainer.step`'s `_set_microbatch_sync`):
+      ZeRO 3 gathers before the forward and again before the backward when it reshards after
+      forward (`parallelize.reshard_policy`; never the norm + output), and reduce-scatters;
+      ZeRO 2 gathers once per step and reduce-scatters per microbatch; ZeRO 1 once each;
+    - with PP, torch's schedules keep the gradients unreduced and the parameters gathered over
+      a step's pipeline microbatches (`set_requires_gradient_sync`, `set_reshard_after_backward`)
+      and reduce-scatter once; a unit resharded after forward (ZeRO 3 with
+      `fsdp_reshard_after_forward = "always"`; the default does not under PP) gathers again for
+      each microbatch's forward and backward."""
+    from titanlab.distributed.parallelize import reshard_policy
+
+    units, micro = work.units, work.microbatches
+    reshard = reshard_policy(run.fsdp_reshard_after_forward, lay.pp > 1, lay.zero_stage)
+    if lay.zero_stage == 0:
+        return 0, 0
+    if lay.pp > 1:
+        gathers = (2 * units - work.has_head) * micro if reshard else units * lay.grad_accum
+        return gathers, units * lay.grad_accum
+    if lay.zero_stage == 3:
+        return (2 * units - work.has_head if reshard else units) * micro, units * micro
+    return units, units * (micro if lay.zero_stage == 2 else 1)
+
+
 def _communication(shape: Any, run: Any, lay: Layout, cluster: Cluster, work: Any) -> list[Comm]:
     """Every collective of one step of one rank (see the module docstring): `shape` a
     `perf_model.ModelShape`, `run` a `perf_model.Run`, `work` its per-rank step quantities
@@ -94,12 +120,11 @@ def _communication(shape: Any, run: Any, lay: Layout, cluster: Cluster, work: An
     fsdp = lay.dp_shard * lay.cp
     # FSDP2 (and its `replicate`, titanlab's DDP) runs one collective per unit: each block, the
     # embedding and the norm + output; each pays the link's latency.
-    units = work.blocks + 2
+    units = work.units
     if fsdp > 1:
         dims = ("dp_shard", "cp") if lay.cp > 1 else ("dp_shard",)
         intra = intra_node(lay, dims, cluster)
-        gathers = {3: 2 * micro, 2: micro, 1: 1, 0: 0}[lay.zero_stage] * units
-        reduces = (micro if lay.zero_stage >= 2 else 1) * units
+        gathers, reduces = fsdp_calls(lay, run, work)
         name = "+".join(dims)
         for kind, calls, nbytes in (("all-gather", gathers, stage_params * e / units),
                                     ("reduce-scatter", reduces, stage_params * g / units)):  # fmt: skip
@@ -110,9 +135,12 @@ def _communication(shape: Any, run: Any, lay: Layout, cluster: Cluster, work: An
     if replicas > 1:
         dims = ("dp_replicate", "dp_shard") if lay.zero_stage == 0 else ("dp_replicate",)
         intra = intra_node(lay, dims, cluster)
-        nbytes = stage_params / (fsdp if lay.zero_stage else 1) * g / units
-        t = _ring("all-reduce", replicas, nbytes, units, intra, cluster)
-        out.append(Comm("all-reduce", "dp_replicate", replicas, units * nbytes, t, units,
+        # DDP's `replicate` reduces each block and then the root (embedding, norm and output
+        # together); HSDP each FSDP unit's shard
+        calls = work.blocks + 1 if lay.zero_stage == 0 or fsdp == 1 else units
+        nbytes = stage_params / (fsdp if lay.zero_stage else 1) * g / calls
+        t = _ring("all-reduce", replicas, nbytes, calls, intra, cluster)
+        out.append(Comm("all-reduce", "dp_replicate", replicas, calls * nbytes, t, calls,
                         intra_node=intra))  # fmt: skip
     tokens_mb = work.samples_per_microbatch * run.seq_len // lay.cp
     recomputed = _blocks_rerun(run.ac_mode)

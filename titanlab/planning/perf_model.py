@@ -27,15 +27,19 @@ parallel (docs/planning.md writes the model out with its sources).
   HSDP's all-reduce) share one link and run behind the step's compute, together: what exceeds
   the compute is exposed, and so are the first unit's all-gather and the last unit's reduction
   (nothing is left to hide them). TP's, CP's and EP's collectives are on the critical path; of
-  the pipeline's sends only the fill and drain are.
+  the pipeline's sends only the fill and drain are. On CPU FSDP2 waits for every collective
+  where it issues it (no prefetch, no side stream): the data-parallel ones are exposed whole.
 - FSDP2 (and its `replicate`, titanlab's DDP) runs one collective per unit (each block, the
-  embedding, the norm + output), each paying the ring's latency.
+  embedding, the norm + output), each paying the ring's latency, as often as the ZeRO stage,
+  the accumulation and the pipeline schedule issue them (`comm_model.fsdp_calls`); beyond
+  their α–β time each all-gather costs `Cluster.fsdp_gather_s` and each reduce-scatter
+  `Cluster.fsdp_reduce_s` (the copies through FSDP2's flat buffers; calibrated,
+  `titanlab.planning.calibrate_fsdp`).
 - Ranks sharing CPU cores (more ranks than `Cluster.shared_cores`): compute slows by ranks ÷
   cores; the pipeline bubble is free at twice as many ranks as cores (an idle rank gives its
-  core away) and costs in proportion below that; nothing overlaps for free (the cores move the
-  bytes): every collective's bytes ÷ β is exposed, and the latency of those that block the
-  compute (TP, CP, EP, the pipeline's sends); the data-parallel ones run in the background
-  and hide their latency. α and β are calibrated with all the ranks on the shared cores.
+  core away) and costs in proportion below that; nothing overlaps (the cores move the bytes):
+  every collective is exposed whole. α and β are calibrated with all the ranks on the shared
+  cores.
 - Split backward (zero-bubble schedules): `Cluster.split_backward_s` per block backward that
   torch splits into an input and a weight half (every "I" of the busiest rank's schedule order
   but on the first stage), × the shared-core slowdown (`split_blocks`).
@@ -58,6 +62,7 @@ from titanlab.planning.comm_model import (  # noqa: F401 (MESH_ORDER, intra_node
     MESH_ORDER,
     Comm,
     _communication,
+    fsdp_calls,
     intra_node,
     latency_s,
 )
@@ -165,6 +170,8 @@ class Run:
     """`parallelism.pipeline_parallel_stages_per_rank` (Interleaved1F1B, LoopedBFS, ...)."""
     layers_per_stage: int = -1
     """`parallelism.pipeline_parallel_layers_per_stage` (-1: `layers_per_stage`'s auto split)."""
+    fsdp_reshard_after_forward: str = "default"
+    """`parallelism.fsdp_reshard_after_forward` (ZeRO 3): default | always | never."""
 
 
 @dataclass
@@ -187,6 +194,9 @@ class Prediction:
     tp_overhead_s: float = 0.0
     """What tensor parallel adds beyond FLOPs and collectives: `Cluster.tp_block_s` per block
     forward and backward of the busiest rank."""
+    fsdp_overhead_s: float = 0.0
+    """What FSDP2 adds beyond its collectives' α–β time: `Cluster.fsdp_gather_s` per
+    all-gather and `Cluster.fsdp_reduce_s` per reduce-scatter (`comm_model.fsdp_calls`)."""
 
     @property
     def exposed_comm_s(self) -> float:
@@ -244,10 +254,17 @@ class _Work:
     per_rank: int  # pipeline stages per rank
     blocks: int  # blocks of the busiest pipeline rank
     has_head: bool  # whether the busiest rank holds the output head
+    has_embedding: bool = True  # whether it holds the embedding (the first stage)
 
     @property
     def samples_per_microbatch(self) -> int:
         return self.local // self.pp_microbatches
+
+    @property
+    def units(self) -> int:
+        """FSDP units of the busiest rank (`apply_fsdp`): its blocks, the embedding, the norm +
+        output."""
+        return self.blocks + self.has_embedding + self.has_head
 
 
 def _work(shape: ModelShape, run: Run, lay: Layout) -> _Work:
@@ -270,10 +287,10 @@ def _work(shape: ModelShape, run: Run, lay: Layout) -> _Work:
     for r in range(lay.pp):
         ids = stage_ids(lay.schedule, r, lay.pp, per_rank)
         blocks, head = sum(counts[i] for i in ids), stages - 1 in ids
-        ranks.append((blocks * block_cost + head * head_cost, blocks, head))
-    _, blocks, head = max(ranks)
+        ranks.append((blocks * block_cost + head * head_cost, blocks, head, 0 in ids))
+    _, blocks, head, first = max(ranks)
     pp_mb = max(local // run.pp_microbatch_size, 1)
-    return _Work(local, pp_mb, lay.grad_accum * pp_mb, per_rank, blocks, head)
+    return _Work(local, pp_mb, lay.grad_accum * pp_mb, per_rank, blocks, head, first)
 
 
 def predict(shape: ModelShape, run: Run, lay: Layout, cluster: Cluster) -> Prediction:
@@ -306,21 +323,26 @@ def predict(shape: ModelShape, run: Run, lay: Layout, cluster: Cluster) -> Predi
 
     comm = _communication(shape, run, lay, cluster, work)
     if slowdown > 1:
-        _set_exposed_shared_cores(comm, cluster)
+        _set_exposed_shared_cores(comm)
     else:
-        _set_exposed(comm, compute_s, lay, work)
+        _set_exposed(comm, compute_s, lay, work, cluster.device_type)
     shard = lay.tp * lay.pp * (lay.dp_shard * lay.cp if lay.zero_stage >= 1 else 1)
     optimizer_s = 28 * shape.total_params / shard / (cluster.memory_bandwidth * eff.optimizer)
     split_s = cluster.split_backward_s * split_blocks(shape, run, lay, work) * slowdown
     # measured with every rank running (the shared cores' slowdown included)
     tp_s = cluster.tp_block_s * work.blocks * work.microbatches if lay.tp > 1 else 0.0
-    step_s = compute_s + bubble_s + optimizer_s + split_s + tp_s + sum(c.exposed for c in comm)
+    fsdp_s = 0.0
+    if lay.dp_shard * lay.cp > 1:
+        gathers, reduces = fsdp_calls(lay, run, work)
+        fsdp_s = gathers * cluster.fsdp_gather_s + reduces * cluster.fsdp_reduce_s
+    overheads = split_s + tp_s + fsdp_s
+    step_s = compute_s + bubble_s + optimizer_s + overheads + sum(c.exposed for c in comm)
     flops = shape.flops_per_token(run.seq_len) * tokens_global
     return Prediction(
         lay, step_s, compute_s, bubble, bubble_s, optimizer_s, comm,
         mfu=flops / (step_s * world * (cluster.peak_flops.get("bfloat16") or mm_peak)),
         tokens_per_s_per_device=tokens_global / step_s / world, split_backward_s=split_s,
-        tp_overhead_s=tp_s,
+        tp_overhead_s=tp_s, fsdp_overhead_s=fsdp_s,
     )  # fmt: skip
 
 
@@ -341,26 +363,32 @@ def split_blocks(shape: ModelShape, run: Run, lay: Layout, work: _Work) -> int:
     return lay.grad_accum * split
 
 
-def _set_exposed_shared_cores(comm: list[Comm], cluster: Cluster) -> None:
-    """Exposure when ranks outnumber the cores they share (CPU): nothing overlaps compute for
-    free, since moving bytes takes the same cores (every collective's bytes ÷ β is exposed),
-    and a rank blocked in a collective of the critical path (TP, CP, EP, the pipeline's sends)
-    waits for its peers to be scheduled (α, calibrated with the ranks on the shared cores). The
-    data-parallel collectives run asynchronously (FSDP's prefetch, the gradients' reduction
-    in the background), so their latency is hidden."""
+def _set_exposed_shared_cores(comm: list[Comm]) -> None:
+    """Exposure when ranks outnumber the cores they share (CPU): every collective is waited
+    for whole. Nothing overlaps compute for free, since moving bytes takes the same cores, and
+    a rank blocked in a collective waits for its peers to be scheduled (α, calibrated with the
+    ranks on the shared cores); FSDP2's collectives on CPU block where they are issued (see
+    `_set_exposed`)."""
     for c in comm:
-        c.exposed = c.seconds - (latency_s(c, cluster) if c.dim in DP_DIMS else 0.0)
+        c.exposed = c.seconds
 
 
-def _set_exposed(comm: list[Comm], compute_s: float, lay: Layout, work: _Work) -> None:
-    """Each collective's exposed seconds (see the module docstring's overlap rules)."""
+def _set_exposed(
+    comm: list[Comm], compute_s: float, lay: Layout, work: _Work, device_type: str = "cuda"
+) -> None:
+    """Each collective's exposed seconds (see the module docstring's overlap rules). On CPU
+    FSDP2 (and its `replicate`) waits for each collective where it issues it: it all-gathers
+    before a unit's forward without prefetching (`FSDPParamGroup.unshard_async_op` is false)
+    and reduces on the current stream, CPU having no other (torch 2.13); so the
+    data-parallel collectives are exposed whole there."""
     dp = [c for c in comm if c.dim in DP_DIMS]
     dp_s = sum(c.seconds for c in dp)
     # the first unit's all-gather and the last unit's reduction have no compute to hide behind
     ends = sum(c.seconds / c.calls for c in dp if c.calls)
     dp_exposed = max(0.0, dp_s - compute_s) + ends
     for c in dp:
-        c.exposed = min(c.seconds, dp_exposed * c.seconds / dp_s)
+        hidden = device_type != "cpu"
+        c.exposed = min(c.seconds, dp_exposed * c.seconds / dp_s) if hidden else c.seconds
     for c in comm:
         if c.dim in DP_DIMS:
             continue

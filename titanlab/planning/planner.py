@@ -228,4 +228,5 @@ def run_of(config: JobConfig, device_type: str = "cuda", global_batch: int = 0) 
         pp_microbatch_size=config.parallelism.pipeline_parallel_microbatch_size,
         looped_stages_per_rank=config.parallelism.pipeline_parallel_stages_per_rank,
         layers_per_stage=config.parallelism.pipeline_parallel_layers_per_stage,
+        fsdp_reshard_after_forward=config.parallelism.fsdp_reshard_after_forward,
     )

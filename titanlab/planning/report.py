@@ -75,7 +75,9 @@ def calibrated(config, model_args, nproc: int, path: str):
         f"it, pointwise {e.pointwise:.2f} of the GEMM time, optimizer "
         f"{cluster.memory_bandwidth / 1e9:.1f} GB/s, link α {cluster.intra_latency * 1e6:.0f} µs "
         f"β {cluster.intra_bandwidth / 1e9:.2f} GB/s, split backward "
-        f"{cluster.split_backward_s * 1e3:.2f} ms per block; written to {path}"
+        f"{cluster.split_backward_s * 1e3:.2f} ms per block, TP {cluster.tp_block_s * 1e3:.1f} ms "
+        f"per block, FSDP {cluster.fsdp_gather_s * 1e3:.2f} ms per all-gather and "
+        f"{cluster.fsdp_reduce_s * 1e3:.2f} ms per reduce-scatter; written to {path}"
     )
     return cluster
 
@@ -132,10 +134,13 @@ def explain(c: Candidate) -> str:
     p, m = c.prediction, c.memory
     if p is None or m is None:
         return f"{c.layout.name}: {c.refused}"
+    measured = [(name, s) for name, s in (("split backward", p.split_backward_s),
+                ("TP overhead", p.tp_overhead_s), ("FSDP overhead", p.fsdp_overhead_s)) if s]  # fmt: skip
     lines = [
         f"{c.layout.name}: step {p.step_s:.4f} s = compute {p.compute_s:.4f} + bubble "
         f"{p.bubble_s:.4f} ({p.bubble:.1%} of compute) + optimizer {p.optimizer_s:.4f} + "
-        f"exposed communication {p.exposed_comm_s:.4f}",
+        + "".join(f"{name} {s:.4f} + " for name, s in measured)
+        + f"exposed communication {p.exposed_comm_s:.4f}",
         f"AC {c.ac_mode}, {c.layout.grad_accum} accumulation step(s); MFU {p.mfu:.1%}, "
         f"{p.tokens_per_s_per_device:,.0f} tokens/s per device",
         "| collective | mesh dim | group | link | bytes per step | calls | seconds | exposed s |",

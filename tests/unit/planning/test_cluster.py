@@ -63,6 +63,8 @@ def test_an_unknown_profile_names_the_valid_ones():
         ("efficiency", {"matmul": 1.5}, "efficiency.matmul must be positive"),
         ("efficiency", {"link": 0}, "efficiency.link must be positive"),
         ("split_backward_s", -1e-3, "split_backward_s must be positive .* 0 or more"),
+        ("fsdp_gather_s", -1e-3, "fsdp_gather_s must be positive .* 0 or more"),
+        ("fsdp_reduce_s", float("nan"), "fsdp_reduce_s must be positive .* 0 or more"),
     ],
 )
 def test_a_profile_with_an_impossible_field_is_refused(tmp_path, field, value, words):
