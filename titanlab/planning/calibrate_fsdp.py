@@ -36,7 +36,9 @@ against 8.2 ms in the whole 6-block debug model's forward and backward."""
 REPEATS = 20
 
 
-def fsdp_step_seconds(model_args, tokens: int, seq: int, dtype, device, group) -> tuple[float, float]:
+def fsdp_step_seconds(
+    model_args, tokens: int, seq: int, dtype, device, group
+) -> tuple[float, float]:
     """(ZeRO 2 − DDP, ZeRO 3 − ZeRO 2): seconds one forward + backward of a `blocks_of`-block
     model over `tokens` tokens per rank, data parallel over `group`, takes more under the one
     than the other; each the median of `REPEATS` differences within interleaved triples (a

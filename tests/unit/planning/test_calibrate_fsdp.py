@@ -21,7 +21,9 @@ def test_the_units_are_the_blocks_the_embedding_and_the_head():
     assert units[-2] == args.vocab_size * args.dim  # the embedding
     assert units[-1] == args.vocab_size * args.dim + args.dim  # the norm's weight + the output
     assert sum(units) == count_params(_meta_model(dataclasses.replace(args, n_layers=BLOCKS)))
-    assert len(unit_params(dataclasses.replace(args, n_layers=1))) == 3  # no more blocks than it has
+    assert (
+        len(unit_params(dataclasses.replace(args, n_layers=1))) == 3
+    )  # no more blocks than it has
 
 
 def test_the_overheads_are_what_the_times_hold_beyond_the_ring_model():
