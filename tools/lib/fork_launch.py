@@ -67,12 +67,26 @@ def _rank_main(args: list[str], env: dict[str, str], out: str, err: str) -> None
         os.close(target)
     os.environ.clear()
     os.environ.update(env)
+    _apply_thread_count(env)
     os.chdir(REPO)
     sys.argv = ["titanlab.train", *args]
     from titanlab.distributed.init import exit_process
     from titanlab.train import main
 
     exit_process(main(args))
+
+
+def _apply_thread_count(env: dict[str, str]) -> None:
+    """Give this rank the intra-op threads its `OMP_NUM_THREADS` asks for. OpenMP read the
+    server's environment when the server imported torch, so the variable set after the fork
+    changes nothing by itself: a run launched from a shell without it gave each of 4 ranks
+    on 2 cores 2 threads, and a 4-stage pipeline, whose idle ranks' threads then spin on the
+    shared cores, stepped in 5 s instead of 0.75 s (measured here, torch 2.13)."""
+    threads = env.get("OMP_NUM_THREADS", "")
+    if threads.isdigit() and int(threads) > 0:
+        import torch
+
+        torch.set_num_threads(int(threads))
 
 
 def fork_run(

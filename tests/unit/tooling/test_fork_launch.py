@@ -36,3 +36,21 @@ def test_a_launch_past_its_timeout_is_killed_and_raises():
         fork_launch._wait(procs, timeout=0.5, cmd=["x"])
     procs[0].join(5)
     assert procs[0].exitcode == -9
+
+
+def _threads_after(env: dict[str, str], out) -> None:
+    fork_launch._apply_thread_count(env)
+    import torch
+
+    out.send(torch.get_num_threads())
+
+
+def test_a_forked_rank_gets_the_threads_its_environment_asks_for():
+    """OMP_NUM_THREADS given to a rank after the fork sets its intra-op threads (OpenMP read
+    the parent's environment at import); 3 differs from the parent's 1 (CI) or cores."""
+    ctx = multiprocessing.get_context("fork")
+    recv, send = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_threads_after, args=({"OMP_NUM_THREADS": "3"}, send))
+    proc.start()
+    assert recv.recv() == 3
+    proc.join(10)
