@@ -54,15 +54,6 @@ def _alpha_steps(kind: str, n: int) -> int:
     return {"send": 1, "all-reduce": 2 * (n - 1)}.get(kind, n - 1)
 
 
-def latency_s(c: Comm, cluster: Cluster) -> float:
-    """The α (latency) part of `c`'s seconds: what its calls cost beyond moving the bytes."""
-    if c.group <= 1 or c.bytes <= 0:
-        return 0.0
-    alpha = cluster.intra_latency if c.intra_node else cluster.inter_latency
-    n = 2 if c.kind == "send" else c.group
-    return c.calls * _alpha_steps(c.kind, n) * alpha
-
-
 def _ring(kind: str, n: int, nbytes: float, calls: int, intra: bool, cluster: Cluster) -> float:
     """Seconds of `calls` collectives of `nbytes` each over a ring of `n` ranks."""
     if n <= 1 or nbytes <= 0:

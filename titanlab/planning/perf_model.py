@@ -64,7 +64,6 @@ from titanlab.planning.comm_model import (  # noqa: F401 (MESH_ORDER, intra_node
     _communication,
     fsdp_calls,
     intra_node,
-    latency_s,
 )
 from titanlab.planning.layouts import Layout
 
@@ -386,8 +385,8 @@ def _set_exposed(
     # the first unit's all-gather and the last unit's reduction have no compute to hide behind
     ends = sum(c.seconds / c.calls for c in dp if c.calls)
     dp_exposed = max(0.0, dp_s - compute_s) + ends
+    hidden = device_type != "cpu"
     for c in dp:
-        hidden = device_type != "cpu"
         c.exposed = min(c.seconds, dp_exposed * c.seconds / dp_s) if hidden else c.seconds
     for c in comm:
         if c.dim in DP_DIMS:
