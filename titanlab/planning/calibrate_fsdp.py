@@ -91,15 +91,19 @@ def blocks_of(model_args) -> int:
 def unit_params(model_args) -> list[int]:
     """Parameters of each FSDP unit of the timed model, as `apply_fsdp` groups them: its blocks
     (`blocks_of`), the embedding, then the norm + output (last)."""
+    from titanlab.models.common.counting import count_params
     from titanlab.planning.memory import _meta_model
 
     model = _meta_model(dataclasses.replace(model_args, n_layers=blocks_of(model_args)))
-
-    def count(*modules) -> int:
-        return sum(p.numel() for m in modules if m is not None for p in m.parameters())
-
-    blocks = [count(b) for b in cast(nn.ModuleDict, model.layers).values()]
-    return [*blocks, count(model.tok_embeddings), count(model.norm, model.output)]
+    layers = cast(nn.ModuleDict, model.layers)
+    embedding, norm, output = (
+        cast(nn.Module, m) for m in (model.tok_embeddings, model.norm, model.output)
+    )
+    return [
+        *(count_params(b) for b in layers.values()),
+        count_params(embedding),
+        count_params(nn.ModuleList([norm, output])),
+    ]
 
 
 def fsdp_overheads(added: tuple[float, float], n: int, units: list[int], param_bytes: int,
@@ -116,12 +120,15 @@ def fsdp_overheads(added: tuple[float, float], n: int, units: list[int], param_b
     zero2_over_ddp, zero3_over_zero2 = added
     u = len(units)
 
-    def ring(calls: int, params: int, nbytes: int, factor: float = 1.0) -> float:
-        return factor * (calls * (n - 1) * alpha + (n - 1) / n * params * nbytes / beta)
+    from titanlab.planning.comm_model import ring_seconds
 
-    regathered = ring(u - 1, sum(units[:-1]), param_bytes)
-    zero2 = ring(u, sum(units), param_bytes) + ring(u, sum(units), grad_bytes)
-    ddp = ring(u - 1, sum(units), grad_bytes, 2.0)
+    def ring(kind: str, calls: int, params: int, nbytes: int) -> float:  # `params` over `calls`
+        return ring_seconds(kind, n, params * nbytes / calls, calls, alpha, beta)
+
+    regathered = ring("all-gather", u - 1, sum(units[:-1]), param_bytes)
+    zero2 = ring("all-gather", u, sum(units), param_bytes)
+    zero2 += ring("reduce-scatter", u, sum(units), grad_bytes)
+    ddp = ring("all-reduce", u - 1, sum(units), grad_bytes)
     per_gather = max(0.0, (zero3_over_zero2 - regathered) / (u - 1))
     per_reduce = max(0.0, (zero2_over_ddp - (zero2 - ddp)) / u - per_gather)
     return per_gather, per_reduce

@@ -81,6 +81,9 @@ def tp_overhead_s(t_tp: float, t_plain: float, n: int, tokens: int, dim: int, el
     (t_plain / n) and its collectives as the performance model prices them: 4 all-gathers and 4
     reduce-scatters of the (tokens, dim) activations over n ranks, each (n − 1)·α +
     (n − 1)/n · M / β (Korthikanti et al. 2022; `titanlab.planning.comm_model`). ≥ 0."""
+    from titanlab.planning.comm_model import ring_seconds
+
     nbytes = tokens * dim * elem
-    collectives = 8 * ((n - 1) * alpha + (n - 1) / n * nbytes / beta)
+    collectives = sum(ring_seconds(k, n, nbytes, 4, alpha, beta)
+                      for k in ("all-gather", "reduce-scatter"))  # fmt: skip
     return max(0.0, t_tp - t_plain / n - collectives)

@@ -54,14 +54,21 @@ def _alpha_steps(kind: str, n: int) -> int:
     return {"send": 1, "all-reduce": 2 * (n - 1)}.get(kind, n - 1)
 
 
-def _ring(kind: str, n: int, nbytes: float, calls: int, intra: bool, cluster: Cluster) -> float:
-    """Seconds of `calls` collectives of `nbytes` each over a ring of `n` ranks."""
+def ring_seconds(kind: str, n: int, nbytes: float, calls: int, alpha: float, beta: float) -> float:
+    """Seconds of `calls` collectives of `kind` of `nbytes` each over a ring of `n` ranks, in the
+    α–β model: (n−1)·α + (n−1)/n · M / β for an all-gather or reduce-scatter, an all-reduce
+    twice that, a send α + M / β (Hockney 1994; Thakur et al. 2005)."""
     if n <= 1 or nbytes <= 0:
         return 0.0
+    volume = {"send": 1.0, "all-reduce": 2 * (n - 1) / n}.get(kind, (n - 1) / n) * nbytes
+    return calls * (_alpha_steps(kind, n) * alpha + volume / beta)
+
+
+def _ring(kind: str, n: int, nbytes: float, calls: int, intra: bool, cluster: Cluster) -> float:
+    """`ring_seconds` over the cluster's intra- or inter-node link."""
     bw = (cluster.intra_bandwidth if intra else cluster.inter_bandwidth) * cluster.efficiency.link
     alpha = cluster.intra_latency if intra else cluster.inter_latency
-    volume = {"send": 1.0, "all-reduce": 2 * (n - 1) / n}.get(kind, (n - 1) / n) * nbytes
-    return calls * (_alpha_steps(kind, n) * alpha + volume / bw)
+    return ring_seconds(kind, n, nbytes, calls, alpha, bw)
 
 
 def _blocks_rerun(ac_mode: str) -> float:
