@@ -18,7 +18,7 @@ TESTS ?= tests
 UNIT_WORKERS ?= 2
 INTEGRATION_WORKERS ?= 2
 
-.PHONY: train test setup clean check lint format benchmark test-parity-full gpu-check llama-cpp
+.PHONY: train test setup clean check lint format benchmark test-parity-full gpu-check llama-cpp peer-wheels
 
 setup: $(VENV)/.installed
 
@@ -89,6 +89,11 @@ test-parity-full: setup
 GPU_PYTHON ?= $(if $(wildcard $(PY)),$(PY),python3)
 gpu-check:
 	$(GPU_PYTHON) tools/gpu_check.py $(GPU_CHECK_ARGS)
+
+# The wheels a GPU machine without a network needs (torchtitan 0.2.2 for
+# tools/benchmark_torchtitan.py, torchdata, torchao, tomli) into .whl/ (tools/peer_wheels.sh).
+peer-wheels:
+	bash tools/peer_wheels.sh .whl
 
 clean:
 	rm -rf $(VENV) outputs .pytest_cache

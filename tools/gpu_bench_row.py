@@ -8,7 +8,8 @@ Runs one rank (world size 1, NCCL + gloo process group on this machine) for
 each `Trainer.train_step` (forward, backward, clip, optimizer step; the step ends with the
 loss's `.item()`, so the GPU work is done), tokens/s and TFLOP/s of the median step after
 `--warmup` steps, MFU against the device's dense bf16 peak (`titanlab.metrics`), the last
-loss, `torch.cuda.max_memory_allocated` / `max_memory_reserved` (bytes) against the estimator
+loss, `torch.cuda.max_memory_allocated` / `max_memory_reserved` and the peak resident set size
+(bytes) against the estimator
 (`titanlab.planning.memory.estimate_memory`: `peak_tensors` is what the allocator holds, `total` adds
 the CUDA context), and, from a `torch.profiler` trace of step `--profile-step`: the SDPA
 operators that ran (flash, cuDNN, memory-efficient or math), the GPU-time share of each kind
@@ -21,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import socket
 import statistics
 import sys
@@ -155,6 +157,7 @@ def run(args: argparse.Namespace, trainer_args: list[str]) -> dict:
         "estimate_total": est.total,
         "estimate_summary": est.summary(),
         "params": sum(p.numel() for part in trainer.model_parts for p in part.parameters()),
+        "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "profile": profile,
     }
     destroy_distributed(barrier=False)
