@@ -16,6 +16,10 @@
    the device's dense bf16 peak, the float8/bf16 ratio, the SDPA operator that ran, the GPU
    time by kernel kind of one profiled step, and `max_memory_allocated` against the estimate.
 
+4. Where torchtitan is installed (`make peer-wheels`), `tools/benchmark_torchtitan.py` on the
+   same layer count with the budget left: titanlab against torchtitan, row by row, into the
+   `torchtitan-ab` block of `--perf` (`--skip-torchtitan` leaves it out).
+
 The report goes to `--out` and into the `gpu-check` block of `--perf`. Rows run while less than
 `--budget-s` seconds have passed since the start (one H100 runs the whole check in about
 9 minutes); rows left out are named in the report.
@@ -48,6 +52,7 @@ PACKAGES = {
     "pytest": "the GPU tests",
     "torchao": "the float8 tests and rows",
     "transformers": "the Hugging Face comparison tests",
+    "torchtitan": "the torchtitan A/B (tools/benchmark_torchtitan.py)",
 }
 
 
@@ -258,6 +263,29 @@ def run_row(row: Row, layers_dir: str, steps: int, warmup: int, out_dir: str, tr
     return result
 
 
+def run_torchtitan_ab(a: argparse.Namespace, layers: int, info: dict, start: float) -> str:
+    """`tools/benchmark_torchtitan.py` on `layers` blocks with the budget left; its table, or
+    the one line saying why it did not run."""
+    if not _has("torchtitan"):
+        return "Not run: torchtitan is not installed (`make peer-wheels`)."
+    left = int(a.budget_s - (time.time() - start))
+    if left < 120:
+        return f"Not run: {max(left, 0)} s of the {a.budget_s} s budget left."
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "ab.md")
+        cmd = [sys.executable, os.path.join(REPO, "tools", "benchmark_torchtitan.py"),
+               "--layers", str(layers or fit_layers(info["memory"], 0.7)), "--budget-s",
+               str(left), "--out", out, "--perf", a.perf]  # fmt: skip
+        print(f"gpu-check: torchtitan A/B, {left} s left ...", flush=True)
+        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+        print(proc.stdout[-4000:], proc.stderr[-2000:], sep="\n", flush=True)
+        if not os.path.exists(out):
+            lines = [line for line in (proc.stdout + proc.stderr).splitlines() if line.strip()]
+            return f"Failed: exit {proc.returncode}: {(lines or [''])[-1][:300]}"
+        with open(out, encoding="utf-8") as f:
+            return f.read().split("\n", 2)[2].strip()
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", default=os.path.join(REPO, "docs", "gpu_check.md"))
@@ -267,6 +295,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=4, help="steps left out of the timing")
     p.add_argument("--skip-tests", action="store_true")
     p.add_argument("--skip-bench", action="store_true")
+    p.add_argument("--skip-torchtitan", action="store_true", help="no torchtitan A/B")
     p.add_argument("--tests-timeout-s", type=int, default=240)
     p.add_argument("--budget-s", type=int, default=570, help="no row starts after this")
     p.add_argument(
@@ -311,7 +340,9 @@ def main(argv: list[str] | None = None) -> int:
                 rows.append((row, result))
     from tools.lib.gpu_report import render_report
 
+    peer = "" if a.skip_torchtitan else run_torchtitan_ab(a, layers, info, start)
     report = render_report(info, tests, summary, layers, rows, time.time() - start)
+    report += f"\n## titanlab against torchtitan\n\n{peer}\n" if peer else ""
     with open(a.out, "w", encoding="utf-8") as f:
         f.write(report)
     from tools.lib.bench import write_block

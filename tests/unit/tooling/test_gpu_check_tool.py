@@ -1,16 +1,26 @@
 """tools/gpu_check.py and tools/gpu_bench_row.py on CPU: the parts that need no GPU (the JUnit
 parser, the layer fit, the 8B-shaped config, the report) and a row of the debug model."""
 
+import argparse
+import importlib.util
 import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
 from titanlab.components.builders import build_model_args
 from titanlab.config.manager import build_config
-from tools.gpu_check import ROWS, fit_layers, model_config, parse_junit, trainer_args
+from tools.gpu_check import (
+    ROWS,
+    fit_layers,
+    model_config,
+    parse_junit,
+    run_torchtitan_ab,
+    trainer_args,
+)
 from tools.lib.gpu_report import render_report
 from tools.lib.runs import REPO
 
@@ -115,3 +125,11 @@ def test_estimate_error_is_measured_over_estimated():
     assert estimate_error({"max_allocated": 110, "estimate_peak_tensors": 100}) == pytest.approx(
         0.1
     )
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torchtitan") is not None, reason="installed here")
+def test_the_torchtitan_stage_says_in_one_line_why_it_did_not_run(tmp_path):
+    a = argparse.Namespace(budget_s=570, perf=str(tmp_path / "perf.md"))
+    got = run_torchtitan_ab(a, 2, {"memory": 80 * GIB}, time.time())
+    assert got == "Not run: torchtitan is not installed (`make peer-wheels`)."
+    assert not (tmp_path / "perf.md").exists()
