@@ -77,11 +77,11 @@ def _chunked(
             if grads[0]:
                 grad_h[start : start + chunk_size] = g @ weight
             if grads[1]:
-                grad_w.add_(g.t().float() @ h.float())
+                grad_w.addmm_(g.t().float(), h.float())
             if want_u:
                 grad_u[start : start + chunk_size] = g @ b
             if want_b:
-                grad_b.add_(g.t().float() @ u[start : start + chunk_size].float())
+                grad_b.addmm_(g.t().float(), u[start : start + chunk_size].float())
     if low_rank is None:
         return total, grad_h, grad_w
     return total, grad_h, grad_w, grad_u, grad_b
@@ -223,7 +223,7 @@ def _distill_chunks(
             if grads[0]:
                 grad_h[start : start + chunk_size] = g @ weight
             if grads[1]:
-                grad_w.add_(g.t().float() @ h.float())
+                grad_w.addmm_(g.t().float(), h.float())
     return total, grad_h, grad_w
 
 
@@ -292,7 +292,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
             if want_h:
                 grad_h[start : start + ctx.chunk_size] = g @ weight
             if want_w:
-                grad_w.add_(g.t().float() @ h.float())
+                grad_w.addmm_(g.t().float(), h.float())
         return grad_h, grad_w.to(weight.dtype) if want_w else None, None, None, None
 
 

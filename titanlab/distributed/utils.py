@@ -45,16 +45,33 @@ def clip_grad_norm_(
 def _norm(grads: list[torch.Tensor]) -> torch.Tensor:
     """L2 norm of the concatenated `grads` (DTensors of one mesh, or plain tensors).
 
-    On CPU each tensor's norm accumulates in float64: torch 2.13's float32 CPU norm of a
-    (4352, 64) gradient was 6.7e-5 off the float64 value, while the same tensor sharded in
-    two halves (FSDP) was 2.6e-5 off, so the logged and clipped norm depended on the layout.
-    Accelerators keep `get_total_norm` (float32).
+    On CPU each tensor's norm is accurate to float64 (`_norm64`): torch 2.13's float32 CPU
+    norm of a (4352, 64) gradient was 6.7e-5 off the float64 value, while the same tensor
+    sharded in two halves (FSDP) was 2.6e-5 off, so the logged and clipped norm depended on the
+    layout. Accelerators keep `get_total_norm` (float32).
     """
     if not grads or grads[0].device.type != "cpu":
         return torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
-    return torch.linalg.vector_norm(
-        torch.stack([torch.linalg.vector_norm(g, dtype=torch.float64) for g in grads])
+    return torch.linalg.vector_norm(torch.stack([_norm64(g) for g in grads]))
+
+
+def _norm64(g: torch.Tensor) -> torch.Tensor:
+    """‖g‖₂ as a 0-dim float64 tensor (for a DTensor, one whose shards' norms its mesh
+    combines, as `vector_norm`'s of the whole gradient would be).
+
+    The float32 norms of g's rows (its last dimension: torch sums a contiguous inner
+    dimension pairwise, so each is accurate), combined in float64: within ~1e-9 of the
+    float64 norm without a float64 copy of the gradient (a 47 M-parameter model: 7 ms
+    against 110 ms on CPU). FSDP's shards hold whole rows, so one process and FSDP sum the
+    same row norms. A gradient of one dimension, or whose last dimension a placement shards
+    (a row-wise tensor-parallel weight), is cast to float64 whole.
+    """
+    last_sharded = isinstance(g, DTensor) and any(
+        p.is_shard() and p.dim in (-1, g.dim() - 1) for p in g.placements
     )
+    if g.dim() < 2 or last_sharded:
+        return torch.linalg.vector_norm(g, dtype=torch.float64)
+    return torch.linalg.vector_norm(torch.linalg.vector_norm(g, dim=-1).double())
 
 
 def global_max(value: torch.Tensor, mesh: DeviceMesh | None) -> torch.Tensor:

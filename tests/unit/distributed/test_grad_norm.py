@@ -33,3 +33,19 @@ def test_clipping_scales_to_max_norm():
     assert abs(norm.item() - 50.0) < 1e-5 and norm.dtype == torch.float32
     clipped = torch.cat([p.grad.flatten() for p in params]).double().norm().item()
     assert abs(clipped - 1.0) < 1e-5
+
+
+def test_a_large_gradient_norm_is_float64_accurate_without_a_float64_copy():
+    g = torch.randn(4096, 4096, generator=torch.Generator().manual_seed(0)) * 1e-3
+    exact = g.double().norm().item()
+    assert abs(g.norm().item() / exact - 1) > 1e-6  # float32's error at 16 M terms
+    got = clip_grad_norm_(_params(g), max_norm=0).item()
+    assert got == torch.tensor(exact, dtype=torch.float32).item()
+
+
+def test_every_shape_gives_the_float64_norm_rounded_to_float32():
+    gen = torch.Generator().manual_seed(1)
+    grads = [torch.randn(s, generator=gen) for s in ((64, 3000), (3000, 64), (4, 5, 600), (700,))]
+    exact = torch.stack([g.double().square().sum() for g in grads]).sum().sqrt().item()
+    got = clip_grad_norm_(_params(*grads), max_norm=0).item()
+    assert got == torch.tensor(exact, dtype=torch.float32).item()
