@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 
 @torch.no_grad()
@@ -67,7 +67,7 @@ def _norm64(g: torch.Tensor) -> torch.Tensor:
     (a row-wise tensor-parallel weight), is cast to float64 whole.
     """
     last_sharded = isinstance(g, DTensor) and any(
-        p.is_shard() and p.dim in (-1, g.dim() - 1) for p in g.placements
+        isinstance(p, Shard) and p.dim in (-1, g.dim() - 1) for p in g.placements
     )
     if g.dim() < 2 or last_sharded:
         return torch.linalg.vector_norm(g, dtype=torch.float64)
