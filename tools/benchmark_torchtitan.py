@@ -57,6 +57,11 @@ class Shape:
     seq_len: int
     local_batch: int
 
+    def job_args(self, steps: int) -> list[str]:
+        """The flags both trainers name alike: steps, seq_len, local batch."""
+        return [f"--training.steps={steps}", f"--training.seq_len={self.seq_len}",
+                f"--training.local_batch_size={self.local_batch}"]  # fmt: skip
+
     def torchtitan_args(self) -> list[str]:
         return [
             f"--layers={self.layers}",
@@ -147,9 +152,7 @@ def titanlab_cmd(shape: Shape, row: Row, folder: str, out: str, a) -> list[str]:
         "--job.dump_folder", dump,
         "--model.flavor", "hf",
         "--model.hf_config", folder,
-        "--training.steps", str(a.steps),
-        "--training.seq_len", str(shape.seq_len),
-        "--training.local_batch_size", str(shape.local_batch),
+        *shape.job_args(a.steps),
         "--checkpoint.enable", "false",
         "--metrics.log_freq", "1",
     ]  # fmt: skip
@@ -161,9 +164,7 @@ def torchtitan_cmd(shape: Shape, row: Row, out: str, a) -> list[str]:
     dump = os.path.join(os.path.dirname(out), "dump_torchtitan")
     job = [
         "--job.dump_folder", dump,
-        "--training.steps", str(a.steps),
-        "--training.seq_len", str(shape.seq_len),
-        "--training.local_batch_size", str(shape.local_batch),
+        *shape.job_args(a.steps),
         "--training.max_norm", "1.0",
         "--optimizer.lr", "3e-4",
         "--optimizer.eps", "1e-8",

@@ -196,11 +196,19 @@ def main(argv: list[str] | None = None) -> int:
         torch._inductor.config.fx_graph_cache = False
         torch._functorch.config.enable_autograd_cache = False
 
+    return write_row(args.out, lambda: run(args, argv[split + 1 :]))
+
+
+def write_row(path: str, measure) -> int:
+    """Write `measure()`'s JSON to `path`, or {"error": ...} on a CUDA out-of-memory error;
+    the exit code (0: measured)."""
+    import torch
+
     try:
-        result = run(args, argv[split + 1 :])
+        result = measure()
     except torch.OutOfMemoryError as e:
         result = {"error": "CUDA out of memory: " + str(e).split("\n")[0][:300]}
-    with open(args.out, "w", encoding="utf-8") as f:
+    with open(path, "w", encoding="utf-8") as f:
         json.dump(result, f, indent=1)
     return 0 if "error" not in result else 1
 

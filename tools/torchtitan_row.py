@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import resource
 import statistics
@@ -229,21 +228,13 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 
 def main(argv: list[str] | None = None) -> int:
     args, titan_args = parse(sys.argv[1:] if argv is None else argv)
-    from tools.gpu_bench_row import single_rank_env
+    from tools.gpu_bench_row import single_rank_env, write_row
 
     single_rank_env()
     if args.cpu:
         use_cpu()
-    import torch
-
     register(args)
-    try:
-        result = run(args, titan_args)
-    except torch.OutOfMemoryError as e:
-        result = {"error": "CUDA out of memory: " + str(e).split("\n")[0][:300]}
-    with open(args.out, "w", encoding="utf-8") as f:
-        json.dump(result, f, indent=1)
-    return 0 if "error" not in result else 1
+    return write_row(args.out, lambda: run(args, titan_args))
 
 
 if __name__ == "__main__":
