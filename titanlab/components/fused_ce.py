@@ -29,7 +29,7 @@ from titanlab.data.labels import IGNORE_INDEX
 def _chunked(
     hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_size: int,
     grads: tuple[bool, ...], group: Any = None, offset: int = 0,
-    low_rank: tuple[torch.Tensor, torch.Tensor] | None = None,
+    low_rank: tuple[torch.Tensor, torch.Tensor] | None = None, compiled: bool = False,
 ) -> tuple[torch.Tensor, ...]:  # fmt: skip
     """(Σ CE, d/d hidden, d/d weight) of hidden (N, D) against labels (N,) through weight
     (V_local, D), rows [offset, offset + V_local) of the vocabulary (all of it without
@@ -38,7 +38,11 @@ def _chunked(
     and the hidden states' gradient is this rank's partial sum.
 
     `low_rank` = (u (N, r), b (V, r)) adds u bᵀ to the logits (a LoRA adapter on the head:
-    u = scaling · A x); then also (d/d u, d/d b) are returned, as `grads[2:]` asks."""
+    u = scaling · A x); then also (d/d u, d/d b) are returned, as `grads[2:]` asks.
+
+    `compiled` (without `group`, when a gradient is asked for): each chunk's work between its
+    GEMMs runs as one `torch.compile`d function (`_chunk_loss_and_grad`), fused into a few
+    kernels instead of eager passes over the (c, V) logits."""
     n, v_local = hidden.shape[0], weight.shape[0]
     grad_h = torch.empty_like(hidden) if grads[0] else hidden.new_empty(0)
     grad_w = (
@@ -56,24 +60,13 @@ def _chunked(
         if low_rank is not None:
             logits = logits + u[start : start + chunk_size] @ b.t()
         logits = logits.float()  # (c, V_local): the only vocabulary-sized tensor
-        keep = y != IGNORE_INDEX
-        local = y - offset
-        mine = keep & (local >= 0) & (local < v_local)  # the label's row is on this rank
-        index = local.clamp(0, v_local - 1)[:, None]
-        peak = logits.max(dim=-1).values
-        if group is not None:
-            dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
-        picked = torch.where(mine, logits.gather(1, index)[:, 0], 0.0)
-        g = logits.sub_(peak[:, None]).exp_()  # in place: one (c, V) tensor in all
-        sums = torch.stack([g.sum(-1), picked])
-        if group is not None:
-            dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=group)
-        lse = peak + torch.log(sums[0])
-        total += torch.where(keep, lse - sums[1], 0.0).sum()
-        if any(grads):  # d(Σ CE)/d logits = softmax − onehot, 0 where ignored
-            g.mul_(torch.exp(peak - lse)[:, None])
-            g.scatter_add_(1, index, torch.where(mine, -1.0, 0.0)[:, None])
-            g = g.mul_(keep[:, None]).to(h.dtype)
+        if compiled and group is None and any(grads):
+            piece, g = _compiled_chunk()(logits, y)
+        else:
+            piece, g = _eager_chunk(logits, y, any(grads), group, offset, v_local)
+        total += piece
+        if any(grads):
+            g = g.to(h.dtype)
             if grads[0]:
                 grad_h[start : start + chunk_size] = g @ weight
             if grads[1]:
@@ -85,6 +78,55 @@ def _chunked(
     if low_rank is None:
         return total, grad_h, grad_w
     return total, grad_h, grad_w, grad_u, grad_b
+
+
+def _eager_chunk(
+    logits: torch.Tensor, y: torch.Tensor, grad: bool, group: Any, offset: int, v_local: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(Σ CE of the chunk, d(Σ CE)/d logits if `grad`) of fp32 `logits` (c, V_local), computed
+    in place on them: one (c, V) tensor in all. With a tp `group`, one MAX and one SUM
+    all-reduce give the log-sum-exp over the whole vocabulary."""
+    keep = y != IGNORE_INDEX
+    local = y - offset
+    mine = keep & (local >= 0) & (local < v_local)  # the label's row is on this rank
+    index = local.clamp(0, v_local - 1)[:, None]
+    peak = logits.max(dim=-1).values
+    if group is not None:
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
+    picked = torch.where(mine, logits.gather(1, index)[:, 0], 0.0)
+    g = logits.sub_(peak[:, None]).exp_()
+    sums = torch.stack([g.sum(-1), picked])
+    if group is not None:
+        dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=group)
+    lse = peak + torch.log(sums[0])
+    piece = torch.where(keep, lse - sums[1], 0.0).sum()
+    if grad:  # d(Σ CE)/d logits = softmax − onehot, 0 where ignored
+        g.mul_(torch.exp(peak - lse)[:, None])
+        g.scatter_add_(1, index, torch.where(mine, -1.0, 0.0)[:, None])
+        g.mul_(keep[:, None])
+    return piece, g
+
+
+def _chunk_loss_and_grad(logits: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """`_eager_chunk`'s arithmetic without tensor parallel, out of place, for torch.compile:
+    (Σ CE of the chunk, d(Σ CE)/d logits) of fp32 logits (c, V) against labels (c,)."""
+    keep = y != IGNORE_INDEX
+    index = y.clamp(0, logits.shape[1] - 1)[:, None]
+    peak = logits.max(dim=-1).values
+    e = (logits - peak[:, None]).exp()
+    lse = peak + torch.log(e.sum(-1))
+    piece = torch.where(keep, lse - logits.gather(1, index)[:, 0], 0.0).sum()
+    g = (e * torch.exp(peak - lse)[:, None]).scatter_add(
+        1, index, torch.where(keep, -1.0, 0.0)[:, None]
+    )
+    return piece, g * keep[:, None]
+
+
+@functools.cache
+def _compiled_chunk():
+    """`_chunk_loss_and_grad` compiled once per process (a new chunk length, the last chunk's,
+    compiles a dynamic-shape graph once)."""
+    return torch.compile(_chunk_loss_and_grad)
 
 
 class _GradientsInForward(torch.autograd.Function):
@@ -108,20 +150,25 @@ class _GradientsInForward(torch.autograd.Function):
 
 
 def linear_cross_entropy_sum(
-    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_size: int = 1024
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    chunk_size: int = 1024,
+    compiled: bool = False,
 ) -> torch.Tensor:
     """Σ over tokens of cross_entropy(hidden @ weightᵀ, labels), without materializing the
     logits: equal to `cross_entropy_sum(F.linear(hidden, weight), labels)` (fp32 softmax).
 
     Args:
         hidden: (..., D) float, the final norm's output; weight: (V, D), the output head's;
-        labels: (...) int64, -100 ignored; chunk_size: tokens per chunk (> 0).
+        labels: (...) int64, -100 ignored; chunk_size: tokens per chunk (> 0); compiled: each
+        chunk's softmax and gradient through torch.compile (the `compile.components` "loss").
     Returns:
         0-dim fp32 tensor, differentiable w.r.t. hidden and weight.
     Raises:
         ValueError: chunk_size <= 0.
     """
-    return _apply(hidden, weight, labels, chunk_size, None, 0)
+    return _apply(hidden, weight, labels, chunk_size, None, 0, compiled)
 
 
 def vocab_parallel_linear_cross_entropy_sum(
@@ -139,12 +186,14 @@ def vocab_parallel_linear_cross_entropy_sum(
     return _apply(h, weight.to_local(), labels, chunk_size, mesh.get_group(), offset)
 
 
-def _apply(hidden, weight, labels, chunk_size: int, group, offset: int) -> torch.Tensor:
+def _apply(
+    hidden, weight, labels, chunk_size: int, group, offset: int, compiled: bool = False
+) -> torch.Tensor:
     if chunk_size <= 0:
         raise ValueError(f"chunk_size={chunk_size} must be > 0")
     flat, flat_labels = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)
     compute = functools.partial(_chunked, flat, weight, flat_labels, chunk_size, group=group,
-                                offset=offset)  # fmt: skip
+                                offset=offset, compiled=compiled)  # fmt: skip
     return _with_gradients(compute, flat, weight)
 
 
@@ -155,6 +204,7 @@ def lora_linear_cross_entropy_sum(
     b: torch.Tensor,
     labels: torch.Tensor,
     chunk_size: int = 1024,
+    compiled: bool = False,
 ) -> torch.Tensor:
     """`linear_cross_entropy_sum` of a head with a LoRA adapter: logits = hidden Wᵀ + u Bᵀ,
     where u = scaling · A dropout(hidden) is computed by the caller (so its gradient reaches A
@@ -162,7 +212,8 @@ def lora_linear_cross_entropy_sum(
 
     Args:
         hidden: (..., D); weight: (V, D), the frozen base head; u: (..., r); b: (V, r), the
-        adapter's B; labels: (...) int64, -100 ignored; chunk_size: tokens per chunk (> 0).
+        adapter's B; labels: (...) int64, -100 ignored; chunk_size: tokens per chunk (> 0);
+        compiled: as `linear_cross_entropy_sum`'s.
     Returns:
         0-dim fp32 tensor, differentiable w.r.t. hidden, weight, u and b.
     Raises:
@@ -173,7 +224,7 @@ def lora_linear_cross_entropy_sum(
     flat, flat_labels = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)
     flat_u = u.reshape(-1, u.shape[-1])
     compute = functools.partial(_chunked, flat, weight, flat_labels, chunk_size,
-                                low_rank=(flat_u, b))  # fmt: skip
+                                low_rank=(flat_u, b), compiled=compiled)  # fmt: skip
     return _with_gradients(compute, flat, weight, flat_u, b)
 
 

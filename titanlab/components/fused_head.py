@@ -35,9 +35,12 @@ class FusedLossHead(nn.Linear):
 
     returns_loss = True  # tensor parallel splits it with `FusedHeadParallel`
 
-    def __init__(self, in_features: int, out_features: int, chunk_size: int) -> None:
+    def __init__(
+        self, in_features: int, out_features: int, chunk_size: int, compiled: bool = False
+    ) -> None:
         super().__init__(in_features, out_features, bias=False)
         self.chunk_size = chunk_size
+        self.compiled = compiled  # each chunk's softmax and gradient through torch.compile
         self.labels: torch.Tensor | None = None
         self.temperature = 0.0  # > 0: return log-probabilities of `labels` (`fused_logprobs`)
         self.distill: tuple[torch.Tensor, torch.Tensor, float, float] | None = None
@@ -73,7 +76,7 @@ class FusedLossHead(nn.Linear):
             assert not isinstance(self.weight, DTensor), "tensor parallel: refused by config"
             u = lora_a(self.dropout(x)) * self.scaling
             return lora_linear_cross_entropy_sum(
-                x, self.weight, u, lora_b.weight, self.labels, self.chunk_size
+                x, self.weight, u, lora_b.weight, self.labels, self.chunk_size, self.compiled
             )
         if self.distill is not None:  # `fused_distillation`
             assert not isinstance(self.weight, DTensor), "tensor parallel: not yet"
@@ -96,17 +99,17 @@ class FusedLossHead(nn.Linear):
             from titanlab.components.liger import liger_linear_cross_entropy_sum
 
             return liger_linear_cross_entropy_sum(x, self.weight, self.labels)
-        return linear_cross_entropy_sum(x, self.weight, self.labels, self.chunk_size)
+        return linear_cross_entropy_sum(x, self.weight, self.labels, self.chunk_size, self.compiled)
 
 
-def use_fused_loss(model: nn.Module, chunk_size: int) -> None:
+def use_fused_loss(model: nn.Module, chunk_size: int, compiled: bool = False) -> None:
     """Swap `model.output` (a bias-free nn.Linear, or a `LoRALinear` whose adapter moves along;
     the model on any device, meta included) for a `FusedLossHead` holding the same
-    Parameters."""
+    Parameters; `compiled`: its chunks' softmax and gradient through torch.compile."""
     old = model.output
     assert isinstance(old, nn.Linear) and old.bias is None, "the output head is a bias-free Linear"
     with torch.device("meta"):  # no initialization drawn: the weight is the old head's
-        head = FusedLossHead(old.in_features, old.out_features, chunk_size)
+        head = FusedLossHead(old.in_features, old.out_features, chunk_size, compiled)
     head.weight = old.weight
     if isinstance(getattr(old, "lora_b", None), nn.Linear):  # peft's LoRALinear
         head.lora_a, head.lora_b = old.lora_a, old.lora_b

@@ -81,7 +81,8 @@ class Trainer(TrainLoop):
         compute_dtype = param_dtype(config, self.device)
         peft_steps.adapt(model, config, compute_dtype)
         if fused_loss(config):
-            use_fused_loss(model, config.loss.chunk_size)
+            compile_loss = config.compile.enable and "loss" in config.compile.components
+            use_fused_loss(model, config.loss.chunk_size, compile_loss)
         logger.info("loss: %s", loss_description(config, self.model_args.vocab_size))
         if config.kernels.liger:
             logger.info("kernels: Liger on %d modules", apply_liger(model))

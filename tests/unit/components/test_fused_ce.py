@@ -10,7 +10,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from titanlab.components.fused_ce import linear_cross_entropy_sum
+from titanlab.components.fused_ce import (
+    _compiled_chunk,
+    linear_cross_entropy_sum,
+    lora_linear_cross_entropy_sum,
+)
 from titanlab.components.fused_head import FusedLossHead, fused_targets, use_fused_loss
 from titanlab.components.loss import cross_entropy_sum
 
@@ -36,6 +40,33 @@ def test_loss_and_gradients_equal_the_unfused_head(chunk_size):
     assert abs(got.item() - want.item()) / tokens < 1e-6  # the mean loss within 1e-6
     assert torch.allclose(got_h, want_h, atol=1e-5, rtol=0)
     assert torch.allclose(got_w, want_w, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("chunk_size", [7, 4096])
+def test_compiled_chunks_give_the_unfused_loss_and_gradients(chunk_size):
+    # 111 tokens: chunks of 7 end in a shorter one (a second, dynamic-shape graph)
+    hidden, weight, labels = case(2)
+    want = cross_entropy_sum(F.linear(hidden, weight), labels)
+    want_h, want_w = torch.autograd.grad(2.5 * want, (hidden, weight))
+    eager = linear_cross_entropy_sum(hidden, weight, labels, chunk_size)
+    got = linear_cross_entropy_sum(hidden, weight, labels, chunk_size, compiled=True)
+    got_h, got_w = torch.autograd.grad(2.5 * got, (hidden, weight))
+    assert _compiled_chunk.cache_info().currsize == 1  # the compiled function ran
+    tokens = (labels != -100).sum()
+    assert abs(got.item() - want.item()) / tokens < 1e-6
+    assert abs(got.item() - eager.item()) / tokens < 1e-6
+    assert torch.allclose(got_h, want_h, atol=1e-5, rtol=0)
+    assert torch.allclose(got_w, want_w, atol=1e-5, rtol=0)
+    u = torch.randn(3, 37, 4, generator=torch.Generator().manual_seed(3), requires_grad=True)
+    b = torch.randn(50, 4, generator=torch.Generator().manual_seed(4), requires_grad=True)
+    low = F.linear(hidden, weight) + u @ b.t()
+    want_lora = torch.autograd.grad(cross_entropy_sum(low, labels), (hidden, u, b))
+    got_lora = torch.autograd.grad(
+        lora_linear_cross_entropy_sum(hidden, weight, u, b, labels, chunk_size, compiled=True),
+        (hidden, u, b),
+    )
+    for name, w, g in zip(("hidden", "u", "b"), want_lora, got_lora):
+        assert torch.allclose(g, w, atol=1e-5, rtol=0), name
 
 
 def test_a_frozen_head_and_no_grad_compute_only_what_is_needed():
