@@ -302,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
               "run it on a machine with one, or pass --cpu")  # fmt: skip
         return 2
     else:
-        from tools.gpu_check import fit_layers
+        from tools.lib.gpu_rows import fit_layers
 
         memory = torch.cuda.get_device_properties(0).total_memory
         shape, rows = gpu_shape(a.layers or fit_layers(memory, 0.7)), GPU_ROWS

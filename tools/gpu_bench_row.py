@@ -20,16 +20,16 @@ of kernel and the 15 operators with the most GPU time. An out-of-memory error is
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import resource
-import socket
 import statistics
 import sys
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
+
+from tools.lib.gpu_rows import single_rank_env, write_row
 
 KERNEL_KINDS = (  # (kind, substrings of a CUDA kernel's name), first match wins
     ("attention", ("flash", "fmha", "attention", "cudnn_sdpa")),
@@ -39,22 +39,6 @@ KERNEL_KINDS = (  # (kind, substrings of a CUDA kernel's name), first match wins
     ("copy/cast", ("copy", "cast", "convert")),
     ("optimizer", ("adam", "multi_tensor", "foreach")),
 )
-
-
-def single_rank_env() -> None:
-    """The variables torchrun would set for a one-process job."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    for key, value in {
-        "RANK": "0",
-        "LOCAL_RANK": "0",
-        "WORLD_SIZE": "1",
-        "LOCAL_WORLD_SIZE": "1",
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(port),
-    }.items():
-        os.environ.setdefault(key, value)
 
 
 def kernel_kind(name: str) -> str:
@@ -197,20 +181,6 @@ def main(argv: list[str] | None = None) -> int:
         torch._functorch.config.enable_autograd_cache = False
 
     return write_row(args.out, lambda: run(args, argv[split + 1 :]))
-
-
-def write_row(path: str, measure) -> int:
-    """Write `measure()`'s JSON to `path`, or {"error": ...} on a CUDA out-of-memory error;
-    the exit code (0: measured)."""
-    import torch
-
-    try:
-        result = measure()
-    except torch.OutOfMemoryError as e:
-        result = {"error": "CUDA out of memory: " + str(e).split("\n")[0][:300]}
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump(result, f, indent=1)
-    return 0 if "error" not in result else 1
 
 
 if __name__ == "__main__":

@@ -41,6 +41,9 @@ import xml.etree.ElementTree as ET
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
+
+from tools.lib.gpu_rows import fit_layers
+
 GIB = 2**30
 # Packages the GPU tests and rows import, and what is lost without each.
 PACKAGES = {
@@ -207,27 +210,6 @@ def trainer_args(folder: str, dump: str, steps: int) -> list[str]:
         "--metrics.log_freq",
         "1",
     ]
-
-
-def fit_layers(memory: int, fraction: float = 0.85) -> int:
-    """Most blocks whose estimated peak (bf16, AC none, 1 GPU) is under `fraction` of `memory`."""
-    import torch
-
-    from titanlab.config.manager import build_config
-    from titanlab.planning.memory import estimate_memory
-    from titanlab.models.llama3 import llama3_flavors
-
-    config = build_config(["--job.config_file", os.path.join(REPO, "train_configs/llama_8b.toml")])
-    config.activation_checkpoint.mode = "none"
-
-    def total(n: int) -> int:
-        args = dataclasses.replace(
-            llama3_flavors["8B"], n_layers=n, vocab_size=128256, max_seq_len=8192
-        )
-        return estimate_memory(args, config, 1, torch.bfloat16).total
-
-    base, per_layer = total(1), total(2) - total(1)
-    return max(1, min(32, 1 + int((fraction * memory - base) // per_layer)))
 
 
 def run_row(row: Row, layers_dir: str, steps: int, warmup: int, out_dir: str, trace: str) -> dict:

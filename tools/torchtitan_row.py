@@ -228,7 +228,7 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 
 def main(argv: list[str] | None = None) -> int:
     args, titan_args = parse(sys.argv[1:] if argv is None else argv)
-    from tools.gpu_bench_row import single_rank_env, write_row
+    from tools.lib.gpu_rows import single_rank_env, write_row
 
     single_rank_env()
     if args.cpu:
