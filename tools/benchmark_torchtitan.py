@@ -242,7 +242,8 @@ def render(rows: list[tuple[Row, dict]], shape: Shape, device: str, a) -> str:
         f"{shape.local_batch}; median step of {a.steps - a.warmup} after {a.warmup}, "
         f"{a.repeats} interleaved repeat(s).",
         f"Command: `python tools/benchmark_torchtitan.py{' --cpu' if a.cpu else ''}"
-        f"{f' --layers {a.layers}' if a.layers and not a.cpu else ''}`",
+        f"{f' --layers {a.layers}' if a.layers and not a.cpu else ''}"
+        f"{f' --repeats {a.repeats}' if a.repeats != 1 else ''}`",
         "",
         f"| row | titanlab tokens/s | torchtitan tokens/s | titanlab / torchtitan | MFU "
         f"titanlab · torchtitan | {mem} titanlab · torchtitan (GiB) |",
