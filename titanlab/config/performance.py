@@ -142,6 +142,12 @@ def validate_offload(config: Any) -> None:
     )
 
 
+def compiles_loss(config: Any) -> bool:
+    """Whether the loss runs under torch.compile (`config` a JobConfig): compile on with "loss"
+    among `compile.components`; the plain loss function then, or the fused loss's chunks."""
+    return bool(config.compile.enable and "loss" in config.compile.components)
+
+
 def fused_loss(config: Any) -> bool:
     """Whether the run computes the fused linear cross-entropy (`config` a JobConfig): the
     option when true or false; for auto, true when a microbatch (local_batch_size × seq_len

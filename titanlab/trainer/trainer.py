@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from titanlab.config.performance import fused_loss, loss_description
+from titanlab.config.performance import compiles_loss, fused_loss, loss_description
 from titanlab.checkpoint import Checkpointer
 from titanlab.components import builders as components
 from titanlab.components.loss import ScaledLoss, build_loss_fn
@@ -81,8 +81,7 @@ class Trainer(TrainLoop):
         compute_dtype = param_dtype(config, self.device)
         peft_steps.adapt(model, config, compute_dtype)
         if fused_loss(config):
-            compile_loss = config.compile.enable and "loss" in config.compile.components
-            use_fused_loss(model, config.loss.chunk_size, compile_loss)
+            use_fused_loss(model, config.loss.chunk_size, compiles_loss(config))
         logger.info("loss: %s", loss_description(config, self.model_args.vocab_size))
         if config.kernels.liger:
             logger.info("kernels: Liger on %d modules", apply_liger(model))
@@ -181,8 +180,7 @@ class Trainer(TrainLoop):
         Returns the parallelize function (the teacher gets the same one)."""
         config, dims = self.config, self.parallel_dims
         self.loss_parallel = loss_parallel_enabled(config, dims)
-        compile_loss = config.compile.enable and "loss" in config.compile.components
-        self.loss_fn = tp_grid_loss(build_loss_fn(compile_loss, self.loss_parallel), dims)
+        self.loss_fn = tp_grid_loss(build_loss_fn(compiles_loss(config), self.loss_parallel), dims)
         parallelize = functools.partial(
             parallelize_model, parallel_dims=dims, config=config, device=self.device
         )

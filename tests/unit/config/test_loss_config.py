@@ -117,3 +117,18 @@ def test_a_value_that_is_neither_a_bool_nor_auto_is_one_line():
     assert str(e.value) == (
         "loss.fused_linear_cross_entropy='maybe' is not valid; valid: true, false, auto"
     )
+
+
+@pytest.mark.parametrize(
+    "args,want",
+    [
+        ([], False),
+        (["--compile.enable", "true"], True),
+        (["--compile.enable", "true", "--compile.components", "model"], False),
+        (["--compile.components", "loss"], False),
+    ],
+)
+def test_the_loss_is_compiled_only_with_compile_on_and_loss_among_its_components(args, want):
+    from titanlab.config.performance import compiles_loss
+
+    assert compiles_loss(build_config(args)) is want
