@@ -143,12 +143,13 @@ def trace_activation_bytes(
     from titanlab.components.loss import cross_entropy_sum
     from titanlab.models.common.decoder import moe_layers
     from titanlab.models.common.mtp import mtp_targets, trains_mtp
+    from titanlab.models.common.shortened import shortened
     from titanlab.models.registry import build_model
 
     weight_dtype = torch.float32 if autocast else dtype
 
     def build(n_layers: int, mode: str):
-        args = dataclasses.replace(model_args, n_layers=n_layers, max_seq_len=max(seq, 1))
+        args = dataclasses.replace(shortened(model_args, n_layers), max_seq_len=max(seq, 1))
         with torch.device("meta"):
             model = build_model(args).to(weight_dtype)
         for moe in moe_layers(model):  # fake tensors cannot split by data-dependent counts

@@ -71,9 +71,10 @@ def _fwd_bwd(module: Callable, *inputs: torch.Tensor) -> Callable[[], None]:
 
 def _block_rates(model_args, tokens: int, seq: int, dtype, device) -> dict[str, float]:
     """(matmul FLOP/s, attention ÷ matmul efficiency, pointwise share) of one block."""
+    from titanlab.models.common.shortened import shortened
     from titanlab.models.registry import build_model
 
-    args = dataclasses.replace(model_args, n_layers=1, max_seq_len=seq)
+    args = dataclasses.replace(shortened(model_args, 1), max_seq_len=seq)
     with torch.device(device):
         model = build_model(args).to(dtype)
     layers = cast(nn.ModuleDict, model.layers)
@@ -110,9 +111,10 @@ def _split_backward_s(model_args, tokens: int, seq: int, dtype, device) -> float
     middle stage's: the median of `SPLIT_REPEATS` back-to-back pairs (≥ 0)."""
     from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 
+    from titanlab.models.common.shortened import shortened
     from titanlab.models.registry import build_model
 
-    args = dataclasses.replace(model_args, n_layers=1, max_seq_len=seq)
+    args = dataclasses.replace(shortened(model_args, 1), max_seq_len=seq)
     with torch.device(device):
         model = build_model(args).to(dtype)
     block = next(iter(cast(nn.ModuleDict, model.layers).values()))

@@ -28,6 +28,8 @@ from typing import cast
 import torch
 from torch import nn
 
+from titanlab.models.common.shortened import shortened
+
 BLOCKS = 4
 """Blocks of the timed model (at most the job's): + 2 FSDP units, the embedding and the norm +
 output. Measured here (4 ranks on 2 cores, 25 triples each, twice): a unit's all-gather +
@@ -49,7 +51,7 @@ def fsdp_step_seconds(
     from titanlab.models.common.decoder import Decoder
     from titanlab.models.registry import build_model
 
-    args = dataclasses.replace(model_args, n_layers=blocks_of(model_args), max_seq_len=seq)
+    args = dataclasses.replace(shortened(model_args, blocks_of(model_args)), max_seq_len=seq)
     mesh = DeviceMesh.from_group(group, device.type)
     models = []
     for wrap in ("ddp", "zero2", "zero3"):
@@ -94,7 +96,7 @@ def unit_params(model_args) -> list[int]:
     from titanlab.models.common.counting import count_params
     from titanlab.planning.memory import _meta_model
 
-    model = _meta_model(dataclasses.replace(model_args, n_layers=blocks_of(model_args)))
+    model = _meta_model(shortened(model_args, blocks_of(model_args)))
     layers = cast(nn.ModuleDict, model.layers)
     embedding, norm, output = (
         cast(nn.Module, m) for m in (model.tok_embeddings, model.norm, model.output)

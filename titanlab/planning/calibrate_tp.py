@@ -38,9 +38,10 @@ def tp_block_seconds(
     )
 
     from titanlab.distributed.tensor_parallel import _block_plan
+    from titanlab.models.common.shortened import shortened
     from titanlab.models.registry import build_model
 
-    args = dataclasses.replace(model_args, n_layers=1, max_seq_len=seq)
+    args = dataclasses.replace(shortened(model_args, 1), max_seq_len=seq)
     torch.manual_seed(0)
     with torch.device(device):
         model = build_model(args).to(dtype)

@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import nn
@@ -56,6 +56,9 @@ from titanlab.config.job_config import ConfigError, JobConfig
 from titanlab.distributed.parallelize import reshard_policy
 from titanlab.models.common.mtp import boundary_width
 from titanlab.planning.pipeline_memory import rank_loads
+
+if TYPE_CHECKING:
+    from titanlab.planning.cluster import Cluster
 
 GIB = 2**30
 
@@ -116,13 +119,19 @@ class MemoryEstimate:
 
 
 def estimate_memory(
-    model_args, config: JobConfig, world_size: int, compute_dtype: torch.dtype
+    model_args,
+    config: JobConfig,
+    world_size: int,
+    compute_dtype: torch.dtype,
+    device_type: str | None = None,
 ) -> MemoryEstimate:
     """Estimate per-rank memory for training `model_args` with `config` on `world_size` ranks.
 
     Args:
         model_args: a registered family's args (`titanlab.models.registry`), vocab_size set.
         compute_dtype: dtype of activations (the FSDP param dtype, float32 on CPU by default).
+        device_type: "cuda" or "cpu", the devices the run is meant for (their runtime overhead
+            and whether activations can be offloaded); None: this machine's.
     Returns:
         bytes per rank by category; `total` is the predicted peak including overhead.
     """
@@ -203,7 +212,8 @@ def estimate_memory(
     # so does FSDP under a pipeline schedule (each stage's gradients reduce-scattered once, after
     # its last microbatch's backward: `PipelineStage.perform_reduce_grad`).
     whole_grads = (stage == 1 and accumulating) or (pp > 1 and dp_shard * cp > 1)
-    offloaded = config.activation_checkpoint.offload and torch.cuda.is_available()
+    on_gpu = torch.cuda.is_available() if device_type is None else device_type == "cuda"
+    offloaded = config.activation_checkpoint.offload and on_gpu
     if offloaded:  # in host memory but for the block in use (on CPU: a no-op)
         acts = max(block.values())
     ep = p.expert_parallel_degree
@@ -225,14 +235,20 @@ def estimate_memory(
     sharded_by = dp_shard * cp * tp  # the ranks that split one pipeline stage's parameters
     gathers = dp_shard * cp > 1 or replicas > 1
 
-    def estimate(params: int, gathered_units: int, **rank) -> MemoryEstimate:
-        """The estimate of a rank holding `params` parameter elements (unsharded)."""
+    def grad_bytes(params: int, local: int) -> int:
+        """Gradient bytes of a rank with `params` parameter elements (unsharded), `local` of
+        them its own when gathered (dense ones tp-split, experts ep-split): whole gradients
+        hold `local`, reduce-scattered ones their shard."""
+        return 4 * (local if whole_grads else params // sharded_by)
+
+    def estimate(params: int, local: int, gathered_units: int, **rank) -> MemoryEstimate:
+        """The estimate of a rank holding `params` parameter elements, `local` as gathered."""
         return MemoryEstimate(
             params=4 * params // sharded_by,
-            grads=4 * params // (tp if whole_grads else sharded_by),
+            grads=grad_bytes(params, local),
             optimizer=8 * params // sharded_by,
             gathered_params=gathered_units * elem if gathers else 0,
-            overhead=(2 if torch.cuda.is_available() else 1) * GIB // 2,
+            overhead=(2 if on_gpu else 1) * GIB // 2,
             a2a_buffers=a2a,
             recompute=block["none"]
             if mode == "full" or (mode == "selective" and option != "op")
@@ -244,19 +260,20 @@ def estimate_memory(
     if pp == 1:
         units = _gathered_units(model, layers * gathered_block, gathered_block, tp, pp,
                                 resharded, dp_shard * cp > 1)  # fmt: skip
-        return estimate(n_params, units, activations=acts, logits=logits,
+        return estimate(n_params, gathered(model), units, activations=acts, logits=logits,
                         grads_during_forward=accumulating)  # fmt: skip
     # Each pipeline rank's own stages and microbatches in flight; the rank with the largest peak.
     loads = rank_loads(
         model, config, blocks_bytes, head,
         mb * s_local * model_args.dim * boundary_width(model_args) * elem,
-        logits_grads // tp, lambda n: 4 * n // (tp if whole_grads else sharded_by), gathered,
+        logits_grads // tp, grad_bytes, gathered,
         (traced.weight_grads_per_block // tp, traced.weight_grads_head // tp),
     )  # fmt: skip
     return max(
         (
             estimate(
                 load.params,
+                load.gathered,
                 max(2 * gathered_block, load.largest_unit) if resharded and dp_shard * cp > 1
                 else load.gathered,
                 activations=acts if offloaded else load.in_flight, logits=load.transient,
@@ -354,15 +371,23 @@ def check_memory(
     world_size: int,
     local_world_size: int,
     compute_dtype: torch.dtype,
+    target: Cluster | None = None,
 ) -> MemoryEstimate:
-    """Raise ConfigError (one line) when the estimate exceeds what a rank has.
+    """Raise ConfigError (one line) when the estimate exceeds what a rank has: this machine's
+    GPU or host memory, or with `target` (a dry run's `comm.dry_run_device`) one device of that
+    cluster profile.
 
     Skipped (returns the estimate only) when `training.memory_check` is false.
     """
-    est = estimate_memory(model_args, config, world_size, compute_dtype)
+    device_type = target.device_type if target is not None else None
+    est = estimate_memory(model_args, config, world_size, compute_dtype, device_type)
     if not config.training.memory_check:
         return est
-    have, what = available_bytes_per_rank(local_world_size)
+    if target is not None:
+        have = int(target.memory_bytes)
+        what = f"{have / GIB:.1f} GiB on each {target.name} (comm.dry_run_device)"
+    else:
+        have, what = available_bytes_per_rank(local_world_size)
     if est.total > have:
         raise ConfigError(
             f"model.flavor={config.model.flavor} needs about {est.total / GIB:.1f} GiB per rank "

@@ -140,7 +140,7 @@ class RankLoad:
 
 def rank_loads(
     model, config, blocks_bytes: Callable[[int], int], head: int, boundary: int, transient: int,
-    grads_of: Callable[[int], int], gathered_of: Callable[[nn.Module], int],
+    grads_of: Callable[[int, int], int], gathered_of: Callable[[nn.Module], int],
     pending: tuple[int, int] = (0, 0),
 ) -> list[RankLoad]:  # fmt: skip
     """Each pipeline rank's load for `config`'s schedule, pp degree and microbatches.
@@ -153,8 +153,8 @@ def rank_loads(
             one per microbatch for its input and, but on the last stage, its output gradient).
         transient: the last stage's working memory in a microbatch's backward (the logits'
             gradients), alive while that microbatch's activations are.
-        grads_of(params): gradient bytes of a rank with that many parameter elements, alive
-            once a backward has run.
+        grads_of(params, gathered): gradient bytes of a rank with that many parameter elements
+            (unsharded, and as gathered), alive once a backward has run.
         gathered_of(module): a module's parameter elements as its rank gathers them.
         pending: (per block, for the head) bytes a split backward keeps from its input half to
             its weight half, per microbatch (`titanlab.planning.split_backward`).
@@ -189,7 +189,8 @@ def rank_loads(
     for rank, actions in rank_actions(schedule, pp, microbatches, per).items():
         ids = stage_ids(schedule, rank, pp, spr)
         params = sum(stage_params[s] for s in ids)
-        peak, alive = peak_in_flight(actions, bytes_of, grads_of(params), pending_of)
+        gathered = sum(stage_gathered[s] for s in ids)
+        peak, alive = peak_in_flight(actions, bytes_of, grads_of(params, gathered), pending_of)
         units = ([gathered_of(embed)] if 0 in ids else []) + (
             [sum(gathered_of(m) for m in tail)] if n_stages - 1 in ids else []
         )
@@ -197,7 +198,7 @@ def rank_loads(
         out.append(RankLoad(
             in_flight=peak, transient=transient if n_stages - 1 in ids else 0,
             grads_alive=alive, params=params,
-            gathered=sum(stage_gathered[s] for s in ids),
+            gathered=gathered,
             largest_unit=max(units, default=0), buffers=receives * microbatches * boundary,
         ))  # fmt: skip
     return out

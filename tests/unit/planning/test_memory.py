@@ -196,3 +196,30 @@ def test_expert_parallel_gathers_fewer_experts_and_keeps_all_to_all_buffers():
     # all-to-all: received slots + their regrouped copy, 4096 tokens × top-8 × 2048 bf16, 48 layers.
     assert one.a2a_buffers == 0
     assert two.a2a_buffers == eight.a2a_buffers == 48 * 2 * 4096 * 8 * 2048 * 2
+
+
+@pytest.mark.parametrize("pp", [1, 2])
+def test_whole_gradients_hold_only_this_ranks_experts_under_expert_parallel(pp):
+    """ZeRO-1 with accumulation (pp 1) and FSDP under a pipeline (pp 2) keep whole gradients
+    until the step's reduce-scatter: the dense weights' and, under EP, num_experts / ep of the
+    experts', not every expert's (671B on 256 ranks was estimated at 343 GiB of gradients)."""
+    from titanlab.models.qwen3_moe import qwen3_moe_flavors
+
+    args = dataclasses.replace(qwen3_moe_flavors["30B-A3B"], vocab_size=151936, max_seq_len=4096)
+    config = job(flavor="30B-A3B", seq=4096, local_batch=2)
+    config.model.name = "qwen3_moe"
+    p = config.parallelism
+    p.pipeline_parallel_degree = pp
+    if pp == 1:
+        p.zero_stage = 1
+        config.training.global_batch_size = 2 * 2 * 16  # accumulation: whole gradients
+    else:
+        p.pipeline_parallel_microbatch_size = 1
+    experts = 48 * 128 * 3 * 2048 * 768
+    total = 30_532_122_624
+    grads = {}
+    for ep in (1, 8):
+        p.expert_parallel_degree = ep
+        grads[ep] = estimate_memory(args, config, 16 * pp, torch.bfloat16).grads
+    assert grads[1] - grads[8] == pytest.approx(4 * (experts - experts // 8) / pp, rel=0.02)
+    assert grads[1] == pytest.approx(4 * total / pp, rel=0.02)

@@ -80,7 +80,7 @@ def test_the_estimate_follows_the_schedule():
 
     def loads(schedule):
         return rank_loads(model, debug_pp(schedule), lambda n: n * block, head, boundary, 7,
-                          lambda n: 0, lambda m: sum(p.numel() for p in m.parameters()))  # fmt: skip
+                          lambda n, local: 0, lambda m: sum(p.numel() for p in m.parameters()))  # fmt: skip
 
     first, last = loads("1F1B")
     assert (first.in_flight, last.in_flight) == (2 * (3 * block + boundary), 3 * block + head)
