@@ -3,7 +3,8 @@
 #
 #   ./run_train.sh [CONFIG_FILE] [--section.key VALUE ...]
 #
-# NGPU          processes to start (default: the number of CUDA GPUs, or 2 CPU processes without one)
+# NGPU          processes to start (default: the number of CUDA GPUs, or 2 CPU processes without one);
+#               with --comm.mode fake_backend, the world size the one-process dry run simulates
 # LOG_RANK      ranks whose output is shown (default 0; e.g. LOG_RANK=0,1)
 # MAX_RESTARTS  times torchrun restarts the whole group after a rank fails (default 0); a restarted
 #               group resumes from the newest complete checkpoint
@@ -22,14 +23,30 @@ fi
 if [[ -z "${PYTHON:-}" ]]; then
     if [[ -x .venv/bin/python && -z "${VIRTUAL_ENV:-}" ]]; then PYTHON=.venv/bin/python; else PYTHON=python3; fi
 fi
+# One intra-op thread per process unless told otherwise: several threads per process on shared
+# cores are many times slower.
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+
+# comm.mode "fake_backend" (a dry run at the real world size: NGPU, else the config's
+# comm.fake_world_size) and "local_tensor" (a small world simulated with real numerics) run in
+# this one process, without torchrun; the mode comes from the command line or the config file.
+COMM_MODE=$(awk '/^\[/ { section = $0 } section == "[comm]" && /^[[:space:]]*mode[[:space:]]*=/ {
+    gsub(/["'"'"'[:space:]]/, ""); sub(/#.*/, ""); sub(/^mode=/, ""); print }' "$CONFIG_FILE" 2>/dev/null)
+PREVIOUS=""
+for ARG in "$@"; do
+    [[ "$PREVIOUS" == "--comm.mode" ]] && COMM_MODE=$ARG
+    [[ "$ARG" == --comm.mode=* ]] && COMM_MODE=${ARG#--comm.mode=}
+    PREVIOUS=$ARG
+done
+if [[ "$COMM_MODE" == fake_backend || "$COMM_MODE" == local_tensor ]]; then
+    exec "$PYTHON" -m titanlab.train --job.config_file "$CONFIG_FILE" "$@"
+fi
+
 if [[ -z "${NGPU:-}" ]]; then
     NGPU=$( (command -v nvidia-smi >/dev/null && nvidia-smi -L 2>/dev/null | grep -c '^GPU') || true)
     [[ "${NGPU:-0}" -gt 0 ]] || NGPU=2
 fi
 LOG_RANK=${LOG_RANK:-0}
-# One intra-op thread per process unless told otherwise: several threads per process on shared
-# cores are many times slower.
-export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 
 # Fail in seconds, with one line and nothing written, when the config is invalid or cannot fit.
 "$PYTHON" -m titanlab.preflight --nproc "$NGPU" --job.config_file "$CONFIG_FILE" "$@" || exit $?

@@ -17,7 +17,7 @@ from titanlab.distributed.init import destroy_distributed, exit_process
 from titanlab.models.registry import format_families
 from titanlab.resilience import failures as f
 from titanlab.resilience.preemption import REQUEUE_EXIT_CODE, Preempted
-from titanlab.trainer import Trainer
+from titanlab.trainer import Trainer, dry_run
 
 __all__ = ["Trainer", "main"]
 
@@ -31,7 +31,16 @@ def main(argv: list[str] | None = None) -> int:
                         format="[titanlab] %(asctime)s %(levelname)s %(message)s")  # fmt: skip
     trainer, clean = None, False
     try:
-        trainer = Trainer(build_config(argv))
+        config = build_config(argv)
+        if config.comm.mode == "local_tensor":  # every rank simulated in this process
+            from titanlab.trainer import local_tensor
+
+            return local_tensor.run(config)
+        trainer = Trainer(config)
+        if trainer.dry_run is not None:  # comm.mode fake_backend: built, planned, not trained
+            print(dry_run.report(trainer), flush=True)
+            clean = True
+            return 0
         trainer.train()
         trainer.close()
         clean = True

@@ -153,6 +153,10 @@ def model_architecture(config: JobConfig, vocab_size: int) -> Any:
                 f"{family.name} model of flavor {stored[0]!r}, not model.flavor={flavor!r}; set "
                 f"model.flavor={stored[0]!r}"
             )
+        if config.comm.mode == "fake_backend" and published.vocab_size > vocab_size:
+            # A dry run plans the published shape: the flavor's vocabulary, which the bundled
+            # tokenizer's ids fit in (a real run takes the size of the tokenizer it is given).
+            vocab_size = published.vocab_size
         args = dataclasses.replace(published, vocab_size=vocab_size)
     return _validated(config, _with_mtp_options(config, _with_moe_options(config, args)))
 

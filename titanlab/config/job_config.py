@@ -314,6 +314,9 @@ class Debug:
         _require(self.seed >= 0, f"debug.seed={self.seed} must be >= 0")
 
 
+COMM_MODES = ("default", "fake_backend", "local_tensor")
+
+
 @dataclass
 class Comm:
     init_timeout_seconds: int = 300
@@ -322,7 +325,35 @@ class Comm:
     train_timeout_seconds: int = 100
     """Timeout of any collective once training runs; a hung rank fails the job after this."""
 
+    mode: str = "default"
+    """How the ranks talk. "default": real process groups (one process per rank, torchrun).
+    "fake_backend": a dry run in one process at the real world size (`comm.fake_world_size`,
+    else NGPU): PyTorch's fake process group, the model on the meta device, the real layout,
+    optimizer, LR schedule and checkpoint save plan built; it prints each rank's parameter,
+    gradient and optimizer bytes and the pre-flight's memory estimate against
+    `comm.dry_run_device`, then exits without training. "local_tensor": every rank of a small
+    world (2-8, `comm.fake_world_size`) simulated in one process with real numerics
+    (torch.distributed._local_tensor), for debugging a layout without torchrun. run_train.sh
+    starts one process for both."""
+
+    fake_world_size: int = -1
+    """World size the "fake_backend" / "local_tensor" modes simulate when NGPU is not set (NGPU
+    wins); a shipped config states here the world size it is sized for. -1: NGPU only."""
+
+    dry_run_device: str = "h100"
+    """The GPU a "fake_backend" dry run checks memory against: a built-in cluster profile
+    (h100, h200, a100, b200; `titanlab.planning.cluster`) or a profile JSON file; its memory
+    and compute dtype are used, not this machine's."""
+
     def validate(self) -> None:
+        _require(
+            self.mode in COMM_MODES,
+            f"comm.mode={self.mode!r} is not one of {', '.join(COMM_MODES)}",
+        )
+        _require(
+            self.fake_world_size == -1 or self.fake_world_size >= 1,
+            f"comm.fake_world_size={self.fake_world_size} must be >= 1 (or -1: NGPU)",
+        )
         _require(
             self.init_timeout_seconds >= 1,
             f"comm.init_timeout_seconds={self.init_timeout_seconds} must be >= 1",

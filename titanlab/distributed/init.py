@@ -67,6 +67,19 @@ def init_distributed(init_timeout_s: int) -> tuple[torch.device, int, int]:
     return device, dist.get_rank(), dist.get_world_size()
 
 
+def init_fake_world(world_size: int) -> tuple[torch.device, int, int]:
+    """A dry run's default process group: PyTorch's "fake" backend (every collective returns at
+    once and moves no data) as rank 0 of `world_size`, in this one process. The meshes,
+    FSDP/TP/EP/PP and DCP planning built over it take their real shapes; tensors stay on the
+    meta device, so nothing of the model is allocated.
+
+    Returns:
+        (torch.device("meta"), 0, world_size).
+    """
+    dist.init_process_group(backend="fake", store=dist.HashStore(), rank=0, world_size=world_size)
+    return torch.device("meta"), 0, world_size
+
+
 def _attempt_store(rank: int, world_size: int, timeout: timedelta) -> dist.Store:
     """The rendezvous store, namespaced by torchrun's restart count.
 

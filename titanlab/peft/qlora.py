@@ -74,6 +74,8 @@ def quantize_base(
     Args:
         model: the model after `apply_lora`, still on the meta device, before parallelism.
         path: a DCP checkpoint folder holding the base (`checkpoint.initial_load_path`).
+        device: where the NF4 weights live; "meta" (a dry run) checks the stored names and
+            shapes but reads no weight.
         shards: how many ranks FSDP will shard these weights over (1 without FSDP).
         tp, tp_split: the tensor-parallel degree, and the dim it splits each module's weight on
             (`titanlab.distributed.tensor_parallel.linear_split_dims`; a module not named is
@@ -115,15 +117,18 @@ def quantize_base(
             )
         m = _LAYER.match(name)
         groups.setdefault(m.group(1) if m else name, []).append(name)
+    meta = torch.device(device).type == "meta"  # a dry run: shapes only, nothing read
     for names in groups.values():
         full = {
             name: torch.empty(
                 tuple(stored[f"model.{name}.weight"].size),  # type: ignore[union-attr]
                 dtype=stored[f"model.{name}.weight"].properties.dtype,  # type: ignore[union-attr]
+                device="meta" if meta else "cpu",
             )
             for name in names
         }
-        dcp.load({"model": {f"{n}.weight": t for n, t in full.items()}}, checkpoint_id=path)
+        if not meta:
+            dcp.load({"model": {f"{n}.weight": t for n, t in full.items()}}, checkpoint_id=path)
         for name, weight in full.items():
             nf4 = to_nf4(weight.to(device), NF4_BLOCK, NF4_SCALER_BLOCK)
             targets[name].weight = nn.Parameter(nf4, requires_grad=False)

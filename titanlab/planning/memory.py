@@ -182,18 +182,34 @@ def estimate_memory(
         config.activation_checkpoint.selective_ac_option,
     )
 
-    def blocks_bytes(n: int) -> int:
-        """What n blocks keep for backward in the AC mode."""
+    ep = p.expert_parallel_degree
+    moes = moe_layers(model)
+    # Expert parallel's all-to-all buffers: the token slots an MoE layer receives from its ep
+    # peers and their copy regrouped by expert (a microbatch's tokens × top_k × dim each,
+    # balanced loads assumed), kept for backward by a block whose activations are kept (not by
+    # a checkpointed one, which recomputes them); spread over the blocks as MoE blocks / blocks.
+    a2a_layer = 0
+    if moes and ep > 1:
+        tokens = mb * s_local // tp  # an MoE layer under TP routes its rank's sequence shard
+        a2a_layer = 2 * tokens * moes[0].args.top_k * model_args.dim * elem
+    moe_blocks = len(moe_layers(cast(nn.Module, model.layers)))
+    a2a_block = a2a_layer * moe_blocks // model_args.n_layers
+
+    def blocks_bytes(n: int, a2a: bool = True) -> int:
+        """What n blocks keep for backward per microbatch in the AC mode (with their all-to-all
+        buffers unless `a2a` is false)."""
+        kept = {m: b + (a2a_block if a2a and m != "full" else 0) for m, b in block.items()}
         if mode == "full":
-            return n * block["full"]
+            return n * kept["full"]
         if mode == "selective" and option == "op":
-            return n * block["op"]
+            return n * kept["op"]
         if mode == "selective":
             checkpointed = n // int(option)
-            return checkpointed * block["full"] + (n - checkpointed) * block["none"]
-        return n * block["none"]
+            return checkpointed * kept["full"] + (n - checkpointed) * kept["none"]
+        return n * kept["none"]
 
-    acts = blocks_bytes(layers)
+    acts = blocks_bytes(layers, a2a=False)
+    a2a = blocks_bytes(layers) - acts
     # Eager: the gradients of the fp32 log-softmax and of the fp32 upcast; a compiled loss
     # writes the logits' gradient in their own dtype in one fused kernel.
     logits_grads = (
@@ -216,8 +232,6 @@ def estimate_memory(
     offloaded = config.activation_checkpoint.offload and on_gpu
     if offloaded:  # in host memory but for the block in use (on CPU: a no-op)
         acts = max(block.values())
-    ep = p.expert_parallel_degree
-    moes = moe_layers(model)
 
     def gathered(module: nn.Module) -> int:
         """A module's weights gathered by FSDP: the dense ones tp-sharded, the experts (not
@@ -227,11 +241,6 @@ def estimate_memory(
 
     gathered_block = max(gathered(block) for block in cast(nn.ModuleDict, model.layers).values())
     resharded = reshard_policy(p.fsdp_reshard_after_forward, pp > 1, stage)
-    a2a = 0
-    if moes and ep > 1:
-        tokens = b * s_local // tp  # an MoE layer under TP routes its rank's sequence shard
-        per_layer = 2 * tokens * moes[0].args.top_k * model_args.dim * elem
-        a2a = per_layer * len(moes) // pp
     sharded_by = dp_shard * cp * tp  # the ranks that split one pipeline stage's parameters
     gathers = dp_shard * cp > 1 or replicas > 1
 
@@ -249,11 +258,11 @@ def estimate_memory(
             optimizer=8 * params // sharded_by,
             gathered_params=gathered_units * elem if gathers else 0,
             overhead=(2 if on_gpu else 1) * GIB // 2,
-            a2a_buffers=a2a,
-            recompute=block["none"]
+            # a recomputed block remakes its all-to-all buffers (an MoE block's: a2a_layer)
+            recompute=block["none"] + a2a_layer
             if mode == "full" or (mode == "selective" and option != "op")
             else 0,
-            last_block=block["none"],
+            last_block=block["none"] + a2a_block,
             **rank,
         )
 
@@ -261,8 +270,10 @@ def estimate_memory(
         units = _gathered_units(model, layers * gathered_block, gathered_block, tp, pp,
                                 resharded, dp_shard * cp > 1)  # fmt: skip
         return estimate(n_params, gathered(model), units, activations=acts, logits=logits,
+                        a2a_buffers=a2a,
                         grads_during_forward=accumulating)  # fmt: skip
-    # Each pipeline rank's own stages and microbatches in flight; the rank with the largest peak.
+    # Each pipeline rank's own stages and microbatches in flight (their all-to-all buffers
+    # counted in their activations); the rank with the largest peak.
     loads = rank_loads(
         model, config, blocks_bytes, head,
         mb * s_local * model_args.dim * boundary_width(model_args) * elem,

@@ -28,7 +28,9 @@ from titanlab.metrics.mlflow_sink import check_mlflow
 from titanlab.distributed.parallelize import param_dtype
 from titanlab.distributed.tensor_parallel import linear_split_dims
 from titanlab.planning.layouts import check_parallel_layout
+from titanlab.planning.cluster import Cluster
 from titanlab.planning.memory import MemoryEstimate, check_memory
+from titanlab.planning.validate import validate_tp_mode
 from titanlab.models.registry import ModelFamily
 from titanlab.peft.lora import lora_targets
 from titanlab.peft.qlora import shard_problem
@@ -46,13 +48,25 @@ class Plan:
     memory: MemoryEstimate
 
 
-def check(config: JobConfig, world_size: int, local_world_size: int) -> Plan:
-    """Validate the layout, batch sizes, tokenizer, model dims and memory. Raises ConfigError."""
-    ParallelDims.from_config(config.parallelism, world_size)  # degrees first: the cheapest check
+def check(
+    config: JobConfig, world_size: int, local_world_size: int, target: Cluster | None = None
+) -> Plan:
+    """Validate the layout, batch sizes, tokenizer, model dims and memory. Raises ConfigError.
+
+    `target`: the devices a dry run (`comm.mode = "fake_backend"`) is meant for, whose type,
+    compute dtype and memory replace this machine's; None: this machine's.
+    """
     family = components.build_family(config)
     tokenizer = components.build_tokenizer(config)
     model_args = components.build_model_args(config, tokenizer.vocab_size)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    # What 2D / 3D tensor parallel cannot take (the model's experts, MLA) decides before any
+    # degree; then the degrees, the cheapest check, before the rest.
+    validate_tp_mode(config, model_args)
+    ParallelDims.from_config(config.parallelism, world_size)
+    if target is not None:
+        device = torch.device(target.device_type)
+    else:
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     targets = {}
     if config.peft.method == "lora":  # the target names, on a meta-device model
         meta = components.build_meta_model(model_args)
@@ -79,7 +93,7 @@ def check(config: JobConfig, world_size: int, local_world_size: int) -> Plan:
     if config.distill.teacher_path:
         teacher_args(config, family, model_args.vocab_size)
     memory = check_memory(
-        model_args, config, world_size, local_world_size, param_dtype(config, device)
+        model_args, config, world_size, local_world_size, param_dtype(config, device), target
     )
     check_files(config, tokenizer)
     return Plan(parallel_dims, batch, tokenizer, family, model_args, memory)

@@ -61,7 +61,7 @@ def teacher_args(config: JobConfig, family: Any, student_vocab: int) -> Any:
 def build_teacher(config: JobConfig, args: Any, device: torch.device, parallelize) -> nn.Module:
     """The teacher of `args`, parallelized with `parallelize` (the student's function, without
     activation checkpointing or compile), loaded from `distill.teacher_path`, in eval mode with
-    no parameter requiring grad."""
+    no parameter requiring grad; on the meta `device` (a dry run) its weights are not read."""
     with torch.device("meta"):
         teacher = cast(Decoder, build_model(args))
     if fused_loss(config):  # the student's loss reads its hidden states
@@ -82,11 +82,12 @@ def build_teacher(config: JobConfig, args: Any, device: torch.device, paralleliz
             f"distill.teacher_path={config.distill.teacher_path!r} holds no model.{absent[0]}; "
             "it is not a checkpoint of the teacher's shape"
         )
-    dcp.load(state, checkpoint_id=config.distill.teacher_path)
-    set_model_state_dict(teacher, state["model"])
+    if device.type != "meta":  # a dry run checks the stored names and reads no weight
+        dcp.load(state, checkpoint_id=config.distill.teacher_path)
+        set_model_state_dict(teacher, state["model"])
+        logger.info("distill: teacher loaded from %s", config.distill.teacher_path)
     for p in teacher.parameters():
         p.requires_grad_(False)
-    logger.info("distill: teacher loaded from %s", config.distill.teacher_path)
     return teacher.eval()
 
 

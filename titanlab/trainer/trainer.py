@@ -27,7 +27,7 @@ from titanlab.config.dump import compact_config, write_config_toml
 from titanlab.config.job_config import JobConfig
 from titanlab.data.batches import BatchPreparer
 from titanlab.data.build import build_data, build_loader
-from titanlab.distributed.init import init_distributed
+from titanlab.distributed.init import init_distributed, init_fake_world
 from titanlab.distributed.parallelize import loss_parallel_enabled, param_dtype, parallelize_model
 from titanlab.distributed.parallelize import tp_grid_loss
 from titanlab.distributed.pipeline import pipeline_model
@@ -47,7 +47,7 @@ from titanlab.planning.memory import local_world_size
 from titanlab.posttrain.distill import PipelineDistillLoss
 from titanlab.posttrain.teacher import build_teacher, join_teacher_load, teacher_args
 from titanlab.precision.float8 import apply_float8
-from titanlab.trainer import peft_steps, rl_steps
+from titanlab.trainer import dry_run, peft_steps, rl_steps
 from titanlab.trainer.host_allocator import fix_malloc_thresholds
 from titanlab.trainer.loop import TrainLoop
 
@@ -64,19 +64,27 @@ class Trainer(TrainLoop):
     def __init__(self, config: JobConfig) -> None:
         warning_filters.install()
         self.config = config
-        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        # A dry run (comm.mode "fake_backend"): one process plays rank 0 of the whole world on
+        # fake process groups, the model on the meta device, planned for comm.dry_run_device.
+        self.dry_run = dry_run.target(config)
+        world_size = dry_run.world_size(config)
         # Everything that can be checked without a process group is checked first.
-        plan = preflight.check(config, world_size, local_world_size())
+        plan = preflight.check(config, world_size, local_world_size(), self.dry_run)
         self.parallel_dims, self.batch = plan.parallel_dims, plan.batch
         self.tokenizer, self.family, self.model_args = plan.tokenizer, plan.family, plan.model_args
-        self.device, self.rank, _ = init_distributed(config.comm.init_timeout_seconds)
+        self.memory = plan.memory
+        if self.dry_run is not None:
+            self.device, self.rank, _ = init_fake_world(world_size)
+        else:
+            self.device, self.rank, _ = init_distributed(config.comm.init_timeout_seconds)
         if self.device.type == "cpu" and config.training.fixed_malloc_thresholds:
             fix_malloc_thresholds()  # before the model's memory is first allocated
         self._log_start(world_size)
         self._set_determinism()
-        self.parallel_dims.build_mesh(self.device.type)
+        self.parallel_dims.build_mesh("cpu" if self.device.type == "meta" else self.device.type)
 
-        self._build_data()
+        if self.dry_run is None:  # a dry run reads no data (the pre-flight checked the files)
+            self._build_data()
         model, flops_per_token = self._build_model()
         compute_dtype = param_dtype(config, self.device)
         peft_steps.adapt(model, config, compute_dtype)
@@ -97,6 +105,8 @@ class Trainer(TrainLoop):
         self.lr_scheduler = LRSchedulersContainer(
             self.optimizer, config.lr_scheduler, config.training.steps
         )
+        if self.dry_run is not None:  # nothing to load, train or log: `dry_run.report` follows
+            return
         self._build_checkpointer(world_size)
         self.step = 0 if config.checkpoint.create_seed_checkpoint else self.checkpointer.load()
         self._build_metrics(world_size, flops_per_token)
@@ -107,14 +117,17 @@ class Trainer(TrainLoop):
     def _log_start(self, world_size: int) -> None:
         if self.rank != 0:
             logging.getLogger().setLevel(logging.WARNING)
-        if self.rank == 0:
-            logger.info("%s", compact_config(self.config, write_config_toml(self.config)))
+        dry = self.dry_run is not None
+        if self.rank == 0:  # a dry run writes nothing
+            full = "not written in a dry run" if dry else write_config_toml(self.config)
+            logger.info("%s", compact_config(self.config, full))
+        per_node = min(world_size, self.dry_run.devices_per_node) if dry else local_world_size()
         logger.info(
             "distributed: world size %d = %d node(s) × %d rank(s), backend %s, rank 0 on %s, "
             "restart %s",
             world_size,
-            world_size // local_world_size(),
-            local_world_size(),
+            world_size // per_node,
+            per_node,
             torch.distributed.get_backend() if torch.distributed.is_initialized() else "none",
             socket.gethostname(),
             os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"),
@@ -172,7 +185,7 @@ class Trainer(TrainLoop):
             flops_per_token,
             dims,
         )
-        apply_float8(model, config.float8, self.device, dims.fsdp_enabled)
+        apply_float8(model, dry_run.float8(config, self.dry_run), self.device, dims.fsdp_enabled)
         return model, flops_per_token
 
     def _parallelize(self, model: Decoder):
@@ -217,7 +230,7 @@ class Trainer(TrainLoop):
             self.teacher = build_teacher(config, args, self.device, parallelize)
             if isinstance(self.pp_loss, PipelineDistillLoss):
                 self.pp_loss.teacher = self.teacher
-        elif config.distill.teacher_path:
+        elif config.distill.teacher_path and self.dry_run is None:
             join_teacher_load(config)
 
     def _build_checkpointer(self, world_size: int) -> None:

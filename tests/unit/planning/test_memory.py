@@ -223,3 +223,22 @@ def test_whole_gradients_hold_only_this_ranks_experts_under_expert_parallel(pp):
         grads[ep] = estimate_memory(args, config, 16 * pp, torch.bfloat16).grads
     assert grads[1] - grads[8] == pytest.approx(4 * (experts - experts // 8) / pp, rel=0.02)
     assert grads[1] == pytest.approx(4 * total / pp, rel=0.02)
+
+
+def test_all_to_all_buffers_are_kept_only_by_blocks_that_keep_their_activations():
+    """Full AC recomputes an MoE block's all-to-all in backward: none kept but the one block
+    being recomputed (671B's config was estimated at 103 GiB of buffers under full AC)."""
+    from titanlab.models.qwen3_moe import qwen3_moe_flavors
+
+    args = dataclasses.replace(qwen3_moe_flavors["30B-A3B"], vocab_size=151936, max_seq_len=4096)
+    layer = 2 * 4096 * 8 * 2048 * 2  # slots + regrouped copy: tokens × top-8 × dim, bf16
+    by_ac = {}
+    for ac in ("none", "full"):
+        config = job(flavor="30B-A3B", seq=4096, ac=ac)
+        config.model.name = "qwen3_moe"
+        config.parallelism.expert_parallel_degree = 8
+        by_ac[ac] = estimate_memory(args, config, 8, torch.bfloat16)
+    assert by_ac["none"].a2a_buffers == 48 * layer
+    assert by_ac["full"].a2a_buffers == 0
+    assert by_ac["full"].recompute - by_ac["none"].last_block == 0  # both one block + its a2a
+    assert by_ac["none"].last_block > layer
