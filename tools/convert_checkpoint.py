@@ -4,7 +4,7 @@
         [--dtype bf16|fp16|fp32] [--max-shard-size 5GB] [--max-seq-len N]
         [--tokenizer PATH|none] [--overwrite] [--quiet]
     python -m tools.convert_checkpoint from-hf HF_DIR DCP_DIR [--flavor F] [--dtype auto|bf16|...]
-        [--overwrite] [--quiet]
+        [--no-mtp] [--overwrite] [--quiet]
     python -m tools.convert_checkpoint to-peft DCP_DIR OUT_DIR [--overwrite]
     python -m tools.convert_checkpoint to-gguf DCP_DIR OUT.gguf [--dtype f16|bf16|q8_0|f32]
         [--model NAME] [--flavor F] [--max-seq-len N] [--tokenizer PATH] [--overwrite] [--quiet]
@@ -123,6 +123,14 @@ def build_parser() -> argparse.ArgumentParser:
         default="auto",
         help="dtype to store (default: auto, as in the Hugging Face files)",
     )
+    from_hf.add_argument(
+        "--no-mtp",
+        action="store_true",
+        help="import without the multi-token prediction depths config.json declares "
+        "(DeepSeek-V3's num_nextn_predict_layers: layers num_hidden_layers..), skipping their "
+        "tensors, as transformers' DeepseekV3ForCausalLM does; a folder with none of them "
+        "imports so without this flag",
+    )
     for p in (to_hf, from_hf, to_gguf, to_peft):
         p.add_argument("--overwrite", action="store_true", help="replace a non-empty output")
         p.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -174,6 +182,7 @@ def run(argv: list[str] | None = None) -> str:
             dtype=dtype,
             overwrite=args.overwrite,
             progress=not args.quiet,
+            mtp=not args.no_mtp,
         )
         dest = args.dcp_dir
     return (

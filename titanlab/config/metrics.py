@@ -49,8 +49,10 @@ class Metrics:
     mlflow_tracking_uri: str = ""
     """MLflow tracking store or server (e.g. `http://host:5000`, `sqlite:///path/mlflow.db`).
     Empty: a SQLite store in `<dump_folder>/mlflow/` (`mlflow ui --backend-store-uri
-    sqlite:///<dump_folder>/mlflow/mlflow.db` shows it). An http(s) server must answer before
-    launch."""
+    sqlite:///<dump_folder>/mlflow/mlflow.db` shows it). Checked before launch: an http(s)
+    server must answer, a `sqlite:///` file must be creatable, a postgresql / mysql / mssql
+    driver must import; MLflow's folder store (a path, `file://`) is refused, as MLflow 3 refuses
+    it, unless MLFLOW_ALLOW_FILE_STORE=true."""
 
     mlflow_experiment: str = "titanlab"
     """MLflow experiment name (created when missing)."""

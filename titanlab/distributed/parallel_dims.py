@@ -11,7 +11,11 @@ Expert parallel (ep > 1) splits dp_shard into two root dims, `efsdp` (outer) and
 `dp_shard_in_ep` (inner), so that `ep` = dp_shard_in_ep × cp × tp is a contiguous block of
 ranks and `efsdp` (always built, size 1 included) holds the ranks that keep the same experts:
 the expert weights are Shard(0) over ep and FSDP-sharded over efsdp (replicated over
-dp_replicate under HSDP). `dp_shard` is then the flattened (efsdp, dp_shard_in_ep).
+dp_replicate under HSDP). `dp_shard` is then the flattened (efsdp, dp_shard_in_ep), and
+`efsdp_ep` the flattened (efsdp, ep): every rank holding a different part of an expert's weights.
+The expert gradients' norm (`titanlab.distributed.utils.clip_grad_norm_`) is partial over both
+dims; DTensor finds the flattened mesh by its ranks and reduces it in one all_reduce, not one
+per dim (torch 2.13 warns "2 sequential all_reduce operations" without it).
 """
 
 from __future__ import annotations
@@ -89,6 +93,8 @@ class ParallelDims:
     """q of a q × q × q cube of the tp ranks (3D tensor parallel; mesh `tp_3d`), 1 otherwise."""
     _meshes: dict[str, DeviceMesh] = field(default_factory=dict, repr=False)
     _root_names: dict[str, str] = field(default_factory=dict, repr=False)
+    _flat_dims: dict[str, list[str]] = field(default_factory=dict, repr=False)
+    """Each flattened mesh's root dims of more than one rank."""
 
     def __post_init__(self) -> None:
         for name in ("dp_replicate", "cp", "tp", "pp", "ep"):
@@ -242,6 +248,7 @@ class ParallelDims:
         root = init_device_mesh(device_type, shape, mesh_dim_names=tuple(names))
         self._meshes = {"root": root}
         self._root_names = {}
+        self._flat_dims = {}
         for n in names:
             self._meshes[n] = root[n]
         rep = [n for n in ("dp_replicate",) if n in names]
@@ -253,7 +260,9 @@ class ParallelDims:
         self._flatten(root, "dp_cp", rep + shard + cp)
         self._flatten(root, "dp_cp_tp", rep + shard + cp + tp)
         if self.ep_enabled:
-            self._flatten(root, "ep", [n for n in ("dp_shard_in_ep", "cp", "tp") if n in names])
+            ep: list[str] = [n for n in ("dp_shard_in_ep", "cp", "tp") if n in names]
+            self._flatten(root, "ep", ep)
+            self._flatten_expert_shard(root, ["efsdp", *ep])
         if self.tp_grid > 1 or self.tp_cube > 1:
             self._build_tp_grid(root, [n for n in ("dp_replicate", "dp_shard") if n in names])
         return root
@@ -285,9 +294,22 @@ class ParallelDims:
         if len(dims) > 1:
             self._meshes[name] = root[tuple(dims)]._flatten(name)
             self._root_names[name] = name
+            self._flat_dims[name] = [n for n in dims if self._meshes[n].size() > 1]
         elif len(dims) == 1:
             self._meshes[name] = root[dims[0]]
             self._root_names[name] = dims[0]
+
+    def _flatten_expert_shard(self, root: DeviceMesh, dims: list[str]) -> None:
+        """`efsdp_ep`: the flattened mesh of `dims` (efsdp and ep's root dims), or the flattened
+        mesh already built over the same ranks (e.g. `dp_shard` when efsdp > 1, ep from
+        dp_shard only), so that no process group is created twice. It is flattened even where
+        efsdp is 1: DTensor looks only among the flattened meshes for one to reduce over."""
+        wide = [n for n in dims if self._meshes[n].size() > 1]
+        for name, flat_dims in self._flat_dims.items():
+            if flat_dims == wide:
+                self._meshes["efsdp_ep"], self._root_names["efsdp_ep"] = self._meshes[name], name
+                return
+        self._flatten(root, "efsdp_ep", dims)
 
     def root_slice(self, *names: str) -> DeviceMesh:
         """The root mesh sliced to the (possibly flattened) dims `names`, e.g. (dp_replicate,
@@ -302,8 +324,8 @@ class ParallelDims:
 
     def mesh(self, name: str) -> DeviceMesh | None:
         """The sub-mesh `name` (pp, dp_replicate, dp_shard, cp, tp, tp_2d, tp_3d, dp_tp_grid, ep,
-        efsdp, dp, dp_shard_cp, dp_cp, dp_cp_tp, root), or None when that parallelism is off (degree 1; `efsdp` exists
-        whenever ep > 1)."""
+        efsdp, efsdp_ep, dp, dp_shard_cp, dp_cp, dp_cp_tp, root), or None when that parallelism
+        is off (degree 1; `efsdp` and `efsdp_ep` exist whenever ep > 1)."""
         return self._meshes.get(name)
 
     def dp_rank(self) -> int:

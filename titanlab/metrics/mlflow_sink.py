@@ -21,6 +21,7 @@ import math
 import os
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from typing import Any
 
@@ -40,12 +41,30 @@ def default_uri(dump_folder: str) -> str:
     return "sqlite:///" + os.path.join(os.path.abspath(dump_folder), "mlflow", "mlflow.db")
 
 
+_VALID = (
+    "use http(s)://host:port (an MLflow server), sqlite:///<writable folder>/mlflow.db, "
+    "postgresql://, mysql:// or mssql:// (a database), databricks, or leave it empty for a "
+    "SQLite store in the dump folder"
+)
+_DATABASES = ("postgresql", "mysql", "mssql")  # with sqlite: MLflow's SQLAlchemy stores
+_FOLDER_STORES = ("", "file")  # MLflow's folder store: a plain path or file://
+
+
 def check_mlflow(enabled: bool, tracking_uri: str) -> None:
-    """Before launch: with `enabled`, the package must import and an http(s) tracking URI must
-    answer (its `/health` within 5 s).
+    """Before launch: with `enabled`, the package must import and `tracking_uri` must name a
+    store MLflow opens (empty: the SQLite store in the dump folder, which the pre-flight's dump
+    folder check covers).
+
+    Per scheme of MLflow's tracking-store registry (`mlflow.tracking._tracking_service.utils`):
+    http(s): the server answers its `/health` within 5 s; sqlite:///PATH: the database file can
+    be created or written (its nearest existing folder is a writable folder); postgresql / mysql
+    / mssql: SQLAlchemy's driver for it imports; databricks: taken as given (its credentials are
+    checked by MLflow). A plain path or file:// is MLflow's folder store, which MLflow 3 keeps in
+    maintenance mode and refuses unless MLFLOW_ALLOW_FILE_STORE=true; with that set, its folder
+    must be creatable. Any other scheme is refused.
 
     Raises:
-        ConfigError: one line naming the package or the URI.
+        ConfigError: one line naming the package or the URI and what is valid.
     """
     if not enabled:
         return
@@ -53,22 +72,133 @@ def check_mlflow(enabled: bool, tracking_uri: str) -> None:
         import mlflow  # noqa: F401
     except ImportError:
         raise ConfigError(_MISSING) from None
-    if tracking_uri.startswith(("http://", "https://")):
-        url = tracking_uri.rstrip("/") + "/health"
-        try:
-            with urllib.request.urlopen(url, timeout=5) as r:
-                ok = r.status == 200
-        except (urllib.error.URLError, OSError, ValueError) as e:
-            reason = getattr(e, "reason", e)
-            raise ConfigError(
-                f"metrics.mlflow_tracking_uri={tracking_uri!r} does not answer ({reason}); start "
-                "the server, fix the URI, or leave it empty for a store in the dump folder"
-            ) from None
-        if not ok:
-            raise ConfigError(
-                f"metrics.mlflow_tracking_uri={tracking_uri!r}: {url} did not answer 200; is it "
-                "an MLflow tracking server?"
-            )
+    if not tracking_uri:
+        _require_sqlalchemy()
+        return
+    scheme = urllib.parse.urlparse(tracking_uri).scheme.lower()
+    if scheme in ("http", "https"):
+        _check_server(tracking_uri)
+    elif scheme == "sqlite":
+        _require_sqlalchemy()
+        _check_sqlite(tracking_uri)
+    elif scheme.split("+")[0] in _DATABASES:
+        _require_sqlalchemy()
+        _check_driver(tracking_uri)
+    elif scheme == "databricks" or tracking_uri == "databricks":
+        return
+    elif scheme in _FOLDER_STORES:
+        _check_folder_store(tracking_uri, scheme)
+    else:
+        raise ConfigError(
+            f"metrics.mlflow_tracking_uri={tracking_uri!r}: MLflow has no tracking store for "
+            f"scheme {scheme!r}; {_VALID}"
+        )
+
+
+def _check_server(tracking_uri: str) -> None:
+    """The server at `tracking_uri` answers `/health` with 200 within 5 s."""
+    url = tracking_uri.rstrip("/") + "/health"
+    try:
+        with urllib.request.urlopen(url, timeout=5) as r:
+            ok = r.status == 200
+    except (urllib.error.URLError, OSError, ValueError) as e:
+        reason = getattr(e, "reason", e)
+        raise ConfigError(
+            f"metrics.mlflow_tracking_uri={tracking_uri!r} does not answer ({reason}); start "
+            "the server, fix the URI, or leave it empty for a store in the dump folder"
+        ) from None
+    if not ok:
+        raise ConfigError(
+            f"metrics.mlflow_tracking_uri={tracking_uri!r}: {url} did not answer 200; is it "
+            "an MLflow tracking server?"
+        )
+
+
+def _require_sqlalchemy() -> None:
+    """MLflow's database stores (SQLite included) need SQLAlchemy and Alembic, which
+    mlflow-skinny leaves out (`titanlab[mlflow]` has them)."""
+    try:
+        import alembic  # noqa: F401
+        import sqlalchemy  # noqa: F401
+    except ImportError as e:
+        raise ConfigError(
+            f"metrics.enable_mlflow=true with a database store needs {e.name}; pip install "
+            "'titanlab[mlflow]'"
+        ) from None
+
+
+def _unwritable(path: str, folder: bool) -> str | None:
+    """Why the file (or with `folder`, the folder) `path` cannot be created or written, else
+    None: its nearest existing ancestor must be a writable folder."""
+    full = os.path.abspath(path)
+    if os.path.exists(full):
+        if os.path.isdir(full) != folder:
+            return f"{full} is a {'file' if folder else 'folder'}"
+        return None if os.access(full, os.W_OK) else f"{full} is not writable"
+    existing = os.path.dirname(full)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        return f"{full} cannot be created: {existing} is a file, not a folder"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return f"{full} cannot be created: {existing} is not writable"
+    return None
+
+
+def _check_sqlite(tracking_uri: str) -> None:
+    """`sqlite:///PATH` (PATH relative to the working folder, or absolute as sqlite:////abs):
+    the database file PATH can be created or written."""
+    prefix = "sqlite:///"
+    path = tracking_uri[len(prefix) :].split("?")[0] if tracking_uri.startswith(prefix) else ""
+    if not path:
+        raise ConfigError(
+            f"metrics.mlflow_tracking_uri={tracking_uri!r} names no database file; {_VALID}"
+        )
+    why = _unwritable(path, folder=False)
+    if why:
+        raise ConfigError(
+            f"metrics.mlflow_tracking_uri={tracking_uri!r}: the SQLite database {why}; {_VALID}"
+        )
+
+
+def _check_driver(tracking_uri: str) -> None:
+    """SQLAlchemy parses the URI and its database driver imports (no connection is made)."""
+    from sqlalchemy.engine import make_url
+
+    try:
+        make_url(tracking_uri).get_dialect().import_dbapi()
+    except ImportError as e:
+        raise ConfigError(
+            f"metrics.mlflow_tracking_uri={tracking_uri!r} needs the database driver "
+            f"{e.name!r}, which is not installed; pip install it or "
+            f"{_VALID.removeprefix('use ')}"
+        ) from None
+    except Exception as e:  # sqlalchemy.exc.ArgumentError, NoSuchModuleError: a malformed URI
+        raise ConfigError(
+            f"metrics.mlflow_tracking_uri={tracking_uri!r} is not a database URI SQLAlchemy "
+            f"reads ({e}); {_VALID}"
+        ) from None
+
+
+def _check_folder_store(tracking_uri: str, scheme: str) -> None:
+    """MLflow's folder store (a path or file://): refused as MLflow itself refuses it, unless
+    MLFLOW_ALLOW_FILE_STORE=true; then its folder must be creatable."""
+    from mlflow.environment_variables import MLFLOW_ALLOW_FILE_STORE
+
+    if not MLFLOW_ALLOW_FILE_STORE.get():
+        raise ConfigError(
+            f"metrics.mlflow_tracking_uri={tracking_uri!r} is MLflow's folder store, which "
+            "MLflow 3 keeps in maintenance mode and refuses unless MLFLOW_ALLOW_FILE_STORE=true; "
+            "use sqlite:///<writable folder>/"
+            "mlflow.db (`mlflow migrate-filestore` moves existing runs there) or an "
+            "http(s)://host:port MLflow server"
+        )
+    path = urllib.request.url2pathname(urllib.parse.urlparse(tracking_uri).path)
+    why = _unwritable(path if scheme == "file" else tracking_uri, folder=True)
+    if why:
+        raise ConfigError(
+            f"metrics.mlflow_tracking_uri={tracking_uri!r}: the folder store {why}; {_VALID}"
+        )
 
 
 def flatten(config: dict[str, dict[str, Any]]) -> dict[str, str]:

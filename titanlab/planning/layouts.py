@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, cast
 from titanlab.config.job_config import ConfigError, JobConfig
 from titanlab.distributed import pipeline
 from titanlab.distributed.parallel_dims import ParallelDims
-from titanlab.planning.validate import validate_layout
+from titanlab.planning.validate import validate_layout, validate_tp_mode
 
 if TYPE_CHECKING:
     from titanlab.config.parallelism import CPRotateMethod, PipelineSchedule, TensorParallelMode
@@ -304,10 +304,13 @@ def apply_layout(config: JobConfig, layout: Layout, global_batch_size: int) -> J
 def check_parallel_layout(
     config: JobConfig, world_size: int, model_args, device_type: str
 ) -> ParallelDims:
-    """The layout checks of the trainer's pre-flight: degrees against the world size, batch
-    split, and `validate_layout`. Returns the ParallelDims; raises ConfigError (one line)."""
+    """The layout checks of the trainer's pre-flight: what the tensor-parallel mode does not
+    take (`validate_tp_mode`: no degree fixes it, so it comes first), degrees against the world
+    size, batch split, and `validate_layout`. Returns the ParallelDims; raises ConfigError (one
+    line)."""
     from titanlab.components.builders import batch_layout  # components imports the data stack
 
+    validate_tp_mode(config, model_args)
     dims = ParallelDims.from_config(config.parallelism, world_size)
     batch_layout(config, dims.dp_degree)
     validate_layout(config, dims, model_args, device_type)

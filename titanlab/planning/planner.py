@@ -102,7 +102,7 @@ def plan(
     fewest accumulation steps that predict the fastest step that fits: fitting ones first,
     fastest first; then those refused (validator or memory), each with its one-line reason.
     ConfigError when none fits."""
-    run = run or run_of(config, cluster.device_type)
+    run = run or run_of(config, cluster.device_type, global_batch_of(config, cluster.world_size)[0])
     shape = ModelShape.of(model_args)
     dtype = getattr(torch, run.dtype if run.dtype != "float8" else "bfloat16")
     modes = AC_MODES if search_ac else ((run.ac_mode, config.activation_checkpoint),)
@@ -196,6 +196,39 @@ def model_args_of(config: JobConfig):
     if vocab <= 0:
         vocab = components.build_tokenizer(config).vocab_size
     return components.build_model_args(config, vocab)
+
+
+def global_batch_of(config: JobConfig, world_size: int) -> tuple[int, str]:
+    """The samples per optimizer step the planner holds fixed over every layout of `world_size`
+    devices, and how it was found ("" when the config sets it).
+
+    `training.global_batch_size` when set. At -1 the trainer makes it local_batch_size × the
+    data-parallel degree of its layout (`components.builders.batch_layout`), which varies over the
+    planner's layouts; the planner takes the one of the config's own `[parallelism]` on
+    `world_size` devices (`ParallelDims`: dp_shard -1 takes the ranks tp, cp and pp leave), the
+    batch the config runs at when launched as it is, and compares every layout at it.
+
+    Raises:
+        ConfigError: -1 with degrees that do not lay out on `world_size` devices.
+    """
+    from titanlab.distributed.parallel_dims import ParallelDims
+
+    t = config.training
+    if t.global_batch_size != -1:
+        return t.global_batch_size, ""
+    try:
+        dp = ParallelDims.from_config(config.parallelism, world_size).dp_degree
+    except ConfigError as e:
+        raise ConfigError(
+            f"training.global_batch_size=-1 means local_batch_size × the data-parallel ranks of "
+            f"the config's own layout, which does not fit {world_size} devices ({e}); set "
+            "--training.global_batch_size"
+        ) from None
+    how = (
+        f" (global_batch_size -1: local_batch_size {t.local_batch_size} × dp {dp}, the "
+        f"config's own layout on {world_size} devices)"
+    )
+    return t.local_batch_size * dp, how
 
 
 def run_of(config: JobConfig, device_type: str = "cuda", global_batch: int = 0) -> Run:

@@ -23,12 +23,13 @@ def run(opts: argparse.Namespace, rest: list[str]) -> int:
         cluster = calibrated(config, model_args, opts.nproc, opts.calibrate)
     else:
         cluster = get_profile(opts.cluster).with_nodes(opts.nodes)
-    run = planner.run_of(config, cluster.device_type)
+    global_batch, how = planner.global_batch_of(config, cluster.world_size)
+    run = planner.run_of(config, cluster.device_type, global_batch)
     ranked = planner.plan(config, model_args, cluster, run)
     print(
         f"{config.model.name} {config.model.flavor} on {cluster.nodes} × {cluster.devices_per_node} "
         f"{cluster.name} ({cluster.world_size} devices, {cluster.memory_bytes / GIB:.0f} GiB "
-        f"each): seq_len {run.seq_len}, global batch {run.global_batch}, {run.dtype}"
+        f"each): seq_len {run.seq_len}, global batch {run.global_batch}{how}, {run.dtype}"
     )
     print(table([c for c in ranked if c.fits][: opts.top]))
     refused = [c for c in ranked if not c.fits]

@@ -16,6 +16,7 @@ def validate_layout(config: JobConfig, dims: ParallelDims, model_args, device_ty
     """Raise ConfigError for the first rule `config` breaks on this layout and device."""
     t = config.training
     heads, kv_heads = model_args.n_heads, model_args.kv_heads
+    validate_tp_mode(config, model_args)  # before the expert checks: no ep makes these run
     _validate_experts(config, dims, model_args)
     if dims.tp_grid > 1 or dims.tp_cube > 1:
         _validate_tp_2d(config, dims, model_args)
@@ -213,6 +214,44 @@ def _validate_pipeline(config: JobConfig, dims: ParallelDims, model_args) -> Non
         )
 
 
+def validate_tp_mode(config: JobConfig, model_args) -> None:
+    """What 2D / 2.5D / 3D tensor parallel (`tensor_parallel_mode` other than 1d) does not take
+    yet, refused by name: the features and the parts of the model (per-head q/k norms, routed
+    experts, multi-head latent attention). No degree changes these, so they are checked before
+    any degree (`check_parallel_layout` runs this before `ParallelDims`), and a model is named
+    with every part the mode lacks (Qwen3-MoE: q/k norms and routed experts).
+
+    Raises:
+        ConfigError: one line naming the mode and the feature or the model's parts.
+    """
+    mode = config.parallelism.tensor_parallel_mode
+    if mode == "1d":
+        return
+    name = f"parallelism.tensor_parallel_mode={mode}"
+    features = {
+        "compile.enable=true": config.compile.enable,
+        "peft.method=lora": config.peft.method == "lora",
+        "float8.enable=true": config.float8.enable,
+        "distill.teacher_path": bool(config.distill.teacher_path),
+        f"rl.algorithm={config.rl.algorithm}": config.rl.algorithm != "none",
+        "data.document_mask=true": config.data.document_mask,
+    }
+    parts = {
+        "per-head q/k norms": bool(model_args.qk_norm),
+        "routed experts": bool(moe_layer_args(model_args)),
+        "multi-head latent attention": getattr(model_args, "attention_type", "gqa") == "mla",
+    }
+    lacking = [part for part, on in parts.items() if on]
+    if lacking:
+        features[f"model.name={config.model.name} ({', '.join(lacking)})"] = True
+    for option, on in features.items():
+        if on:
+            raise ConfigError(
+                f"{name} with {option} is not supported yet (2D, 2.5D and 3D tensor parallel "
+                "cover dense training with the plain loss); use tensor_parallel_mode=1d"
+            )
+
+
 def _validate_tp_2d(config: JobConfig, dims: ParallelDims, model_args) -> None:
     """2D / 2.5D / 3D tensor parallel (`tensor_parallel_mode` 2d, 2.5d, 3d) on q × q grids or a
     q × q × q cube: what it splits must split, and what it does not compose with yet is refused
@@ -230,25 +269,6 @@ def _validate_tp_2d(config: JobConfig, dims: ParallelDims, model_args) -> None:
                 f"{name} with parallelism.{option}={degree} is not supported yet (2D, 2.5D and "
                 "3D tensor parallel compose with data and pipeline parallel); use "
                 f"tensor_parallel_mode=1d or {option}=1"
-            )
-    features = {
-        "compile.enable=true": config.compile.enable,
-        "peft.method=lora": config.peft.method == "lora",
-        "float8.enable=true": config.float8.enable,
-        "distill.teacher_path": bool(config.distill.teacher_path),
-        f"rl.algorithm={config.rl.algorithm}": config.rl.algorithm != "none",
-        "data.document_mask=true": config.data.document_mask,
-        f"model.name={config.model.name} (per-head q/k norms)": bool(model_args.qk_norm),
-        f"model.name={config.model.name} (routed experts)": bool(moe_layer_args(model_args)),
-        f"model.name={config.model.name} (multi-head latent attention)": (
-            getattr(model_args, "attention_type", "gqa") == "mla"
-        ),
-    }
-    for option, on in features.items():
-        if on:
-            raise ConfigError(
-                f"{name} with {option} is not supported yet (2D, 2.5D and 3D tensor parallel "
-                "cover dense training with the plain loss); use tensor_parallel_mode=1d"
             )
     # A cube splits the features of each weight over two of its dimensions (q²), heads over one.
     wide = q * q if cube else q

@@ -1,7 +1,10 @@
 """`clip_grad_norm_` on CPU: the norm accumulates in float64, so it does not depend on how a
 gradient is split into shards (torch 2.13's float32 CPU norm of a constant (4352, 64) tensor is
 1.5e-5 off; FSDP's halves were off by a different amount, which made the clipped update depend
-on the layout)."""
+on the layout). On 2 gloo ranks, the expert-parallel experts' norm is one all_reduce over the
+flattened expert mesh, equal to the single-process norm."""
+
+import logging
 
 import torch
 
@@ -49,3 +52,85 @@ def test_every_shape_gives_the_float64_norm_rounded_to_float32():
     exact = torch.stack([g.double().square().sum() for g in grads]).sum().sqrt().item()
     got = clip_grad_norm_(_params(*grads), max_norm=0).item()
     assert got == torch.tensor(exact, dtype=torch.float32).item()
+
+
+class _Lines(logging.Handler):
+    """The messages of the log records it is handed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+def _expert_norm_worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
+    """EP 2 × FSDP on `world` ranks (efsdp of 1 rank): the MoE experts as the trainer shards
+    them, one backward on this rank's tokens, then the gradient norm, its log lines and
+    collectives; and the full gradients for the single-process norm."""
+    import os
+
+    from torch.distributed.fsdp import fully_shard
+
+    from gloo_group import init_gloo
+    from titanlab.distributed.comm_counter import CommCounter
+    from titanlab.distributed.expert_parallel import apply_ep
+    from titanlab.distributed.init import destroy_distributed
+    from titanlab.distributed.parallel_dims import ParallelDims
+    from titanlab.distributed.parallelize import expert_fsdp
+    from titanlab.models.common.moe import MoE, MoEArgs
+
+    init_gloo(rank, world, init_file)
+    ok = False
+    try:
+        dims = ParallelDims(dp_replicate=1, dp_shard=-1, cp=1, tp=1, pp=1, world_size=world, ep=2)
+        dims.build_mesh("cpu")
+        torch.manual_seed(0)
+        moe = MoE(16, MoEArgs(num_experts=4, top_k=2, hidden_dim=12))
+        moe.init_weights(0.5)
+        ep_mesh = dims.mesh("ep")
+        sharding = expert_fsdp(dims, torch.device("cpu"))
+        assert ep_mesh is not None and sharding is not None
+        apply_ep(moe, ep_mesh)
+        fully_shard(moe.experts, mesh=sharding.mesh)
+        torch.manual_seed(1 + rank)
+        moe(torch.randn(1, 8, 16)).square().sum().backward()
+        experts = [moe.experts.w1, moe.experts.w2, moe.experts.w3]
+        assert experts[0].grad.device_mesh.mesh_dim_names == ("efsdp", "dp_shard_in_ep")
+        logs = _Lines()
+        logger = logging.getLogger("torch.distributed.tensor._redistribute")
+        logger.addHandler(logs)
+        with CommCounter() as counter:
+            norm = clip_grad_norm_(experts, max_norm=0)
+        logger.removeHandler(logs)
+        full = [p.grad.full_tensor() for p in experts]
+        torch.save({"norm": norm, "full": full, "logs": logs.lines, "comms": counter.summary()},
+                   os.path.join(out_dir, f"rank{rank}.pt"))  # fmt: skip
+        ok = True
+    finally:
+        destroy_distributed(barrier=ok)
+
+
+def test_expert_gradient_norm_is_one_all_reduce_over_the_flattened_expert_mesh(tmp_path):
+    """The expert weights' gradients live on the 2-D (efsdp, dp_shard_in_ep) mesh; their norm is
+    partial over both dims. With the flattened `efsdp_ep` mesh DTensor reduces it in one
+    all_reduce, without torch's warning of "2 sequential all_reduce operations", and the norm is
+    the single-process norm of the same (gathered) gradients."""
+    from gloo_group import spawn
+
+    spawn(_expert_norm_worker, (2, str(tmp_path / "init"), str(tmp_path)), 2)
+    results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    one_process = clip_grad_norm_(_params(*results[0]["full"]), max_norm=0).item()
+    assert 20 < one_process < 30  # 24.81164 (float64 24.8116437)
+    for r in results:
+        # Both sides sum the same float32 row norms in float64 and round once to float32: equal
+        # here; 1e-6 relative (8 float32 ulps) leaves room only for the order of the float64 sum.
+        assert abs(r["norm"].item() / one_process - 1) < 1e-6
+        assert not [m for m in r["logs"] if "sequential all_reduce" in m], r["logs"]
+        # One all_reduce of the 3 weights' float64 norms (8 bytes each) over both ranks. (Without
+        # efsdp_ep it was one too, DTensor skipping the 1-rank efsdp dim, but it warned of two;
+        # with efsdp > 1, `dp_shard` is already that flattened mesh.)
+        assert r["comms"] == {
+            "all_reduce": {"calls": 1, "bytes": 24, "wire_bytes": 24, "sizes": {"24x2": 1}}
+        }

@@ -153,3 +153,30 @@ def test_ep_and_efsdp_meshes_hold_the_expected_ranks():
     assert _groups(8, "dp_cp_tp", pp=2, ep=2) == {(0, 1, 2, 3), (4, 5, 6, 7)}
     # HSDP × EP: ep inside each replica.
     assert _groups(8, "ep", dp_replicate=2, ep=2) == {(0, 1), (2, 3), (4, 5), (6, 7)}
+
+
+def test_efsdp_ep_is_a_flattened_mesh_of_every_rank_holding_part_of_an_expert():
+    """`efsdp_ep` = efsdp × ep, flattened even where efsdp is 1 rank (DTensor reduces the expert
+    gradients' norm over it in one all_reduce, test_grad_norm.py), and the flattened mesh
+    already built over the same ranks where there is one (no second process group)."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from titanlab.distributed.init import destroy_distributed
+
+    assert _groups(2, "efsdp_ep", ep=2) == {(0, 1)}
+    assert _groups(4, "efsdp_ep", dp_replicate=2, ep=2) == {(0, 1), (2, 3)}
+    assert _groups(8, "efsdp_ep", dp_replicate=2, ep=2) == {(0, 1, 2, 3), (4, 5, 6, 7)}
+    assert _groups(8, "efsdp_ep", tp=2, ep=4) == {tuple(range(8))}
+    assert _groups(8, "efsdp_ep", pp=2, ep=2) == {(0, 1, 2, 3), (4, 5, 6, 7)}
+    for world, degrees, same_as in ((2, {}, None), (4, {}, "dp_shard"), (4, {"tp": 2}, "dp_cp_tp")):
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+        try:
+            d = ParallelDims(**{"dp_replicate": 1, "dp_shard": -1, "cp": 1, "tp": 1, "pp": 1,
+                                **degrees}, world_size=world, ep=2)  # fmt: skip
+            root = d.build_mesh("cpu")
+            mesh = d.mesh("efsdp_ep")
+            assert any(mesh is m for m in root._flatten_mapping.values())
+            assert same_as is None or mesh is d.mesh(same_as)
+        finally:
+            destroy_distributed(barrier=False)  # a fake group: no peers to wait for

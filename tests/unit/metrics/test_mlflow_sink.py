@@ -96,3 +96,58 @@ def test_without_the_package_it_is_one_line(monkeypatch):
     assert str(e.value) == (
         "metrics.enable_mlflow=true needs the mlflow-skinny package; pip install 'titanlab[mlflow]'"
     )
+
+
+def refusal(uri: str) -> str:
+    with pytest.raises(ConfigError) as e:
+        check_mlflow(True, uri)
+    line = str(e.value)
+    assert "\n" not in line and line.startswith(f"metrics.mlflow_tracking_uri={uri!r}"), line
+    return line
+
+
+def test_a_store_mlflow_cannot_open_is_one_line_naming_the_uri_and_what_is_valid(
+    tmp_path, monkeypatch
+):
+    """Each of these crashed rank 0 in `MlflowClient(uri)` after launch (MLflow 3.17)."""
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
+    line = refusal("nosuchscheme://x/y")
+    assert "no tracking store for scheme 'nosuchscheme'" in line
+    assert "http(s)://host:port" in line and "sqlite:///" in line
+    for folder_store in (f"file://{tmp_path}/mlruns", str(tmp_path / "mlruns"), "mlruns"):
+        line = refusal(folder_store)
+        assert "folder store" in line and "MLFLOW_ALLOW_FILE_STORE=true" in line
+        assert "use sqlite:///<writable folder>/mlflow.db" in line
+    (tmp_path / "regular").write_text("not a folder")
+    uri = f"sqlite:///{tmp_path}/regular/m.db"
+    line = refusal(uri)
+    assert f"{tmp_path / 'regular'} is a file, not a folder" in line
+    (tmp_path / "adir.db").mkdir()
+    assert f"{tmp_path / 'adir.db'} is a folder" in refusal(f"sqlite:///{tmp_path}/adir.db")
+    assert "names no database file" in refusal("sqlite://")
+
+
+def test_a_database_without_its_driver_is_one_line():
+    import importlib.util
+
+    if importlib.util.find_spec("psycopg") is not None:
+        pytest.skip("psycopg is installed here")
+    line = refusal("postgresql://user@localhost/mlflow")
+    assert "needs the database driver 'psycopg'" in line
+
+
+def test_the_stores_mlflow_opens_pass_and_a_checked_sqlite_path_opens(tmp_path, monkeypatch):
+    from titanlab.metrics.mlflow_sink import MlflowSink
+
+    check_mlflow(True, "")
+    check_mlflow(True, "databricks")
+    uri = f"sqlite:///{tmp_path}/new/folders/m.db"  # created by MLflow
+    check_mlflow(True, uri)
+    s = MlflowSink(dump_folder=str(tmp_path / "dump"), tracking_uri=uri, experiment="e",
+                   run_name="r", config={}, start_step=0)  # fmt: skip
+    s.close()
+    assert (tmp_path / "new" / "folders" / "m.db").is_file()
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow's own opt-out
+    check_mlflow(True, f"file://{tmp_path}/mlruns")
+    (tmp_path / "f").write_text("x")
+    assert "is a file, not a folder" in refusal(f"file://{tmp_path}/f/mlruns")

@@ -51,3 +51,22 @@ def test_nothing_fits_is_one_line():
     with pytest.raises(ConfigError, match="no layout of 8 h100 devices holds") as e:
         planner.plan(config, args, tiny)
     assert "\n" not in str(e.value)
+
+
+def test_a_global_batch_of_minus_1_is_the_trainers_on_the_configs_own_layout():
+    """-1 is local_batch_size × dp of the layout the config launches as (`batch_layout`): the
+    ranks tp and pp leave to dp_shard = -1; a set global batch is kept."""
+    config = build_config(DEBUG)
+    assert planner.global_batch_of(config, 64) == (16, "")
+    minus_1 = ["--job.config_file", "train_configs/debug_model.toml"]  # local 16, dp_shard -1
+    config = build_config([*minus_1, "--parallelism.tensor_parallel_degree", "2",
+                           "--parallelism.pipeline_parallel_degree", "2"])  # fmt: skip
+    batch, how = planner.global_batch_of(config, 16)
+    assert batch == 16 * 4
+    assert how == (" (global_batch_size -1: local_batch_size 16 × dp 4, the config's own "
+                   "layout on 16 devices)")  # fmt: skip
+    with pytest.raises(ConfigError) as e:
+        planner.global_batch_of(config, 6)  # tp 2 × pp 2 does not divide 6
+    line = str(e.value)
+    assert "\n" not in line and line.startswith("training.global_batch_size=-1 means")
+    assert "does not fit 6 devices" in line and "set --training.global_batch_size" in line

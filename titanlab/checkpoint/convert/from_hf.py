@@ -22,6 +22,7 @@ from titanlab.checkpoint.streaming import (
     read_safetensors_tensor,
 )
 from titanlab.models.common.hf_adapter import HFStateDictAdapter
+from titanlab.models.common.hf_mtp import MTPNames
 from titanlab.models.registry import (
     ModelFamily,
     family_of_hf_config,
@@ -48,6 +49,17 @@ def _hf_files(hf_dir: str) -> list[str]:
             "(.bin / .pth files are not read; download the safetensors files)"
         )
     return files
+
+
+def _holds_mtp(hf_dir: str, files: list[str], depths: MTPNames) -> bool:
+    """Whether any of `files` (headers only) holds a tensor of the MTP depths' layers."""
+    for file in files:
+        path = os.path.join(hf_dir, file)
+        if os.path.isfile(path):  # a missing shard is named by the import itself
+            with safe_open(path, framework="pt") as f:
+                if any(depths.depth_of_hf(k) is not None for k in f.keys()):
+                    return True
+    return False
 
 
 def _args_from_hf(cfg: dict, flavor: str | None, model_args: Any) -> tuple[ModelFamily, Any]:
@@ -82,6 +94,7 @@ def hf_to_dcp(
     dtype: torch.dtype | None = None,
     overwrite: bool = False,
     progress: bool = True,
+    mtp: bool = True,
 ) -> Any:
     """Convert a Hugging Face folder of a registered architecture into a model-only titanlab
     DCP checkpoint.
@@ -101,6 +114,12 @@ def hf_to_dcp(
             any float dtype into its fp32 parameters.
         overwrite: remove a non-empty `dcp_dir` first.
         progress: show a progress bar over bytes on stderr.
+        mtp: import the multi-token prediction depths config.json declares (DeepSeek-V3's
+            `num_nextn_predict_layers`, layers num_hidden_layers.. in the files). False: skip
+            their tensors and import without them (mtp_layers 0). A folder holding none of
+            their tensors (as transformers' `save_pretrained` writes it: its
+            DeepseekV3ForCausalLM has no MTP depths) imports without them either way, with one
+            warning.
     Returns:
         The resolved model args (vocab size from the config).
     Raises:
@@ -114,6 +133,23 @@ def hf_to_dcp(
     with open(cfg_path, encoding="utf-8") as f:
         cfg = json.load(f)
     family, args = _args_from_hf(cfg, flavor, model_args)
+    files = _hf_files(hf_dir)
+    declared = getattr(args, "mtp_layers", 0)
+    depths = MTPNames(args.n_layers, declared)  # the layers of the declared MTP depths
+    if declared and (not mtp or not _holds_mtp(hf_dir, files, depths)):
+        if mtp:
+            logger.warning(
+                "%s: config.json declares %d multi-token prediction depth(s) "
+                "(num_nextn_predict_layers) but the folder holds no tensor of layers %d..%d; "
+                "importing without them (mtp_layers 0), as transformers' DeepseekV3ForCausalLM "
+                "loads it",
+                hf_dir,
+                declared,
+                args.n_layers,
+                args.n_layers + declared - 1,
+            )
+        args = dataclasses.replace(args, mtp_layers=0)
+    skip_mtp = declared > 0 and args.mtp_layers == 0
     name = matching_flavor(family, args) or f"{HF_FLAVOR} ({family.name}, custom shape)"
     adapter = HFStateDictAdapter(args)
     expected = expected_shapes(family, args)
@@ -121,7 +157,7 @@ def hf_to_dcp(
     where: dict[str, tuple[str, str]] = {}  # titanlab name -> (file, HF name)
     experts: dict[str, dict[int, tuple[str, str]]] = {}  # stacked name -> expert -> same
     stored: dict[str, tuple[list[int], torch.dtype]] = {}
-    for file in _hf_files(hf_dir):
+    for file in files:
         path = os.path.join(hf_dir, file)
         if not os.path.isfile(path):
             raise ConversionError(f"Hugging Face folder {hf_dir!r} lacks shard {file}")
@@ -129,6 +165,8 @@ def hf_to_dcp(
             for hf_name in f.keys():
                 if hf_name.endswith("rotary_emb.inv_freq"):
                     continue  # a buffer some old exports contain
+                if skip_mtp and depths.depth_of_hf(hf_name) is not None:
+                    continue  # an MTP depth imported without (mtp=False)
                 if adapter.args.tie_word_embeddings and hf_name == "lm_head.weight":
                     continue  # tied: the embedding is the output projection
                 try:
@@ -168,6 +206,14 @@ def hf_to_dcp(
             continue  # the MoE expert bias: not in HF files, starts at zero
         for hf_name, expert in adapter.hf_parts(ours, expected[ours]):
             if (ours not in where) if expert is None else (expert not in experts.get(ours, {})):
+                depth = depths.depth_of_hf(hf_name) if declared else None
+                if depth is not None:
+                    raise ConversionError(
+                        f"Hugging Face folder {hf_dir!r} lacks tensor {hf_name} of "
+                        f"multi-token prediction depth {depth[0]} (layer num_hidden_layers + "
+                        f"{depth[0]}; config.json declares {declared} depth(s)); import without "
+                        "the depths with convert_checkpoint from-hf --no-mtp (hf_to_dcp(mtp=False))"
+                    )
                 raise ConversionError(
                     f"Hugging Face folder {hf_dir!r} lacks tensor {hf_name} of flavor {name!r}"
                 )

@@ -3,8 +3,17 @@ file, in a reproducible per-rank order whose position is checkpointed like the d
 
 JSONL: one `{"prompt": str, "chosen": str, "rejected": str}` per line. The prompt is rendered
 as a user turn with the tokenizer's chat template (`titanlab.data.chat.render_chat_prompt`);
-each completion is its text's tokens followed by the template's end of turn. Line i is held out
-for evaluation when i % 16 == 0 (never drawn for training).
+each completion is its text's tokens followed by one end token (`completion_end`):
+- a Llama 3 format tokenizer: `<|eot_id|>`, the template's end of turn. That is the last token
+  titanlab's chat SFT trains in every assistant turn (`titanlab.data.prepare_chat`; the EOS it
+  appends after the conversation is a sample separator, never a target), so DPO after titanlab
+  SFT ends an answer the way the SFT model learned to.
+- a tokenizer.json: the tokenizer's EOS (`eos_token` of tokenizer_config.json), as TRL's
+  DPOTrainer appends to each completion, even where the template ends a turn with another
+  token (Qwen3-Base: EOS `<|endoftext|>`, end of turn `<|im_end|>`). titanlab's chat SFT takes
+  no tokenizer.json, so a model DPO'd here came from elsewhere, and TRL is what its results are
+  compared with. Generation stops at either (`ChatPrompt.stop_ids`).
+Line i is held out for evaluation when i % 16 == 0 (never drawn for training).
 """
 
 from __future__ import annotations
@@ -15,12 +24,19 @@ from typing import Any
 from titanlab.config.errors import ConfigError
 from titanlab.data.chat import render_chat_prompt
 from titanlab.data.digit_tasks import HELD_OUT_EVERY, DigitTask
+from titanlab.data.tokenizer import AnyTokenizer, Tokenizer
 from titanlab.posttrain.rl.prompts import check_reference, jsonl_rows
 
 Pair = tuple[list[int], list[int], list[int]]
 
 
-def read_pairs(path: str, tokenizer: Any) -> list[Pair]:
+def completion_end(tokenizer: AnyTokenizer) -> int:
+    """The id that ends every DPO completion: `<|eot_id|>` for a Llama 3 format tokenizer, the
+    tokenizer's EOS for a tokenizer.json (the module docstring says why)."""
+    return tokenizer.eot_id if isinstance(tokenizer, Tokenizer) else tokenizer.eos_id
+
+
+def read_pairs(path: str, tokenizer: AnyTokenizer) -> list[Pair]:
     """Every pair of the JSONL file at `path`, tokenized. Raises ConfigError (one line naming
     the line) for a missing file, bad JSON, a missing or non-string field, or an empty
     completion."""
@@ -30,7 +46,7 @@ def read_pairs(path: str, tokenizer: Any) -> list[Pair]:
             if not row[key].strip():
                 raise ConfigError(f'{where}: "{key}" is empty; a preference needs two completions')
         prompt = render_chat_prompt(tokenizer, [{"role": "user", "content": row["prompt"]}])
-        end = prompt.stop_ids[:1]
+        end = [completion_end(tokenizer)]
         completion = [tokenizer.encode(row[k], bos=False, eos=False) + end
                       for k in ("chosen", "rejected")]  # fmt: skip
         pairs.append((prompt.ids, completion[0], completion[1]))

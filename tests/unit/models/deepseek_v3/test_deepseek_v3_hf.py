@@ -143,3 +143,57 @@ def test_a_bf16_export_keeps_the_router_gate_and_bias_fp32(tmp_path):
         assert v.dtype == (torch.float32 if k in router else torch.bfloat16), k
         if k in router:
             assert torch.equal(v, original[k])
+
+
+def transformers_default_mtp(**change):
+    """`ds_config` with transformers' own MTP setting: DeepseekV3Config declares one
+    multi-token prediction depth (`num_nextn_predict_layers=1`) unless told otherwise, while its
+    DeepseekV3ForCausalLM has no MTP modules, so `save_pretrained` writes no MTP tensors."""
+    fields = ds_config(**change).to_dict()
+    fields = {
+        k: v for k, v in fields.items() if k not in ("num_mtp_layers", "num_nextn_predict_layers")
+    }
+    config = transformers.DeepseekV3Config(**fields)
+    assert config.num_nextn_predict_layers == 1
+    return config
+
+
+def test_a_folder_saved_by_transformers_imports_without_the_mtp_depths_it_lacks(tmp_path, caplog):
+    """Before, this folder was refused: "lacks tensor model.layers.3.enorm.weight"."""
+    import logging
+
+    with caplog.at_level(logging.WARNING, logger="titanlab.checkpoint.convert.from_hf"):
+        import_and_check(random_ds_model(transformers_default_mtp()), tmp_path)  # its logits
+    stored = read_model_args(str(tmp_path / "dcp"))
+    assert stored is not None and stored[2].mtp_layers == 0
+    said = [r.getMessage() for r in caplog.records if "multi-token prediction" in r.getMessage()]
+    assert len(said) == 1 and "\n" not in said[0], said
+    assert "declares 1 multi-token prediction depth(s)" in said[0]
+    assert "holds no tensor of layers 3..3" in said[0] and "mtp_layers 0" in said[0]
+
+
+def test_a_folder_with_part_of_an_mtp_depth_is_one_line_and_imports_with_no_mtp(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    hf = tmp_path / "hf"
+    random_ds_model(transformers_default_mtp()).save_pretrained(str(hf))
+    (shard,) = hf.glob("*.safetensors")
+    tensors = load_file(str(shard))
+    tensors["model.layers.3.enorm.weight"] = torch.ones(64)  # one tensor of MTP depth 0
+    save_file(tensors, str(shard), metadata={"format": "pt"})
+    with pytest.raises(ValueError) as e:
+        hf_to_dcp(str(hf), str(tmp_path / "dcp"), progress=False)
+    line = str(e.value)
+    assert "\n" not in line and "lacks tensor model.layers.3." in line, line
+    assert "multi-token prediction depth 0 (layer num_hidden_layers + 0" in line
+    assert "from-hf --no-mtp" in line
+    assert not (tmp_path / "dcp").exists()
+
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(
+        os.path.dirname(os.path.abspath(__file__)))))))  # fmt: skip
+    from tools import convert_checkpoint
+
+    dcp = str(tmp_path / "dcp")
+    assert convert_checkpoint.main(["from-hf", str(hf), dcp, "--no-mtp", "--quiet"]) == 0
+    stored = read_model_args(dcp)
+    assert stored is not None and stored[2].mtp_layers == 0

@@ -90,3 +90,34 @@ def test_a_bad_pair_is_one_line_naming_its_line(tmp_path, row, says):
     with pytest.raises(ConfigError) as e:
         read_pairs(path, load_tokenizer(default_tokenizer_path()))
     assert "line 6" in str(e.value) and says in str(e.value) and "\n" not in str(e.value)
+
+
+def test_jsonl_completions_of_a_qwen3_base_tokenizer_end_with_its_eos(tmp_path):
+    """A Qwen3-Base-style tokenizer.json (EOS <|endoftext|>, ChatML template ending each turn
+    with <|im_end|>): each completion is its text then the tokenizer's EOS, as TRL's DPOTrainer
+    appends, and holds no <|im_end|>."""
+    pytest.importorskip("jinja2")
+    from tokenizers import AddedToken, Tokenizer as HF, models, pre_tokenizers
+
+    vocab = {c: i for i, c in enumerate("abcdefghijklmnopqrstuvwxyz0123456789 ?+\n")}  # 40
+    hf = HF(models.BPE(vocab, []))
+    hf.pre_tokenizer = pre_tokenizers.Split(" ", behavior="isolated")
+    specials = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")  # ids 40, 41, 42
+    hf.add_special_tokens([AddedToken(t, special=True) for t in specials])
+    hf.save(str(tmp_path / "tokenizer.json"))
+    template = (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
+        {"eos_token": "<|endoftext|>", "pad_token": "<|endoftext|>", "bos_token": None,
+         "chat_template": template}))  # fmt: skip
+    tok = load_tokenizer(str(tmp_path))
+    assert (tok.eos_id, tok.token_id("<|im_start|>"), tok.token_id("<|im_end|>")) == (40, 41, 42)
+    rows = [{"prompt": f"what is {i} + {i}?", "chosen": str(2 * i), "rejected": str(2 * i + 1)}
+            for i in range(20)]  # fmt: skip
+    prompt, chosen, rejected = read_pairs(write_jsonl(tmp_path / "p.jsonl", rows), tok)[3]
+    generation_prompt = [41, *tok.encode("assistant\n", bos=False, eos=False)]
+    assert prompt[-len(generation_prompt) :] == generation_prompt
+    assert chosen == [vocab["6"], 40]  # "6" <|endoftext|>
+    assert rejected == [vocab["7"], 40]  # "7" <|endoftext|>

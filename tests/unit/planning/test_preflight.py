@@ -1,0 +1,53 @@
+"""The pre-flight's order: a reason no degree can fix comes before the degree checks.
+
+DeepSeek-V3 (routed experts, multi-head latent attention) and Qwen3-MoE (per-head q/k norms,
+routed experts) do not run under 2D, 2.5D or 3D tensor parallel yet. Before, a 2D layout got
+"raise expert_parallel_degree to a multiple of tp" at ep 1 and "set it back to 1" at ep 4, and
+the deciding reason was never named; now every ep gets the same line naming it.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from titanlab.config.job_config import ConfigError
+from titanlab.config.manager import build_config
+from titanlab.planning import preflight
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+
+@pytest.mark.parametrize(
+    ("config_file", "parts"),
+    [
+        ("deepseek_v3_debug.toml", "deepseek_v3 (routed experts, multi-head latent attention)"),
+        ("qwen3_moe_debug.toml", "qwen3_moe (per-head q/k norms, routed experts)"),
+    ],
+)
+@pytest.mark.parametrize(
+    ("world", "mode", "depth", "eps"),
+    [(4, "2d", 1, (1, 2, 4)), (8, "2.5d", 2, (1, 8)), (8, "3d", 1, (1, 2, 8))],
+)
+def test_2d_tensor_parallel_names_the_model_at_every_expert_parallel_degree(
+    config_file, parts, world, mode, depth, eps, tmp_path
+):
+    for ep in eps:
+        config = build_config([
+            "--job.config_file", os.path.join(REPO, "train_configs", config_file),
+            "--job.dump_folder", str(tmp_path / "out"),
+            "--parallelism.data_parallel_shard_degree", "1",
+            "--parallelism.tensor_parallel_degree", str(world),
+            "--parallelism.tensor_parallel_mode", mode,
+            "--parallelism.tensor_parallel_depth", str(depth),
+            "--parallelism.expert_parallel_degree", str(ep),
+        ])  # fmt: skip
+        with pytest.raises(ConfigError) as e:
+            preflight.check(config, world, world)
+        line = str(e.value)
+        assert line == (
+            f"parallelism.tensor_parallel_mode={mode} with model.name={parts} is not supported "
+            "yet (2D, 2.5D and 3D tensor parallel cover dense training with the plain loss); "
+            "use tensor_parallel_mode=1d"
+        ), (ep, line)
