@@ -18,7 +18,7 @@ TESTS ?= tests
 UNIT_WORKERS ?= 2
 INTEGRATION_WORKERS ?= 2
 
-.PHONY: train test setup clean check lint format benchmark test-parity-full gpu-check llama-cpp peer-wheels
+.PHONY: train test setup clean check lint format benchmark test-parity-full gpu-check llama-cpp peer-wheels dry-run-flavors
 
 setup: $(VENV)/.installed
 
@@ -73,6 +73,11 @@ format: setup
 # The CPU quick benchmark matrix (tools/benchmark.py), written to docs/performance.md.
 benchmark: setup
 	OMP_NUM_THREADS=1 $(PY) tools/benchmark.py --matrix quick
+
+# The layout planner's pick for every published flavor at its real world size, each dry-run on
+# fake process groups (docs/dry_run.md; CI dry-runs the recorded picks). ~10 min on 2 cores.
+dry-run-flavors: setup
+	OMP_NUM_THREADS=1 $(PY) tools/dry_run_flavors.py
 
 # Every valid layout of 1, 2, 4, 8 ranks against 1 process (the table goes to
 # docs/parallelism.md), then every MoE balancing × layout case (expert parallel included) and

@@ -67,17 +67,21 @@ def init_distributed(init_timeout_s: int) -> tuple[torch.device, int, int]:
     return device, dist.get_rank(), dist.get_world_size()
 
 
-def init_fake_world(world_size: int) -> tuple[torch.device, int, int]:
-    """A dry run's default process group: PyTorch's "fake" backend (every collective returns at
-    once and moves no data) as rank 0 of `world_size`, in this one process. The meshes,
-    FSDP/TP/EP/PP and DCP planning built over it take their real shapes; tensors stay on the
-    meta device, so nothing of the model is allocated.
+def init_fake_world(world_size: int, device: str = "meta") -> tuple[torch.device, int, int]:
+    """The default process group of a world simulated in this one process: PyTorch's "fake"
+    backend (a collective returns at once and moves no data) as rank 0 of `world_size`. A dry
+    run (`device` "meta") builds its meshes, FSDP/TP/EP/PP and DCP plans over it at their real
+    shapes and allocates nothing; under local tensors (`device` "cpu") every rank's shard is
+    real and the collectives are computed by `torch.distributed._local_tensor`.
 
     Returns:
-        (torch.device("meta"), 0, world_size).
+        (torch.device(device), 0, world_size).
     """
+    # importing torch's fake process group registers the "fake" backend (torchtitan does too)
+    import torch.testing._internal.distributed.fake_pg
+
     dist.init_process_group(backend="fake", store=dist.HashStore(), rank=0, world_size=world_size)
-    return torch.device("meta"), 0, world_size
+    return torch.device(device), 0, world_size
 
 
 def _attempt_store(rank: int, world_size: int, timeout: timedelta) -> dist.Store:

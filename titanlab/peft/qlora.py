@@ -117,17 +117,17 @@ def quantize_base(
             )
         m = _LAYER.match(name)
         groups.setdefault(m.group(1) if m else name, []).append(name)
-    meta = torch.device(device).type == "meta"  # a dry run: shapes only, nothing read
+    dry = torch.device(device).type == "meta"  # a dry run: shapes only, nothing read
     for names in groups.values():
         full = {
             name: torch.empty(
                 tuple(stored[f"model.{name}.weight"].size),  # type: ignore[union-attr]
                 dtype=stored[f"model.{name}.weight"].properties.dtype,  # type: ignore[union-attr]
-                device="meta" if meta else "cpu",
+                device="meta" if dry else "cpu",
             )
             for name in names
         }
-        if not meta:
+        if not dry:
             dcp.load({"model": {f"{n}.weight": t for n, t in full.items()}}, checkpoint_id=path)
         for name, weight in full.items():
             nf4 = to_nf4(weight.to(device), NF4_BLOCK, NF4_SCALER_BLOCK)

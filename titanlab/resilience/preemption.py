@@ -35,7 +35,16 @@ class PreemptionHandler:
         self._previous = {s: signal.signal(s, self._on_signal) for s in self.SIGNALS}
         # A collective: every rank constructs the handler at the same point.
         self._group = None
-        if dist.is_initialized() and dist.get_world_size() > 1 and dist.get_backend() != "gloo":
+        # (a simulated world's "fake" group has no peers to wait for: comm.mode local_tensor)
+        if (
+            dist.is_initialized()
+            and dist.get_world_size() > 1
+            and dist.get_backend()
+            not in (
+                "gloo",
+                "fake",
+            )
+        ):
             self._group = dist.new_group(backend="gloo")
 
     def _on_signal(self, signum, frame) -> None:

@@ -39,10 +39,12 @@ def target(config: JobConfig) -> Cluster | None:
 
 
 def world_size(config: JobConfig) -> int:
-    """Ranks of the run: a dry run's `$NGPU` when set, else its `comm.fake_world_size`; a real
-    run's `$WORLD_SIZE` (torchrun's, 1 without it). Raises ConfigError when a dry run has
-    neither, or NGPU is not a whole number >= 1."""
-    if config.comm.mode != "fake_backend":
+    """Ranks of the run: a simulated world's (comm.mode "fake_backend" or "local_tensor")
+    `$NGPU` when set, else its `comm.fake_world_size`; a real run's `$WORLD_SIZE` (torchrun's, 1
+    without it). Raises ConfigError when a simulated world has neither, or NGPU is not a whole
+    number >= 1."""
+    mode = config.comm.mode
+    if mode == "default":
         return int(os.environ.get("WORLD_SIZE", "1"))
     ngpu = os.environ.get("NGPU")
     if ngpu is not None:
@@ -52,7 +54,7 @@ def world_size(config: JobConfig) -> int:
     if config.comm.fake_world_size >= 1:
         return config.comm.fake_world_size
     raise ConfigError(
-        "comm.mode=fake_backend needs the world size to simulate: set NGPU=<ranks> or "
+        f"comm.mode={mode} needs the world size to simulate: set NGPU=<ranks> or "
         "--comm.fake_world_size <ranks>"
     )
 
@@ -101,6 +103,11 @@ def rank_bytes(trainer: Any) -> RankBytes:
     state: dict[str, Any] = {}
     flat = StateDictOptions(flatten_optimizer_state_dict=True)
     for part, opt in zip(trainer.model_parts, trainer.optimizer.optimizers):
+        # The state built one tensor at a time (the same state as the foreach step's): DTensor
+        # propagates a foreach op's sharding over all its tensors at once, minutes for the
+        # thousands of a 235B MoE; per tensor its cache answers (2 s).
+        for group in opt.param_groups:
+            group["foreach"] = group["fused"] = False
         state.update({f"model.{k}": v for k, v in get_model_state_dict(part).items()})
         # builds the optimizer state as a checkpoint save does (a step with zero gradients)
         optim = get_optimizer_state_dict(part, opt, options=flat)

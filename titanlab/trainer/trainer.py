@@ -67,6 +67,7 @@ class Trainer(TrainLoop):
         # A dry run (comm.mode "fake_backend"): one process plays rank 0 of the whole world on
         # fake process groups, the model on the meta device, planned for comm.dry_run_device.
         self.dry_run = dry_run.target(config)
+        self.float8 = dry_run.float8(config, self.dry_run)  # the target's float8, checked first
         world_size = dry_run.world_size(config)
         # Everything that can be checked without a process group is checked first.
         plan = preflight.check(config, world_size, local_world_size(), self.dry_run)
@@ -75,6 +76,8 @@ class Trainer(TrainLoop):
         self.memory = plan.memory
         if self.dry_run is not None:
             self.device, self.rank, _ = init_fake_world(world_size)
+        elif config.comm.mode == "local_tensor":  # every rank in this process (local_tensor.py)
+            self.device, self.rank, _ = init_fake_world(world_size, "cpu")
         else:
             self.device, self.rank, _ = init_distributed(config.comm.init_timeout_seconds)
         if self.device.type == "cpu" and config.training.fixed_malloc_thresholds:
@@ -117,11 +120,11 @@ class Trainer(TrainLoop):
     def _log_start(self, world_size: int) -> None:
         if self.rank != 0:
             logging.getLogger().setLevel(logging.WARNING)
-        dry = self.dry_run is not None
+        target = self.dry_run
         if self.rank == 0:  # a dry run writes nothing
-            full = "not written in a dry run" if dry else write_config_toml(self.config)
+            full = "not written in a dry run" if target else write_config_toml(self.config)
             logger.info("%s", compact_config(self.config, full))
-        per_node = min(world_size, self.dry_run.devices_per_node) if dry else local_world_size()
+        per_node = min(world_size, target.devices_per_node) if target else local_world_size()
         logger.info(
             "distributed: world size %d = %d node(s) × %d rank(s), backend %s, rank 0 on %s, "
             "restart %s",
@@ -185,7 +188,7 @@ class Trainer(TrainLoop):
             flops_per_token,
             dims,
         )
-        apply_float8(model, dry_run.float8(config, self.dry_run), self.device, dims.fsdp_enabled)
+        apply_float8(model, self.float8, self.device, dims.fsdp_enabled)
         return model, flops_per_token
 
     def _parallelize(self, model: Decoder):
