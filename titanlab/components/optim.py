@@ -1,4 +1,5 @@
-"""AdamW and the learning-rate schedule (warmup, then optional stable phase, then decay)."""
+"""AdamW (or Muon with AdamW) and the learning-rate schedule (warmup, then optional stable
+phase, then decay)."""
 
 from __future__ import annotations
 
@@ -13,14 +14,18 @@ from titanlab.config.job_config import LRScheduler, Optimizer
 
 
 def build_optimizer(
-    params: list[torch.nn.Parameter], cfg: Optimizer, device: torch.device, allow_fused: bool = True
+    model: torch.nn.Module, cfg: Optimizer, device: torch.device, allow_fused: bool = True
 ) -> torch.optim.Optimizer:
-    """AdamW (Loshchilov & Hutter 2019) with the implementation asked for.
+    """AdamW (Loshchilov & Hutter 2019) over `model`'s trained parameters with the
+    implementation asked for, or with `cfg.name` "Muon" Muon for the blocks' matrices and that
+    AdamW for the rest (`titanlab.components.muon`).
 
     `fused` uses the fused kernel (CUDA and CPU in recent PyTorch) unless `allow_fused` is False
     (torch 2.13's fused AdamW mis-broadcasts GradScaler's overflow flag, so float16 training
     uses `foreach`); `foreach` the multi-tensor path; `for-loop` the reference loop.
     """
+    from titanlab.components.muon import MuonAdamW, param_groups
+
     impl = cfg.implementation
     fused: bool | None = None  # None: AdamW's own default
     foreach: bool | None = None
@@ -31,8 +36,10 @@ def build_optimizer(
         foreach = True
     else:
         foreach = False
+    if cfg.name == "Muon":
+        return MuonAdamW(param_groups(model, cfg), cfg, foreach=foreach, fused=fused)
     return torch.optim.AdamW(
-        params,
+        [q for q in model.parameters() if q.requires_grad],
         lr=cfg.lr,
         betas=(cfg.beta1, cfg.beta2),
         eps=cfg.eps,
@@ -94,7 +101,7 @@ def build_lr_scheduler(
 
 
 class OptimizersContainer:
-    """One AdamW per model part (pipeline stage), driven as one optimizer.
+    """One optimizer per model part (pipeline stage), driven as one optimizer.
 
     Per-part optimizers keep each stage's optimizer state addressable by that stage's parameter
     names, which is what lets DCP save and reshard it (`get_optimizer_state_dict(part, opt)`).
@@ -108,12 +115,7 @@ class OptimizersContainer:
         allow_fused: bool = True,
     ):
         self.model_parts = model_parts
-        self.optimizers = [
-            build_optimizer(
-                [q for q in p.parameters() if q.requires_grad], cfg, device, allow_fused
-            )
-            for p in model_parts
-        ]
+        self.optimizers = [build_optimizer(p, cfg, device, allow_fused) for p in model_parts]
 
     def step(self) -> None:
         for opt in self.optimizers:

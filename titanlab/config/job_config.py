@@ -223,8 +223,10 @@ class Training:
 
 @dataclass
 class Optimizer:
-    name: Literal["AdamW"] = "AdamW"
-    """Optimizer. AdamW with decoupled weight decay (Loshchilov & Hutter, 2019)."""
+    name: Literal["AdamW", "Muon"] = "AdamW"
+    """Optimizer. AdamW with decoupled weight decay (Loshchilov & Hutter, 2019), or Muon
+    (Jordan et al. 2024, as Moonlight scales it: arXiv:2502.16982) for the blocks' matrices and
+    expert stacks with AdamW for the rest (embeddings, head, norms, router, MTP depths)."""
 
     lr: float = 8e-4
     """Peak learning rate, reached at the end of warmup."""
@@ -244,7 +246,40 @@ class Optimizer:
     implementation: Literal["fused", "foreach", "for-loop"] = "fused"
     """Kernel choice for the update; `fused` falls back to `foreach` where the device lacks it."""
 
+    muon_lr: float = -1.0
+    """Muon's peak learning rate (its update scaled by 0.2·√max(rows, cols) to AdamW's RMS, so
+    AdamW's lr carries over); -1: `optimizer.lr`."""
+
+    muon_weight_decay: float = -1.0
+    """Muon's decoupled weight decay; -1: `optimizer.weight_decay`."""
+
+    muon_momentum: float = 0.95
+    """Muon's momentum μ, in [0, 1)."""
+
+    muon_nesterov: bool = True
+    """Nesterov momentum for Muon's update."""
+
+    muon_ns_steps: int = 5
+    """Newton–Schulz iterations orthogonalizing each update (torch.optim.Muon's 5)."""
+
     def validate(self) -> None:
+        _require(
+            0 <= self.muon_momentum < 1,
+            f"optimizer.muon_momentum={self.muon_momentum} must be in [0, 1)",
+        )
+        _require(
+            1 <= self.muon_ns_steps < 100,
+            f"optimizer.muon_ns_steps={self.muon_ns_steps} must be in 1..99",
+        )
+        _require(
+            self.muon_lr == -1 or self.muon_lr > 0,
+            f"optimizer.muon_lr={self.muon_lr} must be > 0 (or -1: optimizer.lr)",
+        )
+        _require(
+            self.muon_weight_decay == -1 or self.muon_weight_decay >= 0,
+            f"optimizer.muon_weight_decay={self.muon_weight_decay} must be >= 0 (or -1: "
+            "optimizer.weight_decay)",
+        )
         _require(self.lr > 0, f"optimizer.lr={self.lr} must be > 0")
         _require(0 <= self.beta1 < 1, f"optimizer.beta1={self.beta1} must be in [0, 1)")
         _require(0 <= self.beta2 < 1, f"optimizer.beta2={self.beta2} must be in [0, 1)")
@@ -344,6 +379,11 @@ class Comm:
     """The GPU a "fake_backend" dry run checks memory against: a built-in cluster profile
     (h100, h200, a100, b200; `titanlab.planning.cluster`) or a profile JSON file; its memory
     and compute dtype are used, not this machine's."""
+
+    dry_run_step: bool = False
+    """In a "fake_backend" dry run, also run one microbatch's forward and backward through the
+    trainer's own step code on fake tensors (shapes only; seconds for a debug model, about half
+    a minute for an 8B at seq_len 8192); not under pipeline parallel."""
 
     def validate(self) -> None:
         _require(

@@ -1,7 +1,8 @@
 """Pre-flight memory estimate: will this config fit on the devices it is about to run on?
 
 Per-rank bytes, predicted from the config and world size without allocating anything:
-- parameters (fp32 master weights), gradients (fp32) and AdamW state (two fp32 moments), each
+- parameters (fp32 master weights), gradients (fp32) and optimizer state (AdamW: two fp32
+  moments; Muon: one momentum buffer for the blocks' matrices, AdamW's two for the rest), each
   divided by the number of ranks that shard them (dp_shard × cp × tp × pp);
 - under FSDP, the gathered parameters of the two blocks in flight (current + prefetched) in
   the compute dtype; under expert parallel a rank gathers only its num_experts / ep experts
@@ -242,6 +243,13 @@ def estimate_memory(
     gathered_block = max(gathered(block) for block in cast(nn.ModuleDict, model.layers).values())
     resharded = reshard_policy(p.fsdp_reshard_after_forward, pp > 1, stage)
     sharded_by = dp_shard * cp * tp  # the ranks that split one pipeline stage's parameters
+    # AdamW keeps two fp32 moments per parameter; Muon one momentum buffer for its matrices
+    optimizer_bytes_per_param = 8.0
+    if config.optimizer.name == "Muon":
+        from titanlab.components.muon import takes_muon
+
+        muon = sum(p.numel() for n, p in model.named_parameters() if takes_muon(n, p))
+        optimizer_bytes_per_param = 8.0 - 4.0 * muon / n_params
     gathers = dp_shard * cp > 1 or replicas > 1
 
     def grad_bytes(params: int, local: int) -> int:
@@ -255,7 +263,7 @@ def estimate_memory(
         return MemoryEstimate(
             params=4 * params // sharded_by,
             grads=grad_bytes(params, local),
-            optimizer=8 * params // sharded_by,
+            optimizer=round(optimizer_bytes_per_param * params) // sharded_by,
             gathered_params=gathered_units * elem if gathers else 0,
             overhead=(2 if on_gpu else 1) * GIB // 2,
             # a recomputed block remakes its all-to-all buffers (an MoE block's: a2a_layer)

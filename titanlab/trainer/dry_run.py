@@ -130,12 +130,43 @@ def rank_bytes(trainer: Any) -> RankBytes:
     )
 
 
+def fake_step(trainer: Any) -> str:
+    """One microbatch's forward and backward through the trainer's own `_forward_backward`
+    (the loss, loss parallel, the fused head, MoE dispatch) on fake tensors: the model parts
+    are materialized under `FakeTensorMode` (shapes only, no memory) and fed zeros. Returns one
+    line: what ran, or why it did not (a pipeline schedule, or an op fake tensors cannot run,
+    such as a data-dependent all-to-all split); call it after `rank_bytes`."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from titanlab.components.loss import maybe_loss_parallel
+    from titanlab.distributed.parallelize import param_dtype
+    from titanlab.peft.qlora import to_empty_keeping_quantized
+
+    if trainer.schedule is not None:
+        return "forward/backward: not run (pipeline schedules step on real stages only)"
+    config = trainer.config
+    device = torch.device(trainer.dry_run.device_type)
+    trainer.init_step_state(param_dtype(config, device))
+    mb, seq = config.training.local_batch_size, config.training.seq_len
+    try:
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            for part in trainer.model_parts:
+                to_empty_keeping_quantized(part, "cpu")
+            tokens = torch.zeros(mb, seq, dtype=torch.long)
+            with maybe_loss_parallel(trainer.loss_parallel):
+                trainer._forward_backward(tokens, tokens.clone(), torch.ones(()), {})
+    except Exception as e:  # an op fake tensors cannot run: say which, do not fail the run
+        return f"forward/backward: not run on fake tensors ({type(e).__name__}: {str(e)[:160]})"
+    return f"forward/backward: ran on fake tensors (a microbatch of {mb} × {seq} tokens)"
+
+
 def report(trainer: Any) -> str:
     """The dry run's summary: the layout, rank 0's bytes, the save plan and the pre-flight's
     estimate (the peak rank's) against the target device's memory."""
     device = trainer.dry_run
     assert device is not None, "report() follows a Trainer built with comm.mode=fake_backend"
     held = rank_bytes(trainer)
+    step = fake_step(trainer) if trainer.config.comm.dry_run_step else ""
     est = trainer.memory
     dims = trainer.parallel_dims
     stages = ""
@@ -150,6 +181,7 @@ def report(trainer: Any) -> str:
         f"{held.save_bytes / GIB:.2f} GiB",
         f"memory estimate (peak rank): {est.total / GIB:.1f} GiB of "
         f"{device.memory_bytes / GIB:.1f} GiB ({est.summary()})",
+        *([step] if step else []),
         "dry run: ok, nothing trained or written",
     ]
     return "\n".join(lines)

@@ -28,7 +28,7 @@ def tiny_linear(seed=0):
 
 
 def make_optimizer(model, **overrides):
-    return build_optimizer(list(model.parameters()), Optimizer(**overrides), CPU)
+    return build_optimizer(model, Optimizer(**overrides), CPU)
 
 
 def train_steps(model, optimizer, scheduler=None, steps=3):

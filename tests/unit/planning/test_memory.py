@@ -242,3 +242,14 @@ def test_all_to_all_buffers_are_kept_only_by_blocks_that_keep_their_activations(
     assert by_ac["full"].a2a_buffers == 0
     assert by_ac["full"].recompute - by_ac["none"].last_block == 0  # both one block + its a2a
     assert by_ac["none"].last_block > layer
+
+
+def test_muon_keeps_one_momentum_buffer_for_the_blocks_matrices():
+    adamw = estimate_8b()
+    config = job()
+    config.optimizer.name = "Muon"
+    muon = estimate_memory(model_args("8B", 128256, 8192), config, 8, torch.bfloat16)
+    embeddings = 2 * 128256 * 4096  # tok_embeddings and output stay on AdamW, as do the norms
+    norms = 4096 * (2 * 32 + 1)
+    matrices = LLAMA3_8B_PARAMS - embeddings - norms
+    assert adamw.optimizer - muon.optimizer == pytest.approx(4 * matrices / 8, rel=1e-6)

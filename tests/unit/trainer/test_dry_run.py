@@ -193,3 +193,22 @@ def test_bad_dry_run_options_are_one_line(args, env, says):
     last = (out.stdout + out.stderr).strip().splitlines()[-1]
     assert last.startswith("titanlab: error:") and says in last
     assert "Traceback" not in out.stdout + out.stderr
+
+
+@pytest.mark.parametrize(
+    ("config", "args", "says"),
+    [
+        ("debug_model.toml", [], "forward/backward: ran on fake tensors (a microbatch of 16 × 128"),
+        ("debug_model.toml", ["--parallelism.tensor_parallel_degree", "2",
+                              "--comm.fake_world_size", "4"], "ran on fake tensors"),
+        ("qwen3_moe_debug.toml", [], "not run on fake tensors (DataDependentOutputException"),
+        ("debug_model.toml", ["--parallelism.pipeline_parallel_degree", "2",
+                              "--parallelism.pipeline_parallel_microbatch_size", "8"],
+         "not run (pipeline schedules step on real stages only)"),
+    ],
+)  # fmt: skip
+def test_a_dry_run_step_runs_forward_and_backward_on_fake_tensors_where_it_can(config, args, says):
+    path = os.path.join(REPO, "train_configs", config)
+    _, text, _ = built(["--job.config_file", path, "--comm.mode", "fake_backend",
+                        "--comm.dry_run_step", *args])  # fmt: skip
+    assert says in text and text.endswith("dry run: ok, nothing trained or written")

@@ -1,0 +1,183 @@
+"""Muon for the blocks' matrices, AdamW for everything else: `optimizer.name = "Muon"`.
+
+Muon (Jordan et al. 2024, https://kellerjordan.github.io/posts/muon/) as "Muon is Scalable for
+LLM Training" (Liu et al. 2025, arXiv:2502.16982, the Moonlight models) defines it: Nesterov
+momentum, the quintic Newton–Schulz iteration orthogonalizing each weight matrix's update
+(torch.optim.Muon's coefficients and 5 steps: `torch.optim._muon._zeropower_via_newtonschulz`,
+reused here), the update scaled by 0.2·√max(rows, cols) so that its RMS matches AdamW's and
+AdamW's learning rate and weight decay carry over (torch's `adjust_lr_fn="match_rms_adamw"`),
+and decoupled weight decay. One optimizer holds both kinds of parameter group, so that a model
+part has one optimizer whose state DCP saves and reshards by parameter name.
+
+- **Muon** takes the 2-D weights of the transformer blocks (`layers.*`) and the 3-D expert
+  stacks (E, rows, cols), one matrix per expert; not the MoE router.
+- **AdamW** takes the rest: embeddings, the output head, norms, biases, the router and the
+  multi-token prediction depths (`mtp.*`), with `optimizer.lr`, `beta1`, `beta2`, `eps` and
+  `weight_decay`; Muon's groups take `optimizer.muon_lr` / `muon_weight_decay` (default: the
+  same values).
+
+Under FSDP, HSDP, tensor parallel (1D), expert parallel and pipeline parallel a parameter is a
+DTensor: each rank gathers each whole update (`full_tensor`), orthogonalizes it and keeps its
+own shard (`distribute_tensor` without communication), so every layout computes what one
+process computes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.optim._muon import DEFAULT_A, DEFAULT_B, DEFAULT_C, EPS
+from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
+from torch.optim.adam import adam
+
+from titanlab.config.job_config import ConfigError, JobConfig, Optimizer
+
+NS_COEFFICIENTS = (DEFAULT_A, DEFAULT_B, DEFAULT_C)
+"""The quintic iteration's (a, b, c): torch.optim.Muon's (Jordan et al. 2024)."""
+
+
+def takes_muon(name: str, param: Tensor) -> bool:
+    """Whether Muon updates the parameter `name` (a model part's FQN): a block's matrix or
+    expert stack, not its router."""
+    return name.startswith("layers.") and param.ndim >= 2 and ".router." not in name
+
+
+def check_muon(config: JobConfig) -> None:
+    """What Muon does not take yet, refused before launch with one line (ConfigError)."""
+    if config.optimizer.name != "Muon":
+        return
+    p = config.parallelism
+    refused = {
+        "peft.method=lora (the adapters' A and B)": config.peft.method == "lora",
+        "float8.enable=true (float8 Linear weights)": config.float8.enable,
+        f"parallelism.tensor_parallel_mode={p.tensor_parallel_mode} (its weights are not "
+        "DTensors, so no rank holds a whole matrix)": p.tensor_parallel_mode != "1d",
+        "rl.algorithm": config.rl.algorithm != "none",
+    }
+    for what, on in refused.items():
+        if on:
+            raise ConfigError(
+                f"optimizer.name=Muon with {what} is not supported yet; use optimizer.name=AdamW"
+            )
+
+
+def param_groups(model: nn.Module, cfg: Optimizer) -> list[dict[str, Any]]:
+    """The Muon group and the AdamW group of `model`'s trained parameters (empty ones left
+    out)."""
+    muon: list[nn.Parameter] = []
+    rest: list[nn.Parameter] = []
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            (muon if takes_muon(name, p) else rest).append(p)
+    lr = cfg.muon_lr if cfg.muon_lr > 0 else cfg.lr
+    wd = cfg.muon_weight_decay if cfg.muon_weight_decay >= 0 else cfg.weight_decay
+    groups = [
+        {"params": muon, "muon": True, "lr": lr, "weight_decay": wd},
+        {"params": rest, "muon": False},
+    ]
+    return [g for g in groups if g["params"]]
+
+
+def orthogonalized(update: Tensor, ns_steps: int) -> Tensor:
+    """Newton–Schulz orthogonalization of a matrix (rows, cols) or of each matrix of a stack
+    (E, rows, cols), in bfloat16 as torch.optim.Muon computes it. A DTensor is gathered whole,
+    orthogonalized, and returned with its placements (each rank its own shard)."""
+    if isinstance(update, DTensor):
+        whole = orthogonalized(update.full_tensor(), ns_steps)
+        return distribute_tensor(whole, update.device_mesh, update.placements, src_data_rank=None)
+    if update.ndim == 2:
+        return _zeropower_via_newtonschulz(update, NS_COEFFICIENTS, ns_steps, EPS)
+    return torch.stack([orthogonalized(m, ns_steps) for m in update])
+
+
+class MuonAdamW(torch.optim.AdamW):
+    """AdamW whose groups marked `muon` are updated by Muon instead (module docstring).
+
+    A Muon group's state per parameter is its momentum buffer ("momentum_buffer", shaped like
+    the parameter: one buffer where AdamW keeps two); an AdamW group's is AdamW's own.
+    """
+
+    def __init__(self, groups: list[dict[str, Any]], cfg: Optimizer, **adamw: Any) -> None:
+        super().__init__(
+            groups,
+            lr=cfg.lr,
+            betas=(cfg.beta1, cfg.beta2),
+            eps=cfg.eps,
+            weight_decay=cfg.weight_decay,
+            **adamw,
+        )
+        for group in self.param_groups:
+            group.setdefault("momentum", cfg.muon_momentum)
+            group.setdefault("nesterov", cfg.muon_nesterov)
+            group.setdefault("ns_steps", cfg.muon_ns_steps)
+
+    @torch.no_grad()
+    def step(self, closure=None):  # type: ignore[override]
+        """One update of every group: Muon's (`_muon_step`), then AdamW's exactly as
+        `torch.optim.AdamW.step` does it."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            if group["muon"]:
+                self._muon_step(group)
+            else:
+                self._adamw_step(group)
+        return loss
+
+    def _muon_step(self, group: dict[str, Any]) -> None:
+        """torch.optim.Muon's update (`_single_tensor_muon`) on whole matrices: momentum
+        (Nesterov), orthogonalized, lr × 0.2·√max(rows, cols), decoupled weight decay."""
+        lr, wd, m = group["lr"], group["weight_decay"], group["momentum"]
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            state = self.state[p]
+            if "momentum_buffer" not in state:
+                state["momentum_buffer"] = torch.zeros_like(p.grad)
+            buf = state["momentum_buffer"]
+            buf.lerp_(p.grad, 1 - m)
+            update = p.grad.lerp(buf, m) if group["nesterov"] else buf
+            update = orthogonalized(update, group["ns_steps"])
+            adjusted = _adjust_lr(lr, "match_rms_adamw", p.shape[-2:])
+            p.mul_(1 - lr * wd)
+            p.add_(update, alpha=-adjusted)
+
+    def _adamw_step(self, group: dict[str, Any]) -> None:
+        params: list[Tensor] = []
+        grads: list[Tensor] = []
+        exp_avgs: list[Tensor] = []
+        exp_avg_sqs: list[Tensor] = []
+        max_exp_avg_sqs: list[Tensor] = []
+        steps: list[Tensor] = []
+        has_complex = self._init_group(
+            group, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps
+        )
+        beta1, beta2 = group["betas"]
+        adam(
+            params,
+            grads,
+            exp_avgs,
+            exp_avg_sqs,
+            max_exp_avg_sqs,
+            steps,
+            amsgrad=group["amsgrad"],
+            has_complex=has_complex,
+            beta1=beta1,
+            beta2=beta2,
+            lr=group["lr"],
+            weight_decay=group["weight_decay"],
+            eps=group["eps"],
+            maximize=group["maximize"],
+            foreach=group["foreach"],
+            capturable=group["capturable"],
+            differentiable=group["differentiable"],
+            fused=group["fused"],
+            grad_scale=getattr(self, "grad_scale", None),
+            found_inf=getattr(self, "found_inf", None),
+            decoupled_weight_decay=group["decoupled_weight_decay"],
+        )
