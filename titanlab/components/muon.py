@@ -81,23 +81,43 @@ def param_groups(model: nn.Module, cfg: Optimizer) -> list[dict[str, Any]]:
     return [g for g in groups if g["params"]]
 
 
-def orthogonalized(update: Tensor, ns_steps: int) -> Tensor:
+def newton_schulz_fp32(g: Tensor, ns_steps: int) -> Tensor:
+    """The quintic Newton–Schulz iteration of `torch.optim._muon._zeropower_via_newtonschulz`
+    (Jordan et al. 2024: X ← aX + (bA + cA²)X with A = XXᵀ, after scaling X to unit Frobenius
+    norm, on the wide orientation), in float32 instead of bfloat16: deterministic up to float32
+    rounding, so that layouts whose gradient sums round differently still agree within 1e-5
+    (bfloat16's 8-bit mantissa turns a 1e-7 difference of the input into a 4e-3 one)."""
+    a, b, c = NS_COEFFICIENTS
+    tall = g.size(0) > g.size(1)
+    x = (g.T if tall else g).float()
+    x = x / x.norm().clamp(min=EPS)
+    for _ in range(ns_steps):
+        gram = x @ x.T
+        x = a * x + (b * gram + c * gram @ gram) @ x
+    return x.T if tall else x
+
+
+def orthogonalized(update: Tensor, ns_steps: int, dtype: torch.dtype = torch.bfloat16) -> Tensor:
     """Newton–Schulz orthogonalization of a matrix (rows, cols) or of each matrix of a stack
-    (E, rows, cols), in bfloat16 as torch.optim.Muon computes it. A DTensor is gathered whole,
-    orthogonalized, and returned with its placements (each rank its own shard)."""
+    (E, rows, cols): in bfloat16 as torch.optim.Muon computes it (its own function), or in
+    float32 (`newton_schulz_fp32`). A DTensor is gathered whole, orthogonalized, and returned
+    with its placements (each rank its own shard)."""
     if isinstance(update, DTensor):
-        whole = orthogonalized(update.full_tensor(), ns_steps)
+        whole = orthogonalized(update.full_tensor(), ns_steps, dtype)
         return distribute_tensor(whole, update.device_mesh, update.placements, src_data_rank=None)
     if update.ndim == 2:
+        if dtype == torch.float32:
+            return newton_schulz_fp32(update, ns_steps)
         return _zeropower_via_newtonschulz(update, NS_COEFFICIENTS, ns_steps, EPS)
-    return torch.stack([orthogonalized(m, ns_steps) for m in update])
+    return torch.stack([orthogonalized(m, ns_steps, dtype) for m in update])
 
 
 class MuonAdamW(torch.optim.AdamW):
     """AdamW whose groups marked `muon` are updated by Muon instead (module docstring).
 
     A Muon group's state per parameter is its momentum buffer ("momentum_buffer", shaped like
-    the parameter: one buffer where AdamW keeps two); an AdamW group's is AdamW's own.
+    the parameter: one buffer where AdamW keeps two) and its step count ("step", a 0-dim
+    float32 tensor as AdamW's, which its state loading requires); an AdamW group's is AdamW's.
     """
 
     def __init__(self, groups: list[dict[str, Any]], cfg: Optimizer, **adamw: Any) -> None:
@@ -113,6 +133,7 @@ class MuonAdamW(torch.optim.AdamW):
             group.setdefault("momentum", cfg.muon_momentum)
             group.setdefault("nesterov", cfg.muon_nesterov)
             group.setdefault("ns_steps", cfg.muon_ns_steps)
+            group.setdefault("ns_dtype", cfg.muon_ns_dtype)
 
     @torch.no_grad()
     def step(self, closure=None):  # type: ignore[override]
@@ -139,10 +160,12 @@ class MuonAdamW(torch.optim.AdamW):
             state = self.state[p]
             if "momentum_buffer" not in state:
                 state["momentum_buffer"] = torch.zeros_like(p.grad)
+                state["step"] = torch.zeros((), dtype=torch.float32)
+            state["step"] += 1
             buf = state["momentum_buffer"]
             buf.lerp_(p.grad, 1 - m)
             update = p.grad.lerp(buf, m) if group["nesterov"] else buf
-            update = orthogonalized(update, group["ns_steps"])
+            update = orthogonalized(update, group["ns_steps"], getattr(torch, group["ns_dtype"]))
             adjusted = _adjust_lr(lr, "match_rms_adamw", p.shape[-2:])
             p.mul_(1 - lr * wd)
             p.add_(update, alpha=-adjusted)

@@ -262,6 +262,11 @@ class Optimizer:
     muon_ns_steps: int = 5
     """Newton–Schulz iterations orthogonalizing each update (torch.optim.Muon's 5)."""
 
+    muon_ns_dtype: Literal["bfloat16", "float32"] = "bfloat16"
+    """Precision of the Newton–Schulz iteration: bfloat16 as torch.optim.Muon and Moonlight
+    compute it (fast on GPUs), or float32, which layouts reproduce within 1e-5 of each other
+    (bfloat16 turns the last-bit differences of another reduction order into ~1e-3 ones)."""
+
     def validate(self) -> None:
         _require(
             0 <= self.muon_momentum < 1,

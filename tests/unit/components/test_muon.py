@@ -63,7 +63,7 @@ def test_one_process_equals_torch_muon_plus_adamw_within_1e_6():
         torch.testing.assert_close(a, b, rtol=0, atol=1e-6, msg=name)
     # one momentum buffer per matrix, AdamW's two moments for the rest
     state = opt.state[ours.layers["0"].attention.wq.weight]
-    assert set(state) == {"momentum_buffer"}
+    assert set(state) == {"momentum_buffer", "step"} and state["step"].item() == 3
     assert set(opt.state[ours.norm.weight]) == {"step", "exp_avg", "exp_avg_sq"}
 
 
@@ -124,3 +124,25 @@ def test_what_muon_does_not_take_yet_is_one_line_before_launch(section, field, v
     setattr(getattr(config, section), field, value)
     with pytest.raises(ConfigError, match=f"optimizer.name=Muon with {says}"):
         check_muon(config)
+
+
+def test_float32_newton_schulz_is_torchs_iteration_without_bfloat16_rounding():
+    """The same iteration as torch's bfloat16 one: equal in float64 arithmetic to the float32
+    one, and near the bfloat16 one (its rounding, ~1e-2)."""
+    from torch.optim._muon import _zeropower_via_newtonschulz
+
+    from titanlab.components.muon import NS_COEFFICIENTS, newton_schulz_fp32
+
+    g = torch.randn(12, 7, generator=torch.Generator().manual_seed(0))
+    ours = newton_schulz_fp32(g, 5)
+    bf16 = _zeropower_via_newtonschulz(g, NS_COEFFICIENTS, 5, 1e-7).float()
+    torch.testing.assert_close(ours, bf16, rtol=0, atol=5e-2)
+    x = g.double().T / g.double().norm()
+    a, b, c = NS_COEFFICIENTS
+    for _ in range(5):
+        gram = x @ x.T
+        x = a * x + (b * gram + c * gram @ gram) @ x
+    torch.testing.assert_close(ours.double(), x.T, rtol=0, atol=1e-5)
+    # singular values pushed towards 1 (the orthogonalization), from the scaled gradient's
+    s = torch.linalg.svdvals(ours)
+    assert s.min() > 0.5 and s.max() < 1.3
