@@ -1,6 +1,8 @@
 """Muon on every kind of layout trains as one process does; a resumed Muon run is bitwise the
 straight one (its momentum buffers are DTensors in the checkpoint)."""
 
+import os
+
 import pytest
 
 from conftest import CONSTANT_LR, checkpoint_every, read_metrics
@@ -39,7 +41,23 @@ def one_process(tiny_dataset, tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("name", list(LAYOUTS))
+FULL_ONLY = ("pp2", "ddp2")  # CI: FSDP, TP and EP × FSDP; `make test-parity-full` all of them
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        pytest.param(
+            n,
+            marks=pytest.mark.skipif(
+                os.environ.get("TITANLAB_PARITY_FULL") != "1", reason="make test-parity-full"
+            ),
+        )
+        if n in FULL_ONLY
+        else n
+        for n in LAYOUTS
+    ],
+)
 def test_muon_layout_matches_one_process(name, one_process, train, tmp_path):
     ranks, model, layout = LAYOUTS[name]
     dump = str(tmp_path / name)
