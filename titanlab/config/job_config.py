@@ -18,6 +18,7 @@ from titanlab.config.data import Data, DataSource, SchedulePoint
 from titanlab.config.distill import Distill
 from titanlab.config.errors import ConfigError, _require
 from titanlab.config.metrics import Metrics
+from titanlab.config.optimizer import Optimizer
 from titanlab.config.parallelism import Parallelism
 from titanlab.config.peft import Peft
 from titanlab.config.performance import (
@@ -219,77 +220,6 @@ class Training:
         _require(
             self.loss_scale_init > 0, f"training.loss_scale_init={self.loss_scale_init} must be > 0"
         )
-
-
-@dataclass
-class Optimizer:
-    name: Literal["AdamW", "Muon"] = "AdamW"
-    """Optimizer. AdamW with decoupled weight decay (Loshchilov & Hutter, 2019), or Muon
-    (Jordan et al. 2024, as Moonlight scales it: arXiv:2502.16982) for the blocks' matrices and
-    expert stacks with AdamW for the rest (embeddings, head, norms, router, MTP depths)."""
-
-    lr: float = 8e-4
-    """Peak learning rate, reached at the end of warmup."""
-
-    beta1: float = 0.9
-    """AdamW β1."""
-
-    beta2: float = 0.95
-    """AdamW β2."""
-
-    eps: float = 1e-8
-    """AdamW ε."""
-
-    weight_decay: float = 0.1
-    """Decoupled weight decay."""
-
-    implementation: Literal["fused", "foreach", "for-loop"] = "fused"
-    """Kernel choice for the update; `fused` falls back to `foreach` where the device lacks it."""
-
-    muon_lr: float = -1.0
-    """Muon's peak learning rate (its update scaled by 0.2·√max(rows, cols) to AdamW's RMS, so
-    AdamW's lr carries over); -1: `optimizer.lr`."""
-
-    muon_weight_decay: float = -1.0
-    """Muon's decoupled weight decay; -1: `optimizer.weight_decay`."""
-
-    muon_momentum: float = 0.95
-    """Muon's momentum μ, in [0, 1)."""
-
-    muon_nesterov: bool = True
-    """Nesterov momentum for Muon's update."""
-
-    muon_ns_steps: int = 5
-    """Newton–Schulz iterations orthogonalizing each update (torch.optim.Muon's 5)."""
-
-    muon_ns_dtype: Literal["bfloat16", "float32"] = "bfloat16"
-    """Precision of the Newton–Schulz iteration: bfloat16 as torch.optim.Muon and Moonlight
-    compute it (fast on GPUs), or float32, which layouts reproduce within 1e-5 of each other
-    (bfloat16 turns the last-bit differences of another reduction order into ~1e-3 ones)."""
-
-    def validate(self) -> None:
-        _require(
-            0 <= self.muon_momentum < 1,
-            f"optimizer.muon_momentum={self.muon_momentum} must be in [0, 1)",
-        )
-        _require(
-            1 <= self.muon_ns_steps < 100,
-            f"optimizer.muon_ns_steps={self.muon_ns_steps} must be in 1..99",
-        )
-        _require(
-            self.muon_lr == -1 or self.muon_lr > 0,
-            f"optimizer.muon_lr={self.muon_lr} must be > 0 (or -1: optimizer.lr)",
-        )
-        _require(
-            self.muon_weight_decay == -1 or self.muon_weight_decay >= 0,
-            f"optimizer.muon_weight_decay={self.muon_weight_decay} must be >= 0 (or -1: "
-            "optimizer.weight_decay)",
-        )
-        _require(self.lr > 0, f"optimizer.lr={self.lr} must be > 0")
-        _require(0 <= self.beta1 < 1, f"optimizer.beta1={self.beta1} must be in [0, 1)")
-        _require(0 <= self.beta2 < 1, f"optimizer.beta2={self.beta2} must be in [0, 1)")
-        _require(self.eps > 0, f"optimizer.eps={self.eps} must be > 0")
-        _require(self.weight_decay >= 0, f"optimizer.weight_decay={self.weight_decay} must be >= 0")
 
 
 @dataclass

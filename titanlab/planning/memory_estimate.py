@@ -1,0 +1,63 @@
+"""What the pre-flight's memory estimate holds: bytes per rank by category, and their peak
+(`titanlab.planning.memory.estimate_memory` fills it)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+GIB = 2**30
+
+
+@dataclass
+class MemoryEstimate:
+    """Estimated bytes per rank, by category."""
+
+    params: int
+    grads: int
+    optimizer: int
+    gathered_params: int
+    activations: int
+    logits: int
+    overhead: int
+    a2a_buffers: int = 0
+    recompute: int = 0  # one block's activations, recomputed in backward under full/per-layer AC
+    grads_during_forward: bool = False  # gradient accumulation keeps them through forwards
+    last_block: int = 0  # the first block's activations, alive while its backward runs
+    pipeline_buffers: int = 0  # a pipeline stage's receive buffers, one per microbatch
+
+    @property
+    def peak_tensors(self) -> int:
+        """Peak bytes of tensors: at the start of backward, at its end (every gradient but the
+        first block's made, that block's activations alive: the peak where checkpointing or the
+        fused loss leave little at the start), or at the optimizer step."""
+        # The logits' gradients are freed before the last block is recomputed: never both at once.
+        backward = (
+            self.activations
+            + self.a2a_buffers
+            + self.pipeline_buffers
+            + max(self.logits, self.recompute)
+            + (self.grads if self.grads_during_forward else 0)
+        )
+        end = self.grads + self.last_block
+        return self.params + self.optimizer + self.gathered_params + max(backward, end)
+
+    @property
+    def total(self) -> int:
+        return self.peak_tensors + self.overhead
+
+    def summary(self) -> str:
+        parts = [
+            (name, getattr(self, name))
+            for name in (
+                "params",
+                "grads",
+                "optimizer",
+                "gathered_params",
+                "activations",
+                "a2a_buffers",
+                "pipeline_buffers",
+                "logits",
+                "overhead",
+            )
+        ]
+        return ", ".join(f"{n} {b / GIB:.1f}" for n, b in parts if b) + " GiB"
