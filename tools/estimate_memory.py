@@ -21,6 +21,7 @@ from titanlab.config.job_config import ConfigError
 from titanlab.config.manager import build_config
 from titanlab.distributed.parallelize import param_dtype
 from titanlab.planning.memory import GIB, available_bytes_per_rank, estimate_memory
+from titanlab.planning.memory_estimate import CATEGORIES
 
 import torch
 
@@ -44,16 +45,7 @@ def main(argv: list[str]) -> int:
         f"{config.training.local_batch_size}, AC {config.activation_checkpoint.mode}, {nproc} rank(s)"
     )
     print(f"{'category':<18}{'GiB per rank':>14}")
-    for name in (
-        "params",
-        "grads",
-        "optimizer",
-        "gathered_params",
-        "activations",
-        "logits",
-        "recompute",
-        "overhead",
-    ):
+    for name in (*CATEGORIES, "recompute"):
         print(f"{name:<18}{getattr(est, name) / GIB:>14.2f}")
     print(f"{'total (peak)':<18}{est.total / GIB:>14.2f}")
     when = (

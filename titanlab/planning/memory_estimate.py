@@ -7,6 +7,19 @@ from dataclasses import dataclass
 
 GIB = 2**30
 
+CATEGORIES = (
+    "params",
+    "grads",
+    "optimizer",
+    "gathered_params",
+    "activations",
+    "a2a_buffers",
+    "pipeline_buffers",
+    "logits",
+    "overhead",
+)
+"""The estimate's byte categories, in the order reports list them."""
+
 
 @dataclass
 class MemoryEstimate:
@@ -46,18 +59,5 @@ class MemoryEstimate:
         return self.peak_tensors + self.overhead
 
     def summary(self) -> str:
-        parts = [
-            (name, getattr(self, name))
-            for name in (
-                "params",
-                "grads",
-                "optimizer",
-                "gathered_params",
-                "activations",
-                "a2a_buffers",
-                "pipeline_buffers",
-                "logits",
-                "overhead",
-            )
-        ]
+        parts = [(name, getattr(self, name)) for name in CATEGORIES]
         return ", ".join(f"{n} {b / GIB:.1f}" for n, b in parts if b) + " GiB"
