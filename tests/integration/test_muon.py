@@ -1,73 +1,90 @@
-"""Muon on every kind of layout trains as one process does; a resumed Muon run is bitwise the
-straight one (its momentum buffers are DTensors in the checkpoint)."""
+"""Muon on every layout trains as one process does; a resumed Muon run is bitwise the straight
+one (its momentum buffers are DTensors in the checkpoint), and one saved on FSDP 2 resumes on
+TP 2.
+
+The layouts are generated as the parity matrix generates them (`tools/parity_matrix.py`: every
+layout of 2 and 4 ranks, ZeRO 1-3, the trainer's validator keeping the valid ones with Muon on,
+so 2D TP is refused there), for the dense model and for the MoE model with expert parallel.
+CI runs the MoE model's pairwise subset (EP with FSDP, HSDP, DDP, TP and PP, FSDP × TP's
+strided shards among them) and the dense model's ZeRO 1 and 2 on 2 ranks; `make
+test-parity-full` runs every valid layout of both, with every pipeline schedule and gradient
+accumulation. Each starts from one seed checkpoint; losses of 5 steps within 1e-5 of 1 process.
+"""
 
 import os
 
 import pytest
 
 from conftest import CONSTANT_LR, checkpoint_every, read_metrics
+from titanlab.planning.layouts import SCHEDULES, pairwise_subset
+from tools import parity_matrix
 
+FULL = os.environ.get("TITANLAB_PARITY_FULL") == "1"
 # float32 Newton-Schulz: bfloat16's (torch's default) turns the last-bit differences of another
 # reduction order into 1e-5 loss differences within 4 steps (TP 2: 1.7e-5 at step 4)
-MUON = ["--optimizer.name", "Muon", "--optimizer.lr", "0.01", "--training.steps", "4",
-        "--training.global_batch_size", "4", "--checkpoint.enable", "false",
-        "--optimizer.muon_ns_dtype", "float32"]  # fmt: skip
-MOE = ["--model.name", "qwen3_moe", "--model.flavor", "debugmodel"]
-LAYOUTS = {
-    "fsdp2": (2, [], []),
-    "tp2": (2, [], ["--parallelism.tensor_parallel_degree", "2"]),
-    "pp2": (2, [], ["--parallelism.pipeline_parallel_degree", "2",
-                    "--parallelism.pipeline_parallel_microbatch_size", "1"]),
-    "ddp2": (2, [], ["--parallelism.zero_stage", "0"]),
-    "ep2_fsdp2": (2, MOE, ["--parallelism.expert_parallel_degree", "2"]),
-}  # fmt: skip
-TOLERANCE = 1e-5
+MUON_OPTIONS = ["--optimizer.name", "Muon", "--optimizer.lr", "0.01",
+                "--optimizer.muon_ns_dtype", "float32"]  # fmt: skip
+# No load-balance statistic (taken per global microbatch): one reference serves every layout.
+MOE_OPTIONS = [*MUON_OPTIONS, "--model.name", "qwen3_moe", "--model.moe_load_balance_coeff",
+               "0", "--model.moe_bias_update_speed", "0"]  # fmt: skip
+
+
+def _cases() -> list[tuple[str, parity_matrix.Layout]]:
+    schedules = SCHEDULES if FULL else ("1F1B",)
+    grad_accum = (1, 2) if FULL else (1,)
+    dense = parity_matrix.valid_layouts((2, 4), MUON_OPTIONS, zero_stages=(1, 2, 3),
+                                        schedules=schedules, grad_accum=grad_accum)  # fmt: skip
+    moe = [lay for lay in parity_matrix.valid_layouts(
+        (2, 4), MOE_OPTIONS, with_ep=True, schedules=schedules, grad_accum=grad_accum
+    ) if lay.ep > 1]  # fmt: skip
+    if FULL:
+        return [("dense", lay) for lay in dense] + [("moe", lay) for lay in moe]
+    zero = [lay for lay in dense if lay.world_size == 2 and lay.dp_kind == "fsdp"
+            and not lay.grad_accum > 1]  # fmt: skip
+    return [("dense", lay) for lay in zero] + [("moe", lay) for lay in pairwise_subset(moe)]
+
+
+CASES = _cases()
 
 
 @pytest.fixture(scope="module")
-def one_process(tiny_dataset, tmp_path_factory):
-    """Losses of the 1-process Muon run, per model (dense, MoE)."""
-    from conftest import TINY, launch
+def reference(tiny_dataset, tmp_path_factory):
+    """model -> (dataset, seed, 1-process losses, root), made on first use."""
+    made: dict[str, tuple] = {}
 
-    out = {}
-    # The load-balance loss is a statistic of each global microbatch: the MoE reference takes
-    # the 2 ranks' 2 + 2 samples as one microbatch of 4 (tests/integration/test_qwen3_moe.py)
-    for name, model in (("dense", []), ("moe", [*MOE, "--training.local_batch_size", "4"])):
-        dump = str(tmp_path_factory.mktemp(f"muon_{name}"))
-        args = [*TINY, "--data.dataset_path", tiny_dataset, "--job.dump_folder", dump, *MUON,
-                *model]  # fmt: skip
-        launch(1, args).check()
-        out[name] = read_metrics(dump)
-    return out
+    def get(model: str):
+        if model not in made:
+            root = str(tmp_path_factory.mktemp(f"muon_{model}"))
+            extra = MUON_OPTIONS if model == "dense" else MOE_OPTIONS
+            made[model] = (*parity_matrix.prepare_reference(root, tiny_dataset, extra), root)
+        return made[model]
+
+    return get
 
 
-FULL_ONLY = ("pp2", "ddp2")  # CI: FSDP, TP and EP × FSDP; `make test-parity-full` all of them
+@pytest.mark.parametrize("model, layout", CASES, ids=[f"{m}-{lay.name}" for m, lay in CASES])
+def test_muon_layout_matches_one_process(model, layout, reference):
+    dataset, seed, losses, root = reference(model)
+    extra = MUON_OPTIONS if model == "dense" else MOE_OPTIONS
+    outcome = parity_matrix.run_layout(layout, dataset, seed, losses, root, extra=extra)
+    assert outcome.error is None, outcome.report()
+    print(f"muon {model} {layout.name}: worst |Δloss| {outcome.max_abs_diff:.3g}")
+    assert outcome.max_abs_diff <= parity_matrix.TOLERANCE, (layout.name, outcome.max_abs_diff)
+    assert losses[parity_matrix.STEPS] < losses[1]  # Muon trains
 
 
-@pytest.mark.parametrize(
-    "name",
-    [
-        pytest.param(
-            n,
-            marks=pytest.mark.skipif(
-                os.environ.get("TITANLAB_PARITY_FULL") != "1", reason="make test-parity-full"
-            ),
-        )
-        if n in FULL_ONLY
-        else n
-        for n in LAYOUTS
-    ],
-)
-def test_muon_layout_matches_one_process(name, one_process, train, tmp_path):
-    ranks, model, layout = LAYOUTS[name]
-    dump = str(tmp_path / name)
-    result = train(ranks, *MUON, *model, *layout, dump=dump).check()
-    want = one_process["moe" if model else "dense"]
-    got = read_metrics(dump)
-    assert sorted(got) == [1, 2, 3, 4], result.stdout[-2000:]
-    for step in got:
-        assert abs(got[step] - want[step]) <= TOLERANCE, (name, step, got[step], want[step])
-    assert want[4] < want[1]  # Muon trains
+def test_muon_refuses_2d_tensor_parallel_in_one_line():
+    config, model_args = parity_matrix._base_config(MUON_OPTIONS)
+    layouts = [lay for lay in parity_matrix.enumerate_layouts(4, tp_modes=("2d",))
+               if lay.tp_mode == "2d"]  # fmt: skip
+    assert layouts
+    for lay in layouts:
+        why = parity_matrix.check_layout(config, lay, parity_matrix.GLOBAL_BATCH, model_args, "cpu")
+        assert why is not None and "optimizer.name=Muon" in why and "2d" in why and "\n" not in why
+
+
+MUON = [*MUON_OPTIONS, "--training.steps", "4", "--training.global_batch_size", "4",
+        "--checkpoint.enable", "false"]  # fmt: skip
 
 
 def test_muon_resume_is_bitwise_exact(train, tmp_path):
@@ -81,3 +98,23 @@ def test_muon_resume_is_bitwise_exact(train, tmp_path):
     assert "step-3" in second.stdout and sorted(second.losses) == [4, 5, 6]
     want, got = read_metrics(straight), read_metrics(resumed)
     assert [got[s] for s in range(1, 7)] == [want[s] for s in range(1, 7)]  # bitwise
+
+
+def test_muon_saved_on_fsdp2_resumes_on_tp2(train, tmp_path):
+    """The momentum buffers reshard like the weights: FSDP 2's Shard(0) buffers saved at step 3
+    load into TP 2's Shard(0)/Shard(1) ones, and steps 4-6 equal the straight FSDP 2 run's."""
+    args = [*MUON_OPTIONS, *CONSTANT_LR, *checkpoint_every(3, "--checkpoint.keep_latest_k", "0"),
+            "--training.global_batch_size", "8", "--training.local_batch_size", "4"]  # fmt: skip
+    straight = str(tmp_path / "straight")
+    train(2, *args, "--training.steps", "6", dump=straight).check()
+    resumed = str(tmp_path / "resumed")
+    train(2, *args, "--training.steps", "3", dump=resumed).check()
+    # 1 data-parallel rank instead of 2: its local batch is the global one (the sampler converts
+    # the data position)
+    tp2 = ["--parallelism.tensor_parallel_degree", "2", "--training.local_batch_size", "8"]
+    second = train(2, *args, *tp2, "--training.steps", "6", dump=resumed).check()
+    assert "step-3" in second.stdout and sorted(second.losses) == [4, 5, 6]
+    want, got = read_metrics(straight), read_metrics(resumed)
+    worst = max(abs(got[s] - want[s]) for s in (4, 5, 6))
+    print(f"muon FSDP 2 -> TP 2 resume: worst |Δloss| {worst:.3g}")
+    assert worst <= parity_matrix.TOLERANCE, (got, want)

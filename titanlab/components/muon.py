@@ -16,10 +16,11 @@ part has one optimizer whose state DCP saves and reshards by parameter name.
   `weight_decay`; Muon's groups take `optimizer.muon_lr` / `muon_weight_decay` (default: the
   same values).
 
-Under FSDP, HSDP, tensor parallel (1D), expert parallel and pipeline parallel a parameter is a
-DTensor: each rank gathers each whole update (`full_tensor`), orthogonalizes it and keeps its
-own shard (`distribute_tensor` without communication), so every layout computes what one
-process computes.
+Under FSDP, HSDP, ZeRO 1–2, tensor parallel (1D), expert parallel and pipeline parallel a
+parameter is a DTensor: each whole update is assembled on one owner rank, owners balanced by
+Newton–Schulz FLOPs, orthogonalized there and its shards returned
+(`titanlab.components.muon_sharded`), so every layout computes what one process computes while
+each rank does about 1/n of the orthogonalization.
 """
 
 from __future__ import annotations
@@ -28,11 +29,12 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor
 from torch.optim._muon import DEFAULT_A, DEFAULT_B, DEFAULT_C, EPS
 from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
 from torch.optim.adam import adam
 
+from titanlab.components.muon_sharded import buckets, ns_flops, orthogonalize_bucket
 from titanlab.config.job_config import ConfigError, JobConfig, Optimizer
 
 NS_COEFFICIENTS = (DEFAULT_A, DEFAULT_B, DEFAULT_C)
@@ -98,18 +100,45 @@ def newton_schulz_fp32(g: Tensor, ns_steps: int) -> Tensor:
 
 
 def orthogonalized(update: Tensor, ns_steps: int, dtype: torch.dtype = torch.bfloat16) -> Tensor:
-    """Newton–Schulz orthogonalization of a matrix (rows, cols) or of each matrix of a stack
-    (E, rows, cols): in bfloat16 as torch.optim.Muon computes it (its own function), or in
-    float32 (`newton_schulz_fp32`). A DTensor is gathered whole, orthogonalized, and returned
-    with its placements (each rank its own shard)."""
-    if isinstance(update, DTensor):
-        whole = orthogonalized(update.full_tensor(), ns_steps, dtype)
-        return distribute_tensor(whole, update.device_mesh, update.placements, src_data_rank=None)
+    """Newton–Schulz orthogonalization of a whole matrix (rows, cols) or of each matrix of a
+    stack (E, rows, cols): in bfloat16 as torch.optim.Muon computes it (its own function), or
+    in float32 (`newton_schulz_fp32`)."""
     if update.ndim == 2:
         if dtype == torch.float32:
             return newton_schulz_fp32(update, ns_steps)
         return _zeropower_via_newtonschulz(update, NS_COEFFICIENTS, ns_steps, EPS)
     return torch.stack([orthogonalized(m, ns_steps, dtype) for m in update])
+
+
+def orthogonalize_all(
+    updates: list[Tensor], ns_steps: int, dtype: torch.dtype = torch.bfloat16
+) -> tuple[list[Tensor], int]:
+    """Each update orthogonalized (`orthogonalized`), and the Newton–Schulz FLOPs this rank
+    spent. A DTensor whose matrices are sharded is assembled on its owner rank and its shards
+    returned (`titanlab.components.muon_sharded`); one whose matrices are whole on this rank
+    (replicated, or an expert stack split by expert) and a plain tensor are orthogonalized in
+    place."""
+    out: list[Tensor | None] = [None] * len(updates)
+    flops = 0
+
+    def piece(t: Tensor) -> Tensor:
+        nonlocal flops
+        flops += ns_flops(tuple(t.shape), ns_steps)
+        return orthogonalized(t, ns_steps, dtype)
+
+    sharded, whole = buckets(updates, ns_steps)
+    for pos in whole:
+        u = updates[pos]
+        if isinstance(u, DTensor):
+            local = piece(u.to_local()).to(u.dtype)
+            out[pos] = DTensor.from_local(local, u.device_mesh, u.placements, run_check=False,
+                                          shape=u.shape, stride=u.stride())  # fmt: skip
+        else:
+            out[pos] = piece(u)
+    for bucket in sharded:
+        for pos, t in orthogonalize_bucket(bucket, updates, piece).items():
+            out[pos] = t
+    return [t for t in out if t is not None], flops
 
 
 class MuonAdamW(torch.optim.AdamW):
@@ -118,6 +147,7 @@ class MuonAdamW(torch.optim.AdamW):
     A Muon group's state per parameter is its momentum buffer ("momentum_buffer", shaped like
     the parameter: one buffer where AdamW keeps two) and its step count ("step", a 0-dim
     float32 tensor as AdamW's, which its state loading requires); an AdamW group's is AdamW's.
+    `ns_flops` is the Newton–Schulz FLOPs this rank spent in the last step.
     """
 
     def __init__(self, groups: list[dict[str, Any]], cfg: Optimizer, **adamw: Any) -> None:
@@ -134,6 +164,7 @@ class MuonAdamW(torch.optim.AdamW):
             group.setdefault("nesterov", cfg.muon_nesterov)
             group.setdefault("ns_steps", cfg.muon_ns_steps)
             group.setdefault("ns_dtype", cfg.muon_ns_dtype)
+        self.ns_flops = 0
 
     @torch.no_grad()
     def step(self, closure=None):  # type: ignore[override]
@@ -143,6 +174,7 @@ class MuonAdamW(torch.optim.AdamW):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self.ns_flops = 0
         for group in self.param_groups:
             if group["muon"]:
                 self._muon_step(group)
@@ -154,6 +186,8 @@ class MuonAdamW(torch.optim.AdamW):
         """torch.optim.Muon's update (`_single_tensor_muon`) on whole matrices: momentum
         (Nesterov), orthogonalized, lr × 0.2·√max(rows, cols), decoupled weight decay."""
         lr, wd, m = group["lr"], group["weight_decay"], group["momentum"]
+        params: list[Tensor] = []
+        updates: list[Tensor] = []
         for p in group["params"]:
             if p.grad is None:
                 continue
@@ -164,8 +198,12 @@ class MuonAdamW(torch.optim.AdamW):
             state["step"] += 1
             buf = state["momentum_buffer"]
             buf.lerp_(p.grad, 1 - m)
-            update = p.grad.lerp(buf, m) if group["nesterov"] else buf
-            update = orthogonalized(update, group["ns_steps"], getattr(torch, group["ns_dtype"]))
+            params.append(p)
+            updates.append(p.grad.lerp(buf, m) if group["nesterov"] else buf)
+        dtype = getattr(torch, group["ns_dtype"])
+        updates, flops = orthogonalize_all(updates, group["ns_steps"], dtype)
+        self.ns_flops += flops
+        for p, update in zip(params, updates, strict=True):
             adjusted = _adjust_lr(lr, "match_rms_adamw", p.shape[-2:])
             p.mul_(1 - lr * wd)
             p.add_(update, alpha=-adjusted)

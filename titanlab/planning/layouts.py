@@ -305,12 +305,16 @@ def check_parallel_layout(
     config: JobConfig, world_size: int, model_args, device_type: str
 ) -> ParallelDims:
     """The layout checks of the trainer's pre-flight: what the tensor-parallel mode does not
-    take (`validate_tp_mode`: no degree fixes it, so it comes first), degrees against the world
+    take (`validate_tp_mode`: no degree fixes it, so it comes first) and what Muon does not
+    take (`check_muon`), degrees against the world
     size, batch split, and `validate_layout`. Returns the ParallelDims; raises ConfigError (one
     line)."""
     from titanlab.components.builders import batch_layout  # components imports the data stack
 
+    from titanlab.components.muon import check_muon
+
     validate_tp_mode(config, model_args)
+    check_muon(config)  # what Muon does not take yet (2D / 3D TP): no degree fixes it either
     dims = ParallelDims.from_config(config.parallelism, world_size)
     batch_layout(config, dims.dp_degree)
     validate_layout(config, dims, model_args, device_type)

@@ -16,7 +16,6 @@ import torch
 
 from titanlab.components import builders as components
 from titanlab.components.liger import check_liger
-from titanlab.components.muon import check_muon
 from titanlab.data.build import build_data
 from titanlab.posttrain.rl.checks import check_rl
 from titanlab.posttrain.teacher import teacher_args
@@ -73,7 +72,6 @@ def check(
         meta = components.build_meta_model(model_args)
         targets = lora_targets(meta, config.peft, config.model.name)
     check_liger(config.kernels.liger, device)
-    check_muon(config)
     check_offload(config.activation_checkpoint.offload, device)
     check_mlflow(config.metrics.enable_mlflow, config.metrics.mlflow_tracking_uri)
     parallel_dims = check_parallel_layout(config, world_size, model_args, device.type)
