@@ -20,6 +20,7 @@ from titanlab.planning.layouts import SCHEDULES, pairwise_subset
 from tools import parity_matrix
 
 FULL = os.environ.get("TITANLAB_PARITY_FULL") == "1"
+TOLERANCE = parity_matrix.TOLERANCE
 # float32 Newton-Schulz: bfloat16's (torch's default) turns the last-bit differences of another
 # reduction order into 1e-5 loss differences within 4 steps (TP 2: 1.7e-5 at step 4)
 MUON_OPTIONS = ["--optimizer.name", "Muon", "--optimizer.lr", "0.01",
@@ -118,3 +119,53 @@ def test_muon_saved_on_fsdp2_resumes_on_tp2(train, tmp_path):
     worst = max(abs(got[s] - want[s]) for s in (4, 5, 6))
     print(f"muon FSDP 2 -> TP 2 resume: worst |Δloss| {worst:.3g}")
     assert worst <= parity_matrix.TOLERANCE, (got, want)
+
+
+QK_CLIP = [*MUON, "--optimizer.qk_clip_threshold", "0.45"]  # the debug model's logits: ~0.4-0.55
+QK_LAYOUTS = {
+    "fsdp2": [],
+    "tp2": ["--parallelism.tensor_parallel_degree", "2"],
+    "pp2": ["--parallelism.pipeline_parallel_degree", "2"],
+}
+
+
+@pytest.fixture(scope="module")
+def qk_clip_one_process(tiny_dataset, tmp_path_factory):
+    from conftest import TINY, launch
+
+    dump = str(tmp_path_factory.mktemp("qk_clip_1"))
+    launch(1, [*TINY, "--data.dataset_path", tiny_dataset, "--job.dump_folder", dump,
+               *QK_CLIP, "--training.local_batch_size", "4"]).check()  # fmt: skip
+    return _qk_records(dump)
+
+
+def _qk_records(dump: str) -> dict[int, dict]:
+    import json
+
+    with open(os.path.join(dump, "metrics.jsonl")) as f:
+        return {r["step"]: r for r in map(json.loads, f) if "loss" in r}
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        pytest.param(
+            n, marks=pytest.mark.skipif(not FULL and n == "pp2", reason="make test-parity-full")
+        )
+        for n in QK_LAYOUTS
+    ],  # fmt: skip
+)
+def test_qk_clip_layout_matches_one_process(name, qk_clip_one_process, train, tmp_path):
+    """MuonClip's maxima are reduced over the data-parallel ranks, the TP ranks' heads and the
+    pipeline stages' layers: every layout clips the same heads and trains like 1 process."""
+    dump = str(tmp_path / name)
+    train(2, *QK_CLIP, *QK_LAYOUTS[name], dump=dump).check()
+    want, got = qk_clip_one_process, _qk_records(dump)
+    assert sorted(got) == [1, 2, 3, 4]
+    assert sum(r["qk_clip/clipped_heads"] for r in want.values()) > 0  # the clip acted
+    for step in got:
+        assert abs(got[step]["loss"] - want[step]["loss"]) <= TOLERANCE, (name, step)
+        assert got[step]["qk_clip/clipped_heads"] == want[step]["qk_clip/clipped_heads"]
+        for layer in range(6):  # each layer's largest logit, logged
+            key = f"qk_clip/layer.{layer}/max_logit"
+            assert abs(got[step][key] - want[step][key]) <= 1e-5, (name, step, key)

@@ -55,7 +55,17 @@ class Optimizer:
     compute it (fast on GPUs), or float32, which layouts reproduce within 1e-5 of each other
     (bfloat16 turns the last-bit differences of another reduction order into ~1e-3 ones)."""
 
+    qk_clip_threshold: float = -1.0
+    """MuonClip's QK-clip τ (Kimi K2, arXiv:2507.20534): after each step, the query and key
+    weights of a head whose largest pre-softmax logit of the step exceeded τ are rescaled so
+    that it falls back to τ (`titanlab.components.qk_clip`; Kimi K2 used 100). -1: off. Costs
+    one more q·kᵀ per attention (the logits are not kept by SDPA)."""
+
     def validate(self) -> None:
+        _require(
+            self.qk_clip_threshold == -1 or self.qk_clip_threshold > 0,
+            f"optimizer.qk_clip_threshold={self.qk_clip_threshold} must be > 0 (or -1: off)",
+        )
         _require(
             0 <= self.muon_momentum < 1,
             f"optimizer.muon_momentum={self.muon_momentum} must be in [0, 1)",

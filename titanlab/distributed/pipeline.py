@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining import schedules as S
 
+from titanlab.components import qk_clip
 from titanlab.config.job_config import ConfigError
 from titanlab.distributed import moe_stats
 from titanlab.peft.qlora import to_empty_keeping_quantized
@@ -40,20 +41,21 @@ ZERO_BUBBLE = {"InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"}
 class _Stage(PipelineStage):
     """A `PipelineStage` whose shape-inference pass (torch 2.13 runs one real forward and
     backward per stage before the first step) leaves the MoE layers' load statistics and the
-    multi-token prediction loss's running sum alone: counted, they would skew step 1's
-    expert-bias update, aux loss and logged MTP loss."""
+    multi-token prediction loss's running sum and QK-clip's logit maxima alone: counted, they
+    would skew step 1's expert-bias update, aux loss, logged MTP loss and clipping (its inputs
+    are uninitialized memory)."""
 
     def _forward_metadata_inference(self, *args, **kwargs):
         mtp_loss = getattr(self.submod, "last_mtp_loss", None)
         try:
-            with moe_stats.stats_paused(self.submod):
+            with moe_stats.stats_paused(self.submod), qk_clip.records_paused(self.submod):
                 return super()._forward_metadata_inference(*args, **kwargs)
         finally:
             if hasattr(self.submod, "last_mtp_loss"):
                 self.submod.last_mtp_loss = mtp_loss
 
     def _backward_metadata_inference(self, *args, **kwargs):
-        with moe_stats.stats_paused(self.submod):
+        with moe_stats.stats_paused(self.submod), qk_clip.records_paused(self.submod):
             return super()._backward_metadata_inference(*args, **kwargs)
 
 

@@ -34,6 +34,8 @@ def format_line(rec: dict[str, Any], memory_kind: str) -> str:
         line += f"  mtp_loss: {rec['mtp_loss']:.6f}"
     if "loss_scale" in rec:
         line += f"  loss_scale: {rec['loss_scale']:g}"
+    if "muon/ns_gflop" in rec:  # this rank's Newton-Schulz work of the step (Muon)
+        line += f"  muon_ns_gflop: {rec['muon/ns_gflop']:.2f}"
     if rec.get("alloc_retries"):
         line += f"  alloc_retries: {rec['alloc_retries']:.0f}"
     return line
@@ -55,6 +57,19 @@ def format_moe(extra: dict[str, float]) -> str:
     if loads:
         parts.append("expert max/mean load: " + " ".join(loads))
     return "  ".join(parts)
+
+
+def format_qk_clip(extra: dict[str, float]) -> str:
+    """MuonClip's line: each layer's largest pre-softmax logit of the step (before the clip)
+    and the heads rescaled."""
+    layers = sorted(
+        (int(k.split("/")[1][6:]), v) for k, v in extra.items() if k.startswith("qk_clip/layer.")
+    )
+    per_layer = " ".join(f"{i}:{v:.2f}" for i, v in layers)
+    return (
+        f"max_logit: {extra['qk_clip/max_logit']:.3f} (per layer {per_layer})  "
+        f"clipped_heads: {extra['qk_clip/clipped_heads']:.0f}"
+    )
 
 
 def format_rl(extra: dict[str, float]) -> str:

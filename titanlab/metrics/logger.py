@@ -15,7 +15,13 @@ from typing import Any, Protocol
 
 import torch
 
-from titanlab.metrics.format import format_line, format_mixture, format_moe, format_rl
+from titanlab.metrics.format import (
+    format_line,
+    format_mixture,
+    format_moe,
+    format_qk_clip,
+    format_rl,
+)
 from titanlab.metrics.system import CpuMeter, memory_fields, memory_kind, reset_peaks
 from titanlab.metrics.window import StepRecord, StepWindow, spread
 
@@ -177,6 +183,8 @@ class MetricsLogger:
                 logger.info("step: %d  %s", step, format_moe(extras))
             if any(k.startswith("rl/") for k in extras):
                 logger.info("step: %d  %s", step, format_rl(extras))
+            if "qk_clip/max_logit" in extras:
+                logger.info("step: %d  %s", step, format_qk_clip(extras))
             if data_tokens:
                 logger.info("step: %d  %s", step, format_mixture(data_tokens))
             for sink in self.sinks:

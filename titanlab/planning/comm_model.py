@@ -163,6 +163,20 @@ def _communication(shape: Any, run: Any, lay: Layout, cluster: Cluster, work: An
         calls = 4 * moe_blocks * micro
         t = _ring("all-to-all", lay.ep, nbytes, calls, intra, cluster)
         out.append(Comm("all-to-all", "ep", lay.ep, calls * nbytes, t, calls, intra_node=intra))
+    groups = [d for d, n in (("dp_shard", lay.dp_shard), ("cp", lay.cp), ("tp", lay.tp)) if n > 1]
+    if run.optimizer == "Muon" and lay.zero_stage == 0:
+        groups = [d for d in groups if d == "tp"]  # DDP: whole matrices on every rank
+    n = math.prod(_degrees(lay)[d] for d in groups)
+    if run.optimizer == "Muon" and n > 1:
+        # Newton-Schulz's two all-to-alls: each matrix to its owner and its shards back, a rank
+        # sending 2·P·(n−1)/n² of the stage's P matrix elements (titanlab.components.muon_sharded)
+        dense = shape.muon_params - shape.muon_expert_params
+        stage = (dense + shape.muon_expert_params / lay.ep) / lay.pp
+        nbytes = stage * g / n  # per call, as an all-gather of it: (n−1)/n of it leaves
+        intra = intra_node(lay, tuple(groups), cluster)
+        t = _ring("all-to-all", n, nbytes, 2, intra, cluster)
+        out.append(Comm("all-to-all", "+".join(groups) + " (muon)", n, 2 * nbytes, t, 2,
+                        intra_node=intra))  # fmt: skip
     if lay.pp > 1:  # each microbatch's activations forward and their gradient backward
         intra = intra_node(lay, ("pp",), cluster)
         nbytes = tokens_mb * shape.dim * shape.boundary_width // lay.tp * e

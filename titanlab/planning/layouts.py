@@ -312,9 +312,15 @@ def check_parallel_layout(
     from titanlab.components.builders import batch_layout  # components imports the data stack
 
     from titanlab.components.muon import check_muon
+    from titanlab.components.qk_clip import check_qk_clip
 
     validate_tp_mode(config, model_args)
-    check_muon(config)  # what Muon does not take yet (2D / 3D TP): no degree fixes it either
+    # What Muon and QK-clip do not take yet (2D / 3D TP, ...): no degree fixes it either
+    check_muon(config)
+    check_qk_clip(
+        config, bool(getattr(model_args, "qk_norm", False)),
+        getattr(model_args, "attention_type", "gqa"),
+    )  # fmt: skip
     dims = ParallelDims.from_config(config.parallelism, world_size)
     batch_layout(config, dims.dp_degree)
     validate_layout(config, dims, model_args, device_type)

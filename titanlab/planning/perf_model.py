@@ -98,6 +98,13 @@ class ModelShape:
     boundary_width: int = 1
     """Vectors of width dim a pipeline boundary carries per token: 1, plus one per trained
     multi-token prediction depth (their embeddings ride along, `titanlab.models.common.mtp`)."""
+    muon_params: int = 0
+    """Elements of the matrices Muon would update (`titanlab.components.muon.takes_muon`)."""
+    muon_expert_params: int = 0
+    """Of those, the routed experts' (split by ep)."""
+    muon_ns_flops: int = 0
+    """Newton–Schulz FLOPs of one iteration over all of them, whole matrices
+    (`titanlab.components.muon_sharded.ns_flops`)."""
 
     def __post_init__(self) -> None:
         if not self.attention_width:
@@ -106,6 +113,8 @@ class ModelShape:
     @classmethod
     def of(cls, model_args) -> ModelShape:
         """From a registered family's args (the estimator's cached meta model is counted)."""
+        from titanlab.components.muon import takes_muon
+        from titanlab.components.muon_sharded import ns_flops
         from titanlab.models.common.decoder import moe_layers
         from titanlab.models.common.counting import count_active_params, count_params
         from titanlab.models.common.mtp import boundary_width
@@ -114,6 +123,7 @@ class ModelShape:
         model = _meta_model(model_args)
         moes = moe_layers(model)
         out = getattr(model, "output", None)
+        muon = [(n, p) for n, p in model.named_parameters() if takes_muon(n, p)]
         return cls(
             n_layers=model_args.n_layers,
             dim=model_args.dim,
@@ -131,6 +141,9 @@ class ModelShape:
             attention_width=getattr(model_args, "qk_head_dim", model_args.head_dim)
             + getattr(model_args, "v_head_dim", model_args.head_dim),
             boundary_width=boundary_width(model_args),  # common/mtp.py
+            muon_params=sum(p.numel() for _, p in muon),
+            muon_expert_params=sum(p.numel() for n, p in muon if ".experts." in n),
+            muon_ns_flops=sum(ns_flops(tuple(p.shape), 1) for _, p in muon),
         )
 
     @property
@@ -171,6 +184,10 @@ class Run:
     """`parallelism.pipeline_parallel_layers_per_stage` (-1: `layers_per_stage`'s auto split)."""
     fsdp_reshard_after_forward: str = "default"
     """`parallelism.fsdp_reshard_after_forward` (ZeRO 3): default | always | never."""
+    optimizer: str = "AdamW"
+    """`optimizer.name`: AdamW | Muon."""
+    muon_ns_steps: int = 5
+    muon_ns_dtype: str = "bfloat16"
 
 
 @dataclass
@@ -326,7 +343,7 @@ def predict(shape: ModelShape, run: Run, lay: Layout, cluster: Cluster) -> Predi
     else:
         _set_exposed(comm, compute_s, lay, work, cluster.device_type)
     shard = lay.tp * lay.pp * (lay.dp_shard * lay.cp if lay.zero_stage >= 1 else 1)
-    optimizer_s = 28 * shape.total_params / shard / (cluster.memory_bandwidth * eff.optimizer)
+    optimizer_s = optimizer_seconds(shape, run, shard, cluster)
     split_s = cluster.split_backward_s * split_blocks(shape, run, lay, work) * slowdown
     # measured with every rank running (the shared cores' slowdown included)
     tp_s = cluster.tp_block_s * work.blocks * work.microbatches if lay.tp > 1 else 0.0
@@ -343,6 +360,23 @@ def predict(shape: ModelShape, run: Run, lay: Layout, cluster: Cluster) -> Predi
         tokens_per_s_per_device=tokens_global / step_s / world, split_backward_s=split_s,
         tp_overhead_s=tp_s, fsdp_overhead_s=fsdp_s,
     )  # fmt: skip
+
+
+def optimizer_seconds(shape: ModelShape, run: Run, shard: int, cluster: Cluster) -> float:
+    """The update's memory traffic over `shard` ranks: AdamW reads and writes ~28 bytes per
+    parameter (fp32 weight, gradient, two moments), Muon's matrices ~20 (one momentum buffer);
+    plus Muon's Newton–Schulz FLOPs (ns_steps iterations of `ModelShape.muon_ns_flops`), which
+    the owner-balanced orthogonalization splits over the same ranks (HSDP's replicas each
+    compute them: `titanlab.components.muon_sharded`), at the matmul peak of its dtype."""
+    eff = cluster.efficiency
+    muon = shape.muon_params if run.optimizer == "Muon" else 0
+    nbytes = 28 * (shape.total_params - muon) + 20 * muon
+    seconds = nbytes / shard / (cluster.memory_bandwidth * eff.optimizer)
+    if muon:
+        flops = shape.muon_ns_flops * run.muon_ns_steps
+        peak = cluster.peak_flops.get(run.muon_ns_dtype) or max(cluster.peak_flops.values())
+        seconds += flops / shard / (peak * eff.matmul)
+    return seconds
 
 
 def split_blocks(shape: ModelShape, run: Run, lay: Layout, work: _Work) -> int:

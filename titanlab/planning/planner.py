@@ -262,4 +262,7 @@ def run_of(config: JobConfig, device_type: str = "cuda", global_batch: int = 0) 
         looped_stages_per_rank=config.parallelism.pipeline_parallel_stages_per_rank,
         layers_per_stage=config.parallelism.pipeline_parallel_layers_per_stage,
         fsdp_reshard_after_forward=config.parallelism.fsdp_reshard_after_forward,
+        optimizer=config.optimizer.name,
+        muon_ns_steps=config.optimizer.muon_ns_steps,
+        muon_ns_dtype=config.optimizer.muon_ns_dtype,
     )

@@ -20,6 +20,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from titanlab.config.performance import fused_loss
 from titanlab.components.loss import ScaledLoss, local_value, maybe_loss_parallel
+from titanlab.components import qk_clip
 from titanlab.components.optim import LRSchedulersContainer, OptimizersContainer
 from titanlab.config.job_config import JobConfig
 from titanlab.data.batches import BatchPreparer
@@ -42,7 +43,7 @@ logger = logging.getLogger("titanlab")
 class TrainStep:
     """`train_step` and `validate` over the attributes the Trainer sets (`config`,
     `parallel_dims`, `device`, `rank`, `step`, `model_parts`, `schedule`, `pp_loss`,
-    `has_first`, `has_last`, `teacher`, `loss_fn`, `loss_parallel`, `optimizer`,
+    `model_args`, `has_first`, `has_last`, `teacher`, `loss_fn`, `loss_parallel`, `optimizer`,
     `lr_scheduler`, `batches`, `val_set`, `data_schedule`); `init_step_state` sets the rest."""
 
     config: JobConfig
@@ -51,6 +52,7 @@ class TrainStep:
     rank: int
     step: int
     model_parts: list[torch.nn.Module]
+    model_args: Any
     schedule: Any  # a torch.distributed.pipelining schedule, None without PP
     pp_loss: ScaledLoss | PipelineDistillLoss | None
     has_first: bool
@@ -83,6 +85,10 @@ class TrainStep:
         # multi-token prediction depths train (their loss computed and logged as `mtp_loss`)
         self.trains_mtp = trains_mtp(getattr(self.model_parts[0], "args", None))
         self.moe_metrics: dict[str, torch.Tensor] = {}
+        # MuonClip's QK-clip: every attention records its heads' largest logit of the step
+        self.qk_clip_tau = config.optimizer.qk_clip_threshold
+        if self.qk_clip_tau > 0:
+            qk_clip.install(self.model_parts)
         self.pp_microbatches = (
             config.training.local_batch_size // config.parallelism.pipeline_parallel_microbatch_size
         )
@@ -100,6 +106,8 @@ class TrainStep:
         scaler, which must read the overflow flag.
         """
         self.optimizer.zero_grad()
+        if self.qk_clip_tau > 0:
+            qk_clip.reset(self.model_parts)
         # Pinned batches (CUDA) copy without making the host wait for the device.
         batches = [
             (i.to(self.device, non_blocking=True), t.to(self.device, non_blocking=True))
@@ -152,6 +160,12 @@ class TrainStep:
             mtp = global_sum(self.mtp_loss_sum, self._loss_mesh)
             mtp = global_sum(mtp, self.parallel_dims.mesh("pp")) / global_tokens
             self.moe_metrics["mtp_loss"] = mtp.detach()
+        if self.qk_clip_tau > 0 and stepped:
+            n_layers = self.model_args.n_layers
+            self.moe_metrics.update(qk_clip.clip(self.model_parts, self.qk_clip_tau, n_layers))
+        ns = sum(getattr(opt, "ns_flops", 0) for opt in self.optimizer.optimizers)
+        if ns:  # Muon: this rank's Newton-Schulz work of the step
+            self.moe_metrics["muon/ns_gflop"] = torch.tensor(ns / 1e9)
         return loss.detach(), grad_norm.detach().float()
 
     def _set_microbatch_sync(self, last: bool) -> None:

@@ -224,3 +224,34 @@ def test_the_tp_overhead_is_what_remains_beyond_half_the_block_and_its_collectiv
     # 8 collectives of 1 MB over 2 ranks: 8 × (α + 0.5 MB / β) = 8 × (1 ms + 0.5 ms)
     assert tp_overhead_s(0.050, 0.060, 2, 1000, 250, 4, 1e-3, 1e9) == pytest.approx(0.008)
     assert tp_overhead_s(0.010, 0.060, 2, 1000, 250, 4, 1e-3, 1e9) == 0.0
+
+
+def test_muon_costs_its_newton_schulz_flops_and_all_to_alls():
+    """Muon's step: AdamW's memory traffic less one moment on its matrices, plus the
+    Newton-Schulz FLOPs split over the ranks that shard the matrices, plus two all-to-alls."""
+    from titanlab.components.muon import takes_muon
+    from titanlab.components.muon_sharded import ns_flops
+
+    args = _args("llama3", "8B")
+    shape = ModelShape.of(args)
+    with torch.device("meta"):
+        model = build_model(args)
+    muon = [p for n, p in model.named_parameters() if takes_muon(n, p)]
+    assert shape.muon_params == sum(p.numel() for p in muon)
+    assert shape.muon_ns_flops == sum(ns_flops(tuple(p.shape), 1) for p in muon)
+    lay = Layout(1, 8, 1, 1, None, 1)
+    run = Run(seq_len=8192, global_batch=8)
+    adamw = predict(shape, run, lay, H100)
+    muon_run = dataclasses.replace(run, optimizer="Muon")
+    got = predict(shape, muon_run, lay, H100)
+    eff = H100.efficiency
+    ns_s = 5 * shape.muon_ns_flops / 8 / (H100.flops("bfloat16") * eff.matmul)
+    saved_s = 8 * shape.muon_params / 8 / (H100.memory_bandwidth * eff.optimizer)
+    assert got.optimizer_s == pytest.approx(adamw.optimizer_s + ns_s - saved_s, rel=1e-9)
+    (a2a,) = [c for c in got.comm if c.dim.endswith("(muon)")]
+    assert a2a.kind == "all-to-all" and a2a.group == 8 and a2a.calls == 2
+    assert a2a.bytes == pytest.approx(2 * shape.muon_params * run.grad_bytes / 8)
+    assert not [c for c in adamw.comm if c.dim.endswith("(muon)")]
+    # HSDP: replicas compute the same matrices, no Muon traffic crosses dp_replicate
+    hsdp = predict(shape, muon_run, Layout(2, 4, 1, 1, None, 1), H100)
+    assert [c.group for c in hsdp.comm if c.dim.endswith("(muon)")] == [4]

@@ -12,6 +12,7 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from titanlab.models.common.init import trunc_normal_
 from titanlab.models.common.kv_cache import LayerCache
+from titanlab.models.common.logit_max import max_logits
 from titanlab.models.common.rope import apply_rotary_emb
 
 
@@ -29,6 +30,10 @@ class Attention(nn.Module):
         head_dim: width of one head (even, for RoPE), not necessarily dim // n_heads;
         qk_norm_eps: None for no q/k norm (Llama), else the eps of the per-head RMSNorms
             `q_norm` / `k_norm` over head_dim (Qwen3: Yang et al. 2025, "Qwen3 Technical Report").
+
+    With `record_max_logit` set, each training forward keeps the largest pre-softmax logit of
+    each (local) head so far in `max_logit` ((heads,) float32; `titanlab.components.qk_clip`
+    reads and clears it).
     """
 
     def __init__(
@@ -45,6 +50,8 @@ class Attention(nn.Module):
         if qk_norm_eps is not None:
             self.q_norm = nn.RMSNorm(head_dim, eps=qk_norm_eps)
             self.k_norm = nn.RMSNorm(head_dim, eps=qk_norm_eps)
+        self.record_max_logit = False
+        self.max_logit: torch.Tensor | None = None
 
     def init_weights(self, out_std: float) -> None:
         for w in (self.wq, self.wk, self.wv):
@@ -95,6 +102,9 @@ class Attention(nn.Module):
         if n_rep > 1:  # kv head j serves q heads j*n_rep .. (j+1)*n_rep-1 (repeat_interleave)
             k = k[:, :, :, None, :].expand(-1, -1, -1, n_rep, -1).flatten(2, 3)
             v = v[:, :, :, None, :].expand(-1, -1, -1, n_rep, -1).flatten(2, 3)
+        if self.record_max_logit and kv is None:
+            m = max_logits(q.transpose(1, 2), k.transpose(1, 2), mask)
+            self.max_logit = m if self.max_logit is None else torch.maximum(self.max_logit, m)
         if isinstance(mask, BlockMask):
             out = compiled_flex_attention()(
                 q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=mask
