@@ -1,6 +1,6 @@
 """Speed and memory of the real trainer against a plain PyTorch loop of the same model and batch.
 
-    python tools/benchmark.py [--matrix full|quick|overhead|zero|tp|none] [--steps 20] [--warmup 5] [--decode]
+    python tools/benchmark.py [--matrix full|quick|overhead|zero|tp|muon|none] [--steps 20] [--warmup 5] [--decode]
                               [--repeats 1] [--threads 1] [--out docs/performance.md]
                               [--gpu-8b [--gpu-layers 4]]
 
@@ -30,6 +30,10 @@ closed forms), and the step time; `--repeats` runs per row (default here 5). Wri
 at degrees 4 and 8, one block's communication per collective kind measured on gloo ranks beside
 each mode's closed form, and the loss and gradients against one process. Written to the
 `cpu-tp-modes` block of `--out` (default here docs/parallelism.md).
+
+`--matrix muon`: Muon against AdamW per layout (tools/lib/muon_bench.py): 1 rank, FSDP 2,
+ZeRO-1 2, DDP 2 and TP 2, each optimizer's median step and optimizer time and the ranks'
+Newton–Schulz balance (slowest ÷ mean). Written to the `cpu-muon` block of `--out`.
 
 `--repeats N` runs the whole matrix N times, interleaved (A B A B ...), so slow drifts of a
 shared machine hit every row alike; a row then reports the median over repeats and, in
@@ -133,6 +137,23 @@ def tp_table(out: str, about: str) -> int:
     text = tp_mode_bench.table(results)
     publish(out, "cpu-tp-modes", f"{about}\n\n{tp_mode_bench.DESCRIPTION}\n\n{text}")
     return 0 if tp_mode_bench.all_as_predicted(results) else 1
+
+
+def muon_table(out: str, about: str, repeats: int, steps: int, warmup: int, data_dir: str) -> int:
+    """Measure and publish Muon against AdamW per layout (`tools/lib/muon_bench.py`)."""
+    from tools.lib import muon_bench
+
+    runs: dict[tuple[str, str], list] = {}
+    for k in range(repeats):
+        for layout in muon_bench.LAYOUTS:
+            for optimizer in muon_bench.OPTIMIZERS:
+                print(f"running {layout} · {optimizer} ({k + 1}/{repeats}) ...", flush=True)
+                got = muon_bench.run(layout, optimizer, steps, warmup, data_dir)
+                runs.setdefault((layout, optimizer), []).append(got)
+    results = {key: muon_bench.merge(rs) for key, rs in runs.items()}
+    publish(out, "cpu-muon", f"{about}\n\n{muon_bench.__doc__.split(chr(10) * 2, 1)[1]}\n"
+            f"{muon_bench.render(results)}")  # fmt: skip
+    return 0 if not any(r.error for r in results.values()) else 1
 
 
 def plain_loop(spec: dict) -> dict:
@@ -249,10 +270,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--matrix",
         default="full",
-        choices=["full", "quick", "overhead", "zero", "tp", "none"],
+        choices=["full", "quick", "overhead", "zero", "tp", "muon", "none"],
         help="quick: eager, AC none, fp32, 1 and 2 ranks; overhead: 1 rank vs the "
         "baseline in fp32/bf16, eager/compiled; zero: the ZeRO stage table; tp: the tensor "
-        "parallel mode table; none: only --gpu-8b",
+        "parallel mode table; muon: Muon against AdamW per layout; none: only --gpu-8b",
     )
     p.add_argument(
         "--repeats",
@@ -309,6 +330,8 @@ def main(argv: list[str] | None = None) -> int:
         return zero_table(a.out, about, a.repeats)
     if a.matrix == "tp":
         return tp_table(a.out, about)
+    if a.matrix == "muon":
+        return muon_table(a.out, about, a.repeats, a.steps, a.warmup, info["data_dir"])
     loop = {
         "model": a.model,
         "flavor": "debugmodel",

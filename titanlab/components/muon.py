@@ -25,6 +25,7 @@ each rank does about 1/n of the orthogonalization.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
@@ -112,19 +113,22 @@ def orthogonalized(update: Tensor, ns_steps: int, dtype: torch.dtype = torch.bfl
 
 def orthogonalize_all(
     updates: list[Tensor], ns_steps: int, dtype: torch.dtype = torch.bfloat16
-) -> tuple[list[Tensor], int]:
-    """Each update orthogonalized (`orthogonalized`), and the Newton–Schulz FLOPs this rank
-    spent. A DTensor whose matrices are sharded is assembled on its owner rank and its shards
+) -> tuple[list[Tensor], int, float]:
+    """Each update orthogonalized (`orthogonalized`), and the Newton–Schulz FLOPs and host
+    seconds this rank spent (the compute alone: on CPU its time, on CUDA its launches). A DTensor whose matrices are sharded is assembled on its owner rank and its shards
     returned (`titanlab.components.muon_sharded`); one whose matrices are whole on this rank
     (replicated, or an expert stack split by expert) and a plain tensor are orthogonalized in
     place."""
     out: list[Tensor | None] = [None] * len(updates)
-    flops = 0
+    flops, seconds = 0, 0.0
 
     def piece(t: Tensor) -> Tensor:
-        nonlocal flops
+        nonlocal flops, seconds
         flops += ns_flops(tuple(t.shape), ns_steps)
-        return orthogonalized(t, ns_steps, dtype)
+        start = time.perf_counter()
+        result = orthogonalized(t, ns_steps, dtype)
+        seconds += time.perf_counter() - start
+        return result
 
     sharded, whole = buckets(updates, ns_steps)
     for pos in whole:
@@ -138,7 +142,7 @@ def orthogonalize_all(
     for bucket in sharded:
         for pos, t in orthogonalize_bucket(bucket, updates, piece).items():
             out[pos] = t
-    return [t for t in out if t is not None], flops
+    return [t for t in out if t is not None], flops, seconds
 
 
 class MuonAdamW(torch.optim.AdamW):
@@ -147,7 +151,8 @@ class MuonAdamW(torch.optim.AdamW):
     A Muon group's state per parameter is its momentum buffer ("momentum_buffer", shaped like
     the parameter: one buffer where AdamW keeps two) and its step count ("step", a 0-dim
     float32 tensor as AdamW's, which its state loading requires); an AdamW group's is AdamW's.
-    `ns_flops` is the Newton–Schulz FLOPs this rank spent in the last step.
+    `ns_flops` and `ns_seconds` are the Newton–Schulz FLOPs and host seconds this rank spent in
+    the last step.
     """
 
     def __init__(self, groups: list[dict[str, Any]], cfg: Optimizer, **adamw: Any) -> None:
@@ -164,7 +169,7 @@ class MuonAdamW(torch.optim.AdamW):
             group.setdefault("nesterov", cfg.muon_nesterov)
             group.setdefault("ns_steps", cfg.muon_ns_steps)
             group.setdefault("ns_dtype", cfg.muon_ns_dtype)
-        self.ns_flops = 0
+        self.ns_flops, self.ns_seconds = 0, 0.0
 
     @torch.no_grad()
     def step(self, closure=None):  # type: ignore[override]
@@ -174,7 +179,7 @@ class MuonAdamW(torch.optim.AdamW):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self.ns_flops = 0
+        self.ns_flops, self.ns_seconds = 0, 0.0
         for group in self.param_groups:
             if group["muon"]:
                 self._muon_step(group)
@@ -201,8 +206,9 @@ class MuonAdamW(torch.optim.AdamW):
             params.append(p)
             updates.append(p.grad.lerp(buf, m) if group["nesterov"] else buf)
         dtype = getattr(torch, group["ns_dtype"])
-        updates, flops = orthogonalize_all(updates, group["ns_steps"], dtype)
+        updates, flops, seconds = orthogonalize_all(updates, group["ns_steps"], dtype)
         self.ns_flops += flops
+        self.ns_seconds += seconds
         for p, update in zip(params, updates, strict=True):
             adjusted = _adjust_lr(lr, "match_rms_adamw", p.shape[-2:])
             p.mul_(1 - lr * wd)
@@ -242,3 +248,28 @@ class MuonAdamW(torch.optim.AdamW):
             found_inf=getattr(self, "found_inf", None),
             decoupled_weight_decay=group["decoupled_weight_decay"],
         )
+
+
+TIMES_ENV = "TITANLAB_MUON_TIMES"
+"""Set to a path prefix and the trainer appends each step's optimizer and Newton–Schulz host
+seconds of each rank to `<prefix>.rank<r>.jsonl` (`tools/benchmark.py --matrix muon` reads
+them to compare the ranks' work)."""
+
+
+def record_times(rank: int, step: int, optimizers: list, optimizer_s: float) -> None:
+    """Append this rank's `{"step", "optimizer_s", "ns_s", "ns_gflop"}` to the file `TIMES_ENV`
+    names (nothing when it is unset)."""
+    import json
+    import os
+
+    prefix = os.environ.get(TIMES_ENV)
+    if not prefix:
+        return
+    record = {
+        "step": step,
+        "optimizer_s": optimizer_s,
+        "ns_s": sum(getattr(o, "ns_seconds", 0.0) for o in optimizers),
+        "ns_gflop": sum(getattr(o, "ns_flops", 0) for o in optimizers) / 1e9,
+    }
+    with open(f"{prefix}.rank{rank}.jsonl", "a", encoding="utf-8") as f:
+        f.write(json.dumps(record) + "\n")

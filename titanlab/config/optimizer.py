@@ -58,7 +58,7 @@ class Optimizer:
     qk_clip_threshold: float = -1.0
     """MuonClip's QK-clip τ (Kimi K2, arXiv:2507.20534): after each step, the query and key
     weights of a head whose largest pre-softmax logit of the step exceeded τ are rescaled so
-    that it falls back to τ (`titanlab.components.qk_clip`; Kimi K2 used 100). -1: off. Costs
+    that it falls back to τ (`titanlab.distributed.qk_clip`; Kimi K2 used 100). -1: off. Costs
     one more q·kᵀ per attention (the logits are not kept by SDPA)."""
 
     def validate(self) -> None:

@@ -312,7 +312,7 @@ def check_parallel_layout(
     from titanlab.components.builders import batch_layout  # components imports the data stack
 
     from titanlab.components.muon import check_muon
-    from titanlab.components.qk_clip import check_qk_clip
+    from titanlab.distributed.qk_clip import check_qk_clip
 
     validate_tp_mode(config, model_args)
     # What Muon and QK-clip do not take yet (2D / 3D TP, ...): no degree fixes it either

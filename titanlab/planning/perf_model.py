@@ -66,6 +66,7 @@ from titanlab.planning.comm_model import (  # noqa: F401 (MESH_ORDER, intra_node
     intra_node,
 )
 from titanlab.planning.layouts import Layout
+from titanlab.planning.optimizer_cost import optimizer_seconds
 
 DP_DIMS = ("dp_shard", "dp_shard+cp", "dp_replicate")
 """The mesh dimensions whose collectives overlap the compute together (one link, one window)."""
@@ -343,7 +344,7 @@ def predict(shape: ModelShape, run: Run, lay: Layout, cluster: Cluster) -> Predi
     else:
         _set_exposed(comm, compute_s, lay, work, cluster.device_type)
     shard = lay.tp * lay.pp * (lay.dp_shard * lay.cp if lay.zero_stage >= 1 else 1)
-    optimizer_s = optimizer_seconds(shape, run, shard, cluster)
+    optimizer_s = optimizer_seconds(shape, run, shard, cluster)  # optimizer_cost.py
     split_s = cluster.split_backward_s * split_blocks(shape, run, lay, work) * slowdown
     # measured with every rank running (the shared cores' slowdown included)
     tp_s = cluster.tp_block_s * work.blocks * work.microbatches if lay.tp > 1 else 0.0
@@ -360,23 +361,6 @@ def predict(shape: ModelShape, run: Run, lay: Layout, cluster: Cluster) -> Predi
         tokens_per_s_per_device=tokens_global / step_s / world, split_backward_s=split_s,
         tp_overhead_s=tp_s, fsdp_overhead_s=fsdp_s,
     )  # fmt: skip
-
-
-def optimizer_seconds(shape: ModelShape, run: Run, shard: int, cluster: Cluster) -> float:
-    """The update's memory traffic over `shard` ranks: AdamW reads and writes ~28 bytes per
-    parameter (fp32 weight, gradient, two moments), Muon's matrices ~20 (one momentum buffer);
-    plus Muon's Newton–Schulz FLOPs (ns_steps iterations of `ModelShape.muon_ns_flops`), which
-    the owner-balanced orthogonalization splits over the same ranks (HSDP's replicas each
-    compute them: `titanlab.components.muon_sharded`), at the matmul peak of its dtype."""
-    eff = cluster.efficiency
-    muon = shape.muon_params if run.optimizer == "Muon" else 0
-    nbytes = 28 * (shape.total_params - muon) + 20 * muon
-    seconds = nbytes / shard / (cluster.memory_bandwidth * eff.optimizer)
-    if muon:
-        flops = shape.muon_ns_flops * run.muon_ns_steps
-        peak = cluster.peak_flops.get(run.muon_ns_dtype) or max(cluster.peak_flops.values())
-        seconds += flops / shard / (peak * eff.matmul)
-    return seconds
 
 
 def split_blocks(shape: ModelShape, run: Run, lay: Layout, work: _Work) -> int:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -20,7 +21,8 @@ from torch.distributed.fsdp import FSDPModule
 
 from titanlab.config.performance import fused_loss
 from titanlab.components.loss import ScaledLoss, local_value, maybe_loss_parallel
-from titanlab.components import qk_clip
+from titanlab.distributed import qk_clip
+from titanlab.components.muon import record_times
 from titanlab.components.optim import LRSchedulersContainer, OptimizersContainer
 from titanlab.config.job_config import JobConfig
 from titanlab.data.batches import BatchPreparer
@@ -147,7 +149,10 @@ class TrainStep:
         if self.scaler is not None:
             stepped = self._scaled_step()
         else:
+            start = time.perf_counter()
             self.optimizer.step()
+            record_times(self.rank, self.step, self.optimizer.optimizers,
+                         time.perf_counter() - start)  # fmt: skip
             stepped = True
         precompute_scales(self.model_parts, self.config.float8, self.parallel_dims.fsdp_enabled)
         self.lr_scheduler.step()

@@ -59,7 +59,7 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
         bks, _ = buckets(updates, 5)
         want_bytes = sum(comm_bytes(b, 4) for b in bks)
         with CommCounter() as counter:
-            got, flops = orthogonalize_all(updates, 5, torch.float32)
+            got, flops, _ = orthogonalize_all(updates, 5, torch.float32)
         errors = [
             (g.full_tensor() - orthogonalized(w, 5, torch.float32)).abs().max().item()
             for g, w in zip(got, wholes, strict=True)

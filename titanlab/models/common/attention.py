@@ -32,7 +32,7 @@ class Attention(nn.Module):
             `q_norm` / `k_norm` over head_dim (Qwen3: Yang et al. 2025, "Qwen3 Technical Report").
 
     With `record_max_logit` set, each training forward keeps the largest pre-softmax logit of
-    each (local) head so far in `max_logit` ((heads,) float32; `titanlab.components.qk_clip`
+    each (local) head so far in `max_logit` ((heads,) float32; `titanlab.distributed.qk_clip`
     reads and clears it).
     """
 

@@ -1,4 +1,4 @@
-"""MuonClip's QK-clip (titanlab.components.qk_clip): the recorded logit maxima, the rescaling of
+"""MuonClip's QK-clip (titanlab.distributed.qk_clip): the recorded logit maxima, the rescaling of
 the heads over τ (and of no other), and the refusals."""
 
 import dataclasses
@@ -8,7 +8,7 @@ import re
 import pytest
 import torch
 
-from titanlab.components import qk_clip
+from titanlab.distributed import qk_clip
 from titanlab.config.job_config import ConfigError, JobConfig
 from titanlab.models.common.logit_max import max_logits
 from titanlab.models.registry import build_model, get_family
