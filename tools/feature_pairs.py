@@ -8,7 +8,8 @@ process or is refused before launch.
 
 A *factor* is one option family (the model, the 2-rank layout, PEFT, distillation, compile,
 activation checkpointing, precision, float8, the loss (plain, or the chunked fused linear +
-cross-entropy), the data); a *level* is one value of it, written as
+cross-entropy), the data, the optimizer (AdamW or Muon)); a *level* is one value of it,
+written as
 the command-line options that select it. For every pair of levels of two factors, the trainer's
 own pre-flight (`titanlab.planning.preflight.check`, the function `run_train.sh` calls) decides on a
 2-rank run whether it is supported; everything else stays at its factor's first level.

@@ -88,17 +88,45 @@ MUON = [*MUON_OPTIONS, "--training.steps", "4", "--training.global_batch_size", 
         "--checkpoint.enable", "false"]  # fmt: skip
 
 
-def test_muon_resume_is_bitwise_exact(train, tmp_path):
-    ckpt = checkpoint_every(3, "--checkpoint.keep_latest_k", "0")
-    args = [*MUON[:4], *CONSTANT_LR, *ckpt]  # bfloat16 Newton-Schulz: bitwise all the same
+def _run_train(tiny_dataset, dump, *extra, env=None):
+    import subprocess
+
+    from conftest import REPO
+
+    cmd = [os.path.join(REPO, "run_train.sh"), "train_configs/debug_model.toml",
+           "--training.seq_len", "64", "--training.local_batch_size", "2",
+           "--metrics.log_freq", "1", "--validation.enable", "false",
+           "--debug.deterministic", "true", "--checkpoint.keep_latest_k", "0",
+           "--checkpoint.export_at_end", "false", "--checkpoint.interval", "4",
+           "--data.dataset_path", tiny_dataset, "--job.dump_folder", dump,
+           *CONSTANT_LR, *MUON_OPTIONS[:4], "--training.steps", "8", *extra]  # fmt: skip
+    env = dict(os.environ, NGPU="2", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env or {}))
+    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+
+
+def test_muon_killed_rank_resumes_bit_for_bit(tiny_dataset, tmp_path):
+    """kill -9 of a rank after the step-4 checkpoint: torchrun restarts the group, which loads
+    the momentum buffers (DTensors in the checkpoint) and trains steps 5-8 bit for bit as the
+    straight run (bfloat16 Newton-Schulz, the default: the same reduction order)."""
+    import signal
+
+    from conftest import wait_for, worker_pid
+    from titanlab.checkpoint import store
+
     straight = str(tmp_path / "straight")
-    train(2, *args, "--training.steps", "6", dump=straight).check()
-    resumed = str(tmp_path / "resumed")
-    train(2, *args, "--training.steps", "3", dump=resumed).check()
-    second = train(2, *args, "--training.steps", "6", dump=resumed).check()
-    assert "step-3" in second.stdout and sorted(second.losses) == [4, 5, 6]
-    want, got = read_metrics(straight), read_metrics(resumed)
-    assert [got[s] for s in range(1, 7)] == [want[s] for s in range(1, 7)]  # bitwise
+    run = _run_train(tiny_dataset, straight)
+    assert run.wait(timeout=600) == 0, run.stderr.read()[-3000:]
+    killed = str(tmp_path / "killed")
+    run = _run_train(tiny_dataset, killed, env={"MAX_RESTARTS": "1", "LOG_RANK": "0,1"})
+    step4 = os.path.join(killed, "checkpoint", "step-4")
+    wait_for(lambda: os.path.isdir(step4) and store.incomplete_reason(step4) is None)
+    os.kill(worker_pid(1, killed), signal.SIGKILL)
+    _, err = run.communicate(timeout=600)
+    assert run.returncode == 0, err[-4000:]
+    want, got = read_metrics(straight), read_metrics(killed)
+    assert sorted(got) == list(range(1, 9))
+    assert [got[s] for s in range(5, 9)] == [want[s] for s in range(5, 9)]  # bitwise
 
 
 def test_muon_saved_on_fsdp2_resumes_on_tp2(train, tmp_path):

@@ -317,10 +317,7 @@ def check_parallel_layout(
     validate_tp_mode(config, model_args)
     # What Muon and QK-clip do not take yet (2D / 3D TP, ...): no degree fixes it either
     check_muon(config)
-    check_qk_clip(
-        config, bool(getattr(model_args, "qk_norm", False)),
-        getattr(model_args, "attention_type", "gqa"),
-    )  # fmt: skip
+    check_qk_clip(config, bool(getattr(model_args, "qk_norm", False)))
     dims = ParallelDims.from_config(config.parallelism, world_size)
     batch_layout(config, dims.dp_degree)
     validate_layout(config, dims, model_args, device_type)

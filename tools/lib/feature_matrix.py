@@ -159,6 +159,15 @@ FACTORS: dict[str, tuple[Level, ...]] = {
         Level("data", "document_mask", ("--data.document_mask", "true")),
         Level("data", "chat", ("--data.dataset_path", "{chat}")),
     ),
+    "optimizer": (
+        Level("optimizer", "adamw"),
+        # float32 Newton-Schulz: layouts agree with one process within 1e-5 (bfloat16's ~1e-3)
+        Level(
+            "optimizer",
+            "muon",
+            ("--optimizer.name", "Muon", "--optimizer.muon_ns_dtype", "float32"),
+        ),  # fmt: skip
+    ),
 }
 FIRST = {factor: levels[0] for factor, levels in FACTORS.items()}
 

@@ -94,6 +94,54 @@ def test_a_head_over_tau_falls_back_to_tau_and_no_other_logit_moves(kv_heads):
         torch.testing.assert_close(attn.wq.weight[sibling], wq_before[sibling] / math.sqrt(gamma))
 
 
+def test_mla_head_over_tau_scales_its_nope_rows_by_root_gamma_and_rope_rows_by_gamma():
+    """Kimi K2's rule for multi-head latent attention: q_C and k_C × √γ, q_R × γ, the shared
+    k_R (wkv_a) and the values untouched; the head's logit falls back to τ."""
+    args = get_family("deepseek_v3").flavors["debugmodel"]
+    args = dataclasses.replace(args, vocab_size=64, max_seq_len=16)
+    torch.manual_seed(0)
+    model = build_model(args)
+    model.init_weights()
+    attn = model.layers["1"].attention
+    wq = attn.wq if attn.wq is not None else attn.wq_b
+    hot, per_head = 1, attn.qk_head_dim
+    with torch.no_grad():
+        wq.weight[hot * per_head : (hot + 1) * per_head] *= 30
+    qk_clip.install([model])
+    tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
+    before = _recorded(model, tokens)
+    tau = float(before[1, hot]) / 3
+    others = before[:2].clone()
+    others[1, hot] = float("-inf")
+    assert others.max() < tau
+    q0, kv_b0, kv_a0 = wq.weight.clone(), attn.wkv_b.weight.clone(), attn.wkv_a.weight.clone()
+    _recorded(model, tokens)
+    qk_clip.clip([model], tau, n_layers=len(model.layers))
+    after = _recorded(model, tokens)
+    assert abs(after[1, hot] - tau) <= 1e-5 * tau
+    mask = torch.ones_like(after[:2], dtype=torch.bool)
+    mask[1, hot] = False
+    torch.testing.assert_close(after[:2][mask], before[:2][mask], rtol=1e-5, atol=0)
+    gamma = tau / float(before[1, hot])
+    nope, rope = attn.qk_nope_head_dim, attn.qk_rope_head_dim
+    start = hot * per_head
+    torch.testing.assert_close(
+        wq.weight[start : start + nope], q0[start : start + nope] * gamma**0.5
+    )
+    torch.testing.assert_close(wq.weight[start + nope : start + nope + rope],
+                               q0[start + nope : start + nope + rope] * gamma)  # fmt: skip
+    kv_head = nope + attn.v_head_dim
+    start = hot * kv_head
+    torch.testing.assert_close(attn.wkv_b.weight[start : start + nope],
+                               kv_b0[start : start + nope] * gamma**0.5)  # fmt: skip
+    assert torch.equal(attn.wkv_b.weight[start + nope : start + kv_head],
+                       kv_b0[start + nope : start + kv_head])  # the values  # fmt: skip
+    assert torch.equal(attn.wkv_a.weight, kv_a0)  # the shared rotary key
+    untouched = torch.ones(q0.shape[0], dtype=torch.bool)
+    untouched[hot * per_head : (hot + 1) * per_head] = False
+    assert torch.equal(wq.weight[untouched], q0[untouched])
+
+
 def _config(*args: str) -> JobConfig:
     from titanlab.config.manager import build_config
 
@@ -113,24 +161,22 @@ def test_threshold_out_of_range_is_one_line(args, words):
 
 
 @pytest.mark.parametrize(
-    "args, qk_norm, attention, words",
+    "args, qk_norm, words",
     [
-        (["--model.name", "qwen3"], True, "gqa", "QK-norm"),
-        (["--model.name", "deepseek_v3"], False, "mla", "multi-head latent attention"),
-        (["--parallelism.context_parallel_degree", "2"], False, "gqa", "context_parallel"),
-        (["--parallelism.tensor_parallel_mode", "2d"], False, "gqa", "tensor_parallel_mode=2d"),
-        (["--peft.method", "lora"], False, "gqa", "peft.method=lora"),
+        (["--model.name", "qwen3"], True, "QK-norm"),
+        (["--parallelism.context_parallel_degree", "2"], False, "context_parallel"),
+        (["--parallelism.tensor_parallel_mode", "2d"], False, "tensor_parallel_mode=2d"),
+        (["--peft.method", "lora"], False, "peft.method=lora"),
         (
             ["--compile.enable", "true", "--activation_checkpoint.mode", "full"],
             False,
-            "gqa",
             "activation_checkpoint.mode=full",
         ),
     ],
 )
-def test_what_qk_clip_does_not_take_is_refused_in_one_line(args, qk_norm, attention, words):
+def test_what_qk_clip_does_not_take_is_refused_in_one_line(args, qk_norm, words):
     config = _config("--optimizer.qk_clip_threshold", "50", *args)
     with pytest.raises(ConfigError) as e:
-        qk_clip.check_qk_clip(config, qk_norm, attention)
+        qk_clip.check_qk_clip(config, qk_norm)
     assert words in str(e.value) and "optimizer.qk_clip_threshold=50" in str(e.value)
     assert "\n" not in str(e.value)

@@ -13,8 +13,11 @@ CHUNK_ELEMENTS = 1 << 24
 
 
 @torch.no_grad()
-def max_logits(q: torch.Tensor, k: torch.Tensor, mask: Any = None) -> torch.Tensor:
-    """max over batch, queries and allowed keys of q·kᵀ/√head_dim, per head.
+def max_logits(
+    q: torch.Tensor, k: torch.Tensor, mask: Any = None, scale: float | None = None
+) -> torch.Tensor:
+    """max over batch, queries and allowed keys of q·kᵀ·scale (default 1/√head_dim, SDPA's),
+    per head.
 
     q: (bs, heads, seq, head_dim); k: (bs, heads, kv_len, head_dim) (kv heads already repeated
     to the query heads); mask: None for causal, a (bs, 1, seq, kv_len) bool SDPA mask (True:
@@ -30,7 +33,9 @@ def max_logits(q: torch.Tensor, k: torch.Tensor, mask: Any = None) -> torch.Tens
     cols = torch.arange(kv_len, device=q.device)
     for start in range(0, seq, rows):
         stop = min(start + rows, seq)
-        scores = (q[:, :, start:stop].float() @ k.float().transpose(-1, -2)) * head_dim**-0.5
+        scores = (q[:, :, start:stop].float() @ k.float().transpose(-1, -2)) * (
+            scale if scale is not None else head_dim**-0.5
+        )
         if mask is None:  # causal: query i sees keys 0..i
             allowed = cols[None, :] <= torch.arange(start, stop, device=q.device)[:, None]
         else:

@@ -33,6 +33,7 @@ from torch.nn.attention.flex_attention import BlockMask
 
 from titanlab.models.common.attention import compiled_flex_attention
 from titanlab.models.common.init import trunc_normal_
+from titanlab.models.common.logit_max import max_logits
 from titanlab.models.common.kv_cache import LayerCache
 from titanlab.models.common.rope import apply_rotary_emb
 
@@ -72,6 +73,8 @@ class MLAttention(nn.Module):
         self.qk_head_dim = qk_nope_head_dim + qk_rope_head_dim
         self.kv_lora_rank, self.v_head_dim = kv_lora_rank, v_head_dim
         self.softmax_scale = softmax_scale
+        self.record_max_logit = False  # as `Attention`'s (titanlab.distributed.qk_clip)
+        self.max_logit: torch.Tensor | None = None
         self.wq: nn.Linear | None = None
         self.wq_a: nn.Linear | None = None
         self.q_a_norm: nn.RMSNorm | None = None
@@ -144,6 +147,9 @@ class MLAttention(nn.Module):
         k = torch.cat((k_nope, k_rope.expand(-1, -1, heads, -1)), dim=-1).transpose(1, 2)
         v = v.transpose(1, 2)  # (bs, heads, kv_len, v_head_dim)
         scale = self.softmax_scale
+        if self.record_max_logit and kv is None:
+            m = max_logits(q, k, mask, scale)
+            self.max_logit = m if self.max_logit is None else torch.maximum(self.max_logit, m)
         if isinstance(mask, BlockMask):
             out = compiled_flex_attention()(q, k, v, block_mask=mask, scale=scale)
         elif mask is None:
