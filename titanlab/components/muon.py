@@ -52,12 +52,9 @@ def check_muon(config: JobConfig) -> None:
     """What Muon does not take yet, refused before launch with one line (ConfigError)."""
     if config.optimizer.name != "Muon":
         return
-    p = config.parallelism
     refused = {
         "peft.method=lora (the adapters' A and B)": config.peft.method == "lora",
         "float8.enable=true (float8 Linear weights)": config.float8.enable,
-        f"parallelism.tensor_parallel_mode={p.tensor_parallel_mode} (its weights are not "
-        "DTensors, so no rank holds a whole matrix)": p.tensor_parallel_mode != "1d",
         "rl.algorithm": config.rl.algorithm != "none",
     }
     for what, on in refused.items():

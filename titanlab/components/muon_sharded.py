@@ -75,9 +75,17 @@ class Layout:
 
     piece_shape: tuple[int, ...]
     indices: tuple[Tensor, ...]
+    spans: tuple[slice | None, ...] = ()
+    """Per group rank, the same elements as a slice where they are one contiguous run (Shard(0)
+    of a matrix: FSDP's and colwise TP's pieces), so they are copied without an index."""
 
     def piece_numel(self) -> int:
         return math.prod(self.piece_shape)
+
+    def where(self, rank: int) -> Tensor | slice:
+        """Rank `rank`'s elements of the flattened piece: a slice, else the index tensor."""
+        span = self.spans[rank] if self.spans else None
+        return span if span is not None else self.indices[rank]
 
 
 def _layout_of(update: DTensor, dims: tuple[int, ...]) -> Layout:
@@ -99,7 +107,18 @@ def _split_indices(
             for piece in pieces
             for c in placement._split_tensor(piece, n, with_padding=False)[0]  # type: ignore[attr-defined]
         ]
-    return Layout(piece_shape, tuple(p.reshape(-1) for p in pieces))
+    flat = tuple(p.reshape(-1) for p in pieces)
+    return Layout(piece_shape, flat, tuple(_as_span(i) for i in flat))
+
+
+def _as_span(indices: Tensor) -> slice | None:
+    n = indices.numel()
+    if n == 0:
+        return slice(0, 0)
+    first = int(indices[0])
+    if int(indices[-1]) - first + 1 == n and bool((indices.diff() == 1).all()):
+        return slice(first, first + n)
+    return None
 
 
 def owners(costs: list[int], n: int) -> list[int]:
@@ -222,12 +241,13 @@ def orthogonalize_bucket(
     pieces: dict[int, Tensor] = {i: like.new_empty(bucket.layouts[i].piece_numel()) for i in owned}
     for s in range(n):
         for i in owned:
-            where = bucket.layouts[i].indices[s]
+            where = bucket.layouts[i].where(s)
             if s == me:
                 pieces[i][where] = mine[i]
             else:
-                pieces[i][where] = arrived[offset : offset + where.numel()]
-                offset += where.numel()
+                n_s = bucket.layouts[i].indices[s].numel()
+                pieces[i][where] = arrived[offset : offset + n_s]
+                offset += n_s
     for i in owned:
         pieces[i] = fn(pieces[i].view(bucket.layouts[i].piece_shape)).reshape(-1).to(like.dtype)
 
@@ -235,7 +255,7 @@ def orthogonalize_bucket(
     send = [[] for _ in range(n)]
     for d in range(n):
         if d != me:
-            send[d] = [pieces[i][bucket.layouts[i].indices[d]] for i in owned]
+            send[d] = [pieces[i][bucket.layouts[i].where(d)] for i in owned]
     recv = [
         0 if s == me else sum(mine[i].numel() for i in idx if bucket.owner[i] == s)
         for s in range(n)
@@ -245,7 +265,7 @@ def orthogonalize_bucket(
     for i in idx:
         pos, s = bucket.items[i], bucket.owner[i]
         if s == me:
-            flat = pieces[i][bucket.layouts[i].indices[me]]
+            flat = pieces[i][bucket.layouts[i].where(me)]
         else:
             flat = arrived[starts[s] : starts[s] + mine[i].numel()]
             starts[s] += mine[i].numel()

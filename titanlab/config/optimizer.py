@@ -83,6 +83,16 @@ class Optimizer:
             f"optimizer.muon_weight_decay={self.muon_weight_decay} must be >= 0 (or -1: "
             "optimizer.weight_decay)",
         )
+        if self.name != "Muon":  # options of Muon's groups, which AdamW alone has none of
+            defaults = Optimizer()
+            for key in ("muon_lr", "muon_weight_decay", "muon_momentum", "muon_nesterov",
+                        "muon_ns_steps", "muon_ns_dtype"):  # fmt: skip
+                value = getattr(self, key)
+                _require(
+                    value == getattr(defaults, key),
+                    f"optimizer.{key}={value} sets Muon's parameter groups, and "
+                    f"optimizer.name={self.name} has none; set optimizer.name=Muon or drop it",
+                )
         _require(self.lr > 0, f"optimizer.lr={self.lr} must be > 0")
         _require(0 <= self.beta1 < 1, f"optimizer.beta1={self.beta1} must be in [0, 1)")
         _require(0 <= self.beta2 < 1, f"optimizer.beta2={self.beta2} must be in [0, 1)")

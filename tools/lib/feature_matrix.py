@@ -166,7 +166,7 @@ FACTORS: dict[str, tuple[Level, ...]] = {
             "optimizer",
             "muon",
             ("--optimizer.name", "Muon", "--optimizer.muon_ns_dtype", "float32"),
-        ),  # fmt: skip
+        ),
     ),
 }
 FIRST = {factor: levels[0] for factor, levels in FACTORS.items()}

@@ -3,9 +3,9 @@
 Each layout trains `make train`'s job shape (the debug model, seq 256, global batch 16, fp32,
 eager) with AdamW and with Muon (bfloat16 Newton–Schulz, torch.optim.Muon's default), runs
 interleaved per repeat. A row gives the median step time of each, their ratio, the optimizer
-step's median seconds, and for Muon each rank's median Newton–Schulz compute seconds (the
-owner-balanced split: `titanlab.components.muon_sharded`) as slowest ÷ mean rank, read from
-`TITANLAB_MUON_TIMES`.
+step's median seconds (the slowest rank's), and for Muon the ranks' median Newton–Schulz compute
+seconds (the owner-balanced split: `titanlab.components.muon_sharded`), their mean and the
+slowest rank ÷ the mean, read from `TITANLAB_MUON_TIMES`.
 """
 
 from __future__ import annotations
@@ -94,28 +94,29 @@ def merge(runs: list[Measured]) -> Measured:
     return out
 
 
-def balance(m: Measured) -> float:
-    """Slowest rank's median Newton–Schulz seconds ÷ the ranks' mean."""
+def balance(m: Measured) -> tuple[float, float]:
+    """The ranks' mean of their median Newton–Schulz seconds, and the slowest rank's ÷ it."""
     per_rank = [_median(xs) for xs in m.ns_s.values()]
     mean = sum(per_rank) / len(per_rank) if per_rank else float("nan")
-    return max(per_rank) / mean if mean else float("nan")
+    return mean, (max(per_rank) / mean if mean else float("nan"))
 
 
 def render(results: dict[tuple[str, str], Measured]) -> str:
     """The Markdown table: a row per layout."""
     lines = [
         "| layout | AdamW step (s) | Muon step (s) | Muon ÷ AdamW | AdamW optimizer (s) | "
-        "Muon optimizer (s) | Muon Newton–Schulz, slowest ÷ mean rank |",
-        "|---|---|---|---|---|---|---|",
+        "Muon optimizer (s) | Newton–Schulz (s), mean rank | slowest ÷ mean rank |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for layout in LAYOUTS:
         a, m = results[(layout, "AdamW")], results[(layout, "Muon")]
         if a.error or m.error:
-            lines.append(f"| {layout} | {a.error or '-'} | {m.error or '-'} | | | | |")
+            lines.append(f"| {layout} | {a.error or '-'} | {m.error or '-'} | | | | | |")
             continue
         sa, sm = _median(a.step_s), _median(m.step_s)
         oa = max(_median(xs) for xs in a.optimizer_s.values())
         om = max(_median(xs) for xs in m.optimizer_s.values())
+        ns, slowest = balance(m)
         lines.append(f"| {layout} | {sa:.3f} | {sm:.3f} | {sm / sa:.2f}× | {oa:.3f} | "
-                     f"{om:.3f} | {balance(m):.2f} |")  # fmt: skip
+                     f"{om:.3f} | {ns:.3f} | {slowest:.2f} |")  # fmt: skip
     return "\n".join(lines)

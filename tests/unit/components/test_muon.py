@@ -113,9 +113,21 @@ def test_bad_muon_options_are_one_line(field, value, says):
     [
         ("peft", "method", "lora", "peft.method=lora"),
         ("float8", "enable", True, "float8.enable=true"),
-        ("parallelism", "tensor_parallel_mode", "2d", "parallelism.tensor_parallel_mode=2d"),
+        ("rl", "algorithm", "grpo", "rl.algorithm"),
     ],
 )
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("muon_lr", 0.02), ("muon_momentum", 0.9), ("muon_ns_steps", 3), ("muon_ns_dtype", "float32")],
+)
+def test_a_muon_option_without_muon_is_one_line(field, value):
+    cfg = dataclasses.replace(Optimizer(), **{field: value})  # optimizer.name AdamW
+    with pytest.raises(ConfigError) as e:
+        cfg.validate()
+    assert f"optimizer.{field}={value}" in str(e.value) and "optimizer.name=AdamW" in str(e.value)
+    assert "\n" not in str(e.value)
+
+
 def test_what_muon_does_not_take_yet_is_one_line_before_launch(section, field, value, says):
     from titanlab.components.muon import check_muon
 
