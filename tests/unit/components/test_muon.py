@@ -109,14 +109,6 @@ def test_bad_muon_options_are_one_line(field, value, says):
 
 
 @pytest.mark.parametrize(
-    ("section", "field", "value", "says"),
-    [
-        ("peft", "method", "lora", "peft.method=lora"),
-        ("float8", "enable", True, "float8.enable=true"),
-        ("rl", "algorithm", "grpo", "rl.algorithm"),
-    ],
-)
-@pytest.mark.parametrize(
     ("field", "value"),
     [("muon_lr", 0.02), ("muon_momentum", 0.9), ("muon_ns_steps", 3), ("muon_ns_dtype", "float32")],
 )
@@ -128,6 +120,14 @@ def test_a_muon_option_without_muon_is_one_line(field, value):
     assert "\n" not in str(e.value)
 
 
+@pytest.mark.parametrize(
+    ("section", "field", "value", "says"),
+    [
+        ("peft", "method", "lora", "peft.method=lora"),
+        ("float8", "enable", True, "float8.enable=true"),
+        ("rl", "algorithm", "grpo", "rl.algorithm"),
+    ],
+)
 def test_what_muon_does_not_take_yet_is_one_line_before_launch(section, field, value, says):
     from titanlab.components.muon import check_muon
 
