@@ -158,3 +158,13 @@ def test_float32_newton_schulz_is_torchs_iteration_without_bfloat16_rounding():
     # singular values pushed towards 1 (the orthogonalization), from the scaled gradient's
     s = torch.linalg.svdvals(ours)
     assert s.min() > 0.5 and s.max() < 1.3
+
+
+def test_an_unknown_optimizer_name_is_one_line_with_did_you_mean():
+    from titanlab.config.manager import build_config
+
+    with pytest.raises(ConfigError) as e:
+        build_config(["--optimizer.name", "muon"])
+    assert str(e.value) == (
+        "optimizer.name='muon' is not valid; valid: AdamW, Muon; did you mean 'Muon'?"
+    )
