@@ -112,10 +112,10 @@ def orthogonalize_all(
     updates: list[Tensor], ns_steps: int, dtype: torch.dtype = torch.bfloat16
 ) -> tuple[list[Tensor], int, float]:
     """Each update orthogonalized (`orthogonalized`), and the Newton–Schulz FLOPs and host
-    seconds this rank spent (the compute alone: on CPU its time, on CUDA its launches). A DTensor whose matrices are sharded is assembled on its owner rank and its shards
-    returned (`titanlab.components.muon_sharded`); one whose matrices are whole on this rank
-    (replicated, or an expert stack split by expert) and a plain tensor are orthogonalized in
-    place."""
+    seconds this rank spent (the compute alone: on CPU its time, on CUDA its launches). A
+    DTensor whose matrices are sharded is assembled on its owner rank and its shards returned
+    (`titanlab.components.muon_sharded`); one whose matrices are whole on this rank (replicated,
+    or an expert stack split by expert) and a plain tensor are orthogonalized in place."""
     out: list[Tensor | None] = [None] * len(updates)
     flops, seconds = 0, 0.0
 

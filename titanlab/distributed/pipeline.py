@@ -18,9 +18,8 @@ from typing import TYPE_CHECKING
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining import schedules as S
 
-from titanlab.distributed import qk_clip
 from titanlab.config.job_config import ConfigError
-from titanlab.distributed import moe_stats
+from titanlab.distributed import moe_stats, qk_clip
 from titanlab.peft.qlora import to_empty_keeping_quantized
 
 if TYPE_CHECKING:

@@ -304,18 +304,15 @@ def apply_layout(config: JobConfig, layout: Layout, global_batch_size: int) -> J
 def check_parallel_layout(
     config: JobConfig, world_size: int, model_args, device_type: str
 ) -> ParallelDims:
-    """The layout checks of the trainer's pre-flight: what the tensor-parallel mode does not
-    take (`validate_tp_mode`: no degree fixes it, so it comes first) and what Muon does not
-    take (`check_muon`), degrees against the world
-    size, batch split, and `validate_layout`. Returns the ParallelDims; raises ConfigError (one
-    line)."""
+    """The layout checks of the trainer's pre-flight: what the tensor-parallel mode, Muon and
+    QK-clip do not take (`validate_tp_mode`, `check_muon`, `check_qk_clip`: no degree fixes
+    them, so they come first), degrees against the world size, batch split, and
+    `validate_layout`. Returns the ParallelDims; raises ConfigError (one line)."""
     from titanlab.components.builders import batch_layout  # components imports the data stack
-
     from titanlab.components.muon import check_muon
     from titanlab.distributed.qk_clip import check_qk_clip
 
     validate_tp_mode(config, model_args)
-    # What Muon and QK-clip do not take yet (2D / 3D TP, ...): no degree fixes it either
     check_muon(config)
     check_qk_clip(config, bool(getattr(model_args, "qk_norm", False)))
     dims = ParallelDims.from_config(config.parallelism, world_size)

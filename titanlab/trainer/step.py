@@ -21,14 +21,13 @@ from torch.distributed.fsdp import FSDPModule
 
 from titanlab.config.performance import fused_loss
 from titanlab.components.loss import ScaledLoss, local_value, maybe_loss_parallel
-from titanlab.distributed import qk_clip
 from titanlab.components.muon import record_times
 from titanlab.components.optim import LRSchedulersContainer, OptimizersContainer
 from titanlab.config.job_config import JobConfig
 from titanlab.data.batches import BatchPreparer
 from titanlab.data.build import build_loader
 from titanlab.data.labels import IGNORE_INDEX
-from titanlab.distributed import moe_stats
+from titanlab.distributed import moe_stats, qk_clip
 from titanlab.distributed.context_parallel import cp_context
 from titanlab.distributed.parallel_dims import ParallelDims
 from titanlab.distributed.utils import clip_grad_norm_, global_sum
