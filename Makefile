@@ -18,7 +18,7 @@ TESTS ?= tests
 UNIT_WORKERS ?= 2
 INTEGRATION_WORKERS ?= 2
 
-.PHONY: train test setup clean check lint format benchmark test-parity-full gpu-check llama-cpp peer-wheels dry-run-flavors
+.PHONY: train test setup clean check lint format benchmark test-parity-full gpu-check gpu-session llama-cpp peer-wheels dry-run-flavors
 
 setup: $(VENV)/.installed
 
@@ -94,6 +94,12 @@ test-parity-full: setup
 GPU_PYTHON ?= $(if $(wildcard $(PY)),$(PY),python3)
 gpu-check:
 	$(GPU_PYTHON) tools/gpu_check.py $(GPU_CHECK_ARGS)
+
+# A lent GPU machine's short session (tools/gpu_session.sh): the torchtitan A/B, fine-tuning
+# against transformers + peft (+ Liger), the plain loop, the Muon and document-mask rows, in
+# order of value under DEADLINE_S seconds, each stage's results into OUT as it finishes.
+gpu-session:
+	bash tools/gpu_session.sh
 
 # The wheels a GPU machine without a network needs (torchtitan 0.2.2 for
 # tools/benchmark_torchtitan.py, torchdata, torchao, tomli) into .whl/ (tools/peer_wheels.sh).

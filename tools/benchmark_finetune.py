@@ -79,9 +79,10 @@ def build_hf(out: str, vocab: int, a: argparse.Namespace) -> None:
 
 def titanlab_row(
     dcp: str, data: str, seq: int, vocab: int, fused: bool, a: argparse.Namespace,
-    liger: bool = False,
+    liger: bool = False, qlora: bool = False,
 ) -> dict:  # fmt: skip
-    name = "titanlab LoRA" + (" · fused loss" if fused else " · plain loss")
+    name = ("titanlab QLoRA (NF4)" if qlora else "titanlab LoRA")
+    name += " · fused loss" if fused else " · plain loss"
     name += " · Liger" if liger else ""
     row = {"name": name, "seq": seq, "vocab": vocab}
     with tempfile.TemporaryDirectory(prefix="titanlab_ft_") as dump:
@@ -98,6 +99,7 @@ def titanlab_row(
             "--peft.alpha", str(2 * a.rank), "--peft.target_modules", "wq,wv",
             "--loss.fused_linear_cross_entropy", str(fused).lower(),
             "--kernels.liger", str(liger).lower(),
+            *(["--peft.quantize_base", "nf4"] if qlora else []),
         ]  # fmt: skip
         env = dict(os.environ, OMP_NUM_THREADS=str(a.threads), PYTHONUNBUFFERED="1")
         proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
@@ -238,6 +240,9 @@ def main() -> None:
     p.add_argument("--liger", action="store_true",
                    help="CUDA: also rows with Liger's kernels (titanlab kernels.liger; peft + "
                    "apply_liger_kernel_to_llama); needs liger-kernel")  # fmt: skip
+    p.add_argument("--qlora", action="store_true",
+                   help="also titanlab QLoRA (NF4 base through torchao; peft's QLoRA needs "
+                   "bitsandbytes, not a dependency here)")  # fmt: skip
     p.add_argument("--peft-child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--hf", help=argparse.SUPPRESS)
     a = p.parse_args()
@@ -250,6 +255,7 @@ def main() -> None:
     a.vocabs = [int(v) for v in a.vocab.split(",")]
     if a.peft_child:
         return peft_child(a.hf, a.seqs[0], a)
+    command = ("python tools/benchmark_finetune.py " + shlex.join(sys.argv[1:])).strip()
     with tempfile.TemporaryDirectory(prefix="titanlab_ft_") as work:
         data = os.path.join(work, "data")
         prepare_corpus(data, max(a.seqs) * (a.warmup + a.steps + 1))
@@ -261,14 +267,20 @@ def main() -> None:
                        "from-hf", hf, dcp, "--quiet"]  # fmt: skip
             subprocess.run(convert, cwd=REPO, check=True, capture_output=True)
             for seq in a.seqs:
-                rows += [titanlab_row(dcp, data, seq, vocab, True, a),
-                         titanlab_row(dcp, data, seq, vocab, False, a),
-                         peft_row(hf, seq, vocab, a)]  # fmt: skip
+                runs = [lambda: titanlab_row(dcp, data, seq, vocab, True, a),
+                        lambda: peft_row(hf, seq, vocab, a),
+                        lambda: titanlab_row(dcp, data, seq, vocab, False, a)]  # fmt: skip
                 if a.liger:
-                    rows += [titanlab_row(dcp, data, seq, vocab, True, a, liger=True),
-                             peft_row(hf, seq, vocab, a, liger=True)]  # fmt: skip
-    command = "python tools/benchmark_finetune.py " + shlex.join(sys.argv[1:])
-    bench.publish(a.out, TAG + ("-cuda" if a.cuda else ""), render(rows, a, command.strip()))
+                    runs += [lambda: titanlab_row(dcp, data, seq, vocab, True, a, liger=True),
+                             lambda: peft_row(hf, seq, vocab, a, liger=True)]  # fmt: skip
+                if a.qlora:
+                    runs += [lambda: titanlab_row(dcp, data, seq, vocab, True, a, qlora=True)]
+                for run in runs:  # the table after every row: a run cut off keeps the rows
+                    rows.append(run())
+                    print(json.dumps(rows[-1]), flush=True)
+                    bench.write_block(a.out, TAG + ("-cuda" if a.cuda else ""),
+                                      render(rows, a, command))  # fmt: skip
+    print(render(rows, a, command))
 
 
 def prepare_corpus(out: str, tokens: int) -> None:

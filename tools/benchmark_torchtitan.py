@@ -135,11 +135,12 @@ class Row:
         return out
 
 
+# In order of value: a run cut off by its budget still has the rows users pick first.
 GPU_ROWS = (
-    Row("bf16", compile=False),
     Row("bf16", compile=True),
-    Row("bf16", compile=True, ac="selective"),
     Row("float8", compile=True, recipe="tensorwise"),
+    Row("bf16", compile=True, ac="selective"),
+    Row("bf16", compile=False),
     Row("float8", compile=True, recipe="rowwise"),
 )
 CPU_ROWS = (Row("fp32", compile=False), Row("fp32", compile=True))
@@ -229,6 +230,7 @@ def compare(shape: Shape, titan: dict, peer: dict) -> dict:
         "memory_kind": memory,
         "ratio": tps["titanlab"] / tps["torchtitan"],
         "runs_s": {"titanlab": titan["runs_s"], "torchtitan": peer["runs_s"]},
+        "titanlab_estimate_peak_tensors": titan.get("estimate_peak_tensors"),
     }
 
 
@@ -264,6 +266,20 @@ def render(rows: list[tuple[Row, dict]], shape: Shape, device: str, a) -> str:
             f"{r['ratio']:.3f}× | {mfu} | {memory} |"
         )
     return "\n".join(lines)
+
+
+def publish(results: list[tuple[Row, dict]], shape: Shape, device: str, a) -> None:
+    """The rows so far into `--out`, the perf block and `--json`."""
+    table = render(results, shape, device, a)
+    with open(a.out, "w", encoding="utf-8") as f:
+        f.write("# titanlab against torchtitan\n\n" + table + "\n")
+    from tools.lib.bench import write_block
+
+    write_block(a.perf, "torchtitan-ab-cpu" if a.cpu else "torchtitan-ab", table)
+    if a.json:
+        with open(a.json, "w", encoding="utf-8") as f:
+            json.dump({"shape": dataclasses.asdict(shape),
+                       "rows": [[r.name, d] for r, d in results]}, f, indent=1)  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -332,17 +348,8 @@ def main(argv: list[str] | None = None) -> int:
             results.append((row, compare(shape, merge(runs["titanlab"]),
                                          merge(runs["torchtitan"]))))  # fmt: skip
             print(json.dumps(results[-1][1])[:600], flush=True)
-    table = render(results, shape, device, a)
-    with open(a.out, "w", encoding="utf-8") as f:
-        f.write("# titanlab against torchtitan\n\n" + table + "\n")
-    from tools.lib.bench import write_block
-
-    write_block(a.perf, "torchtitan-ab-cpu" if a.cpu else "torchtitan-ab", table)
-    if a.json:
-        with open(a.json, "w", encoding="utf-8") as f:
-            json.dump({"shape": dataclasses.asdict(shape),
-                       "rows": [[r.name, d] for r, d in results]}, f, indent=1)  # fmt: skip
-    print(table)
+            publish(results, shape, device, a)  # after every row: a cut-off run keeps these
+    print(render(results, shape, device, a))
     return 1 if any("error" in d for _, d in results) else 0
 
 

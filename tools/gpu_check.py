@@ -66,12 +66,23 @@ class Row:
     compile: bool = True
     ac: str = "none"
     cudnn_sdpa: bool = True  # False: SDPA's cuDNN backend off, torch's flash (FA2) kernel
+    optimizer: str = "AdamW"  # AdamW | Muon
+    document_mask: bool = False  # True: block-causal FlexAttention over the packed documents
 
     @property
     def name(self) -> str:
         prec = f"float8 {self.recipe}" if self.precision == "float8" else "bf16"
         sdpa = "" if self.cudnn_sdpa else " · FA2 (cuDNN SDPA off)"
-        return f"{prec} · {'compile' if self.compile else 'eager'} · AC {self.ac}{sdpa}"
+        extra = (" · Muon" if self.optimizer == "Muon" else "") + (
+            " · document mask" if self.document_mask else ""
+        )
+        return f"{prec} · {'compile' if self.compile else 'eager'} · AC {self.ac}{sdpa}{extra}"
+
+    @property
+    def is_baseline(self) -> bool:
+        """The row others' "vs bf16" divides by: bf16, compiled, cuDNN SDPA, AdamW, causal."""
+        plain = self.optimizer == "AdamW" and not self.document_mask
+        return self.precision == "bf16" and self.compile and self.cudnn_sdpa and plain
 
     def args(self) -> list[str]:
         out = [
@@ -82,6 +93,10 @@ class Row:
         ]
         if self.precision == "float8":
             out += ["--float8.enable", "true", "--float8.recipe_name", self.recipe]
+        if self.optimizer != "AdamW":
+            out += ["--optimizer.name", self.optimizer]
+        if self.document_mask:
+            out += ["--data.document_mask", "true"]
         return out
 
 
@@ -93,6 +108,8 @@ ROWS = (
     Row("bf16", compile=True, ac="selective"),
     Row("float8", "tensorwise", compile=True, ac="selective"),
     Row("bf16", compile=False, ac="none"),
+    Row("bf16", compile=True, ac="none", optimizer="Muon"),
+    Row("bf16", compile=True, ac="none", document_mask=True),
 )
 
 

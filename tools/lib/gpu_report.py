@@ -63,7 +63,7 @@ def _rows(layers: int, rows: list) -> list[str]:
     ]
     base = {}
     for row, d in rows:
-        if "error" not in d and row.precision == "bf16" and row.compile and row.cudnn_sdpa:
+        if "error" not in d and row.is_baseline:
             base.setdefault(row.ac, d["tps"])
     for row, d in rows:
         if "error" in d:

@@ -1,0 +1,82 @@
+#!/usr/bin/env bash
+# `make gpu-session`: the GPU rows of a lent GPU machine's short session, in order of value,
+# each stage's tables copied to OUT as soon as it finishes, so a run cut off at its limit still
+# leaves what it measured. OUT gets session.log (every stage's output), performance.md (the
+# ab, finetune and plain stages write its torchtitan-ab, finetune-cuda and cuda-8b blocks) and
+# the JSON of ab, rows and ab-rest (their tables are merged into docs/ by hand, so a partial
+# stage never overwrites a fuller block).
+#
+#   OUT=dir DEADLINE_S=540 STAGES="ab finetune plain rows ab-rest" bash tools/gpu_session.sh
+#
+# Stages (each starts only with at least its minimum seconds left before DEADLINE_S):
+#   ab        titanlab against torchtitan (tools/benchmark_torchtitan.py): bf16 compile,
+#             float8 tensorwise compile, compile + selective AC
+#   finetune  LoRA/QLoRA against transformers + peft, with and without Liger, bf16, seq 8192
+#             (tools/benchmark_finetune.py --liger)
+#   plain     the plain loop at the same 8B-shaped blocks (tools/benchmark.py --gpu-8b), for
+#             the trainer / plain-loop ratio
+#   rows      the trainer's Muon and document-mask (FlexAttention) rows beside bf16 compile
+#             (tools/gpu_check.py --skip-tests --skip-torchtitan)
+#   ab-rest   the A/B's remaining rows: bf16 eager, float8 rowwise
+#
+# Wheels in .whl/ (`make peer-wheels`: torchtitan, torchdata, torchao, tomli, liger-kernel) are
+# installed into /tmp/site first; the machine's own torch, transformers and peft are used.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/gpu_session}
+DEADLINE_S=${DEADLINE_S:-540}
+STAGES=${STAGES:-"ab finetune plain rows ab-rest"}
+LAYERS=${LAYERS:-11}
+PY=${GPU_PYTHON:-python3}
+mkdir -p "$OUT"
+START=$(date +%s)
+left() { echo $((DEADLINE_S - ($(date +%s) - START))); }
+log() { echo "gpu-session [$(($(date +%s) - START)) s]: $*" | tee -a "$OUT/session.log"; }
+save() { cp docs/performance.md "$OUT/performance.md" 2>/dev/null; true; }
+
+if compgen -G ".whl/*.whl" >/dev/null; then
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
+fi
+export PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee -a "$OUT/session.log"
+
+stage() {  # stage NAME MIN_SECONDS: true when it may start
+    local l; l=$(left)
+    if [ "$l" -lt "$2" ]; then log "stage $1 not run: $l s left, it needs $2"; return 1; fi
+    log "stage $1 ($l s left)"
+}
+
+for s in $STAGES; do
+    case $s in
+    ab)
+        stage ab 150 && "$PY" tools/benchmark_torchtitan.py --layers "$LAYERS" --steps 9 \
+            --warmup 4 --rows "bf16 · compile · AC none,float8 tensorwise,AC selective" \
+            --budget-s $(($(left) - 60)) --timeout-s 200 --out /tmp/torchtitan_ab.md \
+            --json "$OUT/ab.json" 2>&1 | tee -a "$OUT/session.log" | tail -25
+        save ;;
+    finetune)
+        stage finetune 150 && timeout $(($(left) - 10)) "$PY" tools/benchmark_finetune.py \
+            --seq 8192 --hidden 2048 --layers 8 --vocab 128256 --steps 3 --warmup 2 \
+            --budget-gib 80 --liger --qlora 2>&1 | tee -a "$OUT/session.log" | tail -25
+        save ;;
+    plain)
+        stage plain 70 && timeout $(($(left) - 5)) "$PY" tools/benchmark.py --matrix none \
+            --gpu-8b --gpu-layers "$LAYERS" 2>&1 | tee -a "$OUT/session.log" | tail -15
+        save ;;
+    rows)
+        stage rows 90 && "$PY" tools/gpu_check.py --skip-tests --skip-torchtitan \
+            --layers "$LAYERS" --steps 9 --warmup 4 --budget-s $(($(left) - 60)) \
+            --rows "Muon,document mask" --out /tmp/gpu_rows.md --perf /tmp/perf_rows.md \
+            --json "$OUT/rows.json" 2>&1 | tee -a "$OUT/session.log" | tail -25
+        save ;;
+    ab-rest)
+        stage ab-rest 150 && "$PY" tools/benchmark_torchtitan.py --layers "$LAYERS" --steps 9 \
+            --warmup 4 --rows "bf16 · eager,float8 rowwise" --budget-s $(($(left) - 60)) \
+            --timeout-s 200 --out /tmp/torchtitan_ab_rest.md --perf /tmp/perf_rest.md \
+            --json "$OUT/ab_rest.json" 2>&1 | tee -a "$OUT/session.log" | tail -15
+        save ;;
+    *) log "unknown stage $s (valid: ab finetune plain rows ab-rest)"; exit 2 ;;
+    esac
+done
+log "done"
