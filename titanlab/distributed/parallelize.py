@@ -16,13 +16,12 @@ import torch
 from torch import nn
 from torch.distributed._composable.replicate_with_fsdp import replicate
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import (
-    CPUOffloadPolicy,
-    DataParallelMeshDims,
-    MixedPrecisionPolicy,
-    OffloadPolicy,
-    fully_shard,
-)
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+try:  # torch >= 2.13; older torch (a GPU image's 2.11) trains every layout but the TP grids
+    from torch.distributed.fsdp import DataParallelMeshDims
+except ImportError:  # pragma: no cover - only on older torch
+    DataParallelMeshDims = None  # type: ignore[assignment,misc]
 
 from titanlab.config.job_config import JobConfig
 from titanlab.distributed.activation_checkpoint import apply_ac
@@ -149,6 +148,11 @@ def parallelize_model(
     return model
 
 
+def _mesh_dims(dims: DataParallelMeshDims | None) -> dict:
+    """`dp_mesh_dims=dims` for fully_shard / replicate, or nothing (torch < 2.13 lacks it)."""
+    return {} if dims is None else {"dp_mesh_dims": dims}
+
+
 def grid_dp_dims(parallel_dims: ParallelDims) -> DataParallelMeshDims | None:
     """Under 2D / 2.5D / 3D tensor parallel with data parallel, which dims of the parameters'
     (dp..., grid...) mesh FSDP2 shards over and which it replicates over (HSDP, DDP); None
@@ -226,8 +230,8 @@ def apply_ddp(
     for block in model.layers.values():
         for moe in moe_layers(block):
             replicate(moe.router, mesh=dp_mesh, mp_policy=ROUTER_MP)
-        replicate(block, mesh=dp_mesh, mp_policy=mp, dp_mesh_dims=dp_mesh_dims)
-    replicate(model, mesh=dp_mesh, mp_policy=mp, dp_mesh_dims=dp_mesh_dims)
+        replicate(block, mesh=dp_mesh, mp_policy=mp, **_mesh_dims(dp_mesh_dims))
+    replicate(model, mesh=dp_mesh, mp_policy=mp, **_mesh_dims(dp_mesh_dims))
 
 
 def reshard_policy(option: str, pp_enabled: bool, zero_stage: int = 3) -> bool:
@@ -332,7 +336,7 @@ def apply_fsdp(
             mesh=mesh,
             mp_policy=mp,
             offload_policy=offload,
-            dp_mesh_dims=dp_mesh_dims,
+            **_mesh_dims(dp_mesh_dims),
         )
     for depth in mtp:
         fully_shard(
@@ -341,7 +345,7 @@ def apply_fsdp(
             mesh=mesh,
             mp_policy=mp,
             offload_policy=offload,
-            dp_mesh_dims=dp_mesh_dims,
+            **_mesh_dims(dp_mesh_dims),
         )
     tied = (
         model.output is not None
@@ -356,7 +360,7 @@ def apply_fsdp(
                 mesh=mesh,
                 mp_policy=mp,
                 offload_policy=offload,
-                dp_mesh_dims=dp_mesh_dims,
+                **_mesh_dims(dp_mesh_dims),
             )
         tail: list[nn.Module] = [m for m in (model.norm, model.output) if m is not None]
         if tail:
@@ -366,7 +370,7 @@ def apply_fsdp(
                 mesh=mesh,
                 mp_policy=mp,
                 offload_policy=offload,
-                dp_mesh_dims=dp_mesh_dims,
+                **_mesh_dims(dp_mesh_dims),
             )
     fully_shard(
         model,
@@ -374,5 +378,5 @@ def apply_fsdp(
         mesh=mesh,
         mp_policy=mp,
         offload_policy=offload,
-        dp_mesh_dims=dp_mesh_dims,
+        **_mesh_dims(dp_mesh_dims),
     )
