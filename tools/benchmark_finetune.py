@@ -34,6 +34,7 @@ is an extrapolation, marked as such. peft and transformers are benchmark-only de
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import resource
@@ -81,7 +82,7 @@ def titanlab_row(
     dcp: str, data: str, seq: int, vocab: int, fused: bool, a: argparse.Namespace,
     liger: bool = False, qlora: bool = False,
 ) -> dict:  # fmt: skip
-    name = ("titanlab QLoRA (NF4)" if qlora else "titanlab LoRA")
+    name = "titanlab QLoRA (NF4)" if qlora else "titanlab LoRA"
     name += " · fused loss" if fused else " · plain loss"
     name += " · Liger" if liger else ""
     row = {"name": name, "seq": seq, "vocab": vocab}
@@ -267,14 +268,14 @@ def main() -> None:
                        "from-hf", hf, dcp, "--quiet"]  # fmt: skip
             subprocess.run(convert, cwd=REPO, check=True, capture_output=True)
             for seq in a.seqs:
-                runs = [lambda: titanlab_row(dcp, data, seq, vocab, True, a),
-                        lambda: peft_row(hf, seq, vocab, a),
-                        lambda: titanlab_row(dcp, data, seq, vocab, False, a)]  # fmt: skip
+                ours = functools.partial(titanlab_row, dcp, data, seq, vocab, a=a)
+                peer = functools.partial(peft_row, hf, seq, vocab, a)
+                runs = [functools.partial(ours, True), peer, functools.partial(ours, False)]
                 if a.liger:
-                    runs += [lambda: titanlab_row(dcp, data, seq, vocab, True, a, liger=True),
-                             lambda: peft_row(hf, seq, vocab, a, liger=True)]  # fmt: skip
+                    runs += [functools.partial(ours, True, liger=True),
+                             functools.partial(peer, liger=True)]  # fmt: skip
                 if a.qlora:
-                    runs += [lambda: titanlab_row(dcp, data, seq, vocab, True, a, qlora=True)]
+                    runs += [functools.partial(ours, True, qlora=True)]
                 for run in runs:  # the table after every row: a run cut off keeps the rows
                     rows.append(run())
                     print(json.dumps(rows[-1]), flush=True)

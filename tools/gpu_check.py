@@ -68,20 +68,23 @@ class Row:
     cudnn_sdpa: bool = True  # False: SDPA's cuDNN backend off, torch's flash (FA2) kernel
     optimizer: str = "AdamW"  # AdamW | Muon
     document_mask: bool = False  # True: block-causal FlexAttention over the packed documents
+    loss_chunk: int = 0  # > 0: the fused loss's loss.chunk_size (0: the config's)
 
     @property
     def name(self) -> str:
         prec = f"float8 {self.recipe}" if self.precision == "float8" else "bf16"
         sdpa = "" if self.cudnn_sdpa else " · FA2 (cuDNN SDPA off)"
-        extra = (" · Muon" if self.optimizer == "Muon" else "") + (
-            " · document mask" if self.document_mask else ""
+        extra = (
+            (" · Muon" if self.optimizer == "Muon" else "")
+            + (" · document mask" if self.document_mask else "")
+            + (f" · loss chunk {self.loss_chunk}" if self.loss_chunk else "")
         )
         return f"{prec} · {'compile' if self.compile else 'eager'} · AC {self.ac}{sdpa}{extra}"
 
     @property
     def is_baseline(self) -> bool:
         """The row others' "vs bf16" divides by: bf16, compiled, cuDNN SDPA, AdamW, causal."""
-        plain = self.optimizer == "AdamW" and not self.document_mask
+        plain = self.optimizer == "AdamW" and not self.document_mask and not self.loss_chunk
         return self.precision == "bf16" and self.compile and self.cudnn_sdpa and plain
 
     def args(self) -> list[str]:
@@ -97,6 +100,8 @@ class Row:
             out += ["--optimizer.name", self.optimizer]
         if self.document_mask:
             out += ["--data.document_mask", "true"]
+        if self.loss_chunk:
+            out += ["--loss.chunk_size", str(self.loss_chunk)]
         return out
 
 
@@ -108,6 +113,7 @@ ROWS = (
     Row("bf16", compile=True, ac="selective"),
     Row("float8", "tensorwise", compile=True, ac="selective"),
     Row("bf16", compile=False, ac="none"),
+    Row("bf16", compile=True, ac="none", loss_chunk=2048),
     Row("bf16", compile=True, ac="none", optimizer="Muon"),
     Row("bf16", compile=True, ac="none", document_mask=True),
 )

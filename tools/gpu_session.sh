@@ -6,7 +6,7 @@
 # the JSON of ab, rows and ab-rest (their tables are merged into docs/ by hand, so a partial
 # stage never overwrites a fuller block).
 #
-#   OUT=dir DEADLINE_S=540 STAGES="ab finetune plain rows ab-rest" bash tools/gpu_session.sh
+#   OUT=dir DEADLINE_S=540 STAGES="ab rows finetune plain ab-rest" bash tools/gpu_session.sh
 #
 # Stages (each starts only with at least its minimum seconds left before DEADLINE_S):
 #   ab        titanlab against torchtitan (tools/benchmark_torchtitan.py): bf16 compile,
@@ -15,7 +15,8 @@
 #             (tools/benchmark_finetune.py --liger)
 #   plain     the plain loop at the same 8B-shaped blocks (tools/benchmark.py --gpu-8b), for
 #             the trainer / plain-loop ratio
-#   rows      the trainer's Muon and document-mask (FlexAttention) rows beside bf16 compile
+#   rows      the trainer's rows beside bf16 compile: the fused loss in chunks of 2048, Muon,
+#             document masks (FlexAttention)
 #             (tools/gpu_check.py --skip-tests --skip-torchtitan)
 #   ab-rest   the A/B's remaining rows: bf16 eager, float8 rowwise
 #
@@ -25,7 +26,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu_session}
 DEADLINE_S=${DEADLINE_S:-540}
-STAGES=${STAGES:-"ab finetune plain rows ab-rest"}
+STAGES=${STAGES:-"ab rows finetune plain ab-rest"}
 LAYERS=${LAYERS:-11}
 PY=${GPU_PYTHON:-python3}
 mkdir -p "$OUT"
@@ -67,7 +68,7 @@ for s in $STAGES; do
     rows)
         stage rows 90 && "$PY" tools/gpu_check.py --skip-tests --skip-torchtitan \
             --layers "$LAYERS" --steps 9 --warmup 4 --budget-s $(($(left) - 60)) \
-            --rows "Muon,document mask" --out /tmp/gpu_rows.md --perf /tmp/perf_rows.md \
+            --rows "loss chunk,Muon,document mask" --out /tmp/gpu_rows.md --perf /tmp/perf_rows.md \
             --json "$OUT/rows.json" 2>&1 | tee -a "$OUT/session.log" | tail -25
         save ;;
     ab-rest)

@@ -70,14 +70,29 @@ def _chunked(
             if grads[0]:
                 grad_h[start : start + chunk_size] = g @ weight
             if grads[1]:
-                grad_w.addmm_(g.t().float(), h.float())
+                _add_product(grad_w, g.t(), h)
             if want_u:
                 grad_u[start : start + chunk_size] = g @ b
             if want_b:
-                grad_b.addmm_(g.t().float(), u[start : start + chunk_size].float())
+                _add_product(grad_b, g.t(), u[start : start + chunk_size])
     if low_rank is None:
         return total, grad_h, grad_w
     return total, grad_h, grad_w, grad_u, grad_b
+
+
+def _add_product(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """acc += a @ b, with `acc` an fp32 gradient summed over the chunks.
+
+    On CPU the product runs in fp32 (and `addmm_` writes it into `acc` with no temporary). On
+    an accelerator it runs in the operands' dtype (bf16 / fp16 tensor cores, fp32 accumulation
+    inside the GEMM) and is added to the fp32 sum: there an fp32 GEMM runs at a small fraction
+    of the bf16 rate. Measured on one H200 (Llama 3 8B blocks, vocab 128,256, 8,192 tokens):
+    the head's weight gradient as fp32 GEMMs made titanlab's compiled bf16 step 0.548 s
+    against torchtitan's 0.328 s."""
+    if acc.device.type == "cpu" or a.dtype == torch.float32:
+        acc.addmm_(a.float(), b.float())
+    else:
+        acc.add_(a @ b)
 
 
 def _eager_chunk(
@@ -274,7 +289,7 @@ def _distill_chunks(
             if grads[0]:
                 grad_h[start : start + chunk_size] = g @ weight
             if grads[1]:
-                grad_w.addmm_(g.t().float(), h.float())
+                _add_product(grad_w, g.t(), h)
     return total, grad_h, grad_w
 
 
@@ -343,7 +358,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
             if want_h:
                 grad_h[start : start + ctx.chunk_size] = g @ weight
             if want_w:
-                grad_w.addmm_(g.t().float(), h.float())
+                _add_product(grad_w, g.t(), h)
         return grad_h, grad_w.to(weight.dtype) if want_w else None, None, None, None
 
 

@@ -16,7 +16,12 @@ import torch
 from torch import nn
 from torch.distributed._composable.replicate_with_fsdp import replicate
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+)
 
 try:  # torch >= 2.13; older torch (a GPU image's 2.11) trains every layout but the TP grids
     from torch.distributed.fsdp import DataParallelMeshDims

@@ -140,7 +140,7 @@ def test_merge_takes_the_median_over_repeats_and_the_largest_peak():
 def test_render_shows_each_row_its_ratio_and_the_errors():
     shape = gpu_shape(2)
     ok = compare(shape, _row(2.0, max_allocated=30 * GIB), _row(2.2, max_allocated=33 * GIB))
-    text = render([(GPU_ROWS[0], ok), (GPU_ROWS[3], {"error": "a | b"})], shape, "H100", _Args)
+    text = render([(GPU_ROWS[3], ok), (GPU_ROWS[1], {"error": "a | b"})], shape, "H100", _Args)
     assert "| bf16 · eager · AC none | 4,096 | 3,724 | 1.100× | — | 30.00 · 33.00 |" in text
     assert "| float8 tensorwise · compile · AC none | a / b |" in text
     assert "torchtitan 0.2.2" in text and "H100" in text
