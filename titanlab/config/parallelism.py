@@ -8,6 +8,8 @@ from typing import Literal
 from titanlab.config.errors import ConfigError, _require  # noqa: F401
 
 CPRotateMethod = Literal["allgather", "alltoall"]
+CPMode = Literal["ring", "ulysses"]
+CPLoadBalancer = Literal["work", "head_tail", "none"]
 TensorParallelMode = Literal["1d", "2d", "2.5d", "3d"]
 ShardingStrategy = Literal["", "FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"]
 # FSDP1's (and DeepSpeed users') names for the ZeRO stages.
@@ -112,6 +114,20 @@ class Parallelism:
     context_parallel_rotate_method: CPRotateMethod = "allgather"
     """How the ring passes key/value shards between the cp ranks: all-gather them once per
     attention call, or pass them round the ring with all-to-all steps."""
+
+    context_parallel_mode: CPMode = "ring"
+    """ring: each rank keeps its sequence shard and its queries attend every key, the keys and
+    values travelling between the ranks (Liu et al. 2023). ulysses: an all-to-all turns the
+    sequence shards of q, k, v into head shards around attention and back (DeepSpeed-Ulysses,
+    Jacobs et al. 2023, arXiv:2309.14509); heads must divide by tp × cp. Both take causal and
+    document masks (data.document_mask, packed chat SFT); titanlab/distributed/cp_documents.py."""
+
+    context_parallel_load_balancer: CPLoadBalancer = "work"
+    """Which tokens each ring rank holds when a batch has a document mask: work (blocks of
+    the window dealt by the attention work the mask gives them, heaviest first to the
+    least-loaded rank), head_tail (chunks r and 2·cp−1−r of 2·cp, exact for one causal
+    document) or none (contiguous). Causal batches without documents use head_tail (PyTorch's
+    ring); Ulysses needs none. titanlab/distributed/cp_balance.py."""
 
     expert_parallel_degree: int = 1
     """ep: MoE models only. The routed experts are split over ep ranks (each holds

@@ -82,26 +82,25 @@ def validate_layout(config: JobConfig, dims: ParallelDims, model_args, device_ty
                 f"training.seq_len_warmup_start={t.seq_len_warmup_start} must be divisible by "
                 f"tp × 2·cp = {seq_div}, like seq_len"
             )
-    if dims.cp > 1 and config.data.document_mask:
-        raise ConfigError(
-            f"data.document_mask=true with parallelism.context_parallel_degree={dims.cp}: "
-            "PyTorch's context-parallel attention takes only a causal mask, not a document "
-            "mask; use context_parallel_degree=1 or data.document_mask=false"
-        )
-    if dims.cp > 1 and config.data.packing and packed_chat_data(config):
-        raise ConfigError(
-            f"packed chat SFT data with parallelism.context_parallel_degree={dims.cp}: packed "
-            "samples need a document mask and restarted positions, and PyTorch's "
-            "context-parallel attention takes only a causal mask; use context_parallel_degree=1 "
-            "or data.packing=false (one sample per window)"
-        )
+    par = config.parallelism
+    if dims.cp > 1 and par.context_parallel_mode == "ulysses":
+        heads = getattr(model_args, "n_heads", 0)
+        if heads % (dims.tp * dims.cp):
+            raise ConfigError(
+                f"parallelism.context_parallel_mode=ulysses with {heads} attention heads, "
+                f"tensor_parallel_degree={dims.tp} and context_parallel_degree={dims.cp}: "
+                f"Ulysses gives each rank heads / (tp × cp) heads, so the heads must divide by "
+                f"{dims.tp * dims.cp}; use ring, or tp × cp dividing {heads}"
+            )
     _validate_mtp(config, dims, model_args)
-    if dims.cp > 1 and getattr(model_args, "attention_type", "gqa") == "mla":
+    documents = config.data.document_mask or (config.data.packing and packed_chat_data(config))
+    own_cp = par.context_parallel_mode == "ulysses" or documents
+    if dims.cp > 1 and getattr(model_args, "attention_type", "gqa") == "mla" and not own_cp:
         raise ConfigError(
             f"parallelism.context_parallel_degree={dims.cp} with model.name={config.model.name}: "
             "multi-head latent attention (value heads narrower than query/key heads, its own "
-            "softmax scale) is not supported by PyTorch's context-parallel attention here; "
-            "use context_parallel_degree=1"
+            "softmax scale) is not supported by PyTorch's causal ring attention; use "
+            "parallelism.context_parallel_mode=ulysses, or context_parallel_degree=1"
         )
     if dims.cp > 1:
         if device_type != "cuda":

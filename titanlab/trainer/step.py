@@ -29,6 +29,7 @@ from titanlab.data.build import build_loader
 from titanlab.data.labels import IGNORE_INDEX
 from titanlab.distributed import moe_stats, qk_clip
 from titanlab.distributed.context_parallel import cp_context
+from titanlab.distributed.cp_documents import cp_attention, needs_own_cp, shard_batch
 from titanlab.distributed.parallel_dims import ParallelDims
 from titanlab.distributed.utils import clip_grad_norm_, global_sum
 from titanlab.models.common.mtp import mtp_targets, trains_mtp
@@ -211,13 +212,7 @@ class TrainStep:
         """Forward and backward of one (bs, seq) batch (`kwargs`: the model's document-mask
         keywords, passed to every pipeline stage); returns its detached token-loss sum (0 on
         pipeline ranks without the last stage)."""
-        context = cp_context(
-            self.parallel_dims.mesh("cp"),
-            inputs,
-            labels,
-            self.model_parts,
-            self.config.parallelism.context_parallel_rotate_method,
-        )
+        inputs, labels, kwargs, context = self._cp(inputs, labels, kwargs)
         if self.schedule is not None:
             assert self.pp_loss is not None
             self.pp_loss.scale = scale
@@ -245,6 +240,34 @@ class TrainStep:
                 token_loss = self._loss(inputs, labels, kwargs)
             (token_loss * scale).backward()
         return local_value(token_loss)
+
+    def _cp(
+        self, inputs: torch.Tensor, labels: torch.Tensor, kwargs: dict
+    ) -> tuple[torch.Tensor, torch.Tensor, dict, Any]:
+        """Under context parallel: (inputs, labels, kwargs) of this cp rank and the context the
+        model runs in. Causal ring batches go through PyTorch's `context_parallel` (it shards
+        them in place inside its context); document-masked batches and Ulysses are sharded
+        here and run titanlab's CP attention (`titanlab.distributed.cp_documents`). Without
+        cp: the batch as given and a no-op context."""
+        mesh, par = self.parallel_dims.mesh("cp"), self.config.parallelism
+        if mesh is None or not needs_own_cp(par.context_parallel_mode, kwargs):
+            rotate = par.context_parallel_rotate_method
+            return (
+                inputs,
+                labels,
+                kwargs,
+                cp_context(mesh, inputs, labels, self.model_parts, rotate),
+            )
+        documents = kwargs.get("segments") is not None
+        inputs, labels, kwargs = shard_batch(
+            inputs, labels, kwargs, mesh.size(), mesh.get_local_rank(),
+            par.context_parallel_mode, par.context_parallel_load_balancer,
+        )  # fmt: skip
+        context = cp_attention(
+            mesh.get_group(), par.context_parallel_mode, par.context_parallel_rotate_method,
+            documents,
+        )  # fmt: skip
+        return inputs, labels, kwargs, context
 
     def _mtp_loss(self, labels: torch.Tensor | None, scale: torch.Tensor) -> Any:
         """Multi-token prediction (DeepSeek-V3; `titanlab.models.common.mtp`): within, the
@@ -309,13 +332,8 @@ class TrainStep:
                     inputs.to(self.device), labels.to(self.device)
                 )
                 tokens += (labels != IGNORE_INDEX).sum() / self.parallel_dims.cp
-                with cp_context(
-                    self.parallel_dims.mesh("cp"),
-                    inputs,
-                    labels,
-                    self.model_parts,
-                    self.config.parallelism.context_parallel_rotate_method,
-                ):
+                inputs, labels, kwargs, context = self._cp(inputs, labels, kwargs)
+                with context:
                     if fused_loss(self.config):
                         with fused_targets(model, labels):
                             total += local_value(model(inputs, **kwargs))

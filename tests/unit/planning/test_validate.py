@@ -192,17 +192,19 @@ def refusal(config: JobConfig, world: int, seq_len: int = 2048) -> str | None:
     return None
 
 
-def test_document_mask_is_refused_under_context_parallel():
+def test_document_mask_runs_under_context_parallel_and_ulysses_needs_divisible_heads():
     config = JobConfig()
     config.data.document_mask = True
     config.parallelism.context_parallel_degree = 2
-    assert refusal(config, 2) == (
-        "data.document_mask=true with parallelism.context_parallel_degree=2: PyTorch's "
-        "context-parallel attention takes only a causal mask, not a document mask; use "
-        "context_parallel_degree=1 or data.document_mask=false"
+    assert refusal(config, 2) is None  # ring CP with a document mask (titanlab's attention)
+    config.parallelism.context_parallel_mode = "ulysses"
+    assert refusal(config, 2) is None  # 8 heads over cp 2
+    config.parallelism.context_parallel_degree = 32
+    assert refusal(config, 32, 256) == (
+        "parallelism.context_parallel_mode=ulysses with 8 attention heads, "
+        "tensor_parallel_degree=1 and context_parallel_degree=32: Ulysses gives each rank "
+        "heads / (tp × cp) heads, so the heads must divide by 32; use ring, or tp × cp dividing 8"
     )
-    config.parallelism.context_parallel_degree, config.parallelism.tensor_parallel_degree = 1, 2
-    assert refusal(config, 2) is None
 
 
 def test_seq_len_warmup_is_refused_under_pipeline_parallel_and_must_split_under_tp():
@@ -265,7 +267,7 @@ def test_distillation_runs_under_tensor_and_pipeline_parallel_but_not_context_pa
     )
 
 
-def test_packed_chat_data_is_refused_under_context_parallel(tmp_path):
+def test_packed_chat_data_runs_under_context_parallel(tmp_path):
     from titanlab.data.prepare_chat import prepare_chat
     from titanlab.data.tokenizer import default_tokenizer_path
 
@@ -276,11 +278,4 @@ def test_packed_chat_data_is_refused_under_context_parallel(tmp_path):
     config = JobConfig()
     config.data.dataset_path = str(tmp_path / "sft")
     config.parallelism.context_parallel_degree = 2
-    assert refusal(config, 2) == (
-        "packed chat SFT data with parallelism.context_parallel_degree=2: packed samples need a "
-        "document mask and restarted positions, and PyTorch's context-parallel attention takes "
-        "only a causal mask; use context_parallel_degree=1 or data.packing=false (one sample per "
-        "window)"
-    )
-    config.data.packing = False  # one sample per window: a causal mask and plain positions
-    assert refusal(config, 2) is None
+    assert refusal(config, 2) is None  # packed samples: a document mask under CP

@@ -82,7 +82,9 @@ class Attention(nn.Module):
 
         With `mask` (document masking, training): cos and sin are (bs, seq, head_dim // 2), each
         token's own position, and `mask` is a (bs, 1, seq, seq) bool SDPA mask or a flex
-        attention `BlockMask` (`titanlab.models.common.document_mask`) replacing the causal mask.
+        attention `BlockMask` (`titanlab.models.common.document_mask`) replacing the causal mask,
+        or an object whose `attend(q, k, v)` computes the attention (context parallel's,
+        `document_mask.mask_builder`).
         """
         bs, seq, _ = x_bsd.shape
         q = self.wq(x_bsd).view(bs, seq, -1, self.head_dim)  # (bs, seq, heads, head_dim)
@@ -105,7 +107,9 @@ class Attention(nn.Module):
         if self.record_max_logit and kv is None:
             m = max_logits(q.transpose(1, 2), k.transpose(1, 2), mask)
             self.max_logit = m if self.max_logit is None else torch.maximum(self.max_logit, m)
-        if isinstance(mask, BlockMask):
+        if hasattr(mask, "attend"):  # an attention built outside (context parallel's)
+            out = mask.attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        elif isinstance(mask, BlockMask):
             out = compiled_flex_attention()(
                 q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=mask
             )

@@ -305,7 +305,7 @@ class Decoder(nn.Module):
             cos, sin = self.rope_cos, self.rope_sin
             if positions is not None:
                 cos, sin = cos[positions], sin[positions]  # (bs, seq, hd/2)
-            extra = {} if segments is None else {"mask": build_attention_mask(segments)}
+            extra = {} if segments is None else {"mask": build_attention_mask(segments, positions)}
             for layer in self.layers.values():
                 h = layer(h, cos, sin, **extra)
         elif cache is None:

@@ -17,7 +17,30 @@ SDPA (flex attention has no CPU backward).
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable, Iterator
+from contextvars import ContextVar
+from typing import Any
+
 import torch
+
+# A builder that replaces the masks below for one context (context parallel's attention,
+# `titanlab.distributed.cp_documents`): called with (segments, positions) of the tokens the
+# forward holds, it returns an object whose `attend(q, k, v, scale)` `Attention` calls.
+_BUILDER: ContextVar[Callable[[torch.Tensor, torch.Tensor | None], Any] | None] = ContextVar(
+    "titanlab_attention_mask_builder", default=None
+)
+
+
+@contextlib.contextmanager
+def mask_builder(build: Callable[[torch.Tensor, torch.Tensor | None], Any]) -> Iterator[None]:
+    """Within: `build_attention_mask(segments, positions)` returns `build(segments,
+    positions)`, an object with `attend(q, k, v, scale=None)` over (bs, heads, seq, d)."""
+    token = _BUILDER.set(build)
+    try:
+        yield
+    finally:
+        _BUILDER.reset(token)
 
 
 def block_causal_mask(segments: torch.Tensor) -> torch.Tensor:
@@ -51,9 +74,13 @@ def flex_block_mask(segments: torch.Tensor):
     return create_block_mask(mask_mod, bs, None, seq, seq, device=segments.device)
 
 
-def build_attention_mask(segments: torch.Tensor):
-    """The mask `Attention` takes for `segments`: a flex `BlockMask` on CUDA, else the dense
-    boolean mask of `block_causal_mask`."""
+def build_attention_mask(segments: torch.Tensor, positions: torch.Tensor | None = None):
+    """The mask `Attention` takes for `segments` (bs, seq): a flex `BlockMask` on CUDA, else
+    the dense boolean mask of `block_causal_mask`; inside `mask_builder`, its builder's object
+    (which also gets the tokens' `positions`, (bs, seq) int64 or None)."""
+    build = _BUILDER.get()
+    if build is not None:
+        return build(segments, positions)
     if segments.device.type == "cuda":
         return flex_block_mask(segments)
     return block_causal_mask(segments)

@@ -150,7 +150,9 @@ class MLAttention(nn.Module):
         if self.record_max_logit and kv is None:
             m = max_logits(q, k, mask, scale)
             self.max_logit = m if self.max_logit is None else torch.maximum(self.max_logit, m)
-        if isinstance(mask, BlockMask):
+        if hasattr(mask, "attend"):  # an attention built outside (context parallel's)
+            out = mask.attend(q, k, v, scale)
+        elif isinstance(mask, BlockMask):
             out = compiled_flex_attention()(q, k, v, block_mask=mask, scale=scale)
         elif mask is None:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
