@@ -3,8 +3,13 @@ the losses of 4 steps equal 1 process within 1e-5 (one seed checkpoint), over sh
 of mixed lengths (~20-200 tokens: every 64-token window holds several boundaries, some
 crossing the cp shard boundaries).
 
-CI: ring CP 2 (allgather, alltoall), CP 4, Ulysses 2, Ulysses without documents, and one
-composition (CP 2 × FSDP 2); `make test-parity-full` adds CP 2 × TP 2, × PP 2 and the rest.
+Packed chat SFT (prompt tokens masked, samples packed with restarted positions) runs the
+same way. MoE: Qwen3-MoE under CP 2 × EP 2 and DeepSeek-V3 (multi-head latent attention)
+under CP 2 and Ulysses 2.
+
+CI: ring CP 2 (allgather, alltoall), CP 4, Ulysses 2, Ulysses without documents, chat SFT under
+CP 2, CP 2 × FSDP 2 and CP 2 × EP 2; `make test-parity-full` adds CP 2 × TP 2, × PP 2 and the
+rest.
 """
 
 import os
@@ -16,6 +21,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, REPO)
 from titanlab.planning.layouts import Layout  # noqa: E402
 from tools import parity_matrix  # noqa: E402
+from tools.lib.feature_runs import write_chat_data  # noqa: E402
 
 from tests.integration.test_document_mask_parity import MASK, short_docs  # noqa: E402,F401
 
@@ -63,3 +69,95 @@ def test_ulysses_without_documents_matches_single_process(tmp_path):
     outcome = parity_matrix.run_layout(layout, dataset, seed, losses, str(tmp_path), extra=ULYSSES)
     assert outcome.error is None, outcome.report()
     assert outcome.max_abs_diff <= parity_matrix.TOLERANCE, outcome.max_abs_diff
+
+
+CHAT = {
+    "cp2-allgather": (Layout(1, 1, 1, 1, None, 1, cp=2), []),
+    "cp2-alltoall": (Layout(1, 1, 1, 1, None, 1, cp=2, cp_rotate="alltoall"), []),
+    "cp4-allgather": (Layout(1, 1, 1, 1, None, 1, cp=4), []),
+    "ulysses2": (Layout(1, 1, 1, 1, None, 1, cp=2), ULYSSES),
+}
+
+
+@pytest.fixture(scope="module")
+def chat_reference(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("cpchat"))
+    data = os.path.join(root, "sft")
+    write_chat_data(data)
+    return (*parity_matrix.prepare_reference(root, data), root)
+
+
+@pytest.mark.parametrize(
+    "name", [pytest.param(n, marks=() if n == "cp2-allgather" else FULL_ONLY) for n in CHAT]
+)
+def test_packed_chat_sft_under_cp_matches_single_process(name, chat_reference):
+    dataset, seed, losses, root = chat_reference
+    layout, extra = CHAT[name]
+    outcome = parity_matrix.run_layout(layout, dataset, seed, losses, root, extra=extra)
+    assert outcome.error is None, outcome.report()
+    assert outcome.max_abs_diff <= parity_matrix.TOLERANCE, outcome.max_abs_diff
+
+
+MOE = {
+    "qwen3_moe-cp2-ep2": (
+        Layout(1, 1, 1, 1, None, 1, cp=2, ep=2),
+        ["--model.name", "qwen3_moe", "--model.moe_load_balance_coeff", "0.1"],
+    ),
+    "deepseek_v3-cp2": (Layout(1, 1, 1, 1, None, 1, cp=2), ["--model.name", "deepseek_v3"]),
+    "deepseek_v3-ulysses2": (
+        Layout(1, 1, 1, 1, None, 1, cp=2),
+        ["--model.name", "deepseek_v3", *ULYSSES],
+    ),
+}
+
+
+@pytest.mark.parametrize(
+    "name", [pytest.param(n, marks=() if "qwen3" in n else FULL_ONLY) for n in MOE]
+)
+def test_moe_families_under_document_masked_cp_match_single_process(name, short_docs, tmp_path):
+    layout, extra = MOE[name]
+    model = [a for a in extra if a not in ULYSSES]
+    root = str(tmp_path)
+    dataset, seed, losses = parity_matrix.prepare_reference(root, short_docs, extra=MASK + model)
+    outcome = parity_matrix.run_layout(layout, dataset, seed, losses, root, extra=MASK + extra)
+    assert outcome.error is None, outcome.report()
+    assert outcome.max_abs_diff <= parity_matrix.TOLERANCE, outcome.max_abs_diff
+
+
+def test_killed_cp2_document_masked_run_resumes_bit_for_bit(short_docs, tmp_path):  # noqa: F811
+    """kill -9 of a rank after the step-4 checkpoint of a CP 2 document-masked run: torchrun
+    restarts the group, which loads the checkpoint and trains steps 5-8 bit for bit as the
+    straight run (the batches, their shards and the data position come back alike)."""
+    import signal
+    import subprocess
+
+    from conftest import CONSTANT_LR, read_metrics, wait_for, worker_pid
+    from titanlab.checkpoint import store
+
+    def run_train(dump: str, env: dict | None = None):
+        cmd = [os.path.join(REPO, "run_train.sh"), "train_configs/debug_model.toml",
+               "--training.seq_len", "64", "--training.local_batch_size", "2",
+               "--metrics.log_freq", "1", "--validation.enable", "false",
+               "--debug.deterministic", "true", "--checkpoint.keep_latest_k", "0",
+               "--checkpoint.export_at_end", "false", "--checkpoint.interval", "4",
+               "--data.dataset_path", short_docs, "--job.dump_folder", dump,
+               "--parallelism.context_parallel_degree", "2",
+               "--parallelism.context_parallel_rotate_method", "alltoall",
+               *MASK, *CONSTANT_LR, "--training.steps", "8"]  # fmt: skip
+        env = dict(os.environ, NGPU="2", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env or {}))
+        return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)  # fmt: skip
+
+    straight = str(tmp_path / "straight")
+    run = run_train(straight)
+    assert run.wait(timeout=600) == 0, run.stderr.read()[-3000:]
+    killed = str(tmp_path / "killed")
+    run = run_train(killed, env={"MAX_RESTARTS": "1", "LOG_RANK": "0,1"})
+    step4 = os.path.join(killed, "checkpoint", "step-4")
+    wait_for(lambda: os.path.isdir(step4) and store.incomplete_reason(step4) is None)
+    os.kill(worker_pid(1, killed), signal.SIGKILL)
+    _, err = run.communicate(timeout=600)
+    assert run.returncode == 0, err[-4000:]
+    want, got = read_metrics(straight), read_metrics(killed)
+    assert sorted(got) == list(range(1, 9))
+    assert [got[s] for s in range(5, 9)] == [want[s] for s in range(5, 9)]  # bitwise
