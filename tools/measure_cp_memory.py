@@ -1,7 +1,11 @@
 """Per-rank activation memory of context parallel on CPU against the estimator; into the docs.
 
     python tools/measure_cp_memory.py [--seq 8192] [--short-seq 256] [--cps 1,2,4]
-        [--rotates allgather,alltoall] [--no-write]
+        [--rotates allgather,alltoall] [--document-mask] [--ulysses] [--no-write]
+
+`--document-mask` trains with data.document_mask and restarted positions (titanlab's CP
+attention, the `work` balancer) and writes the `cp-memory-documents` block instead; `--ulysses`
+adds a Ulysses row per cp.
 
 For each CP degree (and each rotate method when cp > 1) the debug model trains 2 steps under torchrun (cp ranks, dp_shard 1, local
 batch 1, fp32, no AC, no checkpoint) at `--seq` and at `--short-seq` tokens, with
@@ -33,41 +37,50 @@ DOC = os.path.join(REPO, "docs", "parallelism.md")
 MIB = 2**20
 
 
+EXTRA: list[str] = []  # options every run takes (--document-mask's)
+
+
 def overrides(seq: int, cp: int, dump: str, rotate: str = "allgather") -> list[str]:
-    return [
-        "--job.config_file",
-        os.path.join(REPO, "train_configs", "debug_model.toml"),
-        "--job.dump_folder",
-        dump,
-        "--training.seq_len",
-        str(seq),
-        "--training.local_batch_size",
-        "1",
-        "--training.steps",
-        "2",
-        "--parallelism.context_parallel_degree",
-        str(cp),
-        "--parallelism.context_parallel_rotate_method",
-        rotate,
-        "--parallelism.data_parallel_shard_degree",
-        "1",
-        "--checkpoint.enable",
-        "false",
-        "--validation.enable",
-        "false",
-        "--metrics.log_freq",
-        "1",
-        "--profiling.enable_memory_snapshot",
-        "true",
-        "--profiling.profile_freq",
-        "2",
-        "--profiling.profiler_warmup",
-        "0",
-        "--comm.init_timeout_seconds",
-        "300",
-        "--comm.train_timeout_seconds",
-        "300",
-    ]
+    mode = ["--parallelism.context_parallel_mode", "ulysses"] if rotate == "ulysses" else []
+    rotate = "allgather" if rotate == "ulysses" else rotate
+    return (
+        EXTRA
+        + mode
+        + [
+            "--job.config_file",
+            os.path.join(REPO, "train_configs", "debug_model.toml"),
+            "--job.dump_folder",
+            dump,
+            "--training.seq_len",
+            str(seq),
+            "--training.local_batch_size",
+            "1",
+            "--training.steps",
+            "2",
+            "--parallelism.context_parallel_degree",
+            str(cp),
+            "--parallelism.context_parallel_rotate_method",
+            rotate,
+            "--parallelism.data_parallel_shard_degree",
+            "1",
+            "--checkpoint.enable",
+            "false",
+            "--validation.enable",
+            "false",
+            "--metrics.log_freq",
+            "1",
+            "--profiling.enable_memory_snapshot",
+            "true",
+            "--profiling.profile_freq",
+            "2",
+            "--profiling.profiler_warmup",
+            "0",
+            "--comm.init_timeout_seconds",
+            "300",
+            "--comm.train_timeout_seconds",
+            "300",
+        ]
+    )
 
 
 def peak_mib(seq: int, cp: int, rotate: str, tmp: str) -> float:
@@ -112,8 +125,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--short-seq", type=int, default=256)
     p.add_argument("--cps", default="1,2,4")
     p.add_argument("--rotates", default="allgather,alltoall")
+    p.add_argument("--document-mask", action="store_true")
+    p.add_argument("--ulysses", action="store_true")
     p.add_argument("--no-write", action="store_true")
     a = p.parse_args(argv)
+    if a.document_mask:
+        EXTRA.extend(["--data.document_mask", "true", "--data.reset_positions", "true"])
+    if a.ulysses:
+        a.rotates += ",ulysses"
     runs = [
         (cp, rotate)
         for cp in (int(c) for c in a.cps.split(","))
@@ -133,7 +152,8 @@ def main(argv: list[str] | None = None) -> int:
     lines = [
         f"Measured with `python tools/measure_cp_memory.py` on {cpu_model()}, {os.cpu_count()} "
         f"cores, {ram_gib():.0f} GiB RAM; Python {platform.python_version()}; "
-        f"{datetime.date.today()}. Debug model, seq_len {a.seq}, local batch 1, fp32, AC none; "
+        f"{datetime.date.today()}. Debug model, seq_len {a.seq}, local batch 1, fp32, AC none"
+        f"{', document mask (restarted positions)' if a.document_mask else ''}; "
         f"activation memory = rank 0's peak bytes of the tensors allocated in step 2 "
         f"(torch.profiler's memory timeline) at seq_len {a.seq} minus at {a.short_seq}.",
         "",
@@ -153,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     if not a.no_write:
         from tools.lib.bench import write_block
 
-        write_block(DOC, "cp-memory", table)
+        write_block(DOC, "cp-memory-documents" if a.document_mask else "cp-memory", table)
     return 0
 
 

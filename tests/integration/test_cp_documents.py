@@ -114,7 +114,11 @@ MOE = {
 @pytest.mark.parametrize(
     "name", [pytest.param(n, marks=() if "qwen3" in n else FULL_ONLY) for n in MOE]
 )
-def test_moe_families_under_document_masked_cp_match_single_process(name, short_docs, tmp_path):
+def test_moe_families_under_document_masked_cp_match_single_process(
+    name,
+    short_docs,  # noqa: F811
+    tmp_path,
+):
     layout, extra = MOE[name]
     model = [a for a in extra if a not in ULYSSES]
     root = str(tmp_path)

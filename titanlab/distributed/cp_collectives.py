@@ -7,13 +7,13 @@ transposed exchange:
 - `sequence_to_heads` / `heads_to_sequence`: DeepSpeed-Ulysses' all-to-all (Jacobs et al.
   2023, arXiv:2309.14509) from (bs, H, S/cp, d) sequence shards to (bs, H/cp, S, d) head
   shards, and back (each the other's backward);
-- `ring_shift`: send this rank's tensor to the next cp rank and receive the previous one's
-  (backward: the gradient travels the other way).
+- `shift` (not differentiable; the ring's autograd Function calls it both ways): send this
+  rank's tensor `step` ranks on and receive the one from `step` ranks back.
 
 They run on any backend with all_gather, all_reduce, all_to_all_single and point-to-point
 sends (gloo included). Bytes a rank sends per call, for a tensor of n elements of b bytes on
 cp ranks: gather (cp−1)·n·b forward and as much backward; each all-to-all (cp−1)/cp·n·b;
-ring_shift n·b.
+shift n·b sent and n·b received.
 """
 
 from __future__ import annotations
@@ -87,7 +87,7 @@ def heads_to_sequence(x: torch.Tensor, group) -> torch.Tensor:
     return _AllToAll.apply(x, 2, 1, group)
 
 
-def _shift(x: torch.Tensor, step: int, group) -> torch.Tensor:
+def shift(x: torch.Tensor, step: int, group) -> torch.Tensor:
     """Send `x` to the rank `step` places on (mod cp), receive from `step` places back."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     to = dist.get_global_rank(group, (rank + step) % world)
@@ -101,19 +101,3 @@ def _shift(x: torch.Tensor, step: int, group) -> torch.Tensor:
     for req in dist.batch_isend_irecv(ops):
         req.wait()
     return out
-
-
-class _RingShift(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
-        ctx.group = group
-        return _shift(x, 1, group)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return _shift(grad, -1, ctx.group), None
-
-
-def ring_shift(x: torch.Tensor, group) -> torch.Tensor:
-    """The previous cp rank's `x` (this rank's goes to the next one); differentiable."""
-    return _RingShift.apply(x, group)

@@ -25,8 +25,10 @@ values, but FlexAttention has no backward on CPU). This module covers the rest:
   documents), and a second all-to-all turns the output back. Heads must divide by tp × cp.
 
 Bytes a rank sends per layer and microbatch, q/k/v/o each (bs, H, S/cp, d) of b bytes: ring
-allgather 2·(cp−1)·n·b forward (k, v), as much back; ring alltoall the same in cp−1 shifts;
-Ulysses 4·(cp−1)/cp·n·b forward (q, k, v, out), as much back.
+allgather: k and v gathered forward, their gradients reduced backward; ring alltoall: k and v
+sent cp−1 times forward and again backward, their gradients cp times; Ulysses: q, k, v and
+the output through an all-to-all forward, their gradients backward (exact byte counts:
+tools/lib/cp_bench.py `closed_form_bytes`, checked by the communication counter).
 """
 
 from __future__ import annotations
@@ -38,10 +40,10 @@ import torch.nn.functional as F
 
 from titanlab.distributed.cp_balance import shard_order
 from titanlab.distributed.cp_collectives import (
+    shift,
     gather_sequence,
     gather_values,
     heads_to_sequence,
-    ring_shift,
     sequence_to_heads,
 )
 from titanlab.models.common.document_mask import mask_builder
@@ -97,27 +99,76 @@ class ContextParallelAttention:
         return self._ring(q, k, v, scale if scale is not None else 1 / math.sqrt(q.shape[-1]))
 
     def _ring(self, q, k, v, scale: float) -> torch.Tensor:
-        """cp steps: attend to the key/value shard in hand, pass it on; merge by log-sum-exp."""
+        assert self.mask is not None
+        return _RingAttention.apply(q, k, v, self.mask, scale, self.group)
+
+
+def _block(q, k, mask, scale: float) -> torch.Tensor:
+    """fp32 scores of q (bs, H, Sq, d) against one key shard k (bs, H, Sk, d), disallowed
+    pairs at -1e30 (finite: a shard with no allowed key gets weight exp(-1e30 - lse) = 0)."""
+    return (q.float() @ k.float().transpose(-1, -2) * scale).masked_fill(~mask, -1e30)
+
+
+class _RingAttention(torch.autograd.Function):
+    """Ring attention with the `alltoall` rotation: the key/value shards travel the ring one
+    step at a time; forward merges the partial softmaxes by their log-sum-exp and keeps only
+    q, this rank's k and v, the output and the log-sum-exp (bs, H, S/cp); backward travels the
+    ring again, recomputing each shard's probabilities from the saved log-sum-exp (the
+    FlashAttention-2 backward, Dao 2023, arXiv:2307.08691, per shard), and the shards' key and
+    value gradients travel with them and come home after a last step. fp32 inside."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, mask, scale: float, group):
         import torch.distributed as dist
 
-        world, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
-        assert self.mask is not None
+        world, rank = dist.get_world_size(group), dist.get_rank(group)
         local = q.shape[2]
-        outs, lses = [], []
-        qf = q.float() * scale
+        kj, vj = k, v
+        out = torch.zeros(*q.shape[:-1], v.shape[-1], dtype=torch.float32, device=q.device)
+        lse = torch.full(q.shape[:-1], -1e30, dtype=torch.float32, device=q.device)
         for step in range(world):
             if step:
-                k, v = ring_shift(k, self.group), ring_shift(v, self.group)
+                kj, vj = shift(kj, 1, group), shift(vj, 1, group)
             src = (rank - step) % world
-            mask = self.mask[..., src * local : (src + 1) * local]
-            # A finite fill: a shard with no allowed key gets weight exp(-1e30 - lse) = 0.
-            scores = (qf @ k.float().transpose(-1, -2)).masked_fill(~mask, -1e30)
-            lse = torch.logsumexp(scores, dim=-1)  # (bs, H, S/cp)
-            outs.append(torch.softmax(scores, dim=-1) @ v.float())
-            lses.append(lse)
-        total = torch.logsumexp(torch.stack(lses), dim=0)
-        out = sum(torch.exp(l - total)[..., None] * o for l, o in zip(lses, outs))
+            scores = _block(q, kj, mask[..., src * local : (src + 1) * local], scale)
+            block_lse = torch.logsumexp(scores, dim=-1)
+            merged = torch.logaddexp(lse, block_lse)
+            out = (
+                out * torch.exp(lse - merged)[..., None]
+                + torch.exp(scores - merged[..., None]) @ vj.float()
+            )
+            lse = merged
+        ctx.save_for_backward(q, k, v, mask, out, lse)
+        ctx.scale, ctx.group = scale, group
         return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        import torch.distributed as dist
+
+        q, k, v, mask, out, lse = ctx.saved_tensors
+        group, scale = ctx.group, ctx.scale
+        world, rank = dist.get_world_size(group), dist.get_rank(group)
+        local = q.shape[2]
+        do = grad_out.float()
+        delta = (do * out).sum(-1, keepdim=True)  # (bs, H, S/cp, 1)
+        dq = torch.zeros_like(q, dtype=torch.float32)
+        kj, vj = k, v
+        dkj = torch.zeros_like(k, dtype=torch.float32)
+        dvj = torch.zeros_like(v, dtype=torch.float32)
+        for step in range(world):
+            if step:
+                kj, vj = shift(kj, 1, group), shift(vj, 1, group)
+                dkj, dvj = shift(dkj, 1, group), shift(dvj, 1, group)
+            src = (rank - step) % world
+            p = torch.exp(_block(q, kj, mask[..., src * local : (src + 1) * local], scale)
+                          - lse[..., None])  # fmt: skip
+            dvj = dvj + p.transpose(-1, -2) @ do
+            ds = p * (do @ vj.float().transpose(-1, -2) - delta)
+            dq = dq + ds @ kj.float() * scale
+            dkj = dkj + ds.transpose(-1, -2) @ q.float() * scale
+        dk, dv = shift(dkj, 1, group), shift(dvj, 1, group)  # home: one more step
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
 
 
 def shard_batch(
