@@ -149,7 +149,13 @@ def _communication(shape: Any, run: Any, lay: Layout, cluster: Cluster, work: An
         for kind in ("all-gather", "reduce-scatter"):
             t = _ring(kind, lay.tp, nbytes, calls, intra, cluster)
             out.append(Comm(kind, "tp", lay.tp, calls * nbytes, t, calls, intra_node=intra))
-    if lay.cp > 1:  # K and V gathered forward, their gradients reduce-scattered backward
+    if lay.cp > 1 and lay.cp_rotate == "ulysses":  # q, k, v and the output through an
+        intra = intra_node(lay, ("cp",), cluster)  # all-to-all forward, their gradients back
+        nbytes = tokens_mb * shape.n_heads * shape.head_dim // lay.tp * e
+        calls = round((8 + 4 * recomputed) * work.blocks * micro)
+        t = _ring("all-to-all", lay.cp, nbytes, calls, intra, cluster)
+        out.append(Comm("all-to-all", "cp", lay.cp, calls * nbytes, t, calls, intra_node=intra))
+    elif lay.cp > 1:  # K and V gathered forward, their gradients reduce-scattered backward
         intra = intra_node(lay, ("cp",), cluster)
         kv = 2 * tokens_mb * lay.cp * shape.kv_heads * shape.head_dim // lay.tp * e
         calls = work.blocks * micro

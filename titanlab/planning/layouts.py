@@ -47,7 +47,9 @@ class Layout:
     the world size."""
     cp_rotate: str = "allgather"
     """How context parallel's ring passes the KV shards (`parallelism.
-    context_parallel_rotate_method`); meaningful only when cp > 1."""
+    context_parallel_rotate_method`), or "ulysses" for `context_parallel_mode = "ulysses"`
+    (the planner's candidates; the generated parity matrix enumerates the ring's two);
+    meaningful only when cp > 1."""
     zero_stage: int = 3
     """`parallelism.zero_stage`: 3 (FSDP2's full sharding) unless the layout is a ZeRO variant;
     stages 0-2 change only what the dp_shard × cp ranks hold, so they are enumerated only where
@@ -169,7 +171,9 @@ class Layout:
         ]
         if self.schedule:
             out += ["--parallelism.pipeline_parallel_schedule", self.schedule]
-        if self.cp > 1:
+        if self.cp > 1 and self.cp_rotate == "ulysses":
+            out += ["--parallelism.context_parallel_mode", "ulysses"]
+        elif self.cp > 1:
             out += ["--parallelism.context_parallel_rotate_method", self.cp_rotate]
         if self.zero_stage != 3:
             out += ["--parallelism.zero_stage", str(self.zero_stage)]
@@ -280,7 +284,10 @@ def apply_layout(config: JobConfig, layout: Layout, global_batch_size: int) -> J
         context_parallel_degree=layout.cp,
         pipeline_parallel_degree=layout.pp,
         expert_parallel_degree=layout.ep,
-        context_parallel_rotate_method=cast("CPRotateMethod", layout.cp_rotate),
+        context_parallel_rotate_method=cast(
+            "CPRotateMethod", "allgather" if layout.cp_rotate == "ulysses" else layout.cp_rotate
+        ),
+        context_parallel_mode="ulysses" if layout.cp_rotate == "ulysses" else "ring",
         # layout.schedule is one of SCHEDULES, the keys of the pipeline's schedule tables
         pipeline_parallel_schedule=cast(
             "PipelineSchedule", layout.schedule or config.parallelism.pipeline_parallel_schedule

@@ -121,6 +121,10 @@ def estimate_memory(
         fused_chunk=mb * s_local if fused_loss(config) else 0,
     )
     block = {mode: traced.block_bytes(mode, tp) for mode in traced.per_block}
+    cp_mask, cp_block = cp_attention_bytes(config, model_args, mb, s, cp, tp, elem)
+    for kept in ("none", "op"):  # what blocks that keep their activations add under CP
+        if kept in block:
+            block[kept] += cp_block
     mode, option = (
         config.activation_checkpoint.mode,
         config.activation_checkpoint.selective_ac_option,
@@ -154,6 +158,7 @@ def estimate_memory(
 
     acts = blocks_bytes(layers, a2a=False)
     a2a = blocks_bytes(layers) - acts
+    acts += cp_mask
     # Eager: the gradients of the fp32 log-softmax and of the fp32 upcast; a compiled loss
     # writes the logits' gradient in their own dtype in one fused kernel.
     logits_grads = (
@@ -238,7 +243,8 @@ def estimate_memory(
                 load.gathered,
                 max(2 * gathered_block, load.largest_unit) if resharded and dp_shard * cp > 1
                 else load.gathered,
-                activations=acts if offloaded else load.in_flight, logits=load.transient,
+                activations=acts if offloaded else load.in_flight + cp_mask,
+                logits=load.transient,
                 grads_during_forward=accumulating or load.grads_alive,
                 pipeline_buffers=load.buffers,
             )
@@ -362,3 +368,32 @@ def check_memory(
 
 def local_world_size() -> int:
     return int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+
+
+def cp_attention_bytes(
+    config: JobConfig, model_args, mb: int, s: int, cp: int, tp: int, elem: int
+) -> tuple[int, int]:
+    """(mask bytes, bytes per block) that titanlab's context-parallel attention
+    (`titanlab.distributed.cp_documents`: a document mask or Ulysses under cp > 1) keeps
+    beyond the traced causal block, per microbatch on one rank. The mask is built once per
+    forward (bool: S/cp × S for ring, S × S for Ulysses). A block that keeps its activations
+    (AC none, op-level selective) also keeps the other ranks' all-gathered keys and values
+    (ring allgather: 2·(cp−1)·S/cp·H/tp·d elements) or the ring's fp32 output and
+    log-sum-exp (ring alltoall: S/cp·H/tp·(dv + 1) fp32); Ulysses keeps as many attention
+    inputs as the traced block (H/cp heads over the whole sequence). (0, 0) without cp or when
+    PyTorch's causal ring runs."""
+    from titanlab.planning.validate import packed_chat_data
+
+    p = config.parallelism
+    documents = config.data.document_mask or (config.data.packing and packed_chat_data(config))
+    ulysses = p.context_parallel_mode == "ulysses"
+    if cp == 1 or not (documents or ulysses):
+        return 0, 0
+    mask = mb * s * s // (1 if ulysses else cp) if documents else 0
+    width = getattr(model_args, "qk_head_dim", model_args.head_dim)
+    local = mb * (s // cp) * (model_args.n_heads // tp)
+    if ulysses:
+        return mask, 0
+    if p.context_parallel_rotate_method == "allgather":
+        return mask, 2 * (cp - 1) * local * width * elem
+    return mask, local * (getattr(model_args, "v_head_dim", width) + 1) * 4

@@ -87,6 +87,8 @@ def candidate_layouts(world: int, cluster: Cluster, shape: ModelShape, run: Run)
         ):
             continue
         out.append(lay)
+        if lay.cp > 1 and lay.cp_rotate == "allgather" and shape.n_heads % (lay.tp * lay.cp) == 0:
+            out.append(dataclasses.replace(lay, cp_rotate="ulysses"))  # Ulysses CP beside ring
     return out
 
 

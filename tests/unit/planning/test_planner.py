@@ -70,3 +70,32 @@ def test_a_global_batch_of_minus_1_is_the_trainers_on_the_configs_own_layout():
     line = str(e.value)
     assert "\n" not in line and line.startswith("training.global_batch_size=-1 means")
     assert "does not fit 6 devices" in line and "set --training.global_batch_size" in line
+
+
+def test_a_128k_document_masked_llama_8b_job_on_64_h100s_ranks_ring_against_ulysses():
+    """Long context: the planner searches context parallel's ring (both rotations) and Ulysses
+    beside each other and ranks them; at 128k tokens with a document mask the ring's
+    all-gathered keys and values (2·(cp−1)/cp of the sequence per block) no longer fit at
+    cp 8 without TP, while the alltoall ring and Ulysses do (their best layouts print)."""
+    config = build_config(["--job.config_file", "train_configs/llama_8b.toml",
+                           "--training.seq_len", "131072", "--training.global_batch_size", "8",
+                           "--data.document_mask", "true"])  # fmt: skip
+    args = planner.model_args_of(config)
+    cluster = dataclasses.replace(PROFILES["h100"], nodes=8)
+    cands = planner.plan(config, args, cluster, search_ac=False)
+    fitting = [c for c in cands if c.fits]
+    best = {}
+    for c in fitting:
+        if c.layout.cp > 1:
+            best.setdefault(c.layout.cp_rotate, c)
+    print("\n" + "\n".join(
+        f"{m}: {c.layout.name} {c.prediction.step_s:.3f} s, {c.memory.total / 2**30:.1f} GiB"
+        for m, c in best.items()))  # fmt: skip
+    assert {"alltoall", "ulysses", "allgather"} <= set(best)
+    assert all(c.layout.cp > 1 for c in fitting[:5])  # 128k tokens need the sequence split
+    steps = [c.prediction.step_s for c in fitting]
+    assert steps == sorted(steps)
+    gathered = [
+        c for c in cands if (c.layout.cp, c.layout.tp, c.layout.cp_rotate) == (8, 1, "allgather")
+    ]
+    assert gathered and not any(c.fits for c in gathered)
