@@ -73,8 +73,10 @@ class Data:
     document_mask: bool = False
     """Keep attention inside each document of a window (documents end with the data's EOS
     token): block-causal attention, and no next-token target across a document boundary
-    (flex attention on CUDA, SDPA with an explicit mask elsewhere). Not with context
-    parallel."""
+    (flex attention on CUDA, SDPA with an explicit mask elsewhere). A document longer than
+    the window is split at the window's edge: each piece trains as its own document. Under
+    context parallel the mask runs through titanlab's CP attention (ring or Ulysses, the
+    tokens dealt by `parallelism.context_parallel_load_balancer`)."""
 
     reset_positions: bool = False
     """With document_mask: restart the RoPE positions at 0 at each document's first token."""

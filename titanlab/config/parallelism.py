@@ -108,8 +108,10 @@ class Parallelism:
     "tok_embeddings layers.0 layers.1". Overrides the automatic split."""
 
     context_parallel_degree: int = 1
-    """cp: context parallel degree: each sample's sequence is split over cp ranks (ring
-    attention through SDPA; on CPU through the CPU flash kernel)."""
+    """cp: context parallel degree: each sample's sequence is split over cp ranks. Causal
+    batches: PyTorch's ring attention through SDPA (on CPU through the CPU flash kernel);
+    document masks, packed chat SFT and Ulysses: titanlab's CP attention
+    (`context_parallel_mode`)."""
 
     context_parallel_rotate_method: CPRotateMethod = "allgather"
     """How the ring passes key/value shards between the cp ranks: all-gather them once per
