@@ -165,3 +165,35 @@ def test_killed_cp2_document_masked_run_resumes_bit_for_bit(short_docs, tmp_path
     want, got = read_metrics(straight), read_metrics(killed)
     assert sorted(got) == list(range(1, 9))
     assert [got[s] for s in range(5, 9)] == [want[s] for s in range(5, 9)]  # bitwise
+
+
+OPTIONS = {
+    "compile": ["--compile.enable", "true"],
+    "ac-full": ["--activation_checkpoint.mode", "full"],
+    "ac-selective-op": [
+        "--activation_checkpoint.mode",
+        "selective",
+        "--activation_checkpoint.selective_ac_option",
+        "op",
+    ],
+    "lora": ["--peft.method", "lora", "--peft.rank", "4", "--peft.target_modules", "wq,wv"],
+    "fused-loss": ["--loss.fused_linear_cross_entropy", "true", "--loss.chunk_size", "32"],
+}
+
+
+@pytest.mark.parametrize(
+    "name", [pytest.param(n, marks=() if n == "ac-full" else FULL_ONLY) for n in OPTIONS]
+)
+def test_document_masked_cp2_with_an_option_matches_single_process(
+    name,
+    short_docs,  # noqa: F811
+    tmp_path,
+):
+    """CP 2 (alltoall) with compile, an AC mode, LoRA or the fused loss equals 1 process with
+    the same option."""
+    root, extra = str(tmp_path), MASK + OPTIONS[name]
+    dataset, seed, losses = parity_matrix.prepare_reference(root, short_docs, extra=extra)
+    layout = Layout(1, 1, 1, 1, None, 1, cp=2, cp_rotate="alltoall")
+    outcome = parity_matrix.run_layout(layout, dataset, seed, losses, root, extra=extra)
+    assert outcome.error is None, outcome.report()
+    assert outcome.max_abs_diff <= parity_matrix.TOLERANCE, outcome.max_abs_diff

@@ -209,3 +209,15 @@ def needs_own_cp(mode: str, kwargs: dict) -> bool:
     """Whether a batch goes through this module rather than PyTorch's causal ring: Ulysses
     always, ring when the batch has a document mask (`segments`)."""
     return mode == "ulysses" or kwargs.get("segments") is not None
+
+
+def own_cp_attention(config) -> bool:
+    """Whether a run (`config` a JobConfig) trains through this module's attention: cp > 1
+    with Ulysses, a document mask, or packed chat SFT data."""
+    from titanlab.planning.validate import packed_chat_data
+
+    data, par = config.data, config.parallelism
+    if par.context_parallel_degree <= 1:
+        return False
+    documents = data.document_mask or (data.packing and packed_chat_data(config))
+    return par.context_parallel_mode == "ulysses" or bool(documents)

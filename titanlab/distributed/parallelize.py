@@ -30,6 +30,7 @@ except ImportError:  # pragma: no cover - only on older torch
 
 from titanlab.config.job_config import JobConfig
 from titanlab.distributed.activation_checkpoint import apply_ac
+from titanlab.distributed.cp_documents import own_cp_attention
 from titanlab.distributed.activation_offload import apply_offload
 from titanlab.distributed.expert_parallel import apply_ep
 from titanlab.distributed.parallel_dims import ParallelDims
@@ -123,7 +124,8 @@ def parallelize_model(
     if config.compile.enable and "model" in config.compile.components:
         # tensor and context parallel put collectives inside the compiled blocks
         in_graph = parallel_dims.tp_enabled or parallel_dims.cp > 1
-        apply_compile(model, config.compile.backend, collectives_in_graph=in_graph)
+        apply_compile(model, config.compile.backend, collectives_in_graph=in_graph,
+                      fullgraph=not own_cp_attention(config))  # fmt: skip
     if parallel_dims.dp_replicate_enabled and not parallel_dims.fsdp_enabled:
         dp_mesh = parallel_dims.mesh("dp_replicate")
         assert dp_mesh is not None  # built whenever dp_replicate > 1
@@ -254,7 +256,9 @@ def reshard_policy(option: str, pp_enabled: bool, zero_stage: int = 3) -> bool:
     return not pp_enabled
 
 
-def apply_compile(model: Decoder, backend: str, collectives_in_graph: bool = False) -> None:
+def apply_compile(
+    model: Decoder, backend: str, collectives_in_graph: bool = False, fullgraph: bool = True
+) -> None:
     """Compile each transformer block in place (`Module.compile`, so parameter names do not
     change and checkpoints stay portable). Blocks are identical, so one graph serves all.
 
@@ -271,7 +275,11 @@ def apply_compile(model: Decoder, backend: str, collectives_in_graph: bool = Fal
     change), so the block's attention is compiled whole (`fullgraph=True`) and the norms (torch
     modules, which Dynamo does not compile as a frame of their own) and the MoE layer (router,
     dispatch, experts) run eagerly. The blocks of multi-token prediction depths (`model.mtp`)
-    compile the same way."""
+    compile the same way.
+
+    `fullgraph=False` (titanlab's context-parallel attention, whose collectives run eagerly:
+    `titanlab.distributed.cp_documents`): each block compiles in the pieces around its
+    attention call."""
     if collectives_in_graph:
         import torch._functorch.config
         import torch._inductor.config
@@ -283,11 +291,11 @@ def apply_compile(model: Decoder, backend: str, collectives_in_graph: bool = Fal
     for block in [*model.layers.values(), *mtp_blocks]:
         inner = getattr(block, "_checkpoint_wrapped_module", block)
         if not moe_layers(inner):
-            block.compile(backend=backend, fullgraph=True)
+            block.compile(backend=backend, fullgraph=fullgraph)
             continue
         for child in inner.children():
             if not isinstance(child, MoE) and not type(child).__module__.startswith("torch."):
-                child.compile(backend=backend, fullgraph=True)
+                child.compile(backend=backend, fullgraph=fullgraph)
 
 
 def apply_fsdp(
