@@ -75,6 +75,7 @@ CHAT = {
     "cp2-allgather": (Layout(1, 1, 1, 1, None, 1, cp=2), []),
     "cp2-alltoall": (Layout(1, 1, 1, 1, None, 1, cp=2, cp_rotate="alltoall"), []),
     "cp4-allgather": (Layout(1, 1, 1, 1, None, 1, cp=4), []),
+    "cp4-alltoall": (Layout(1, 1, 1, 1, None, 1, cp=4, cp_rotate="alltoall"), []),
     "ulysses2": (Layout(1, 1, 1, 1, None, 1, cp=2), ULYSSES),
 }
 

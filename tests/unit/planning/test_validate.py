@@ -3,6 +3,8 @@
 import dataclasses
 import json
 
+import pytest
+
 
 from titanlab.config.job_config import ConfigError, JobConfig
 from titanlab.distributed.parallel_dims import ParallelDims
@@ -279,3 +281,16 @@ def test_packed_chat_data_runs_under_context_parallel(tmp_path):
     config.data.dataset_path = str(tmp_path / "sft")
     config.parallelism.context_parallel_degree = 2
     assert refusal(config, 2) is None  # packed samples: a document mask under CP
+
+
+def test_context_parallel_mode_and_balancer_names_are_checked_in_one_line():
+    from titanlab.config.manager import build_config
+
+    with pytest.raises(ConfigError) as e:
+        build_config(["--parallelism.context_parallel_load_balancer", "lpt"])
+    assert str(e.value) == (
+        "parallelism.context_parallel_load_balancer='lpt' is not valid; valid: work, head_tail, "
+        "none"
+    )
+    with pytest.raises(ConfigError, match="valid: ring, ulysses; did you mean 'ring'"):
+        build_config(["--parallelism.context_parallel_mode", "ring2"])
