@@ -177,6 +177,12 @@ OPTIONS = {
         "--activation_checkpoint.selective_ac_option",
         "op",
     ],
+    "ac-selective-2": [
+        "--activation_checkpoint.mode",
+        "selective",
+        "--activation_checkpoint.selective_ac_option",
+        "2",
+    ],
     "lora": ["--peft.method", "lora", "--peft.rank", "4", "--peft.target_modules", "wq,wv"],
     "fused-loss": ["--loss.fused_linear_cross_entropy", "true", "--loss.chunk_size", "32"],
 }
