@@ -170,6 +170,15 @@ def test_killed_cp2_document_masked_run_resumes_bit_for_bit(short_docs, tmp_path
 
 OPTIONS = {
     "compile": ["--compile.enable", "true"],
+    "compile-ac-selective-op": [
+        "--compile.enable",
+        "true",
+        "--activation_checkpoint.mode",
+        "selective",
+        "--activation_checkpoint.selective_ac_option",
+        "op",
+    ],
+    "compile-ac-full": ["--compile.enable", "true", "--activation_checkpoint.mode", "full"],
     "ac-full": ["--activation_checkpoint.mode", "full"],
     "ac-selective-op": [
         "--activation_checkpoint.mode",
