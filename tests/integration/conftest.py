@@ -182,3 +182,26 @@ def worker_pid(rank: int, dump: str) -> int:
         ):
             return int(pid)
     raise AssertionError(f"no rank {rank} process for {dump}")
+
+
+def assert_killed_rank_resumes_bit_for_bit(start, root: str) -> None:
+    """kill -9 of rank 1 once the step-4 checkpoint is complete: torchrun restarts the group,
+    which must train steps 5-8 bit for bit as a straight run. `start(dump, env)` launches the
+    8-step, 2-rank run (checkpoint every 4 steps, log_freq 1) and returns its Popen."""
+    import signal
+
+    from titanlab.checkpoint import store
+
+    straight = os.path.join(root, "straight")
+    run = start(straight, None)
+    assert run.wait(timeout=600) == 0, run.stderr.read()[-3000:]
+    killed = os.path.join(root, "killed")
+    run = start(killed, {"MAX_RESTARTS": "1", "LOG_RANK": "0,1"})
+    step4 = os.path.join(killed, "checkpoint", "step-4")
+    wait_for(lambda: os.path.isdir(step4) and store.incomplete_reason(step4) is None)
+    os.kill(worker_pid(1, killed), signal.SIGKILL)
+    _, err = run.communicate(timeout=600)
+    assert run.returncode == 0, err[-4000:]
+    want, got = read_metrics(straight), read_metrics(killed)
+    assert sorted(got) == list(range(1, 9))
+    assert [got[s] for s in range(5, 9)] == [want[s] for s in range(5, 9)]  # bitwise

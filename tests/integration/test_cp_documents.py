@@ -133,13 +133,11 @@ def test_killed_cp2_document_masked_run_resumes_bit_for_bit(short_docs, tmp_path
     """kill -9 of a rank after the step-4 checkpoint of a CP 2 document-masked run: torchrun
     restarts the group, which loads the checkpoint and trains steps 5-8 bit for bit as the
     straight run (the batches, their shards and the data position come back alike)."""
-    import signal
     import subprocess
 
-    from conftest import CONSTANT_LR, read_metrics, wait_for, worker_pid
-    from titanlab.checkpoint import store
+    from conftest import CONSTANT_LR, assert_killed_rank_resumes_bit_for_bit
 
-    def run_train(dump: str, env: dict | None = None):
+    def run_train(dump: str, env: dict | None):
         cmd = [os.path.join(REPO, "run_train.sh"), "train_configs/debug_model.toml",
                "--training.seq_len", "64", "--training.local_batch_size", "2",
                "--metrics.log_freq", "1", "--validation.enable", "false",
@@ -153,19 +151,7 @@ def test_killed_cp2_document_masked_run_resumes_bit_for_bit(short_docs, tmp_path
         return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True)  # fmt: skip
 
-    straight = str(tmp_path / "straight")
-    run = run_train(straight)
-    assert run.wait(timeout=600) == 0, run.stderr.read()[-3000:]
-    killed = str(tmp_path / "killed")
-    run = run_train(killed, env={"MAX_RESTARTS": "1", "LOG_RANK": "0,1"})
-    step4 = os.path.join(killed, "checkpoint", "step-4")
-    wait_for(lambda: os.path.isdir(step4) and store.incomplete_reason(step4) is None)
-    os.kill(worker_pid(1, killed), signal.SIGKILL)
-    _, err = run.communicate(timeout=600)
-    assert run.returncode == 0, err[-4000:]
-    want, got = read_metrics(straight), read_metrics(killed)
-    assert sorted(got) == list(range(1, 9))
-    assert [got[s] for s in range(5, 9)] == [want[s] for s in range(5, 9)]  # bitwise
+    assert_killed_rank_resumes_bit_for_bit(run_train, str(tmp_path))
 
 
 OPTIONS = {

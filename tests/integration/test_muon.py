@@ -103,24 +103,11 @@ def test_muon_killed_rank_resumes_bit_for_bit(tiny_dataset, tmp_path):
     """kill -9 of a rank after the step-4 checkpoint: torchrun restarts the group, which loads
     the momentum buffers (DTensors in the checkpoint) and trains steps 5-8 bit for bit as the
     straight run (bfloat16 Newton-Schulz, the default: the same reduction order)."""
-    import signal
+    from conftest import assert_killed_rank_resumes_bit_for_bit
 
-    from conftest import wait_for, worker_pid
-    from titanlab.checkpoint import store
-
-    straight = str(tmp_path / "straight")
-    run = _run_train(tiny_dataset, straight)
-    assert run.wait(timeout=600) == 0, run.stderr.read()[-3000:]
-    killed = str(tmp_path / "killed")
-    run = _run_train(tiny_dataset, killed, env={"MAX_RESTARTS": "1", "LOG_RANK": "0,1"})
-    step4 = os.path.join(killed, "checkpoint", "step-4")
-    wait_for(lambda: os.path.isdir(step4) and store.incomplete_reason(step4) is None)
-    os.kill(worker_pid(1, killed), signal.SIGKILL)
-    _, err = run.communicate(timeout=600)
-    assert run.returncode == 0, err[-4000:]
-    want, got = read_metrics(straight), read_metrics(killed)
-    assert sorted(got) == list(range(1, 9))
-    assert [got[s] for s in range(5, 9)] == [want[s] for s in range(5, 9)]  # bitwise
+    assert_killed_rank_resumes_bit_for_bit(
+        lambda dump, env: _run_train(tiny_dataset, dump, env=env), str(tmp_path)
+    )
 
 
 def test_muon_saved_on_fsdp2_resumes_on_tp2(train, tmp_path):
