@@ -212,12 +212,11 @@ def needs_own_cp(mode: str, kwargs: dict) -> bool:
 
 
 def own_cp_attention(config) -> bool:
-    """Whether a run (`config` a JobConfig) trains through this module's attention: cp > 1
-    with Ulysses, a document mask, or packed chat SFT data."""
-    from titanlab.planning.validate import packed_chat_data
-
+    """Whether a run (`config` a JobConfig) may train through this module's attention: cp > 1
+    with Ulysses, a document mask, or packing on (chat SFT data packs with a document mask;
+    whether the data are chat is the data layer's to say, so a packed causal run counts too).
+    The trainer then compiles its blocks around the attention call."""
     data, par = config.data, config.parallelism
     if par.context_parallel_degree <= 1:
         return False
-    documents = data.document_mask or (data.packing and packed_chat_data(config))
-    return par.context_parallel_mode == "ulysses" or bool(documents)
+    return par.context_parallel_mode == "ulysses" or data.document_mask or data.packing

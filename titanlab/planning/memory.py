@@ -385,9 +385,11 @@ def cp_attention_bytes(
     from titanlab.planning.validate import packed_chat_data
 
     p = config.parallelism
+    if cp == 1:
+        return 0, 0
     documents = config.data.document_mask or (config.data.packing and packed_chat_data(config))
     ulysses = p.context_parallel_mode == "ulysses"
-    if cp == 1 or not (documents or ulysses):
+    if not (documents or ulysses):
         return 0, 0
     mask = mb * s * s // (1 if ulysses else cp) if documents else 0
     width = getattr(model_args, "qk_head_dim", model_args.head_dim)

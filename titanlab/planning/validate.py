@@ -93,9 +93,13 @@ def validate_layout(config: JobConfig, dims: ParallelDims, model_args, device_ty
                 f"{dims.tp * dims.cp}; use ring, or tp × cp dividing {heads}"
             )
     _validate_mtp(config, dims, model_args)
-    documents = config.data.document_mask or (config.data.packing and packed_chat_data(config))
-    own_cp = par.context_parallel_mode == "ulysses" or documents
-    if dims.cp > 1 and getattr(model_args, "attention_type", "gqa") == "mla" and not own_cp:
+    if (
+        dims.cp > 1
+        and getattr(model_args, "attention_type", "gqa") == "mla"
+        and par.context_parallel_mode != "ulysses"
+        and not config.data.document_mask
+        and not (config.data.packing and packed_chat_data(config))
+    ):
         raise ConfigError(
             f"parallelism.context_parallel_degree={dims.cp} with model.name={config.model.name}: "
             "multi-head latent attention (value heads narrower than query/key heads, its own "
