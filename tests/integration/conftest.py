@@ -184,13 +184,27 @@ def worker_pid(rank: int, dump: str) -> int:
     raise AssertionError(f"no rank {rank} process for {dump}")
 
 
-def assert_killed_rank_resumes_bit_for_bit(start, root: str) -> None:
+def assert_killed_rank_resumes_bit_for_bit(dataset: str, root: str, options: list[str]) -> None:
     """kill -9 of rank 1 once the step-4 checkpoint is complete: torchrun restarts the group,
-    which must train steps 5-8 bit for bit as a straight run. `start(dump, env)` launches the
-    8-step, 2-rank run (checkpoint every 4 steps, log_freq 1) and returns its Popen."""
+    which must train steps 5-8 bit for bit as a straight run. Both runs: `run_train.sh` with
+    the debug model and `options`, 2 ranks, seq_len 64, local batch 2, deterministic, a
+    constant learning rate, a checkpoint every 4 steps, 8 steps, on `dataset`."""
     import signal
+    import subprocess
 
     from titanlab.checkpoint import store
+
+    def start(dump: str, env: dict | None) -> subprocess.Popen:
+        cmd = [os.path.join(REPO, "run_train.sh"), "train_configs/debug_model.toml",
+               "--training.seq_len", "64", "--training.local_batch_size", "2",
+               "--metrics.log_freq", "1", "--validation.enable", "false",
+               "--debug.deterministic", "true", "--checkpoint.keep_latest_k", "0",
+               "--checkpoint.export_at_end", "false", "--checkpoint.interval", "4",
+               "--data.dataset_path", dataset, "--job.dump_folder", dump,
+               *CONSTANT_LR, "--training.steps", "8", *options]  # fmt: skip
+        env = dict(os.environ, NGPU="2", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env or {}))
+        return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)  # fmt: skip
 
     straight = os.path.join(root, "straight")
     run = start(straight, None)

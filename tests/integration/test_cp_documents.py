@@ -133,25 +133,11 @@ def test_killed_cp2_document_masked_run_resumes_bit_for_bit(short_docs, tmp_path
     """kill -9 of a rank after the step-4 checkpoint of a CP 2 document-masked run: torchrun
     restarts the group, which loads the checkpoint and trains steps 5-8 bit for bit as the
     straight run (the batches, their shards and the data position come back alike)."""
-    import subprocess
+    from conftest import assert_killed_rank_resumes_bit_for_bit
 
-    from conftest import CONSTANT_LR, assert_killed_rank_resumes_bit_for_bit
-
-    def run_train(dump: str, env: dict | None):
-        cmd = [os.path.join(REPO, "run_train.sh"), "train_configs/debug_model.toml",
-               "--training.seq_len", "64", "--training.local_batch_size", "2",
-               "--metrics.log_freq", "1", "--validation.enable", "false",
-               "--debug.deterministic", "true", "--checkpoint.keep_latest_k", "0",
-               "--checkpoint.export_at_end", "false", "--checkpoint.interval", "4",
-               "--data.dataset_path", short_docs, "--job.dump_folder", dump,
-               "--parallelism.context_parallel_degree", "2",
-               "--parallelism.context_parallel_rotate_method", "alltoall",
-               *MASK, *CONSTANT_LR, "--training.steps", "8"]  # fmt: skip
-        env = dict(os.environ, NGPU="2", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env or {}))
-        return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True)  # fmt: skip
-
-    assert_killed_rank_resumes_bit_for_bit(run_train, str(tmp_path))
+    cp = ["--parallelism.context_parallel_degree", "2",
+          "--parallelism.context_parallel_rotate_method", "alltoall"]  # fmt: skip
+    assert_killed_rank_resumes_bit_for_bit(short_docs, str(tmp_path), [*cp, *MASK])
 
 
 OPTIONS = {

@@ -82,32 +82,13 @@ MUON = [*MUON_OPTIONS, "--training.steps", "4", "--training.global_batch_size", 
         "--checkpoint.enable", "false"]  # fmt: skip
 
 
-def _run_train(tiny_dataset, dump, *extra, env=None):
-    import subprocess
-
-    from conftest import REPO
-
-    cmd = [os.path.join(REPO, "run_train.sh"), "train_configs/debug_model.toml",
-           "--training.seq_len", "64", "--training.local_batch_size", "2",
-           "--metrics.log_freq", "1", "--validation.enable", "false",
-           "--debug.deterministic", "true", "--checkpoint.keep_latest_k", "0",
-           "--checkpoint.export_at_end", "false", "--checkpoint.interval", "4",
-           "--data.dataset_path", tiny_dataset, "--job.dump_folder", dump,
-           *CONSTANT_LR, *MUON_OPTIONS[:4], "--training.steps", "8", *extra]  # fmt: skip
-    env = dict(os.environ, NGPU="2", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env or {}))
-    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)  # fmt: skip
-
-
 def test_muon_killed_rank_resumes_bit_for_bit(tiny_dataset, tmp_path):
     """kill -9 of a rank after the step-4 checkpoint: torchrun restarts the group, which loads
     the momentum buffers (DTensors in the checkpoint) and trains steps 5-8 bit for bit as the
     straight run (bfloat16 Newton-Schulz, the default: the same reduction order)."""
     from conftest import assert_killed_rank_resumes_bit_for_bit
 
-    assert_killed_rank_resumes_bit_for_bit(
-        lambda dump, env: _run_train(tiny_dataset, dump, env=env), str(tmp_path)
-    )
+    assert_killed_rank_resumes_bit_for_bit(tiny_dataset, str(tmp_path), MUON_OPTIONS[:4])
 
 
 def test_muon_saved_on_fsdp2_resumes_on_tp2(train, tmp_path):
