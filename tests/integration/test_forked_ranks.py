@@ -1,6 +1,8 @@
 """Ranks forked from the preloaded server (`tools.lib.fork_launch`, what the integration tests
 use) train exactly as under torchrun, and a refusal keeps its line and exit code."""
 
+import re
+
 from conftest import TINY
 from tools.lib.runs import launch, read_losses
 
@@ -20,4 +22,6 @@ def test_two_forked_ranks_train_exactly_like_torchrun_and_refusals_keep_their_li
     bad = launch(2, [*args, "--training.steps", "0", "--job.dump_folder", str(tmp_path / "bad")])
     assert bad.returncode == 2
     assert "titanlab: error: training.steps" in bad.stderr
-    assert "rank 0 exitcode : 2" in bad.stderr
+    # Both ranks refuse; whichever exits first is reported with its code (2), the other
+    # stopped by SIGTERM (fork_launch's contract, as torchrun's).
+    assert re.search(r"rank [01] exitcode : 2\n", bad.stderr), bad.stderr
