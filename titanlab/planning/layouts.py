@@ -46,10 +46,8 @@ class Layout:
     """Expert parallel (MoE models): ranks borrowed from dp_shard × cp × tp, not a factor of
     the world size."""
     cp_rotate: str = "allgather"
-    """How context parallel's ring passes the KV shards (`parallelism.
-    context_parallel_rotate_method`), or "ulysses" for `context_parallel_mode = "ulysses"`
-    (the planner's candidates; the generated parity matrix enumerates the ring's two);
-    meaningful only when cp > 1."""
+    """cp > 1: the ring's `context_parallel_rotate_method`, or "ulysses" (the planner's
+    `context_parallel_mode = "ulysses"` candidates)."""
     zero_stage: int = 3
     """`parallelism.zero_stage`: 3 (FSDP2's full sharding) unless the layout is a ZeRO variant;
     stages 0-2 change only what the dp_shard × cp ranks hold, so they are enumerated only where
@@ -285,7 +283,7 @@ def apply_layout(config: JobConfig, layout: Layout, global_batch_size: int) -> J
         pipeline_parallel_degree=layout.pp,
         expert_parallel_degree=layout.ep,
         context_parallel_rotate_method=cast(
-            "CPRotateMethod", "allgather" if layout.cp_rotate == "ulysses" else layout.cp_rotate
+            "CPRotateMethod", layout.cp_rotate.replace("ulysses", "allgather")
         ),
         context_parallel_mode="ulysses" if layout.cp_rotate == "ulysses" else "ring",
         # layout.schedule is one of SCHEDULES, the keys of the pipeline's schedule tables
