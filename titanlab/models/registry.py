@@ -22,6 +22,7 @@ FAMILIES: dict[str, str] = {
     "qwen3": "titanlab.models.qwen3.family",
     "qwen3_moe": "titanlab.models.qwen3_moe.family",
     "deepseek_v3": "titanlab.models.deepseek_v3.family",
+    "gpt_oss": "titanlab.models.gpt_oss.family",
 }
 """Family name → module defining `FAMILY`. Imported on first use."""
 

@@ -32,6 +32,7 @@ from titanlab.models.registry import (
 from titanlab.models.stored_args import HF_FLAVOR, write_model_args
 
 from titanlab.checkpoint.convert.common import INDEX, expected_shapes, prepare_out_dir
+from titanlab.checkpoint.convert.mxfp4_import import Mxfp4Tensors, packed_part
 
 logger = logging.getLogger(__name__)
 
@@ -157,6 +158,7 @@ def hf_to_dcp(
     where: dict[str, tuple[str, str]] = {}  # titanlab name -> (file, HF name)
     experts: dict[str, dict[int, tuple[str, str]]] = {}  # stacked name -> expert -> same
     stored: dict[str, tuple[list[int], torch.dtype]] = {}
+    packed = Mxfp4Tensors()  # gpt-oss's MXFP4 experts, dequantized as they are written
     for file in files:
         path = os.path.join(hf_dir, file)
         if not os.path.isfile(path):
@@ -169,10 +171,14 @@ def hf_to_dcp(
                     continue  # an MTP depth imported without (mtp=False)
                 if adapter.args.tie_word_embeddings and hf_name == "lm_head.weight":
                     continue  # tied: the embedding is the output projection
+                part = packed_part(hf_name)
                 try:
-                    name_, expert = adapter.split_hf_name(hf_name)
+                    name_, expert = adapter.split_hf_name(part[0] if part else hf_name)
                 except ValueError as e:
                     raise ConversionError(str(e)) from None
+                if part is not None and name_ is not None and name_ in expected:
+                    packed.add(name_, *part, path, hf_name, f.get_slice(hf_name).get_shape())
+                    continue
                 if name_ is None:
                     continue  # an MTP depth's copy of the embedding or head
                 ours = name_
@@ -198,6 +204,8 @@ def hf_to_dcp(
                 else:
                     experts.setdefault(ours, {})[expert] = (path, hf_name)
                 stored[ours] = (shape, ST_FROM_NAME[st_dtype])
+    for ours in packed.names():
+        stored[ours] = (list(packed.shape(ours, expected[ours])), dtype or torch.bfloat16)
     if args.tie_word_embeddings and "tok_embeddings.weight" in where:
         where["output.weight"] = where["tok_embeddings.weight"]
         stored["output.weight"] = stored["tok_embeddings.weight"]
@@ -205,6 +213,8 @@ def hf_to_dcp(
         if adapter.skipped_in_hf(ours):
             continue  # the MoE expert bias: not in HF files, starts at zero
         for hf_name, expert in adapter.hf_parts(ours, expected[ours]):
+            if ours in packed:
+                continue
             if (ours not in where) if expert is None else (expert not in experts.get(ours, {})):
                 depth = depths.depth_of_hf(hf_name) if declared else None
                 if depth is not None:
@@ -221,6 +231,8 @@ def hf_to_dcp(
     def load(ours: str) -> torch.Tensor:
         if ours not in stored:  # the expert bias
             return torch.zeros(expected[ours])
+        if ours in packed:
+            return packed.load(ours, dtype)
         if ours in experts:
             parts = experts[ours]
             return torch.stack([read_safetensors_tensor(*parts[e], dtype) for e in sorted(parts)])

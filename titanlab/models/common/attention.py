@@ -12,6 +12,12 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from titanlab.models.common.init import trunc_normal_
 from titanlab.models.common.kv_cache import LayerCache
+from titanlab.models.common.local_attention import (
+    AttentionSinks,
+    attend,
+    band_mask,
+    sliding_window_attention,
+)
 from titanlab.models.common.logit_max import max_logits
 from titanlab.models.common.rope import apply_rotary_emb
 
@@ -23,13 +29,18 @@ def compiled_flex_attention():
 
 
 class Attention(nn.Module):
-    """GQA with RoPE and no biases; optionally RMSNorm on each q and k head before RoPE (Qwen3).
+    """GQA with RoPE; optionally RMSNorm on each q and k head before RoPE (Qwen3), biases on the
+    four projections, learned attention sinks and a sliding window (gpt-oss;
+    `titanlab.models.common.local_attention`).
 
     Args:
         dim: model width; n_heads / kv_heads: query / key-value heads (kv_heads divides n_heads);
         head_dim: width of one head (even, for RoPE), not necessarily dim // n_heads;
         qk_norm_eps: None for no q/k norm (Llama), else the eps of the per-head RMSNorms
             `q_norm` / `k_norm` over head_dim (Qwen3: Yang et al. 2025, "Qwen3 Technical Report").
+        bias: wq, wk, wv and wo carry biases (gpt-oss, Qwen2).
+        sinks: one learned sink logit per head in every softmax (`sinks.weight`, (n_heads,)).
+        window: attend only the last `window` tokens (itself included); None: all before.
 
     With `record_max_logit` set, each training forward keeps the largest pre-softmax logit of
     each (local) head so far in `max_logit` ((heads,) float32; `titanlab.distributed.qk_clip`
@@ -37,14 +48,25 @@ class Attention(nn.Module):
     """
 
     def __init__(
-        self, dim: int, n_heads: int, kv_heads: int, head_dim: int, qk_norm_eps: float | None
+        self,
+        dim: int,
+        n_heads: int,
+        kv_heads: int,
+        head_dim: int,
+        qk_norm_eps: float | None,
+        *,
+        bias: bool = False,
+        sinks: bool = False,
+        window: int | None = None,
     ):
         super().__init__()
         self.head_dim = head_dim
-        self.wq = nn.Linear(dim, n_heads * head_dim, bias=False)
-        self.wk = nn.Linear(dim, kv_heads * head_dim, bias=False)
-        self.wv = nn.Linear(dim, kv_heads * head_dim, bias=False)
-        self.wo = nn.Linear(n_heads * head_dim, dim, bias=False)
+        self.wq = nn.Linear(dim, n_heads * head_dim, bias=bias)
+        self.wk = nn.Linear(dim, kv_heads * head_dim, bias=bias)
+        self.wv = nn.Linear(dim, kv_heads * head_dim, bias=bias)
+        self.wo = nn.Linear(n_heads * head_dim, dim, bias=bias)
+        self.sinks = AttentionSinks(n_heads) if sinks else None
+        self.window = window
         self.q_norm: nn.RMSNorm | None = None
         self.k_norm: nn.RMSNorm | None = None
         if qk_norm_eps is not None:
@@ -57,6 +79,11 @@ class Attention(nn.Module):
         for w in (self.wq, self.wk, self.wv):
             trunc_normal_(w.weight, 0.02)
         trunc_normal_(self.wo.weight, out_std)
+        for linear in (self.wq, self.wk, self.wv, self.wo):
+            if linear.bias is not None:
+                nn.init.zeros_(linear.bias)
+        if self.sinks is not None:
+            self.sinks.init_weights()
         for norm in (self.q_norm, self.k_norm):
             if norm is not None:
                 norm.reset_parameters()
@@ -99,7 +126,9 @@ class Attention(nn.Module):
             )
         else:
             q, k = apply_rotary_emb(q, k, cos, sin)
-            k, v, mask = kv.update(k, v)  # (bs, kv_len, kv_heads, head_dim), (bs, 1, seq, kv_len)
+            # (bs, kv_len, kv_heads, head_dim), (bs, 1, seq, kv_len); a sliding layer's cache
+            # holds its last `window` slots only, the mask saying which it may see.
+            k, v, mask = kv.update(k, v, self.window)
         n_rep = q.shape[2] // k.shape[2]
         if n_rep > 1:  # kv head j serves q heads j*n_rep .. (j+1)*n_rep-1 (repeat_interleave)
             k = k[:, :, :, None, :].expand(-1, -1, -1, n_rep, -1).flatten(2, 3)
@@ -107,7 +136,9 @@ class Attention(nn.Module):
         if self.record_max_logit and kv is None:
             m = max_logits(q.transpose(1, 2), k.transpose(1, 2), mask)
             self.max_logit = m if self.max_logit is None else torch.maximum(self.max_logit, m)
-        if hasattr(mask, "attend"):  # an attention built outside (context parallel's)
+        if self.sinks is not None or self.window is not None:
+            out = self._local(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, kv)
+        elif hasattr(mask, "attend"):  # an attention built outside (context parallel's)
             out = mask.attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
         elif isinstance(mask, BlockMask):
             out = compiled_flex_attention()(
@@ -122,3 +153,20 @@ class Attention(nn.Module):
                 q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask
             )
         return self.wo(out.transpose(1, 2).reshape(bs, seq, -1))
+
+    def _local(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        mask: torch.Tensor | None,
+        kv: LayerCache | None,
+    ) -> torch.Tensor:
+        """Sinks and/or a sliding window over (bs, heads, seq, d); `mask` a dense bool mask
+        (the document mask, or the cache's, which already holds the window) or None."""
+        sinks = self.sinks() if self.sinks is not None else None
+        if kv is None and self.window is not None:
+            return sliding_window_attention(q, k, v, self.window, sinks, mask)
+        if mask is None:
+            mask = band_mask(q.shape[2], k.shape[2], None, q.device)
+        return attend(q, k, v, mask, sinks)

@@ -24,7 +24,7 @@ from torch import nn
 
 from titanlab.models.common.attention import Attention
 from titanlab.models.common.feed_forward import FeedForward
-from titanlab.models.common.document_mask import build_attention_mask
+from titanlab.models.common.document_mask import block_causal_mask, build_attention_mask
 from titanlab.models.common.init import trunc_normal_
 from titanlab.models.common.kv_cache import KVCache, LayerCache
 from titanlab.models.common.mla import MLAttention
@@ -90,6 +90,21 @@ def mla_attention(args: Any) -> MLAttention:
     )
 
 
+def layer_window(args: Any, layer_id: int) -> int | None:
+    """The sliding window of block `layer_id` (args with a `layer_window(layer_id)` method,
+    gpt-oss), or None: full causal attention."""
+    window = getattr(args, "layer_window", None)
+    return window(layer_id) if window is not None else None
+
+
+def has_local_attention(args: Any) -> bool:
+    """Whether any block has attention sinks or a sliding window (`local_attention`): their
+    document masks are dense, as that attention takes them."""
+    return getattr(args, "attention_sinks", False) or any(
+        layer_window(args, i) is not None for i in range(args.n_layers)
+    )
+
+
 class TransformerBlock(nn.Module):
     """Pre-norm block: h = x + attn(norm(x)); out = h + ffn(norm(h))."""
 
@@ -105,6 +120,9 @@ class TransformerBlock(nn.Module):
                 args.kv_heads,
                 args.head_dim,
                 args.norm_eps if args.qk_norm else None,
+                bias=getattr(args, "attention_bias", False),
+                sinks=getattr(args, "attention_sinks", False),
+                window=layer_window(args, layer_id),
             )
         )
         self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
@@ -305,7 +323,13 @@ class Decoder(nn.Module):
             cos, sin = self.rope_cos, self.rope_sin
             if positions is not None:
                 cos, sin = cos[positions], sin[positions]  # (bs, seq, hd/2)
-            extra = {} if segments is None else {"mask": build_attention_mask(segments, positions)}
+            extra = {}
+            if segments is not None:
+                extra["mask"] = (
+                    block_causal_mask(segments)
+                    if has_local_attention(self.args)
+                    else build_attention_mask(segments, positions)
+                )
             for layer in self.layers.values():
                 h = layer(h, cos, sin, **extra)
         elif cache is None:

@@ -77,6 +77,21 @@ _LAYER_TO_HF = {
     "attention.wkv_a.weight": "self_attn.kv_a_proj_with_mqa.weight",
     "attention.kv_a_norm.weight": "self_attn.kv_a_layernorm.weight",
     "attention.wkv_b.weight": "self_attn.kv_b_proj.weight",
+    "attention.wq.bias": "self_attn.q_proj.bias",
+    "attention.wk.bias": "self_attn.k_proj.bias",
+    "attention.wv.bias": "self_attn.v_proj.bias",
+    "attention.wo.bias": "self_attn.o_proj.bias",
+    "attention.sinks.weight": "self_attn.sinks",
+    "feed_forward.experts.gate_up_proj": "mlp.experts.gate_up_proj",
+    "feed_forward.experts.gate_up_proj_bias": "mlp.experts.gate_up_proj_bias",
+    "feed_forward.experts.down_proj": "mlp.experts.down_proj",
+    "feed_forward.experts.down_proj_bias": "mlp.experts.down_proj_bias",
+}
+# gpt-oss names its router `mlp.router` (weight and bias), where Qwen3-MoE and DeepSeek-V3 say
+# `mlp.gate`: `HFStateDictAdapter` picks by the args (`MoEArgs.gate_bias`).
+_ROUTER_TO_HF = {
+    "feed_forward.router.gate.weight": "mlp.router.weight",
+    "feed_forward.router.gate.bias": "mlp.router.bias",
 }
 # MoE experts: one titanlab tensor (num_experts, out, in) per projection and layer, one HF tensor
 # `model.layers.{i}.mlp.experts.{e}.{proj}.weight` (out, in) per expert.
@@ -88,7 +103,7 @@ _EXPERT_TO_HF = {
 _EXPERT_FROM_HF = {v: k for k, v in _EXPERT_TO_HF.items()}
 _HF_EXPERT = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(\w+)\.weight$")
 _GLOBAL_FROM_HF = {v: k for k, v in _GLOBAL_TO_HF.items()}
-_LAYER_FROM_HF = {v: k for k, v in _LAYER_TO_HF.items()}
+_LAYER_FROM_HF = {v: k for k, v in (_LAYER_TO_HF | _ROUTER_TO_HF).items()}
 _OURS_LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
 _HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 
@@ -197,14 +212,15 @@ class HFStateDictAdapter:
         self.args = args
         self._mla = getattr(args, "attention_type", "gqa") == "mla"
         self._route_bias = any(m.route_bias for m in moe_layer_args(args))
+        self._router_names = any(m.gate_bias for m in moe_layer_args(args))
         self._mtp = MTPNames(args.n_layers, getattr(args, "mtp_layers", 0))
 
     def _heads(self, name: str) -> int | None:
         if self._mla:
             return None  # DeepSeek's interleaved RoPE layout: no reordering
-        if name.endswith("attention.wq.weight"):
+        if name.endswith(("attention.wq.weight", "attention.wq.bias")):
             return self.args.n_heads
-        if name.endswith("attention.wk.weight"):
+        if name.endswith(("attention.wk.weight", "attention.wk.bias")):
             return self.args.kv_heads
         if name.endswith(("attention.q_norm.weight", "attention.k_norm.weight")):
             return 1  # one head's worth of weights, shared by every head
@@ -220,7 +236,7 @@ class HFStateDictAdapter:
         if heads is None:
             return tensor
         fn = permute_to_hf if to_hf else permute_from_hf
-        if tensor.dim() == 1:  # a q/k norm weight (head_dim,)
+        if tensor.dim() == 1:  # a q/k norm weight (head_dim,), or a bias (heads · head_dim,)
             return fn(tensor.view(-1, 1), heads).view(-1)
         return fn(tensor, heads)
 
@@ -263,6 +279,9 @@ class HFStateDictAdapter:
         return parts
 
     def _hf_name(self, name: str) -> str:
+        m = _OURS_LAYER.match(name)
+        if self._router_names and m and m.group(2) in _ROUTER_TO_HF:
+            return f"model.layers.{m.group(1)}.{_ROUTER_TO_HF[m.group(2)]}"
         own = self._mtp.own_hf_name(name)
         return own if own is not None else to_hf_name(self._mtp.block_as_layer(name) or name)
 

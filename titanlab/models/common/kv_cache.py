@@ -33,6 +33,7 @@ class KVCache:
         self._v: dict[int, torch.Tensor] = {}
         self._mask: torch.Tensor | None = None
         self._seq = 0
+        self._ring_slot: dict[int, torch.Tensor] = {}  # sliding layers: slot of each entry
 
     def begin(self, seq: int) -> torch.Tensor:
         """Start a forward of `seq` new slots; returns their RoPE positions, (bs, seq) int64.
@@ -58,12 +59,16 @@ class KVCache:
         return (slots[None, :] - self.pad[:, None]).clamp(min=0)
 
     def update(
-        self, layer: int, k: torch.Tensor, v: torch.Tensor
+        self, layer: int, k: torch.Tensor, v: torch.Tensor, window: int | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Store this forward's keys/values of `layer` ((bs, seq, kv_heads, head_dim), after
         RoPE); returns every cached key and value so far and the attention mask,
-        (bs, 1, seq, kv_len) bool (True: attend)."""
+        (bs, 1, seq, kv_len) bool (True: attend). With `window` (a sliding layer), the keys are
+        the ring's W entries then this forward's, and the mask also keeps each query within
+        its last W slots."""
         assert self._mask is not None and k.shape[1] == self._seq, "call begin(seq) first"
+        if window is not None and window < self.max_seq_len:
+            return self._update_ring(layer, k, v, window)
         if layer not in self._k:
             self._k[layer] = k.new_zeros((k.shape[0], self.max_seq_len, *k.shape[2:]))
             self._v[layer] = v.new_zeros((v.shape[0], self.max_seq_len, *v.shape[2:]))
@@ -71,6 +76,35 @@ class KVCache:
         self._k[layer][:, self.length : end] = k
         self._v[layer][:, self.length : end] = v
         return self._k[layer][:, :end], self._v[layer][:, :end], self._mask[:, None]
+
+    def _update_ring(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor, window: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if layer not in self._k:
+            self._k[layer] = k.new_zeros((k.shape[0], window, *k.shape[2:]))
+            self._v[layer] = v.new_zeros((v.shape[0], window, *v.shape[2:]))
+            self._ring_slot[layer] = torch.full((window,), -1, device=k.device)
+        ring_slot = self._ring_slot[layer]
+        slots = torch.arange(self.length, self.length + self._seq, device=k.device)
+        keys_k = torch.cat([self._k[layer], k], dim=1)  # (bs, W + seq, kv_heads, head_dim)
+        keys_v = torch.cat([self._v[layer], v], dim=1)
+        key_slot = torch.cat([ring_slot, slots])  # (W + seq,), -1: an empty entry
+        pad = self.pad[:, None, None]
+        q_slot = slots[:, None]
+        seen = (key_slot <= q_slot) & (q_slot - key_slot < window) & (key_slot >= 0)
+        mask = (seen[None] & (key_slot[None, None, :] >= pad)) | (key_slot[None, :] == q_slot)[
+            None
+        ]  # (bs, seq, W + seq); a padding query sees itself only
+        keep = slots[-window:]  # the newest W slots of this forward go into the ring
+        entry = keep % window
+        self._k[layer][:, entry] = k[:, -keep.numel() :]
+        self._v[layer][:, entry] = v[:, -keep.numel() :]
+        ring_slot[entry] = keep
+        return keys_k, keys_v, mask[:, None]
+
+    def cache_bytes(self) -> int:
+        """Bytes the cached keys and values take (every layer)."""
+        return sum(t.numel() * t.element_size() for d in (self._k, self._v) for t in d.values())
 
     def end(self) -> None:
         """Finish the forward started by `begin`: its slots are now part of the cache."""
@@ -81,6 +115,11 @@ class KVCache:
         """Forget every slot from `length` on (speculative decoding drops a rejected draft's);
         the next forward overwrites them."""
         assert 0 <= length <= self.length and self._mask is None, "between forwards only"
+        if self._ring_slot and length < self.length:
+            raise ValueError(
+                "a sliding-window layer's cache keeps only its last window slots and cannot "
+                "take back a draft; speculative decoding needs a model without sliding windows"
+            )
         self.length = length
 
     def layer(self, index: int) -> LayerCache:
@@ -94,6 +133,6 @@ class LayerCache:
         self.cache, self.index = cache, index
 
     def update(
-        self, k: torch.Tensor, v: torch.Tensor
+        self, k: torch.Tensor, v: torch.Tensor, window: int | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return self.cache.update(self.index, k, v)
+        return self.cache.update(self.index, k, v, window)

@@ -39,12 +39,18 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from titanlab.models.common.aux_loss import add_loss_grad
+from titanlab.models.common.experts import (
+    ClampedSwiGLUExperts,
+    GroupedExperts,
+    grouped_mm_supported,
+)
 from titanlab.models.common.feed_forward import FeedForward
 from titanlab.models.common.init import trunc_normal_
+
+__all__ = ["GroupedExperts", "MoE", "MoEArgs", "Router", "grouped_mm_supported"]
 
 
 @dataclass
@@ -85,8 +91,22 @@ class MoEArgs:
     `e_score_correction_bias` (so an imported bias routes even with bias_update_speed 0); with
     False it is used only when bias_update_speed > 0."""
 
+    gate_bias: bool = False
+    """The router's gate carries a bias, added to its logits (gpt-oss)."""
+    activation: Literal["swiglu", "clamped_swiglu"] = "swiglu"
+    """The experts: "swiglu" (`GroupedExperts`), or gpt-oss's biased experts with the clamped
+    SwiGLU (`ClampedSwiGLUExperts`, with `swiglu_alpha` and `swiglu_limit`)."""
+    swiglu_alpha: float = 1.702
+    """Sigmoid gain of the clamped SwiGLU (gpt-oss: 1.702)."""
+    swiglu_limit: float = 7.0
+    """Clamp of the clamped SwiGLU (gpt-oss: 7.0)."""
+
     def validate(self) -> None:
         """Raises ValueError naming the first bad value."""
+        if self.activation not in ("swiglu", "clamped_swiglu"):
+            raise ValueError(f"activation={self.activation!r}; valid: swiglu, clamped_swiglu")
+        if self.swiglu_limit <= 0:
+            raise ValueError(f"swiglu_limit={self.swiglu_limit} must be > 0")
         if self.num_experts < 1 or not 1 <= self.top_k <= self.num_experts:
             raise ValueError(f"top_k={self.top_k} must be in 1..num_experts ({self.num_experts})")
         if self.hidden_dim <= 0:
@@ -119,17 +139,6 @@ class MoEArgs:
             )
 
 
-def grouped_mm_supported(x: torch.Tensor) -> bool:
-    """Whether `torch._grouped_mm` runs for activations like `x`: bf16 on CUDA GPUs of compute
-    capability 9.0+ (Hopper), where it is a grouped GEMM kernel."""
-    return (
-        hasattr(torch, "_grouped_mm")
-        and x.is_cuda
-        and x.dtype == torch.bfloat16
-        and torch.cuda.get_device_capability(x.device) >= (9, 0)
-    )
-
-
 class Router(nn.Module):
     """Token-choice top-k router, group-limited when `n_groups` > 1. `gate.weight` is
     (num_experts, dim)."""
@@ -137,7 +146,7 @@ class Router(nn.Module):
     def __init__(self, dim: int, args: MoEArgs):
         super().__init__()
         self.args = args
-        self.gate = nn.Linear(dim, args.num_experts, bias=False)
+        self.gate = nn.Linear(dim, args.num_experts, bias=args.gate_bias)
 
     def forward(
         self, x_td: torch.Tensor, expert_bias: torch.Tensor | None
@@ -173,54 +182,6 @@ class Router(nn.Module):
         return by_group.masked_fill(dropped[..., None], float("-inf")).view_as(choose)
 
 
-def _local(w: torch.Tensor) -> torch.Tensor:
-    """The rank-local block of a weight that a parallelism applied from outside has wrapped in a
-    sharded tensor subclass (a DTensor's `to_local()`: under expert parallel, the experts this
-    rank holds), else the weight itself."""
-    to_local = getattr(w, "to_local", None)
-    return to_local() if to_local is not None else w
-
-
-class GroupedExperts(nn.Module):
-    """`num_experts` SwiGLU experts with stacked weights: w1, w3 (E, hidden, dim), w2 (E, dim,
-    hidden); expert e computes w2[e](silu(w1[e] x) * w3[e] x) like `FeedForward`.
-
-    Under expert parallel (applied from outside) the weights hold a block of E/ep experts and
-    `forward` receives the slots of those experts only, with their counts.
-    """
-
-    def __init__(self, dim: int, hidden_dim: int, num_experts: int):
-        super().__init__()
-        self.w1 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
-        self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
-        self.w3 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
-        self.use_grouped_mm: bool | None = None
-        """None: grouped GEMM where `grouped_mm_supported`, else the loop; True/False: force."""
-
-    def init_weights(self, out_std: float) -> None:
-        trunc_normal_(self.w1, 0.02)
-        for w in (self.w2, self.w3):
-            trunc_normal_(w, out_std)
-
-    def forward(self, x_td: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """x_td: (tokens, dim) sorted by expert, `counts[e]` tokens for expert e (int64, sums to
-        tokens). Returns (tokens, dim) in the same order."""
-        w1, w2, w3 = _local(self.w1), _local(self.w2), _local(self.w3)
-        grouped = self.use_grouped_mm
-        if grouped is None:
-            grouped = grouped_mm_supported(x_td)
-        if grouped:
-            offs = counts.cumsum(0).to(torch.int32)
-            h = F.silu(torch._grouped_mm(x_td, w1.transpose(-2, -1), offs=offs))
-            h = h * torch._grouped_mm(x_td, w3.transpose(-2, -1), offs=offs)
-            return torch._grouped_mm(h, w2.transpose(-2, -1), offs=offs)
-        outs = []
-        for e, x in enumerate(torch.split(x_td, counts.tolist())):
-            h = F.silu(x @ w1[e].t()) * (x @ w3[e].t())
-            outs.append(h @ w2[e].t())
-        return torch.cat(outs) if outs else x_td.new_zeros(0, w2.shape[1])
-
-
 def _in_backward() -> bool:
     """Whether autograd is running a backward pass: an activation-checkpointed block recomputes
     its forward there, and the recomputation must not count tokens or aux loss twice."""
@@ -254,7 +215,13 @@ class MoE(nn.Module):
         args.validate()
         self.args = args
         self.router = Router(dim, args)
-        self.experts = GroupedExperts(dim, args.hidden_dim, args.num_experts)
+        self.experts: GroupedExperts | ClampedSwiGLUExperts = (
+            GroupedExperts(dim, args.hidden_dim, args.num_experts)
+            if args.activation == "swiglu"
+            else ClampedSwiGLUExperts(
+                dim, args.hidden_dim, args.num_experts, args.swiglu_alpha, args.swiglu_limit
+            )
+        )
         self.shared_experts = (
             FeedForward(dim, args.hidden_dim * args.num_shared_experts)
             if args.num_shared_experts > 0
@@ -275,6 +242,8 @@ class MoE(nn.Module):
 
     def init_weights(self, out_std: float) -> None:
         trunc_normal_(self.router.gate.weight, 0.02)
+        if self.router.gate.bias is not None:
+            nn.init.zeros_(self.router.gate.bias)
         self.experts.init_weights(out_std)
         if self.shared_experts is not None:
             self.shared_experts.init_weights(out_std)
