@@ -103,7 +103,7 @@ _EXPERT_TO_HF = {
 _EXPERT_FROM_HF = {v: k for k, v in _EXPERT_TO_HF.items()}
 _HF_EXPERT = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(\w+)\.weight$")
 _GLOBAL_FROM_HF = {v: k for k, v in _GLOBAL_TO_HF.items()}
-_LAYER_FROM_HF = {v: k for k, v in (_LAYER_TO_HF | _ROUTER_TO_HF).items()}
+_LAYER_FROM_HF = {v: k for k, v in [*_LAYER_TO_HF.items(), *_ROUTER_TO_HF.items()]}
 _OURS_LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
 _HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 

@@ -103,7 +103,7 @@ def test_name_map_round_trips_every_weight():
 
 
 @pytest.mark.parametrize(
-    "bad", ["layers.0.attention.wq.bias", "rope_cos", "layers.x.ffn_norm.weight"]
+    "bad", ["layers.0.attention.wq.lora_A", "rope_cos", "layers.x.ffn_norm.weight"]
 )
 def test_unknown_names_are_one_line_errors(bad):
     with pytest.raises(ValueError, match="valid:") as e:
