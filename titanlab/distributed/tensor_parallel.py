@@ -217,6 +217,7 @@ def _block_plan(
         moe=bool(moes),
         shared_experts=bool(moes) and moes[0].shared_experts is not None,
         mla=mla,
+        sinks=getattr(attention, "sinks", None) is not None,
     )
 
 

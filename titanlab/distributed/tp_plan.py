@@ -19,7 +19,7 @@ norms'.
 from __future__ import annotations
 
 import torch
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ParallelStyle,
     PrepareModuleInputOutput,
@@ -42,6 +42,22 @@ class SequenceParallel(_TorchSequenceParallel):
             )
 
 
+class ShardHeads(ParallelStyle):
+    """A module holding one value per attention head (gpt-oss's sinks, `weight` (n_heads,)):
+    each tp rank keeps the block of heads its column-split wq computes (`Shard(0)`), and the
+    module returns that local block as a plain tensor. The heads are disjoint across the ranks,
+    so each rank's gradient is its heads' own (nothing to reduce over tp)."""
+
+    def _apply(self, module, device_mesh):
+        for name, param in list(module.named_parameters(recurse=False)):
+            sharded = distribute_tensor(param, device_mesh, [Shard(0)])
+            module.register_parameter(name, torch.nn.Parameter(sharded, param.requires_grad))
+        module.register_forward_hook(
+            lambda _m, _inputs, out: out.to_local() if isinstance(out, DTensor) else out
+        )
+        return module
+
+
 def decoder_block_plan(
     colwise: type,
     rowwise: type,
@@ -51,6 +67,7 @@ def decoder_block_plan(
     moe: bool = False,
     shared_experts: bool = False,
     mla: dict[str, ParallelStyle] | None = None,
+    sinks: bool = False,
 ) -> dict[str, ParallelStyle]:
     """Module path within a block → parallel style.
 
@@ -60,6 +77,9 @@ def decoder_block_plan(
         moe: the block's `feed_forward` is an MoE layer; `shared_experts`: it has shared experts.
         mla: the attention is multi-head latent attention, with these styles for its
             projections (`titanlab.distributed.tp_mla.mla_attention_plan`) in place of GQA's.
+        sinks: the attention has per-head sinks (`attention.sinks`), split with their heads.
+            Biases of the projections need nothing more: torch's column-wise style splits a
+            bias with its rows, the row-wise one replicates it.
     """
     plan: dict[str, ParallelStyle] = {
         "attention_norm": SequenceParallel(),
@@ -99,6 +119,8 @@ def decoder_block_plan(
             plan["feed_forward.shared_experts"] = SequenceParallel(
                 sequence_dim=0, use_local_output=True
             )
+    if sinks:
+        plan["attention.sinks"] = ShardHeads()
     if qk_norm:
         for name in ("attention.q_norm", "attention.k_norm"):
             plan[name] = SequenceParallel(sequence_dim=2, use_local_output=True)

@@ -100,7 +100,10 @@ _CACHE: dict[tuple, ActivationBytes] = {}
 def _experts_static_shapes(self, x_td: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """Stand-in for `GroupedExperts.forward` while tracing: the same (tokens·k, hidden)
     activations as the per-expert loop, through expert 0's weights, without splitting by the
-    (data-dependent) counts."""
+    (data-dependent) counts; gpt-oss's biased clamped-SwiGLU experts likewise."""
+    if hasattr(self, "gate_up_proj"):  # `ClampedSwiGLUExperts`
+        h = self.activation(x_td @ self.gate_up_proj[0] + self.gate_up_proj_bias[0])
+        return h @ self.down_proj[0] + self.down_proj_bias[0]
     h = torch.nn.functional.silu(x_td @ self.w1[0].t()) * (x_td @ self.w3[0].t())
     return h @ self.w2[0].t()
 

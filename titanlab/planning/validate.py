@@ -9,7 +9,7 @@ from __future__ import annotations
 from titanlab.config.job_config import ConfigError, JobConfig
 from titanlab.distributed import pipeline
 from titanlab.distributed.parallel_dims import ParallelDims
-from titanlab.models.common.decoder import moe_layer_args
+from titanlab.models.common.decoder import has_local_attention, moe_layer_args
 
 
 def validate_layout(config: JobConfig, dims: ParallelDims, model_args, device_type: str) -> None:
@@ -105,6 +105,13 @@ def validate_layout(config: JobConfig, dims: ParallelDims, model_args, device_ty
             "multi-head latent attention (value heads narrower than query/key heads, its own "
             "softmax scale) is not supported by PyTorch's causal ring attention; use "
             "parallelism.context_parallel_mode=ulysses, or context_parallel_degree=1"
+        )
+    if dims.cp > 1 and has_local_attention(model_args):
+        raise ConfigError(
+            f"parallelism.context_parallel_degree={dims.cp} with model.name={config.model.name}: "
+            "attention sinks and sliding windows are not supported under context parallel yet "
+            "(each rank would need its own window of the other ranks' keys); use "
+            "context_parallel_degree=1"
         )
     if dims.cp > 1:
         if device_type != "cuda":
@@ -243,6 +250,7 @@ def validate_tp_mode(config: JobConfig, model_args) -> None:
         "per-head q/k norms": bool(model_args.qk_norm),
         "routed experts": bool(moe_layer_args(model_args)),
         "multi-head latent attention": getattr(model_args, "attention_type", "gqa") == "mla",
+        "attention sinks or sliding windows": has_local_attention(model_args),
     }
     lacking = [part for part, on in parts.items() if on]
     if lacking:
