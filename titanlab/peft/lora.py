@@ -29,17 +29,25 @@ ADAPTER_MARK = ".lora_"
 
 
 class LoRALinear(nn.Linear):
-    """A bias-free Linear with a LoRA adapter (see the module docstring).
+    """A Linear with a LoRA adapter (see the module docstring); the base bias, if any (gpt-oss's
+    attention), stays frozen like the weight (PEFT's `bias="none"`).
 
     Args:
-        in_features / out_features: the base Linear's shape; rank, alpha, dropout: the adapter.
+        in_features / out_features: the base Linear's shape; rank, alpha, dropout: the adapter;
+        bias: the base Linear has a bias.
     Shapes: input (..., in) → output (..., out), in the input's dtype.
     """
 
     def __init__(
-        self, in_features: int, out_features: int, rank: int, alpha: float, dropout: float
+        self,
+        in_features: int,
+        out_features: int,
+        rank: int,
+        alpha: float,
+        dropout: float,
+        bias: bool = False,
     ) -> None:
-        super().__init__(in_features, out_features, bias=False)
+        super().__init__(in_features, out_features, bias=bias)
         self.lora_a = nn.Linear(in_features, rank, bias=False)
         self.lora_b = nn.Linear(rank, out_features, bias=False)
         self.scaling = alpha / rank
@@ -57,7 +65,11 @@ class LoRALinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
-        base = nf4_linear(x, w) if is_quantized(w) else F.linear(x, w)
+        if is_quantized(w):
+            base = nf4_linear(x, w)
+            base = base if self.bias is None else base + self.bias
+        else:
+            base = F.linear(x, w, self.bias)
         return base + self.lora_b(self.lora_a(self.dropout(x))) * self.scaling
 
 
@@ -102,7 +114,7 @@ def lora_targets(model: nn.Module, cfg: Peft, model_name: str = "") -> dict[str,
     `model_name` (`model.name`) is named in the errors.
 
     Raises:
-        ConfigError: one line when a target name matches no bias-free Linear of the model
+        ConfigError: one line when a target name matches no Linear of the model
             (naming the Linear layers it has), names the MoE router (`gate`: its weight is kept
             fp32 and replicated, outside the LoRA path, and exporters keep routers whole), or
             names the output head of a model that ties it to the embedding (the merged head
@@ -111,7 +123,7 @@ def lora_targets(model: nn.Module, cfg: Peft, model_name: str = "") -> dict[str,
     linears = {
         name: module
         for name, module in model.named_modules()
-        if type(module) is nn.Linear and module.bias is None
+        if type(module) is nn.Linear
     }
     targets = set(cfg.target_modules)
     hits = {name: m for name, m in linears.items() if name.rsplit(".", 1)[-1] in targets}
@@ -159,8 +171,17 @@ def apply_lora(model: nn.Module, cfg: Peft, model_name: str = "") -> int:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         with torch.device(old.weight.device):
-            new = LoRALinear(old.in_features, old.out_features, cfg.rank, cfg.alpha, cfg.dropout)
+            new = LoRALinear(
+                old.in_features,
+                old.out_features,
+                cfg.rank,
+                cfg.alpha,
+                cfg.dropout,
+                bias=old.bias is not None,
+            )
         new.weight = old.weight
+        if old.bias is not None:
+            new.bias = old.bias
         setattr(parent, child, new)
     freeze_base([model])
     return len(hits)

@@ -179,7 +179,9 @@ def check_export(row: Row, checkpoint_root: str, fixtures: Fixtures) -> str:
             if compute is not None:  # LoRA stored the frozen base in the compute dtype,
                 with torch.no_grad():  # all but MoE routers (`store_frozen_in`)
                     for name, p in plain.named_parameters():
-                        if not name.endswith("mlp.gate.weight"):
+                        if not name.endswith(
+                            ("mlp.gate.weight", "mlp.router.weight", "mlp.router.bias")
+                        ):
                             p.copy_(p.to(compute).float())
             peft_model = PeftModel.from_pretrained(plain, adapter).eval()
             with torch.no_grad():
