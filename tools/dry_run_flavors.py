@@ -2,7 +2,7 @@
 
     python tools/dry_run_flavors.py [--only "llama3 8B" ...]
 
-For each family's published flavors (Llama 3, Qwen3 dense and MoE, DeepSeek-V3; not the debug
+For each family's published flavors (Llama 3, Qwen3 dense and MoE, DeepSeek-V3, gpt-oss; not the debug
 ones) on the H100 cluster of `FLAVORS` (the world size such a model is trained on), with the
 family's shipped config (seq_len, precision, optimizer) and a global batch of 2 sequences per
 GPU: `titanlab.planning.planner.plan`'s first pick becomes the options of a dry run
@@ -40,6 +40,8 @@ FLAVORS: dict[str, tuple[str, int]] = {
     "qwen3_moe 235B-A22B": ("qwen3_30b_a3b.toml", 128),
     "deepseek_v3 16B": ("deepseek_v3_671b.toml", 16),
     "deepseek_v3 671B": ("deepseek_v3_671b.toml", 512),
+    "gpt_oss 20b": ("gpt_oss_20b.toml", 8),
+    "gpt_oss 120b": ("gpt_oss_20b.toml", 64),
 }
 """Family and flavor → (the shipped config it is planned with, H100s)."""
 

@@ -108,6 +108,16 @@ def _experts_static_shapes(self, x_td: torch.Tensor, counts: torch.Tensor) -> to
     return h @ self.w2[0].t()
 
 
+def unit_blocks(model_args) -> int:
+    """Blocks in the repeating unit of the model: 2 when its first two blocks differ in their
+    attention window (gpt-oss alternates sliding and full), else 1."""
+    from titanlab.models.common.decoder import layer_window
+
+    if model_args.n_layers < 4:
+        return 1
+    return 2 if layer_window(model_args, 0) != layer_window(model_args, 1) else 1
+
+
 def trace_activation_bytes(
     model_args,
     batch: int,
@@ -230,18 +240,21 @@ def trace_activation_bytes(
         fused_chunk,
     )
     if key not in _CACHE:
-        ones = {mode: live_after_forward(1, mode) for mode in ("none", "full", "op")}
-        twos = {mode: live_after_forward(2, mode) for mode in ones}
+        # Blocks that alternate kinds (gpt-oss: sliding, full, ...) are measured a pair at a
+        # time: per block, the mean of the pair; the head, what u blocks leave besides theirs.
+        u = unit_blocks(model_args)
+        ones = {mode: live_after_forward(u, mode) for mode in ("none", "full", "op")}
+        twos = {mode: live_after_forward(2 * u, mode) for mode in ones}
         one = {mode: n for mode, (n, _, _) in ones.items()}
-        eager = {mode: twos[mode][0] - one[mode] for mode in one}
-        gathered = {mode: twos[mode][1] - ones[mode][1] for mode in one}
-        head = one["none"] - eager["none"]
-        gathered_head = ones["none"][1] - gathered["none"]
-        weight_grads = twos["none"][2] - ones["none"][2]
+        eager = {mode: (twos[mode][0] - one[mode]) // u for mode in one}
+        gathered = {mode: (twos[mode][1] - ones[mode][1]) // u for mode in one}
+        head = one["none"] - u * eager["none"]
+        gathered_head = ones["none"][1] - u * gathered["none"]
+        weight_grads = (twos["none"][2] - ones["none"][2]) // u
         if (
             compiled_loss and not fused_chunk
         ):  # the head up to the logits, run eagerly, then the compiled loss
-            head = live_after_forward(1, "none", with_loss=False)[0] - eager["none"]
+            head = live_after_forward(u, "none", with_loss=False)[0] - u * eager["none"]
             head += compiled_loss_bytes()
         per_block = eager
         if compiled_blocks:
@@ -261,6 +274,6 @@ def trace_activation_bytes(
             gathered_per_block=gathered,
             gathered_head=gathered_head,
             weight_grads_per_block=weight_grads,
-            weight_grads_head=ones["none"][2] - weight_grads,
+            weight_grads_head=ones["none"][2] - u * weight_grads,
         )
     return _CACHE[key]

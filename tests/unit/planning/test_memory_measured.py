@@ -27,6 +27,7 @@ from titanlab.models.llama3 import llama3_flavors
 from titanlab.models.qwen3 import qwen3_flavors
 from titanlab.models.qwen3_moe import qwen3_moe_flavors
 from titanlab.models.deepseek_v3 import deepseek_v3_flavors
+from titanlab.models.gpt_oss import gpt_oss_flavors
 from titanlab.models.common.mtp import mtp_targets, trains_mtp
 from titanlab.models.registry import build_model
 from titanlab.components.optim import OptimizersContainer
@@ -38,6 +39,7 @@ MODELS = {
         ("qwen3", qwen3_flavors),
         ("qwen3_moe", qwen3_moe_flavors),
         ("deepseek_v3", deepseek_v3_flavors),  # MLA; 1 dense block, then MoE blocks
+        ("gpt_oss", gpt_oss_flavors),  # sliding (window 32, chunked at seq 256) and full blocks
     )
 }
 BATCH, SEQ = 4, 256
