@@ -9,10 +9,14 @@ CI runs FSDP 2, EP 2, TP 2 (with EP 2, as MoE tensor parallel needs), PP 2, and 
 them on 4 ranks; `make test-parity-full` (TITANLAB_PARITY_FULL=1) runs every accepted layout.
 """
 
+import json
 import os
+import subprocess
 
 import pytest
+import torch
 
+from conftest import REPO
 from tools import parity_matrix
 
 FULL = os.environ.get("TITANLAB_PARITY_FULL") == "1"
@@ -69,6 +73,22 @@ def test_context_parallel_is_refused_in_one_line():
     assert why is not None and "sinks and sliding windows" in why and "\n" not in why
 
 
+def test_experts_not_divisible_by_ep_are_refused_in_one_line():
+    from titanlab.planning.layouts import Layout, check_layout
+
+    config, model_args = parity_matrix._base_config(OPTIONS)  # debugmodel_deep: 8 experts
+    model_args = model_args.__class__(**{**vars(model_args), "moe": _experts(model_args.moe, 6)})
+    layout = Layout(dp_replicate=1, dp_shard=4, tp=1, pp=1, schedule=None, grad_accum=1, ep=4)
+    why = check_layout(config, layout, parity_matrix.GLOBAL_BATCH, model_args, "cpu")
+    assert why is not None and "expert_parallel_degree=4" in why and "\n" not in why
+
+
+def _experts(moe, n):
+    import dataclasses
+
+    return dataclasses.replace(moe, num_experts=n)
+
+
 @pytest.mark.parametrize("layout", CASES, ids=[lay.name for lay in CASES])
 def test_gpt_oss_layout_matches_single_process(layout, reference):
     dataset, seed, losses, root = reference(parity_matrix.global_microbatches(layout))
@@ -77,3 +97,44 @@ def test_gpt_oss_layout_matches_single_process(layout, reference):
     print(f"gpt_oss {layout.name}: worst |Δloss| {outcome.max_abs_diff:.3g}")
     assert outcome.max_abs_diff <= parity_matrix.TOLERANCE, (layout.name, outcome.max_abs_diff)
     assert losses[parity_matrix.STEPS] < losses[1]
+
+
+def test_debug_config_trains_on_two_processes_and_its_export_loads_in_transformers(
+    tiny_dataset, tmp_path
+):
+    """run_train.sh train_configs/gpt_oss_debug.toml: 2 processes (FSDP 2 × EP 2), seq 128 = 4
+    windows, 16 steps with falling loss; the final export, converted to-hf, gives transformers'
+    GptOssForCausalLM the logits of titanlab's model within 1e-4 (fp32)."""
+    transformers = pytest.importorskip("transformers")
+    from titanlab.checkpoint.convert import dcp_to_hf
+    from titanlab.generation.loading import load_model
+
+    dump = tmp_path / "run"
+    proc = subprocess.run(
+        [os.path.join(REPO, "run_train.sh"), "train_configs/gpt_oss_debug.toml",
+         "--data.dataset_path", tiny_dataset, "--training.steps", "16",
+         "--training.local_batch_size", "4", "--metrics.log_freq", "1",
+         "--validation.enable", "false", "--lr_scheduler.warmup_steps", "2",
+         "--checkpoint.interval", "1000", "--job.dump_folder", str(dump)],
+        cwd=REPO, env=dict(os.environ, NGPU="2", OMP_NUM_THREADS="1"),
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "ep=2" in proc.stdout and "gpt_oss" in proc.stdout
+    with open(dump / "metrics.jsonl", encoding="utf-8") as f:
+        losses = {r["step"]: r["loss"] for r in map(json.loads, f) if "loss" in r}
+    print(f"gpt_oss_debug: loss {losses[1]:.3f} at step 1, {losses[16]:.3f} at step 16")
+    assert losses[16] < losses[1] - 0.5
+
+    export = dump / "checkpoint" / "export-step-16"
+    model, _, args = load_model(str(export), torch.device("cpu"))
+    dcp_to_hf(str(export), str(tmp_path / "hf"), dtype=torch.float32, progress=False)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        str(tmp_path / "hf"), dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+    assert type(hf).__name__ == "GptOssForCausalLM"
+    tokens = torch.randint(5, args.vocab_size, (2, 128), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        diff = (hf(tokens).logits - model(tokens).float()).abs().max().item()
+    print(f"gpt_oss_debug export in transformers: max |logits diff| {diff:.3g}")
+    assert diff <= 1e-4

@@ -120,11 +120,7 @@ def lora_targets(model: nn.Module, cfg: Peft, model_name: str = "") -> dict[str,
             names the output head of a model that ties it to the embedding (the merged head
             could no longer be tied).
     """
-    linears = {
-        name: module
-        for name, module in model.named_modules()
-        if type(module) is nn.Linear
-    }
+    linears = {name: module for name, module in model.named_modules() if type(module) is nn.Linear}
     targets = set(cfg.target_modules)
     hits = {name: m for name, m in linears.items() if name.rsplit(".", 1)[-1] in targets}
     matched = {name.rsplit(".", 1)[-1] for name in hits}

@@ -148,3 +148,18 @@ def _load(args, dcp_dir):
     model = build_model(dataclasses.replace(args, max_seq_len=64)).eval()
     model.load_state_dict({k: reader.load(k).float() for k in model.state_dict()})
     return model
+
+
+def test_sinks_of_another_head_count_are_one_line(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    random_gpt_oss(gpt_oss_config()).save_pretrained(str(tmp_path / "hf"))
+    (file,) = (tmp_path / "hf").glob("*.safetensors")
+    tensors = load_file(str(file))
+    tensors["model.layers.1.self_attn.sinks"] = torch.zeros(6)  # 4 heads in config.json
+    save_file(tensors, str(file), metadata={"format": "pt"})
+    with pytest.raises(ValueError) as e:
+        hf_to_dcp(str(tmp_path / "hf"), str(tmp_path / "dcp"), progress=False)
+    message = str(e.value)
+    assert "model.layers.1.self_attn.sinks" in message and "[6]" in message and "[4]" in message
+    assert "\n" not in message
