@@ -21,6 +21,10 @@ without the `model.` prefix that a titanlab DCP checkpoint puts in front of them
 | `layers.{i}.feed_forward.experts.w1 / w3 / w2` (MoE, stacked) | `model.layers.{i}.mlp.experts.{e}.gate_proj / up_proj / down_proj.weight` |
 | `layers.{i}.feed_forward.shared_experts.w1 / w2 / w3.weight` | `model.layers.{i}.mlp.shared_experts.gate_proj / down_proj / up_proj.weight` |
 | `layers.{i}.feed_forward.expert_bias` (buffer; routing bias in the selection) | `model.layers.{i}.mlp.gate.e_score_correction_bias` |
+| `layers.{i}.attention.wq / wk / wv / wo.bias` (gpt-oss) | `model.layers.{i}.self_attn.q_proj / k_proj / v_proj / o_proj.bias` |
+| `layers.{i}.attention.sinks.weight` (gpt-oss) | `model.layers.{i}.self_attn.sinks` |
+| `layers.{i}.feed_forward.router.gate.weight / bias` (gpt-oss, `MoEArgs.gate_bias`) | `model.layers.{i}.mlp.router.weight / bias` |
+| `layers.{i}.feed_forward.experts.gate_up_proj / gate_up_proj_bias / down_proj / down_proj_bias` (gpt-oss, stacked in HF's own layout) | `model.layers.{i}.mlp.experts.gate_up_proj / ...` (the same four names; MXFP4 `*_blocks` / `*_scales` on import) |
 | `norm.weight` | `model.norm.weight` |
 | `output.weight` | `lm_head.weight` (absent from HF files when the embeddings are tied) |
 
@@ -29,7 +33,7 @@ head; Hugging Face's `rotate_half` rotates the pairs (i, i + head_dim/2). Both r
 the same angle, so the two models agree when the output rows of wq and wk are reordered within
 each head: HF row s * head_dim/2 + i holds titanlab row 2i + s (s in {0, 1}). Because q and k get
 the same reordering, every q·k score, and so the attention output, is unchanged; wv and wo are
-not touched. This is the permutation of Hugging Face's `convert_llama_weights_to_hf.py`
+not touched; gpt-oss's q/k biases are reordered with their rows. This is the permutation of Hugging Face's `convert_llama_weights_to_hf.py`
 (`view(n_heads, dim1 // n_heads // 2, 2, dim2).transpose(1, 2).reshape(dim1, dim2)`);
 `permute_from_hf` is its inverse. wk is reordered over its `n_kv_heads` heads. GQA head order
 needs no change: both models let kv head j serve query heads j*n_rep .. (j+1)*n_rep - 1.
