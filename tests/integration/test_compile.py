@@ -1,7 +1,8 @@
 """torch.compile (per block, fullgraph) trains to the eager losses under FSDP 2, FSDP 2 × TP 2
 and PP 2 × FSDP 2, and for Qwen3 (q/k norms sharded on heads) under TP 2 with selective
 activation checkpointing, and Qwen3-MoE (dense parts compiled, experts eager) under EP 2 × FSDP 2
-with selective AC, and DeepSeek-V3 (multi-head latent attention) under TP 2 × EP 2 with full AC.
+with selective AC, DeepSeek-V3 (multi-head latent attention) under TP 2 × EP 2 with full AC, and
+gpt-oss (sinks, sliding windows) under TP 2 × EP 2 with selective AC.
 CI leaves out the Llama FSDP 2 × TP 2, PP 2 × FSDP 2 and both MoE cases (compile meets FSDP in the
 first case and TP in the Qwen3 one; `make test-parity-full`, TITANLAB_PARITY_FULL=1, runs it)."""
 
@@ -92,6 +93,26 @@ COMMON = ["--training.steps", "5", "--checkpoint.enable", "false"]
                 reason="MoE × compile can flip a routing choice; make test-parity-full runs it",
             ),
         ),
+        # gpt-oss: sinks and the chunked sliding window (debugmodel: window 32, seq 64 here)
+        # inside compiled blocks, its sinks split over tp; MoE, so with the MoE cases.
+        pytest.param(
+            2,
+            4,
+            [
+                "--model.name",
+                "gpt_oss",
+                "--parallelism.tensor_parallel_degree",
+                "2",
+                "--parallelism.expert_parallel_degree",
+                "2",
+                "--activation_checkpoint.mode",
+                "selective",
+            ],
+            marks=pytest.mark.skipif(
+                os.environ.get("TITANLAB_PARITY_FULL") != "1",
+                reason="MoE × compile can flip a routing choice; make test-parity-full runs it",
+            ),
+        ),
     ],
     ids=[
         "fsdp2",
@@ -100,6 +121,7 @@ COMMON = ["--training.steps", "5", "--checkpoint.enable", "false"]
         "qwen3_tp2_selective_ac",
         "moe_ep2_fsdp2_sac",
         "deepseek_v3_tp2_ep2_full_ac",
+        "gpt_oss_tp2_ep2_sac",
     ],
 )
 def test_compiled_matches_eager(nproc, local_batch, extra, train, tmp_path):

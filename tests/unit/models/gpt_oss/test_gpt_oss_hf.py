@@ -163,3 +163,26 @@ def test_sinks_of_another_head_count_are_one_line(tmp_path):
     message = str(e.value)
     assert "model.layers.1.self_attn.sinks" in message and "[6]" in message and "[4]" in message
     assert "\n" not in message
+
+
+def test_load_balance_loss_equals_transformers_per_layer(tmp_path):
+    """titanlab's aux loss of each MoE layer (softmax over the biased gate's logits) equals
+    transformers' `load_balancing_loss_func` of that layer's router logits."""
+    from transformers.models.gpt_oss.modeling_gpt_oss import load_balancing_loss_func
+
+    hf_model = random_gpt_oss(gpt_oss_config())
+    hf_model.save_pretrained(str(tmp_path / "hf"))
+    args = hf_to_dcp(str(tmp_path / "hf"), str(tmp_path / "dcp"), progress=False)
+    model = _load(args, tmp_path / "dcp")
+    tokens = real_tokens()
+    with torch.no_grad():
+        out = hf_model(tokens, output_router_logits=True)
+        model(tokens)
+    from titanlab.models.common.decoder import moe_layers
+
+    layers = moe_layers(model)
+    assert len(layers) == len(out.router_logits) == 4
+    for moe, logits in zip(layers, out.router_logits, strict=True):
+        theirs = load_balancing_loss_func((logits,), 8, 2).item()
+        assert moe.last_aux is not None
+        assert abs(moe.last_aux.item() - theirs) <= 1e-6, (moe.last_aux.item(), theirs)
