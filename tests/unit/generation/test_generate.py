@@ -39,13 +39,18 @@ def qwen3_tiny():
 
 @pytest.mark.parametrize("family", ["llama3", "qwen3"])
 def test_cached_decode_equals_recomputing_the_whole_sequence(family):
-    model = tiny_model() if family == "llama3" else qwen3_tiny()
+    assert_cached_decode_is_recomputation(tiny_model() if family == "llama3" else qwen3_tiny())
+
+
+def assert_cached_decode_is_recomputation(model, prompts=PROMPTS, steps: int = 12) -> None:
+    """Each step's logits of a cached, left-padded batch equal the model's on that sequence
+    alone (no cache, no padding), within 1e-5."""
     logits: list[torch.Tensor] = []
-    out = generate(model, PROMPTS, 12, step_logits=logits)
-    assert [len(o) for o in out] == [12] * 4 and len(logits) == 12
+    out = generate(model, prompts, steps, step_logits=logits)
+    assert [len(o) for o in out] == [steps] * len(prompts) and len(logits) == steps
     with torch.no_grad():
         for step, step_logits in enumerate(logits):
-            for b, prompt in enumerate(PROMPTS):
+            for b, prompt in enumerate(prompts):
                 seq = torch.tensor([prompt + out[b][:step]])
                 want = model(seq)[0, -1]  # (vocab,): this sequence alone, no cache, no padding
                 torch.testing.assert_close(step_logits[b], want, atol=1e-5, rtol=0)

@@ -13,7 +13,7 @@ import torch
 sys.path.insert(
     0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(__file__))), "generation")
 )
-from test_generate import hf_greedy
+from test_generate import assert_cached_decode_is_recomputation, hf_greedy
 
 from titanlab.generation import generate
 from titanlab.models.common.hf_adapter import HFStateDictAdapter
@@ -60,13 +60,7 @@ def tiny_model(seed: int = 3, args=TINY):
 
 def test_cached_decode_equals_recomputing_the_whole_sequence():
     model = tiny_model()
-    logits: list[torch.Tensor] = []
-    out = generate(model, PROMPTS, 10, step_logits=logits)
-    with torch.no_grad():
-        for step, step_logits in enumerate(logits):
-            for b, prompt in enumerate(PROMPTS):
-                want = model(torch.tensor([prompt + out[b][:step]]))[0, -1]
-                torch.testing.assert_close(step_logits[b], want, atol=1e-5, rtol=0)
+    assert_cached_decode_is_recomputation(model, PROMPTS, 10)
 
 
 @pytest.mark.parametrize("shape", list(SHAPES))
