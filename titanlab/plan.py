@@ -22,8 +22,8 @@ import sys
 from titanlab.config.job_config import ConfigError
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m titanlab.plan", description=__doc__.split("\n")[0])
+def _parser(prog: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
     p.add_argument("--cluster", default="h100", help="h100 | h200 | a100 | b200 | profile.json")
     p.add_argument("--nodes", type=int, default=1, help="nodes of the profile (default 1)")
     p.add_argument("--top", type=int, default=10, help="layouts to list (default 10)")
@@ -34,13 +34,15 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, prog: str = "python -m titanlab.plan") -> int:
+    """Plan (see the module); `prog` names the program in its usage lines."""
     argv = sys.argv[1:] if argv is None else argv
-    opts, rest = _parser().parse_known_args(argv)
+    opts, rest = _parser(prog).parse_known_args(argv)
     try:
+        from titanlab.config.shipped import resolve_config_option
         from titanlab.planning.report import run
 
-        return run(opts, rest)
+        return run(opts, resolve_config_option(rest))  # a shipped config by its name too
     except ConfigError as e:
         print(f"titanlab.plan: error: {e}", file=sys.stderr)
         return 2

@@ -15,6 +15,7 @@ import sys
 
 from titanlab.config.job_config import ConfigError
 from titanlab.config.manager import build_config
+from titanlab.config.shipped import resolve_config_option
 from titanlab.observability import warning_filters
 from titanlab.planning.preflight import Plan, check
 from titanlab.planning.report import preflight_summary as summary
@@ -22,7 +23,13 @@ from titanlab.planning.report import preflight_summary as summary
 __all__ = ["Plan", "check", "main"]
 
 
-def main(argv: list[str]) -> int:
+def main(argv: list[str], prog: str = "python -m titanlab.preflight") -> int:
+    """Check the config of `argv` (see the module); 0 when it passes, 2 with one line if not."""
+    if "--help" in argv or "-h" in argv:
+        print(f"usage: {prog} [--nproc N] [--nnodes M] [--job.config_file F] [--section.key V ...]"
+              f"\n\n{__doc__.split(chr(10), 1)[1].strip()}\n\nThe options after --nproc and "
+              "--nnodes are the trainer's (`titanlab train --help`).")  # fmt: skip
+        return 0
     warning_filters.install()
     counts = {"--nproc": 1, "--nnodes": 1}
     try:
@@ -32,7 +39,7 @@ def main(argv: list[str]) -> int:
                 raise ConfigError(f"{argv[0]}={value!r} must be a whole number >= 1")
             counts[argv[0]], argv = int(value), argv[2:]
         nproc, nnodes = counts["--nproc"], counts["--nnodes"]
-        config = build_config(argv)
+        config = build_config(resolve_config_option(argv))  # a shipped config by its name too
         plan = check(config, nproc * nnodes, nproc)
         print(summary(config, plan, nproc * nnodes))
     except ConfigError as e:

@@ -35,7 +35,7 @@ LAYERS = (
     "trainer",
     "entry points",
 )
-ENTRY_POINTS = {"__init__", "train", "generate", "preflight", "launcher", "plan"}
+ENTRY_POINTS = {"__init__", "train", "generate", "preflight", "launcher", "plan", "cli"}
 # Files over ~400 lines, each with the reason it stays whole (docs/architecture.md lists them).
 LONG_FILES: dict[str, str] = {}
 
@@ -172,7 +172,7 @@ def test_every_tools_script_imports():
 
 def test_the_top_level_holds_thin_entry_points_and_every_package_says_what_it_holds():
     top = sorted(n[:-3] for n in os.listdir(os.path.join(REPO, "titanlab")) if n.endswith(".py"))
-    assert set(top) <= ENTRY_POINTS and len(top) <= 6, top
+    assert set(top) <= ENTRY_POINTS and len(top) <= 7, top
     for name in top:
         with open(os.path.join(REPO, "titanlab", f"{name}.py"), encoding="utf-8") as f:
             assert name == "__init__" or len(f.read().splitlines()) <= 80, name

@@ -32,8 +32,8 @@ from titanlab.generation.tensor_parallel import apply_generation_tp
 PROG = "python -m titanlab.generate"
 
 
-def build_parser() -> OneLineParser:
-    p = OneLineParser(prog=PROG, description=__doc__.split("\n\n")[0])
+def build_parser(prog: str = PROG) -> OneLineParser:
+    p = OneLineParser(prog=prog, description=__doc__.split("\n\n")[0])
     p.add_argument("checkpoint", help="DCP folder (step-N, export-step-N) or Hugging Face folder")
     p.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
     p.add_argument("--prompt-file", default="", help="a text file, one prompt per line")
@@ -77,8 +77,8 @@ def _tokenizer_path(args) -> str:
     return hf if os.path.isfile(hf) else default_tokenizer_path()
 
 
-def run(argv: list[str]) -> int:
-    args = build_parser().parse_args(argv)
+def run(argv: list[str], prog: str = PROG) -> int:
+    args = build_parser(prog).parse_args(argv)
     params = SamplingParams(args.temperature, args.top_k, args.top_p)
     params.validate()
     prompts = _prompts(args)
@@ -149,10 +149,12 @@ def run(argv: list[str]) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, prog: str = PROG) -> int:
+    """Generate (see the module); `prog` names the program in usage lines. Bad input is one
+    `titanlab.generate: error:` line, exit code 2."""
     clean = False
     try:
-        code = run(sys.argv[1:] if argv is None else argv)
+        code = run(sys.argv[1:] if argv is None else argv, prog)
         clean = True
         return code
     except (ValueError, FileNotFoundError) as e:

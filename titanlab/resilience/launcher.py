@@ -2,14 +2,15 @@
 
     python -m titanlab.launcher [torchrun options] -m titanlab.train [trainer options]
 
-`run_train.sh` and `multinode_trainer.slurm` start training through this module. It runs
-`torch.distributed.run` with the same arguments and:
+`run_train.sh`, `titanlab train` and `multinode_trainer.slurm` start training through this
+module. It runs `torch.distributed.run` with the same arguments and:
 - passes the ranks' output through (torchrun prefixes it with `[rankN]:` under `--tee`);
 - keeps torchrun's own report of a failed child (its `ChildFailedError` traceback and the
   `failed (exitcode: N)` lines) out of the terminal, in `<job.dump_folder>/logs/launcher-*.log`;
 - when a rank failed with a titanlab error, prints the path of that log, then the failing rank's
   `titanlab: error: ...` line as the last line on stderr, and exits with that rank's exit code
-  (2 config, 3 diverged, 4 hang, 5 out of memory; 75 requeue is handled by `run_train.sh`).
+  (2 config, 3 diverged, 4 hang, 5 out of memory; 75 requeue is handled by `run_train.sh`
+  and `titanlab train`, `titanlab.resilience.run_train`).
   Each rank writes its line and code to `$TITANLAB_ERROR_DIR/rank<N>` (see
   `write_error_file`), so the line is found even when `--local-ranks-filter` hides that
   rank's output.
@@ -35,6 +36,11 @@ ERROR_DIR_ENV = "TITANLAB_ERROR_DIR"
 ERROR_PREFIX = "titanlab: error:"
 # 0 where the signal already reaches torchrun itself (srun signals every process of a step).
 FORWARD_SIGNALS_ENV = "TITANLAB_FORWARD_SIGNALS"
+# EX_TEMPFAIL of sysexits.h: the run stopped for preemption after saving; requeue it. Here, not in
+# `preemption` (which imports torch), so that the launching process never imports torch.
+REQUEUE_EXIT_CODE = 75
+# The file rank 0 writes (its last step) when it stopped for preemption after saving.
+MARKER_ENV = "TITANLAB_PREEMPT_MARKER"
 # torchrun's own logging lines (glog style: "E1123 01:39:39.761000 3993 path:line] message")
 _TORCHRUN_LOG = re.compile(r"^[EWIF]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ ")
 

@@ -15,9 +15,11 @@ import signal
 import torch
 import torch.distributed as dist
 
-# EX_TEMPFAIL of sysexits.h: a temporary failure, the caller is invited to retry.
-REQUEUE_EXIT_CODE = 75
-MARKER_ENV = "TITANLAB_PREEMPT_MARKER"
+# EX_TEMPFAIL of sysexits.h (a temporary failure, the caller is invited to retry) and the marker
+# file's variable, defined beside the launcher that reads them.
+from titanlab.resilience.launcher import MARKER_ENV, REQUEUE_EXIT_CODE
+
+__all__ = ["MARKER_ENV", "REQUEUE_EXIT_CODE", "Preempted", "PreemptionHandler"]
 
 
 class Preempted(Exception):
