@@ -155,6 +155,7 @@ line is always a single line, and it is the last line on stderr. Above it may be
 of the run; there is no Python traceback for these errors.
 
 The line can come from three places:
+
 - **The pre-flight check** (`python -m titanlab.preflight`), which `run_train.sh` and
   `multinode_trainer.slurm` run before starting torchrun. It checks the config, the parallel
   layout, the batch split, the memory estimate, the tokenizer, the dataset folder, the dump folder

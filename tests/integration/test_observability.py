@@ -87,7 +87,7 @@ def test_run_report_metrics_and_trackers_continue_across_a_resume(tiny_dataset, 
     assert "  val loss:" in summary and "perplexity" in summary
     ckpt = dump / "checkpoint" / "step-7"
     assert f"  checkpoint:  {ckpt}" in summary
-    assert f"python -m tools.convert_checkpoint to-hf {ckpt} {dump / 'hf' / 'step-7'}" in summary
+    assert f"titanlab convert to-hf {ckpt} {dump / 'hf' / 'step-7'}" in summary
     assert f"  plot:        {dump / 'loss.png'}" in summary
     with open(dump / "loss.png", "rb") as f:
         head = f.read(24)

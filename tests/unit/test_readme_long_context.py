@@ -1,5 +1,6 @@
-"""The README's long-context example (CP 4 at seq_len 8192 on CPU) passes the trainer's
-pre-flight check on 4 ranks, and the estimate gives each rank a quarter of the activations."""
+"""The documented long-context example (docs/parallelism.md: CP 4 at seq_len 8192 on CPU) passes
+the trainer's pre-flight check on 4 ranks, and the estimate gives each rank a quarter of the
+activations."""
 
 import os
 import re
@@ -15,8 +16,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def readme_example() -> tuple[int, list[str]]:
-    """(NGPU, options) of the README command that sets context_parallel_degree."""
-    with open(os.path.join(REPO, "README.md"), encoding="utf-8") as f:
+    """(NGPU, options) of the first documented command that sets context_parallel_degree."""
+    with open(os.path.join(REPO, "docs", "parallelism.md"), encoding="utf-8") as f:
         text = f.read()
     for block in re.findall(r"```bash\n(.*?)```", text, flags=re.S):
         command = block.replace("\\\n", " ")
@@ -24,7 +25,7 @@ def readme_example() -> tuple[int, list[str]]:
             words = shlex.split(command)
             ngpu = int(words[0].split("=")[1])
             return ngpu, words[words.index("./run_train.sh") + 1 :]
-    raise AssertionError("README has no context-parallel example")
+    raise AssertionError("docs/parallelism.md has no context-parallel example")
 
 
 def test_long_context_example_is_accepted_with_a_quarter_of_the_activations():

@@ -39,7 +39,7 @@ def dataset_dir(config: JobConfig, tokenizer_path: str) -> str:
         if not os.path.isdir(config.data.dataset_path):
             raise ConfigError(
                 f"data.dataset_path={config.data.dataset_path!r} is not a directory; "
-                "make one with tools/prepare_data.py"
+                "make one with `titanlab prepare-data`"
             )
         return config.data.dataset_path
     return ensure_default_corpus(config.data.cache_dir or default_cache_dir(), tokenizer_path)
@@ -52,7 +52,7 @@ def _open_folder(
     names the config key in messages."""
     if not os.path.isdir(data_dir):
         raise ConfigError(
-            f"{option}={data_dir!r} is not a directory; make one with tools/prepare_data.py"
+            f"{option}={data_dir!r} is not a directory; make one with `titanlab prepare-data`"
         )
     seq, fraction = config.training.seq_len, config.data.val_fraction
     try:
@@ -83,7 +83,7 @@ def _open_folder(
         raise ConfigError(
             f"data.document_mask=true but {option}={data_dir!r} has no EOS token "
             f"(id {masking.eos_id}) in its first {min(train.total_tokens, 1 << 24):,} tokens, "
-            "so no document boundaries; prepare it with tools/prepare_data.py (which ends "
+            "so no document boundaries; prepare it with `titanlab prepare-data` (which ends "
             "every document with EOS) or set data.document_mask=false"
         )
     return train, val

@@ -52,7 +52,7 @@ class MemmapTokenDataset(Dataset):
         meta_path = os.path.join(data_dir, METADATA_FILE)
         if not os.path.isfile(meta_path):
             raise FileNotFoundError(
-                f"{meta_path!r} not found; prepare the data first with tools/prepare_data.py"
+                f"{meta_path!r} not found; prepare the data first with `titanlab prepare-data`"
             )
         self.metadata = read_metadata(meta_path)
         self.data_dir = data_dir
@@ -143,7 +143,7 @@ def read_metadata(meta_path: str) -> dict:
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(
             f"{meta_path!r} is not valid JSON ({e}); prepare the data again with "
-            "tools/prepare_data.py"
+            "`titanlab prepare-data`"
         ) from None
     if not isinstance(meta, dict):
         raise ValueError(f"{meta_path!r} holds a JSON {type(meta).__name__}, not an object")

@@ -59,7 +59,9 @@ class PackedChatDataset(Dataset):
             raise FileNotFoundError(f"{meta_path!r} not found; prepare the data first")
         self.metadata = read_metadata(meta_path)
         if self.metadata.get("format") != "chat":
-            raise ValueError(f"{data_dir!r} is not chat data (tools/prepare_data.py --format chat)")
+            raise ValueError(
+                f"{data_dir!r} is not chat data (`titanlab prepare-data --format chat`)"
+            )
         self.data_dir, self.seq_len, self.split = data_dir, seq_len, split
         self.dtype = np.dtype(self.metadata["dtype"]).newbyteorder("<")
         self.pad_id = int(self.metadata.get("pad_id", self.metadata["eos_id"]))

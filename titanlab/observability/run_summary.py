@@ -70,13 +70,11 @@ def format_summary(
         root = os.path.dirname(os.path.dirname(checkpoint.rstrip("/")))  # the dump folder
         out = os.path.join(root, "hf", os.path.basename(checkpoint.rstrip("/")))
         # The checkpoint's model_args.json names the family and flavor.
-        cmd = shlex.join(["python", "-m", "tools.convert_checkpoint", "to-hf", checkpoint, out])
+        cmd = shlex.join(["titanlab", "convert", "to-hf", checkpoint, out])
         lines.append(f"  checkpoint:  {checkpoint}")
         if adapters_only:  # the step folders hold LoRA adapters, not a whole model
             peft_out = os.path.join(root, "peft", os.path.basename(checkpoint.rstrip("/")))
-            cmd = shlex.join(
-                ["python", "-m", "tools.convert_checkpoint", "to-peft", checkpoint, peft_out]
-            )
+            cmd = shlex.join(["titanlab", "convert", "to-peft", checkpoint, peft_out])
             lines.append(f"  to PEFT:     {cmd}")
         else:
             lines.append(f"  to HF:       {cmd}")

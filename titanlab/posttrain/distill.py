@@ -37,7 +37,8 @@ def distillation_loss_sum(
     """Sum over target tokens of the distillation loss (module docstring), fp32.
 
     Args:
-        student_logits / teacher_logits: (bs, seq, vocab), any float dtype, same vocab.
+        student_logits: (bs, seq, vocab), any float dtype.
+        teacher_logits: (bs, seq, vocab), any float dtype, the student's vocab.
         labels: (bs, seq) int64, IGNORE_INDEX where no target.
         alpha: weight of the hard (label) cross-entropy, in [0, 1].
         temperature: T > 0.

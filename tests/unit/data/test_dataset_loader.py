@@ -61,7 +61,7 @@ def test_dataset_errors(tmp_path):
         MemmapTokenDataset(data, 2, split="val", val_fraction=0.0)
     with pytest.raises(ValueError, match="split='test'"):
         MemmapTokenDataset(data, 2, split="test")
-    with pytest.raises(FileNotFoundError, match="prepare_data"):
+    with pytest.raises(FileNotFoundError, match="titanlab prepare-data"):
         MemmapTokenDataset(str(tmp_path), 2)
 
 

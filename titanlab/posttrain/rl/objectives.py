@@ -140,7 +140,9 @@ def gae(
     tokens (`mask`, a prefix of each row: V after the last counted token is 0).
 
     Args:
-        rewards, values: (B, N) float32 per token; mask: (B, N) bool.
+        rewards: (B, N) float32 per token.
+        values: (B, N) float32 per token.
+        mask: (B, N) bool.
     Returns:
         (advantages (B, N), returns = advantages + values (B, N)), 0 where `mask` is False.
     """

@@ -82,9 +82,12 @@ class PromptStream:
     uninterrupted one would. Held-out prompts (the evaluation set) are never drawn.
 
     Args:
-        source: a DigitTask, or the examples of `read_prompts`; seed: `debug.seed`;
-        dp_rank, dp: this rank's data-parallel index and the degree;
-        tokenizer, stop_ids: a JSONL source's tokenizer and the template's stop ids;
+        source: a DigitTask, or the examples of `read_prompts`.
+        seed: `debug.seed`.
+        dp_rank: this rank's data-parallel index.
+        dp: the data-parallel degree.
+        tokenizer: a JSONL source's tokenizer.
+        stop_ids: the template's stop ids (a JSONL source).
         format_pattern: `rl.format_pattern`, put in every prompt's metadata unless it has one.
     """
 
