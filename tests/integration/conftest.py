@@ -1,9 +1,10 @@
 """Fixtures for end-to-end tests: a tiny prepared dataset and a launcher of the real entry point.
 
 Every run is `titanlab.train`'s main on gloo with one intra-op thread per rank and short
-timeouts. `launch` forks the ranks from a server that has imported titanlab once
-(`tools.lib.fork_launch`: torchrun's rank environment without its agent, a third of an 8-rank
-run's time on 2 cores); the tests of launching itself (run_train.sh, one-line errors under
+timeouts. `launch` runs the ranks on warm workers kept across tests (`tools.lib.rank_pool`:
+torchrun's rank environment without its agent; forked from a server that has imported titanlab
+once, they skip the first compile's and first trace's one-time costs after their first job;
+TITANLAB_WARM_RANKS=0 forks fresh ranks per launch instead); the tests of launching itself (run_train.sh, one-line errors under
 torchrun, restarts, Slurm, the RL runs) start `python -m torch.distributed.run` as a user does
 (`launch_command`, or `launch(..., entry=...)`).
 """
@@ -23,7 +24,7 @@ from titanlab.data.default_corpus import default_corpus_files
 from titanlab.data.prepare import prepare_data
 from titanlab.data.tokenizer import default_tokenizer_path
 from titanlab.metrics import parse_log_line
-from tools.lib.fork_launch import fork_run
+from tools.lib.rank_pool import warm_run
 from tools.lib.runs import (  # noqa: F401 (re-exported)
     CONSTANT_LR,
     REPO,
@@ -94,11 +95,11 @@ def tiny_dataset(tmp_path_factory) -> str:
 def launch(
     nproc: int, args: list[str], *, timeout: int = 600, entry: list[str] | None = None
 ) -> RunResult:
-    """Run `titanlab.train` with `nproc` ranks (forked, `tools.lib.fork_launch`; or the command
+    """Run `titanlab.train` with `nproc` ranks (warm workers, `tools.lib.rank_pool`; or the command
     `entry`, e.g. torchrun's `launch_command`); parse the `step: N  loss: X` lines."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     if entry is None:
-        proc = fork_run(nproc, args, env=env, timeout=timeout)
+        proc = warm_run(nproc, args, env=env, timeout=timeout)
     else:
         proc = subprocess.run(
             entry + args, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout

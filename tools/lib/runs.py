@@ -84,14 +84,14 @@ def launch_command(nproc: int, target: list[str]) -> list[str]:
 def launch(
     nproc: int, args: list[str], timeout: int = 900, torchrun: bool = False
 ) -> subprocess.CompletedProcess:
-    """`titanlab.train` on `nproc` ranks (gloo on CPU), one intra-op thread per rank: forked
-    from a preloaded server (`tools.lib.fork_launch`, torchrun's environment without its
-    agent), or with `torchrun` as a user launches it (`launch_command`)."""
+    """`titanlab.train` on `nproc` ranks (gloo on CPU), one intra-op thread per rank: on the
+    warm workers of `tools.lib.rank_pool` (torchrun's environment without its agent), or with
+    `torchrun` as a user launches it (`launch_command`)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     if not torchrun:
-        from tools.lib.fork_launch import fork_run
+        from tools.lib.rank_pool import warm_run
 
-        return fork_run(nproc, args, env=env, timeout=timeout)
+        return warm_run(nproc, args, env=env, timeout=timeout)
     cmd = launch_command(nproc, ["-m", "titanlab.train", *args])
     return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
 

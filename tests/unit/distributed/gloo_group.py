@@ -1,7 +1,9 @@
-"""Start the gloo process group of one spawned test rank (`torch.multiprocessing.spawn`): one
-intra-op thread, a file rendezvous, a 60 s timeout. The worker ends it in a `finally` with
-`destroy_distributed(barrier=ok)` (`titanlab.distributed.init`), which waits for every rank;
-`spawn` starts the ranks and ends each without interpreter finalization."""
+"""Start the gloo process group of one spawned test rank: one intra-op thread, a file
+rendezvous, a 60 s timeout. The worker ends it in a `finally` with
+`destroy_distributed(barrier=ok)` (`titanlab.distributed.init`), which waits for every rank.
+`spawn` runs the ranks on the warm workers of `tools.lib.rank_pool` (kept across tests: the
+imports and first-call costs are paid once per pytest worker), or with TITANLAB_WARM_RANKS=0
+as `torch.multiprocessing.spawn` children that end without interpreter finalization."""
 
 from __future__ import annotations
 
@@ -14,6 +16,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+from tools.lib.rank_pool import default_pool  # noqa: E402
 
 
 def init_gloo(rank: int, world: int, init_file: str) -> None:
@@ -39,6 +44,10 @@ def _run_then_exit(rank: int, fn: Callable[..., None], *args: Any) -> None:
 
 
 def spawn(fn: Callable[..., None], args: tuple, nprocs: int) -> None:
-    """`torch.multiprocessing.spawn(fn, args, nprocs)` whose ranks skip finalization after a
-    normal return (`_run_then_exit`)."""
-    mp.spawn(_run_then_exit, args=(fn, *args), nprocs=nprocs, join=True)
+    """`fn(rank, *args)` on `nprocs` warm ranks (`RankPool.spawn`: raises SpawnFailed with the
+    failing rank's traceback); with TITANLAB_WARM_RANKS=0, `torch.multiprocessing.spawn(fn,
+    args, nprocs)` whose ranks skip finalization after a normal return (`_run_then_exit`)."""
+    if os.environ.get("TITANLAB_WARM_RANKS", "1") == "0":
+        mp.spawn(_run_then_exit, args=(fn, *args), nprocs=nprocs, join=True)
+    else:
+        default_pool().spawn(fn, args, nprocs)

@@ -1,0 +1,60 @@
+"""The warm-rank pool (`tools.lib.rank_pool`) that runs the integration tests' launches: a rank
+that crashes or hangs is reported as that job's failure with the rank's last line, the next job
+on the pool passes, and a job leaves nothing behind that the next one sees."""
+
+import os
+
+import pytest
+
+from tools.lib.rank_pool import PoolTimeout, RankPool
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+@pytest.fixture
+def pool():
+    pool = RankPool()
+    yield pool
+    pool.close()
+
+
+def probe(pool: RankPool, name: str, nproc: int = 2, timeout: float = 60):
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    return pool.run(nproc, [], env=env, timeout=timeout, target=f"pool_probes:{name}",
+                    paths=[HERE])  # fmt: skip
+
+
+def assert_next_job_passes(pool: RankPool) -> None:
+    proc = probe(pool, "report_state")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.count("sum=3") == 2  # both ranks took part in the all-reduce
+
+
+def test_a_crashed_rank_fails_its_job_with_its_last_line_and_the_next_job_passes(pool):
+    proc = probe(pool, "crash_rank_1")
+    assert proc.returncode != 0
+    assert "rank 1 exitcode : -11\n" in proc.stderr, proc.stderr
+    assert "rank 1 last line: rank 1 about to fail\n" in proc.stderr, proc.stderr
+    started = pool.started
+    assert_next_job_passes(pool)
+    assert pool.started > started  # the crashed rank's worker was replaced
+
+
+def test_a_hung_rank_times_out_naming_its_last_line_and_the_next_job_passes(pool):
+    with pytest.raises(PoolTimeout) as failure:
+        probe(pool, "hang_rank_1", timeout=5)
+    assert "rank 1: rank 1 is stuck here" in str(failure.value)
+    assert "rank 0 started" in failure.value.output
+    assert_next_job_passes(pool)
+
+
+def test_a_job_leaves_nothing_behind_for_the_next(pool):
+    before = probe(pool, "report_state")
+    assert before.returncode == 0, before.stderr
+    started = pool.started
+    assert probe(pool, "dirty_the_process").returncode == 0
+    after = probe(pool, "report_state")
+    assert pool.started == started  # the same two workers ran all three jobs
+    assert after.stdout == before.stdout
+    assert "deterministic=False dtype=torch.float32" in after.stdout
+    assert "env=None" in after.stdout and "sum=3" in after.stdout

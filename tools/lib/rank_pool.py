@@ -1,0 +1,497 @@
+"""Warm ranks: a pool of worker processes that run one multi-rank job after another.
+
+`fork_launch.fork_run` pays, for every launch, a fork per rank and everything a fresh process
+does once: the first torch.compile (Dynamo, AOTAutograd and their lazy imports: ~35 s of CPU
+for the debug model on CI's 2 cores, ~3 s once warm), the first fake-tensor trace of the
+memory estimate, first-call dispatch caches. `RankPool` keeps its workers alive instead and
+sends each a job over a pipe, the way torch's `MultiProcContinuousTest` feeds tests to ranks
+spawned once per class and DeepSpeed's `reuse_dist_env` keeps a pool per world size. A worker
+is rank r of whatever world the job has (worker i is rank i), so one pool of up to 8 workers
+serves 1-, 2-, 4- and 8-rank jobs.
+
+A job is `titanlab.train`'s `main(args)` (or any `module:function` taking the argument list) with
+torchrun's environment contract, as `fork_run` gives it: a fresh process group per job
+(`main` creates and destroys it; rank 0 hosts a TCPStore on a new port), stdout and stderr to
+per-rank files, the job's environment, working directory and intra-op thread count.
+
+Between jobs each worker puts back what a job may change in a process: the environment, the
+working directory, `sys.argv` and `sys.path`, the random states (torch, Python, NumPy: each job
+starts from the state a fresh fork has), torch's global flags (deterministic algorithms,
+default dtype, grad mode, matmul precision, anomaly mode), the configs of Dynamo, Inductor and
+functorch, Dynamo's compiled code (`torch._dynamo.reset`), logging's root handlers, the
+warnings filters and the signal handlers. A worker is retired, and replaced by a fresh fork
+at the next job, when it cannot be put back: a thread or child process outlived the job, a
+process group is still up, its resident memory passed `MAX_RSS_BYTES`, or the job installed
+process-wide state that has no undo (context parallel's CPU attention handler).
+
+Failures stay with their job: when a rank fails, the others are stopped as torchrun stops them
+(SIGTERM, then SIGKILL after `GRACE_S`) and every worker of the job that did not return by
+itself is dropped; a job that runs past its timeout has all its workers killed and raises
+`PoolTimeout`, which names each rank's last line of output. The next job gets fresh forks in
+their place.
+
+What a warm worker cannot give: its peak resident size (`ru_maxrss`) is its lifetime's, not
+the job's, so a test that asserts a run's own peak memory launches with `fork_run`.
+
+Source: PyTorch's `torch/testing/_internal/common_distributed.py` (MultiProcContinuousTest),
+the Python docs of `multiprocessing` (forkserver, Connection, `connection.wait`) and torchrun's
+environment variables.
+"""
+
+from __future__ import annotations
+
+import atexit
+import gc
+import importlib
+import logging
+import multiprocessing
+import multiprocessing.connection
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+from tools.lib import fork_launch
+
+TRAIN_MAIN = "titanlab.train:main"
+MAX_WORKERS = 8
+"""The largest world a job may have."""
+KEEP_WORKERS = 4
+"""Workers kept warm after a job; those of higher rank (an 8-rank job's 4-7) are retired."""
+MAX_RSS_BYTES = 3 * 2**30
+"""A worker whose resident memory passes this after a job is retired."""
+GRACE_S = fork_launch.GRACE_S
+PROCESS_THREADS = ("tqdm_monitor",)
+"""Threads a library starts once per process and keeps (tqdm's monitor): not a job's leftovers."""
+_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP)
+
+
+class PoolTimeout(subprocess.TimeoutExpired):
+    """A job ran past its timeout; `str()` names each rank's last line of output."""
+
+    def __str__(self) -> str:
+        return super().__str__() + "".join(
+            f"\n  rank {r}: {line}" for r, line in enumerate(self.last_lines)
+        )
+
+    last_lines: list[str]
+
+
+@dataclass
+class _Worker:
+    process: Any
+    conn: multiprocessing.connection.Connection
+    jobs: int = 0
+
+
+@dataclass
+class _Job:
+    target: str
+    args: list[Any]
+    env: dict[str, str]
+    out: str
+    err: str
+    paths: list[str] = field(default_factory=list)
+    rank: int = 0
+    spawned: bool = False
+    """`target(rank, *args)` (torch.multiprocessing.spawn's convention) instead of
+    `target(args)`."""
+
+
+class SpawnFailed(RuntimeError):
+    """A rank of `RankPool.spawn` failed; the message has its exit code and last lines."""
+
+
+class RankPool:
+    """Up to `MAX_WORKERS` warm workers forked from `fork_launch`'s preloaded server."""
+
+    def __init__(self) -> None:
+        self._workers: list[_Worker | None] = [None] * MAX_WORKERS
+        self._first_failure = 0
+        self.started = 0
+        """Workers forked so far (a test of the pool reads it)."""
+        self.retired: list[str] = []
+        """Why each worker that could not be put back was retired."""
+
+    def run(
+        self,
+        nproc: int,
+        args: list[str],
+        env: dict[str, str] | None = None,
+        timeout: float = 900,
+        target: str = TRAIN_MAIN,
+        paths: list[str] | None = None,
+        spawned: bool = False,
+    ) -> subprocess.CompletedProcess:
+        """Run `target(args)` as ranks 0..nproc-1 of a fresh world; `fork_run`'s contract.
+
+        Args:
+            nproc: number of ranks, 1 to `MAX_WORKERS` (1 runs with no rank variables set).
+            args: the argument list passed to the target (the trainer's options).
+            env: the ranks' environment (default: this process's) before the rank variables.
+            timeout: seconds before every rank is killed and `PoolTimeout` raised.
+            target: "module:function"; the function takes the list and returns an exit code.
+            paths: directories put in front of the workers' `sys.path` for this job.
+            spawned: call `target(rank, *args)` and count a return as exit code 0.
+        Returns:
+            CompletedProcess: returncode 0 or the first failed rank's code (a negative signal
+            number for a rank that died), the ranks' stdout and stderr in rank order, stderr
+            ending with `rank R exitcode : C` and `rank R last line: ...` per failed rank.
+        Raises:
+            ValueError: nproc outside 1..MAX_WORKERS. PoolTimeout: the job timed out.
+        """
+        if not 1 <= nproc <= MAX_WORKERS:
+            raise ValueError(f"nproc={nproc}: a pool job has 1 to {MAX_WORKERS} ranks")
+        base = dict(os.environ if env is None else env)
+        if nproc > 1 and not spawned:
+            base.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(fork_launch._free_port()))
+        workers = [self._worker(rank) for rank in range(nproc)]
+        with tempfile.TemporaryDirectory(prefix="titanlab-pool-") as logs:
+            files = [(os.path.join(logs, f"{r}.out"), os.path.join(logs, f"{r}.err"))
+                     for r in range(nproc)]  # fmt: skip
+            for rank, worker in enumerate(workers):
+                rank_env = dict(base)
+                if nproc > 1 and not spawned:  # spawn's children get no rank variables
+                    rank_env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc),
+                                    LOCAL_WORLD_SIZE=str(nproc), GROUP_RANK="0")  # fmt: skip
+                job = _Job(target, list(args), rank_env, *files[rank], paths or [], rank, spawned)
+                worker.conn.send(job)
+            try:
+                codes = self._wait(workers, timeout)
+            except PoolTimeout as e:
+                e.output, e.stderr = fork_launch._read_logs(logs, nproc)
+                e.last_lines = [_last_line(out, err) for out, err in files]
+                raise
+            outs, errs = fork_launch._read_logs(logs, nproc)
+            failed = [r for r, c in enumerate(codes) if c]
+            tail = "".join(f"rank {r} exitcode : {codes[r]}\n" for r in failed)
+            tail += "".join(f"rank {r} last line: {_last_line(*files[r])}\n" for r in failed)
+        first = self._first_failure or next((c for c in codes if c), 0)
+        return subprocess.CompletedProcess(args, first, outs, errs + tail)
+
+    def spawn(self, fn: Any, args: tuple, nprocs: int, timeout: float = 600) -> None:
+        """`torch.multiprocessing.spawn(fn, args, nprocs)` on warm workers: `fn(rank, *args)`
+        on ranks 0..nprocs-1, with this process's environment. `fn` is a module-level function;
+        its module is imported in the workers from its file's folder, as spawn's children do.
+
+        Raises:
+            SpawnFailed: a rank raised or died (its traceback is in the message).
+            PoolTimeout: the ranks ran past `timeout` seconds.
+        """
+        module = sys.modules[fn.__module__]
+        folder = os.path.dirname(os.path.abspath(module.__file__ or ""))
+        name = module.__spec__.name if module.__spec__ else fn.__module__
+        proc = self.run(nprocs, list(args), timeout=timeout, target=f"{name}:{fn.__qualname__}",
+                        paths=[folder], spawned=True)  # fmt: skip
+        if proc.returncode:
+            raise SpawnFailed(f"{fn.__qualname__} failed ({proc.returncode}):\n"
+                              f"{proc.stdout[-2000:]}{proc.stderr[-6000:]}")  # fmt: skip
+
+    def close(self) -> None:
+        """Stop every worker (they also exit by themselves when this process ends)."""
+        for rank in range(MAX_WORKERS):
+            self._retire(rank, signal.SIGKILL)
+
+    def _worker(self, rank: int) -> _Worker:
+        worker = self._workers[rank]
+        if worker is None or worker.process.exitcode is not None:
+            ctx = fork_launch._context()
+            parent, child = ctx.Pipe()
+            process = ctx.Process(target=_worker_main, args=(child,), daemon=True)
+            process.start()
+            child.close()
+            worker = self._workers[rank] = _Worker(process, parent)
+            self.started += 1
+        return worker
+
+    def _wait(self, workers: list[_Worker], timeout: float) -> list[int]:
+        """Each rank's exit code; the first failure stops the rest, whose workers are dropped
+        with every worker that did not come back clean."""
+        deadline = time.monotonic() + timeout
+        codes: list[int | None] = [None] * len(workers)
+        clean = [False] * len(workers)
+        self._first_failure = 0
+        while any(c is None for c in codes):
+            if time.monotonic() > deadline:
+                for rank, code in enumerate(codes):
+                    if code is None:
+                        self._retire(rank, signal.SIGKILL)
+                raise PoolTimeout([w.process.name for w in workers], timeout)
+            waiting = {}
+            for rank, w in enumerate(workers):
+                if codes[rank] is None:
+                    waiting[w.conn] = rank
+                    waiting[w.process.sentinel] = rank
+            for ready in multiprocessing.connection.wait(list(waiting), 0.5):
+                rank = waiting[ready]
+                if codes[rank] is not None:
+                    continue
+                codes[rank], clean[rank] = self._collect(rank)
+                if codes[rank] and not self._first_failure:
+                    self._first_failure = codes[rank]
+                    self._stop_others(codes)
+        for rank in range(len(workers)):
+            if not (clean[rank] and rank < KEEP_WORKERS):
+                self._retire(rank, signal.SIGKILL)
+        return [c or 0 for c in codes]
+
+    def _collect(self, rank: int) -> tuple[int, bool]:
+        worker = self._workers[rank]
+        assert worker is not None
+        try:
+            if worker.conn.poll():
+                code, dirty = worker.conn.recv()
+                worker.jobs += 1
+                if dirty:
+                    self.retired.append(f"rank {rank}: {dirty}")
+                return code, dirty is None
+        except (EOFError, OSError):
+            pass
+        worker.process.join(5)
+        exitcode = worker.process.exitcode
+        return (exitcode if exitcode else 1), False  # it died (a signal, os._exit)
+
+    def _stop_others(self, codes: list[int | None]) -> None:
+        """SIGTERM to the ranks still running, SIGKILL to those left after `GRACE_S`; none of
+        them is reused (stopped mid-job)."""
+        running = [r for r, c in enumerate(codes) if c is None]
+        for rank in running:
+            self._signal(rank, signal.SIGTERM)
+        stop_at = time.monotonic() + GRACE_S
+        while any(codes[r] is None for r in running) and time.monotonic() < stop_at:
+            for rank in running:
+                worker = self._workers[rank]
+                assert worker is not None
+                if codes[rank] is None and (worker.conn.poll() or not self._alive(rank)):
+                    codes[rank], _ = self._collect(rank)
+            time.sleep(0.05)
+        for rank in running:
+            if codes[rank] is None:
+                codes[rank] = -signal.SIGKILL
+            self._retire(rank, signal.SIGKILL)
+
+    def _alive(self, rank: int) -> bool:
+        worker = self._workers[rank]
+        return worker is not None and worker.process.exitcode is None
+
+    def _signal(self, rank: int, sig: int) -> None:
+        worker = self._workers[rank]
+        if worker is not None and worker.process.exitcode is None:
+            try:
+                os.kill(worker.process.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def _retire(self, rank: int, sig: int) -> None:
+        worker = self._workers[rank]
+        if worker is None:
+            return
+        self._signal(rank, sig)
+        worker.process.join(10)
+        worker.conn.close()
+        self._workers[rank] = None
+
+
+def _last_line(out: str, err: str) -> str:
+    """The last non-empty line a rank wrote (stderr first: a traceback's last line)."""
+    for path in (err, out):
+        try:
+            with open(path, encoding="utf-8", errors="replace") as f:
+                lines = [ln.strip() for ln in f.read().splitlines() if ln.strip()]
+        except OSError:
+            continue
+        if lines:
+            return lines[-1][:300]
+    return "(no output)"
+
+
+_POOL: RankPool | None = None
+
+
+def default_pool() -> RankPool:
+    """This process's pool (made at first use, closed at exit)."""
+    global _POOL
+    if _POOL is None:
+        _POOL = RankPool()
+        atexit.register(_POOL.close)
+    return _POOL
+
+
+def warm_run(
+    nproc: int, args: list[str], env: dict[str, str] | None = None, timeout: float = 900
+) -> subprocess.CompletedProcess:
+    """`titanlab.train` on `nproc` warm ranks of `default_pool()` (`RankPool.run`), or, with
+    TITANLAB_WARM_RANKS=0 in this process's environment, on fresh forks (`fork_run`)."""
+    if os.environ.get("TITANLAB_WARM_RANKS", "1") == "0":
+        return fork_launch.fork_run(nproc, args, env=env, timeout=timeout)
+    return default_pool().run(nproc, args, env=env, timeout=timeout)
+
+
+# --- the worker side ---------------------------------------------------------------------------
+
+
+def _worker_main(conn: multiprocessing.connection.Connection) -> None:
+    """Run jobs from `conn` until it closes; after each, report (exit code, why the worker
+    cannot be reused or None)."""
+    gc.freeze()  # the server's objects stay shared copy-on-write (see fork_launch)
+    idle = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(idle, 1)
+    os.dup2(idle, 2)
+    for stream in (sys.stdout, sys.stderr):  # a hung rank's last line is in its file
+        stream.reconfigure(line_buffering=True)  # type: ignore[union-attr]
+    state = _State.take()
+    while True:
+        try:
+            job = conn.recv()
+        except (EOFError, OSError):
+            os._exit(0)
+        code = _run_job(job)
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+        os.dup2(idle, 1)
+        os.dup2(idle, 2)
+        dirty = state.restore()
+        conn.send((code, dirty))
+        if dirty:
+            os._exit(0)
+
+
+def _run_job(job: _Job) -> int:
+    for path, fd in ((job.out, 1), (job.err, 2)):
+        target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(target, fd)
+        os.close(target)
+    os.environ.clear()
+    os.environ.update(job.env)
+    fork_launch._apply_thread_count(job.env)
+    os.chdir(fork_launch.REPO)
+    sys.path[:0] = job.paths
+    module, _, name = job.target.partition(":")
+    sys.argv = [module, *job.args]
+    try:
+        fn = getattr(importlib.import_module(module), name)
+        if job.spawned:
+            fn(job.rank, *job.args)
+            return 0
+        return int(fn(list(job.args)) or 0)
+    except SystemExit as e:
+        return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except BaseException:
+        traceback.print_exc()  # what an uncaught exception prints, and its exit status
+        return 1
+
+
+@dataclass
+class _State:
+    """What a job may change in its process, taken before the first job and put back after
+    each (`restore` says whether the worker can be reused)."""
+
+    environ: dict[str, str]
+    cwd: str
+    argv: list[str]
+    path: list[str]
+    rng: Any
+    py_rng: Any
+    np_rng: Any
+    flags: dict[str, Any]
+    configs: dict[str, bytes]
+    handlers: list[logging.Handler]
+    level: int
+    filters: list
+    signals: dict[int, Any]
+    threads: int
+
+    @classmethod
+    def take(cls) -> _State:
+        import numpy as np
+        import torch
+
+        return cls(dict(os.environ), os.getcwd(), list(sys.argv), list(sys.path),
+                   torch.random.get_rng_state(), random.getstate(), np.random.get_state(),
+                   _torch_flags(), _configs(), list(logging.getLogger().handlers),
+                   logging.getLogger().level, list(warnings.filters),
+                   {s: signal.getsignal(s) for s in _SIGNALS},
+                   threading.active_count())  # fmt: skip
+
+    def restore(self) -> str | None:
+        import numpy as np
+        import torch
+        import torch.distributed as dist
+
+        dirty = []
+        if dist.is_initialized():
+            dirty.append("a process group is still up")
+        torch._dynamo.reset()
+        for module, saved in self.configs.items():
+            importlib.import_module(module).load_config(saved)
+        torch.use_deterministic_algorithms(self.flags["deterministic"],
+                                           warn_only=self.flags["warn_only"])  # fmt: skip
+        torch.set_default_dtype(self.flags["dtype"])
+        torch.set_grad_enabled(self.flags["grad"])
+        torch.set_float32_matmul_precision(self.flags["matmul"])
+        torch.autograd.set_detect_anomaly(self.flags["anomaly"])
+        torch.random.set_rng_state(self.rng)
+        random.setstate(self.py_rng)
+        np.random.set_state(self.np_rng)
+        os.environ.clear()
+        os.environ.update(self.environ)
+        os.chdir(self.cwd)
+        sys.argv[:] = self.argv
+        sys.path[:] = self.path
+        root = logging.getLogger()
+        for handler in list(root.handlers):
+            if handler not in self.handlers:
+                root.removeHandler(handler)
+                handler.close()
+        root.setLevel(self.level)
+        warnings.filters[:] = self.filters
+        for sig, handler in self.signals.items():
+            signal.signal(sig, handler)
+        gc.collect()
+        cp_cpu = sys.modules.get("titanlab.distributed.cp_cpu")
+        if cp_cpu is not None and getattr(cp_cpu, "_installed", False):
+            dirty.append("context parallel's CPU handler is installed for good")
+        left = [t.name for t in threading.enumerate() if t.name not in PROCESS_THREADS]
+        if len(left) > self.threads:
+            dirty.append(f"threads left: {left}")
+        if multiprocessing.active_children():
+            dirty.append("child processes left")
+        if _rss_bytes() > MAX_RSS_BYTES:
+            dirty.append(f"resident memory {_rss_bytes() / 2**30:.1f} GiB")
+        return "; ".join(dirty) or None
+
+
+def _torch_flags() -> dict[str, Any]:
+    import torch
+
+    return {
+        "deterministic": torch.are_deterministic_algorithms_enabled(),
+        "warn_only": torch.is_deterministic_algorithms_warn_only_enabled(),
+        "dtype": torch.get_default_dtype(),
+        "grad": torch.is_grad_enabled(),
+        "matmul": torch.get_float32_matmul_precision(),
+        "anomaly": torch.is_anomaly_enabled(),
+    }
+
+
+def _configs() -> dict[str, bytes]:
+    """Dynamo's, Inductor's and functorch's configs (`save_config`)."""
+    import torch._dynamo.config
+    import torch._functorch.config
+    import torch._inductor.config
+
+    names = ("torch._dynamo.config", "torch._inductor.config", "torch._functorch.config")
+    return {name: importlib.import_module(name).save_config() for name in names}
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
