@@ -18,7 +18,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-from tools.lib.rank_pool import default_pool  # noqa: E402
+from tools.lib.rank_pool import default_pool
 
 
 def init_gloo(rank: int, world: int, init_file: str) -> None:
