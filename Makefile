@@ -17,6 +17,12 @@ TESTS ?= tests
 # alone.
 UNIT_WORKERS ?= 2
 INTEGRATION_WORKERS ?= 2
+# Coverage of the package (the pytest processes'; ranks run in workers it does not trace).
+COV ?= --cov=titanlab
+# CI_REPORTS (set by .ci/run): each test stage's time goes to $(CI_REPORTS)/stages.tsv
+# (tools/ci_stage.sh) and its JUnit file next to it, read by tools/ci_report.py at the end.
+STAGE := tools/ci_stage.sh
+JUNIT = $(if $(CI_REPORTS),--junitxml=$(CI_REPORTS)/$(1).xml)
 
 .PHONY: train test setup clean check lint format docs benchmark test-parity-full gpu-check gpu-session llama-cpp peer-wheels dry-run-flavors
 
@@ -39,11 +45,11 @@ train: setup
 
 test: setup
 ifeq ($(TESTS),tests)
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -rs -n $(UNIT_WORKERS) --cov=titanlab --cov-report= $(PYTEST_ARGS) tests/unit
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -rs --durations=10 -n $(INTEGRATION_WORKERS) --dist loadscope --no-loadscope-reorder -m "not serial" --cov=titanlab --cov-append --cov-report= $(PYTEST_ARGS) tests/integration
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -rs --durations=10 -m serial --cov=titanlab --cov-append --cov-report=term:skip-covered $(PYTEST_ARGS) tests/integration
+	$(STAGE) unit env OMP_NUM_THREADS=1 $(PY) -m pytest -q -rs -n $(UNIT_WORKERS) $(COV) --cov-report= $(call JUNIT,unit) $(PYTEST_ARGS) tests/unit
+	$(STAGE) integration env OMP_NUM_THREADS=1 $(PY) -m pytest -q -rs --durations=10 -n $(INTEGRATION_WORKERS) --dist loadscope --no-loadscope-reorder -m "not serial" $(COV) --cov-append --cov-report= $(call JUNIT,integration) $(PYTEST_ARGS) tests/integration
+	$(STAGE) serial env OMP_NUM_THREADS=1 $(PY) -m pytest -q -rs --durations=10 -m serial $(COV) --cov-append --cov-report=term:skip-covered $(call JUNIT,serial) $(PYTEST_ARGS) tests/integration
 else
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -rs --durations=10 --cov=titanlab --cov-report=term:skip-covered $(PYTEST_ARGS) $(TESTS)
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -rs --durations=10 $(COV) --cov-report=term:skip-covered $(PYTEST_ARGS) $(TESTS)
 endif
 
 # llama-cpp-python (llama.cpp built from source, ~2.5 min on 2 cores), for the tests that run

@@ -1,6 +1,7 @@
 """One GRPO, PPO or DPO update of the real Trainer on fixed data, for layout parity tests.
 
-Run under torchrun: `rl_fixed_step.py OUT [trainer overrides...]`. Every layout sees the same
+Run on warm ranks (`tools.lib.rank_pool`, target `rl_fixed_step:pool_main`) or under torchrun:
+`rl_fixed_step.py OUT [trainer overrides...]`. Every layout sees the same
 global rollout batch (prompts of 5 to 7 tokens, completions with EOS at various positions,
 rewards), each
 data-parallel rank its own slice of whole groups; the Trainer's GRPO recipe then runs
@@ -112,6 +113,12 @@ def finish(trainer: Trainer, loss: torch.Tensor, grad_norm: torch.Tensor, out: s
         )
     trainer.close()
     destroy_distributed(barrier=True)
+
+
+def pool_main(argv: list[str]) -> int:
+    """A warm worker's entry (`tools.lib.rank_pool`): argv is OUT then the overrides."""
+    main(argv[0], argv[1:])
+    return 0
 
 
 if __name__ == "__main__":

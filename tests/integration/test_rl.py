@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from conftest import REPO, launch_command, wait_for, worker_pid
+from tools.lib.rank_pool import default_pool
 from titanlab.checkpoint import store
 from titanlab.config.job_config import ConfigError
 from titanlab.config.manager import build_config
@@ -86,8 +87,15 @@ def fixed_step(tmp_path, family: str, algorithm: str, layout=None) -> dict:
     args = [*fixed_args(family, algorithm), "--job.dump_folder", str(tmp_path / "dump")]
     args += layout.overrides(GLOBAL_BATCH) if layout else ["--training.local_batch_size",
                                                             str(GLOBAL_BATCH)]  # fmt: skip
-    script = os.path.join(REPO, "tests", "integration", "rl_fixed_step.py")
-    torchrun(layout.world_size if layout else 1, [script, out, *args])
+    here = os.path.join(REPO, "tests", "integration")
+    nproc = layout.world_size if layout else 1
+    if os.environ.get("TITANLAB_WARM_RANKS", "1") == "0":
+        torchrun(nproc, [os.path.join(here, "rl_fixed_step.py"), out, *args])
+    else:  # numerics only: the warm ranks (the launcher's own tests start torchrun)
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+        run = default_pool().run(nproc, [out, *args], env=env, timeout=300,
+                                 target="rl_fixed_step:pool_main", paths=[here])  # fmt: skip
+        assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     return torch.load(out, weights_only=True)
 
 
