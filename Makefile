@@ -24,7 +24,7 @@ COV ?= --cov=titanlab
 STAGE := tools/ci_stage.sh
 JUNIT = $(if $(CI_REPORTS),--junitxml=$(CI_REPORTS)/$(1).xml)
 
-.PHONY: train test setup clean check lint format docs benchmark test-parity-full gpu-check gpu-session llama-cpp peer-wheels dry-run-flavors
+.PHONY: train test test-full setup clean check lint format docs benchmark test-parity-full gpu-check gpu-session llama-cpp peer-wheels dry-run-flavors
 
 setup: $(VENV)/.installed
 
@@ -104,6 +104,17 @@ dry-run-flavors: setup
 test-parity-full: setup
 	OMP_NUM_THREADS=1 $(PY) tools/parity_matrix.py
 	OMP_NUM_THREADS=1 TITANLAB_PARITY_FULL=1 $(PY) -m pytest -q -rs tests/integration/test_qwen3_moe.py tests/integration/test_gpt_oss.py tests/integration/test_compile.py tests/integration/test_muon.py tests/integration/test_profiling_traces.py tests/integration/test_document_mask_parity.py tests/integration/test_cp_documents.py "tests/integration/test_parallel_parity.py::test_option_matches_single_process" "tests/integration/test_lora.py::test_more_layouts_equal_one_process" "tests/integration/test_lora.py::test_fsdp2_with_selective_and_full_ac_equals_one_process" tests/integration/test_chat_sft.py "tests/integration/test_distill.py::test_distillation_under_a_layout_equals_one_process" "tests/integration/test_qlora.py::test_at_8k_under_fsdp2_with_full_ac_nf4_trains_like_bf16_lora_in_a_quarter_of_the_bytes" "tests/integration/test_qlora.py::test_more_layouts_equal_fsdp2" tests/integration/test_feature_pairs.py tests/unit/distributed/test_tensor_parallel_2d.py tests/unit/distributed/test_tensor_parallel_3d.py tests/unit/distributed/test_tensor_parallel_grid_dp.py
+
+# Everything CI leaves out, in one target: the whole suite with TITANLAB_PARITY_FULL=1 (every
+# case CI trims to a pairwise cover or leaves to the full matrices: all MoE, RL, LoRA, QLoRA,
+# compile, CP-document and feature-pair triple cases, 2.5D/3D TP) and the GGUF and Slurm tests,
+# then every valid layout of 1-8 ranks (tools/parity_matrix.py) and every published flavor's
+# planner pick dry-run at its real size (tools/dry_run_flavors.py); both rewrite their tables
+# in docs/. Hours on 2 cores.
+test-full: setup llama-cpp
+	TITANLAB_PARITY_FULL=1 TITANLAB_SLURM_TESTS=1 TITANLAB_LLAMA_CPP_TESTS=1 $(MAKE) test COV=
+	OMP_NUM_THREADS=1 $(PY) tools/parity_matrix.py
+	OMP_NUM_THREADS=1 $(PY) tools/dry_run_flavors.py
 
 # On a machine with a CUDA GPU: every GPU test (`pytest -m gpu`), then the 8B-shaped benchmark
 # rows, into docs/gpu_check.md and the gpu-check block of docs/performance.md
