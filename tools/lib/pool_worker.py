@@ -12,6 +12,7 @@ attention handler (DTensor strategies registered for good).
 
 from __future__ import annotations
 
+import functools
 import gc
 import importlib
 import logging
@@ -147,6 +148,7 @@ class _State:
         if dist.is_initialized():
             dirty.append("a process group is still up")
         torch._dynamo.reset()
+        _clear_caches()
         for module, saved in self.configs.items():
             importlib.import_module(module).load_config(saved)
         torch.use_deterministic_algorithms(self.flags["deterministic"],
@@ -203,6 +205,32 @@ def _configs() -> dict[str, bytes]:
     """Dynamo's, Inductor's and functorch's configs (`save_config`)."""
     names = ("torch._dynamo.config", "torch._inductor.config", "torch._functorch.config")
     return {name: importlib.import_module(name).save_config() for name in names}
+
+
+CACHED_PACKAGES = ("torch.distributed", "titanlab")
+"""Packages whose module- and class-level `functools` caches are cleared after each job."""
+
+
+def _clear_caches() -> None:
+    """Empty the caches a job filled that can hold its objects: the `functools` caches of
+    `CACHED_PACKAGES` and DTensor's sharding propagation. DTensor caches an op's output
+    placements keyed by specs whose device mesh compares by layout, so a later job's equal
+    mesh would get the earlier job's mesh back, with process groups that were destroyed
+    ("Could not resolve the process group registered under the name 4", seen here)."""
+    cached = functools._lru_cache_wrapper
+    for name, module in list(sys.modules.items()):
+        if module is None or not name.startswith(CACHED_PACKAGES):
+            continue
+        for value in list(vars(module).values()):
+            is_class = issubclass(type(value), type)  # type(): no module's __class__ hook
+            for item in [value, *(vars(value).values() if is_class else ())]:
+                if type(item) in (staticmethod, classmethod):
+                    item = item.__func__
+                if type(item) is cached:
+                    item.cache_clear()
+    dtensor = sys.modules.get("torch.distributed.tensor._api")
+    if dtensor is not None:
+        dtensor.DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
 
 
 def _rss_bytes() -> int:
