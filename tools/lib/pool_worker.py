@@ -212,8 +212,11 @@ CACHED_PACKAGES = ("torch.distributed", "titanlab")
 
 
 def _clear_caches() -> None:
+    import torch
+
     """Empty the caches a job filled that can hold its objects: the `functools` caches of
-    `CACHED_PACKAGES` and DTensor's sharding propagation. DTensor caches an op's output
+    `CACHED_PACKAGES` and DTensor's sharding propagation (Python's and the C++ fast path's:
+    `to_empty` of a meta DTensor parameter took its mesh from there). DTensor caches an op's output
     placements keyed by specs whose device mesh compares by layout, so a later job's equal
     mesh would get the earlier job's mesh back, with process groups that were destroyed
     ("Could not resolve the process group registered under the name 4", seen here)."""
@@ -231,6 +234,9 @@ def _clear_caches() -> None:
     dtensor = sys.modules.get("torch.distributed.tensor._api")
     if dtensor is not None:
         dtensor.DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
+        clear_native = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
+        if clear_native is not None:  # the C++ dispatch fast path's own cache
+            clear_native()
 
 
 def _rss_bytes() -> int:
