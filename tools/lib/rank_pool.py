@@ -73,7 +73,6 @@ class PoolTimeout(subprocess.TimeoutExpired):
 class _Worker:
     process: Any
     conn: multiprocessing.connection.Connection
-    jobs: int = 0
 
 
 class SpawnFailed(RuntimeError):
@@ -85,7 +84,6 @@ class RankPool:
 
     def __init__(self) -> None:
         self._workers: list[_Worker | None] = [None] * MAX_WORKERS
-        self._first_failure = 0
         self.started = 0
         """Workers forked so far (a test of the pool reads it)."""
         self.retired: list[str] = []
@@ -135,7 +133,7 @@ class RankPool:
                 job = Job(target, list(args), rank_env, *files[rank], paths or [], rank, spawned)
                 worker.conn.send(job)
             try:
-                codes = self._wait(workers, timeout)
+                codes, first = self._wait(workers, timeout)
             except PoolTimeout as e:
                 e.output, e.stderr = fork_launch._read_logs(logs, nproc)
                 e.last_lines = [_last_line(out, err) for out, err in files]
@@ -144,7 +142,6 @@ class RankPool:
             failed = [r for r, c in enumerate(codes) if c]
             tail = "".join(f"rank {r} exitcode : {codes[r]}\n" for r in failed)
             tail += "".join(f"rank {r} last line: {_last_line(*files[r])}\n" for r in failed)
-        first = self._first_failure or next((c for c in codes if c), 0)
         return subprocess.CompletedProcess(args, first, outs, errs + tail)
 
     def spawn(self, fn: Any, args: tuple, nprocs: int, timeout: float = 600) -> None:
@@ -182,13 +179,13 @@ class RankPool:
             self.started += 1
         return worker
 
-    def _wait(self, workers: list[_Worker], timeout: float) -> list[int]:
-        """Each rank's exit code; the first failure stops the rest, whose workers are dropped
-        with every worker that did not come back clean."""
+    def _wait(self, workers: list[_Worker], timeout: float) -> tuple[list[int], int]:
+        """(each rank's exit code, the first failure's code or 0); the first failure stops the
+        rest, whose workers are dropped with every worker that did not come back clean."""
         deadline = time.monotonic() + timeout
         codes: list[int | None] = [None] * len(workers)
         clean = [False] * len(workers)
-        self._first_failure = 0
+        first = 0
         while any(c is None for c in codes):
             if time.monotonic() > deadline:
                 for rank, code in enumerate(codes):
@@ -205,13 +202,13 @@ class RankPool:
                 if codes[rank] is not None:
                     continue
                 codes[rank], clean[rank] = self._collect(rank)
-                if codes[rank] and not self._first_failure:
-                    self._first_failure = codes[rank]
+                if codes[rank] and not first:
+                    first = codes[rank]
                     self._stop_others(codes)
         for rank in range(len(workers)):
             if not (clean[rank] and rank < KEEP_WORKERS):
                 self._retire(rank, signal.SIGKILL)
-        return [c or 0 for c in codes]
+        return [c or 0 for c in codes], first
 
     def _collect(self, rank: int) -> tuple[int, bool]:
         worker = self._workers[rank]
@@ -219,7 +216,6 @@ class RankPool:
         try:
             if worker.conn.poll():
                 code, dirty = worker.conn.recv()
-                worker.jobs += 1
                 if dirty:
                     self.retired.append(f"rank {rank}: {dirty}")
                 return code, dirty is None
