@@ -134,3 +134,65 @@ def test_expert_gradient_norm_is_one_all_reduce_over_the_flattened_expert_mesh(t
         assert r["comms"] == {
             "all_reduce": {"calls": 1, "bytes": 24, "wire_bytes": 24, "sizes": {"24x2": 1}}
         }
+
+
+def _clip_worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
+    """Gradients that are DTensors on a 2-D (dp, tp) mesh of 2 ranks (Shard, Replicate and
+    Partial placements, float32 and bfloat16) clipped by `clip_grad_norm_`, and the same
+    gradients clipped by torch's `clip_grads_with_norm_` through DTensor's own foreach op."""
+    import os
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+    from gloo_group import init_gloo
+    from titanlab.distributed.init import destroy_distributed
+
+    init_gloo(rank, world, init_file)
+    ok = False
+    try:
+        mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "tp"))
+        torch.manual_seed(rank)  # Partial and uneven parts differ per rank
+        specs = [
+            ((8, 6), torch.float32, (Shard(0), Shard(1))),
+            ((3 - rank, 4), torch.float32, (Replicate(), Shard(0))),  # uneven: 3 + 2 of 5 rows
+            ((7,), torch.bfloat16, (Replicate(), Replicate())),
+            ((3, 4), torch.float32, (Shard(0), Partial())),
+        ]
+        ours, theirs = [], []
+        for i, (shape, dtype, placements) in enumerate(specs):
+            local = torch.randn(shape, dtype=dtype) * 3
+            for out in (ours, theirs):
+                uneven = {"shape": (5, 4), "stride": (4, 1)} if i == 1 else {}
+                grad = DTensor.from_local(local.clone(), mesh, placements, run_check=False,
+                                          **uneven)  # fmt: skip
+                p = torch.nn.Parameter(torch.zeros_like(grad))
+                p.grad = grad
+                out.append(p)
+        norm = clip_grad_norm_(ours, max_norm=0.5)
+        torch.nn.utils.clip_grads_with_norm_(theirs, 0.5, norm, foreach=True)
+        torch.save(
+            {"norm": norm, "ours": [p.grad.to_local() for p in ours],
+             "theirs": [p.grad.to_local() for p in theirs]},
+            os.path.join(out_dir, f"clip{rank}.pt"),
+        )  # fmt: skip
+        ok = True
+    finally:
+        destroy_distributed(barrier=ok)
+
+
+def test_clipping_dtensor_gradients_gives_torchs_bits_under_every_placement(tmp_path):
+    """`clip_grad_norm_` scales each DTensor gradient through its local shard (skipping
+    DTensor's sharding propagation of the foreach op); the shards it leaves are bit for bit
+    those of torch's `clip_grads_with_norm_` on the DTensors, for Shard, uneven Shard,
+    Replicate and Partial placements, in float32 and bfloat16, and the norm is large enough
+    that the gradients really are scaled."""
+    from gloo_group import spawn
+
+    spawn(_clip_worker, (2, str(tmp_path / "init"), str(tmp_path)), 2)
+    for rank in range(2):
+        got = torch.load(tmp_path / f"clip{rank}.pt")
+        assert got["norm"].item() > 5  # clipped by a factor of more than 10
+        for ours, theirs in zip(got["ours"], got["theirs"], strict=True):
+            assert ours.dtype == theirs.dtype
+            assert torch.equal(ours, theirs)
