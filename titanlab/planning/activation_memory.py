@@ -24,6 +24,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 
+AC_MODES = ("none", "full", "op")
+"""The activation-checkpointing modes a block is traced under: none, full, and selective per op."""
+
+
 class LiveTensorBytes(TorchDispatchMode):
     """Records the storage of every tensor an op creates under this mode (views of an input,
     such as a transposed weight, create none); `live()` sums the bytes of those still alive.
@@ -94,7 +98,23 @@ class ActivationBytes:
         return self.split(self.head, self.gathered_head, tp)
 
 
-_CACHE: dict[tuple, ActivationBytes] = {}
+@dataclasses.dataclass(frozen=True)
+class _ModeTrace:
+    """One AC mode's traces: (live, gathered, weight-op output) bytes after the forward of the
+    1-unit and 2-unit models, the compiled block's saved bytes (None: eager or not captured),
+    and what trained multi-token prediction depths add (None: none trained)."""
+
+    one: tuple[int, int, int]
+    two: tuple[int, int, int]
+    compiled: int | None
+    depth: int | None
+
+
+_CACHE: dict[tuple, _ModeTrace] = {}
+"""Traces by (arguments, AC mode): a process that plans many layouts of one model traces each
+mode once."""
+_HEAD_CACHE: dict[tuple, int] = {}
+"""A compiled loss's head bytes (the eager head up to the logits, then the loss) by arguments."""
 
 
 def _experts_static_shapes(self, x_td: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
@@ -128,6 +148,7 @@ def trace_activation_bytes(
     compiled_loss: bool = False,
     float8: Any = None,
     fused_chunk: int = 0,
+    modes: tuple[str, ...] = AC_MODES,
 ) -> ActivationBytes:
     """Trace forward + loss of 1- and 2-block versions of the model on fake tensors.
 
@@ -144,9 +165,13 @@ def trace_activation_bytes(
         fused_chunk: the fused linear cross-entropy's chunk size (0: the plain head and loss);
             its head keeps no logits, but the gradients of its input and weight, computed in
             forward.
+        modes: the AC modes to trace (of `AC_MODES`; "none" always is, for the head): a run
+            needs its own, the layout planner all. Each costs two traces (three with trained
+            multi-token prediction depths, a compile more with compiled blocks).
     Returns:
-        bytes per block for each AC mode and for the head; cached per arguments (a trace takes
-        about a second for the 8B shapes, whatever seq is; a compiled one a few seconds).
+        bytes per block for each traced AC mode and for the head; each mode's traces are
+        cached per arguments (a trace takes about a second for the 8B shapes, whatever seq is;
+        a compiled one a few seconds).
     """
     from titanlab.planning.compiled_saved import saved_bytes_compiled
     from titanlab.planning.split_backward import WeightOpOutputs
@@ -239,41 +264,53 @@ def trace_activation_bytes(
         repr(float8),
         fused_chunk,
     )
-    if key not in _CACHE:
-        # Blocks that alternate kinds (gpt-oss: sliding, full, ...) are measured a pair at a
-        # time: per block, the mean of the pair; the head, what u blocks leave besides theirs.
-        u = unit_blocks(model_args)
-        ones = {mode: live_after_forward(u, mode) for mode in ("none", "full", "op")}
-        twos = {mode: live_after_forward(2 * u, mode) for mode in ones}
-        one = {mode: n for mode, (n, _, _) in ones.items()}
-        eager = {mode: (twos[mode][0] - one[mode]) // u for mode in one}
-        gathered = {mode: (twos[mode][1] - ones[mode][1]) // u for mode in one}
-        head = one["none"] - u * eager["none"]
-        gathered_head = ones["none"][1] - u * gathered["none"]
-        weight_grads = (twos["none"][2] - ones["none"][2]) // u
-        if (
-            compiled_loss and not fused_chunk
-        ):  # the head up to the logits, run eagerly, then the compiled loss
-            head = live_after_forward(u, "none", with_loss=False)[0] - u * eager["none"]
-            head += compiled_loss_bytes()
-        per_block = eager
+    # Blocks that alternate kinds (gpt-oss: sliding, full, ...) are measured a pair at a time:
+    # per block, the mean of the pair; the head, what u blocks leave besides theirs.
+    u = unit_blocks(model_args)
+
+    def measure(mode: str) -> _ModeTrace:
+        one, two = live_after_forward(u, mode), live_after_forward(2 * u, mode)
+        compiled = None
         if compiled_blocks:
             try:
-                per_block = {m: compiled_block(m) for m in one}
+                compiled = compiled_block(mode)
             except Exception:  # a block compile cannot capture whole: estimated as eager code
-                per_block = eager
-        depths = {}
+                compiled = None
+        depth = None
         if trains_mtp(model_args):  # the same one-block model, its depths trained
-            depths = {
-                mode: live_after_forward(1, mode, with_depths=True)[0] - one[mode] for mode in one
-            }
-        _CACHE[key] = ActivationBytes(
-            per_block=per_block,
-            head=head,
-            depths=depths,
-            gathered_per_block=gathered,
-            gathered_head=gathered_head,
-            weight_grads_per_block=weight_grads,
-            weight_grads_head=ones["none"][2] - u * weight_grads,
-        )
-    return _CACHE[key]
+            depth = live_after_forward(1, mode, with_depths=True)[0] - one[0]
+        return _ModeTrace(one, two, compiled, depth)
+
+    traces = {}
+    for mode in dict.fromkeys(("none", *modes)):  # "none" gives the head; each mode is kept
+        if (key, mode) not in _CACHE:
+            _CACHE[key, mode] = measure(mode)
+        traces[mode] = _CACHE[key, mode]
+    none = traces["none"]
+    eager = {mode: (t.two[0] - t.one[0]) // u for mode, t in traces.items()}
+    gathered = {mode: (t.two[1] - t.one[1]) // u for mode, t in traces.items()}
+    head = none.one[0] - u * eager["none"]
+    gathered_head = none.one[1] - u * gathered["none"]
+    weight_grads = (none.two[2] - none.one[2]) // u
+    if compiled_loss and not fused_chunk:  # the head up to the logits, run eagerly, then the
+        # compiled loss
+        if (key, "head") not in _HEAD_CACHE:
+            _HEAD_CACHE[key] = (
+                live_after_forward(u, "none", with_loss=False)[0] + compiled_loss_bytes()
+            )
+        head = _HEAD_CACHE[key] - u * eager["none"]
+    per_block = eager
+    if compiled_blocks and all(t.compiled is not None for t in traces.values()):
+        per_block = {mode: cast(int, t.compiled) for mode, t in traces.items()}
+    depths = {}
+    if trains_mtp(model_args):
+        depths = {mode: cast(int, t.depth) for mode, t in traces.items()}
+    return ActivationBytes(
+        per_block=per_block,
+        head=head,
+        depths=depths,
+        gathered_per_block=gathered,
+        gathered_head=gathered_head,
+        weight_grads_per_block=weight_grads,
+        weight_grads_head=none.one[2] - u * weight_grads,
+    )

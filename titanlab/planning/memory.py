@@ -107,6 +107,10 @@ def estimate_memory(
     compiled_loss = compiled and "loss" in config.compile.components and tp == 1
     # Under pipeline parallel a rank runs one microbatch at a time and keeps several in flight.
     mb = p.pipeline_parallel_microbatch_size if pp > 1 else b
+    mode, option = (
+        config.activation_checkpoint.mode,
+        config.activation_checkpoint.selective_ac_option,
+    )
     traced = trace_activation_bytes(  # remembered per arguments
         model_args,
         mb,
@@ -120,16 +124,13 @@ def estimate_memory(
         # and weight; a chunk's logits are freed before the next): traced as one chunk, it
         # costs a few fake ops rather than one pass per chunk (seconds at 8B, seq 8192).
         fused_chunk=mb * s_local if fused_loss(config) else 0,
+        modes=traced_modes(mode, option),
     )
     block = {mode: traced.block_bytes(mode, tp) for mode in traced.per_block}
     cp_mask, cp_block = cp_attention_bytes(config, model_args, mb, s, cp, tp, elem)
     for kept in ("none", "op"):  # what blocks that keep their activations add under CP
         if kept in block:
             block[kept] += cp_block
-    mode, option = (
-        config.activation_checkpoint.mode,
-        config.activation_checkpoint.selective_ac_option,
-    )
 
     ep = p.expert_parallel_degree
     moes = moe_layers(model)
@@ -257,6 +258,15 @@ def estimate_memory(
 
 _CACHE_SIZE = 64
 _META_MODELS: dict[str, nn.Module] = {}
+
+
+def traced_modes(mode: str, option: str) -> tuple[str, ...]:
+    """The traced block modes (`trace_activation_bytes`) that activation checkpointing `mode`
+    with `option` keeps for backward besides "none": full AC and every-Nth-block selective AC
+    "full" (their checkpointed blocks), per-op selective AC "op", no AC nothing more."""
+    if mode == "full" or (mode == "selective" and option != "op"):
+        return ("full",)
+    return ("op",) if mode == "selective" else ()
 
 
 def depth_bytes(depths: dict[str, int], mode: str, option: str, n_layers: int) -> int:

@@ -66,3 +66,26 @@ def test_fused_head_trace_equals_real_forward():
         loss = model(tokens)
     real = counter.live() - loss.untyped_storage().nbytes()
     assert real == traced.head + 3 * traced.per_block["none"]
+
+
+@pytest.mark.parametrize("modes", [(), ("full",), ("op",)])
+def test_a_run_traces_only_its_ac_mode_and_gets_the_full_traces_numbers(modes):
+    """The trainer's pre-flight traces "none" (the head) and its own AC mode: two traces per
+    mode instead of six in all; each number equals the all-modes trace's, whichever is first."""
+    from titanlab.planning import activation_memory
+
+    # a vocabulary of its own per case: nothing is in the cache yet
+    args = dataclasses.replace(ARGS, vocab_size=600 + len(modes) + len("".join(modes)))
+    part = trace_activation_bytes(args, 2, 64, torch.float32, modes=modes)
+    traced = [k for k in activation_memory._CACHE if k[0][0] == repr(args)]
+    assert sorted(mode for _, mode in traced) == sorted({"none", *modes})
+    whole = trace_activation_bytes(args, 2, 64, torch.float32)
+    assert set(part.per_block) == {"none", *modes} and set(whole.per_block) == {
+        "none",
+        "full",
+        "op",
+    }
+    assert {m: whole.per_block[m] for m in part.per_block} == part.per_block
+    assert (part.head, part.gathered_head, part.weight_grads_head) == (
+        whole.head, whole.gathered_head, whole.weight_grads_head)  # fmt: skip
+    assert part.weight_grads_per_block == whole.weight_grads_per_block
