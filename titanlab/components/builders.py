@@ -5,6 +5,7 @@ Nothing here runs a training step; `titanlab.trainer.trainer` composes these int
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -21,6 +22,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from titanlab.config.job_config import ConfigError, JobConfig
 from titanlab.data.digit_tasks import DigitVocab
+from titanlab.distributed.local_params import local_parameters
 from titanlab.data.tokenizer import AnyTokenizer, default_tokenizer_path, load_tokenizer
 from titanlab.models.common.decoder import Decoder
 from titanlab.models.registry import (
@@ -258,13 +260,19 @@ def init_model_weights(
     rank initializes a full copy and loads its own parts and shards from it
     (`set_model_state_dict(full_state_dict=True)`): the weights then equal a single-process
     run's for the same seed, whatever the layout. CPU runs use small models, so the full copy
-    is cheap.
+    is cheap. The parts' own `init_weights` then runs on their local shards
+    (`local_parameters`): it sets their buffers (RoPE tables, MoE counters), and what it
+    writes into the parameters is replaced.
     """
     torch.manual_seed(seed)
-    with hide_quantized(model_parts):  # QLoRA's NF4 base weights come from the checkpoint
+    whole = device.type == "cuda" or world_size == 1
+    # On CPU the shards' parameters are overwritten by the full copy below: they are
+    # initialized on their local tensors (the buffers as they are), skipping DTensor's dispatch.
+    local = contextlib.nullcontext() if whole else local_parameters(model_parts)
+    with hide_quantized(model_parts), local:  # QLoRA's NF4 base weights: from the checkpoint
         for part in model_parts:
             cast(Decoder, part).init_weights(buffer_device=device)
-    if device.type == "cuda" or world_size == 1:
+    if whole:
         return
     full = build_meta_model(model_args)
     full.to_empty(device="cpu")
