@@ -21,7 +21,7 @@ def local_parameters(modules: list[nn.Module]) -> Iterator[None]:
     values are overwritten next, such as a CPU initialization that a full single-process copy
     then replaces (`titanlab.components.builders.init_model_weights`).
     """
-    swapped = []
+    swapped: list[tuple[nn.Module, str, DTensor]] = []
     for module in modules:
         for sub in module.modules():
             for name, p in list(sub._parameters.items()):
