@@ -21,7 +21,7 @@ def local_parameters(modules: list[nn.Module]) -> Iterator[None]:
     values are overwritten next, such as a CPU initialization that a full single-process copy
     then replaces (`titanlab.components.builders.init_model_weights`).
     """
-    swapped: list[tuple[nn.Module, str, DTensor]] = []
+    swapped: list[tuple[nn.Module, str, nn.Parameter]] = []
     for module in modules:
         for sub in module.modules():
             for name, p in list(sub._parameters.items()):
