@@ -93,13 +93,19 @@ def tiny_dataset(tmp_path_factory) -> str:
 
 
 def launch(
-    nproc: int, args: list[str], *, timeout: int = 600, entry: list[str] | None = None
+    nproc: int,
+    args: list[str],
+    *,
+    timeout: int = 600,
+    entry: list[str] | None = None,
+    log_rank: int | None = None,
 ) -> RunResult:
     """Run `titanlab.train` with `nproc` ranks (warm workers, `tools.lib.rank_pool`; or the command
-    `entry`, e.g. torchrun's `launch_command`); parse the `step: N  loss: X` lines."""
+    `entry`, e.g. torchrun's `launch_command`); parse the `step: N  loss: X` lines. `log_rank`:
+    keep only that rank's stdout, as run_train.sh shows rank 0's (warm workers only)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     if entry is None:
-        proc = warm_run(nproc, args, env=env, timeout=timeout)
+        proc = warm_run(nproc, args, env=env, timeout=timeout, log_rank=log_rank)
     else:
         proc = subprocess.run(
             entry + args, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout
@@ -126,6 +132,15 @@ def train(tiny_dataset, tmp_path):
         return launch(nproc, args)
 
     return run
+
+
+def run_config(config: str, *overrides: str, nproc: int = 2, timeout: int = 600) -> RunResult:
+    """A shipped config (`train_configs/<name>.toml`, relative to the checkout) with `overrides`
+    on `nproc` warm ranks, showing rank 0's output: what `NGPU=nproc ./run_train.sh config
+    overrides` trains and prints, without its launch (the launcher's own tests,
+    test_run_train*.py, test_faults.py and test_cli_train.py, start it for real)."""
+    args = ["--job.config_file", os.path.join(REPO, config), *overrides]
+    return launch(nproc, args, timeout=timeout, log_rank=0)
 
 
 def read_metrics(dump: str) -> dict[int, float]:

@@ -15,12 +15,11 @@ import dataclasses
 import itertools
 import json
 import os
-import subprocess
 
 import pytest
 import torch
 
-from conftest import CONSTANT_LR, REPO, checkpoint_every, read_metrics
+from conftest import CONSTANT_LR, REPO, checkpoint_every, read_metrics, run_config
 from titanlab.checkpoint.convert import DcpModelReader
 from titanlab.data.tokenizer import Tokenizer, default_tokenizer_path
 from titanlab.models.registry import build_model
@@ -164,7 +163,8 @@ def test_multi_token_prediction_trains_equal_to_one_process(kind, need, mtp_refe
 def test_deepseek_v3_debug_config_trains_resumes_exactly_and_exports_to_transformers(
     tiny_dataset, tmp_path, capsys
 ):
-    """run_train.sh train_configs/deepseek_v3_debug.toml on 2 processes (FSDP 2 × EP 2): the
+    """train_configs/deepseek_v3_debug.toml on 2 warm ranks as run_train.sh trains it (FSDP 2 ×
+    EP 2): the
     loss falls, a run resumed at step 6 logs the same 12 losses bitwise, the trainer's Hugging
     Face export loads in transformers with the trained model's logits, and generation from the
     export with its trained MTP depth drafting prints what plain decoding prints."""
@@ -184,12 +184,7 @@ def test_deepseek_v3_debug_config_trains_resumes_exactly_and_exports_to_transfor
     ]  # fmt: skip
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     for steps, dump in (("12", straight), ("6", resumed), ("12", resumed)):
-        proc = subprocess.run(
-            [os.path.join(REPO, "run_train.sh"), *common, "--training.steps", steps,
-             "--job.dump_folder", str(dump)],
-            cwd=REPO, env=dict(os.environ, NGPU="2", OMP_NUM_THREADS="1"),
-            capture_output=True, text=True, timeout=600,
-        )  # fmt: skip
+        proc = run_config(*common, "--training.steps", steps, "--job.dump_folder", str(dump))
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "model: deepseek_v3 debugmodel" in proc.stdout and "ep=2" in proc.stdout
     want, got = read_metrics(str(straight)), read_metrics(str(resumed))

@@ -1,7 +1,7 @@
 """gpt-oss (sliding windows, sinks, biased MoE) under data, tensor, expert and pipeline
 parallelism equals one process, from one seed checkpoint, fp32, 5 steps, within 1e-5, with the
-load-balance loss on; and the debug config trains on 2 CPU processes with falling loss through
-run_train.sh, and its export loads in transformers with equal logits.
+load-balance loss on; and the debug config trains on 2 CPU ranks with falling loss (warm ranks, as
+run_train.sh trains it), and its export loads in transformers with equal logits.
 
 The cases are generated from the layouts the trainer's validator accepts for gpt-oss (2 and 4
 ranks; expert parallel degrees included; context parallel is refused for sinks and windows).
@@ -11,12 +11,11 @@ EP 2 (`NAMED`); `make test-parity-full` (TITANLAB_PARITY_FULL=1) runs every acce
 
 import json
 import os
-import subprocess
 
 import pytest
 import torch
 
-from conftest import REPO
+from conftest import run_config
 from tools import parity_matrix
 
 FULL = os.environ.get("TITANLAB_PARITY_FULL") == "1"
@@ -102,7 +101,8 @@ def test_gpt_oss_layout_matches_single_process(layout, reference):
 def test_debug_config_trains_on_two_processes_and_its_export_loads_in_transformers(
     tiny_dataset, tmp_path
 ):
-    """run_train.sh train_configs/gpt_oss_debug.toml: 2 processes (FSDP 2 × EP 2), seq 128 = 4
+    """train_configs/gpt_oss_debug.toml on 2 warm ranks as run_train.sh trains it (FSDP 2 × EP
+    2), seq 128 = 4
     windows, 16 steps with falling loss; the final export, converted to-hf, gives transformers'
     GptOssForCausalLM the logits of titanlab's model within 1e-4 (fp32)."""
     transformers = pytest.importorskip("transformers")
@@ -110,14 +110,12 @@ def test_debug_config_trains_on_two_processes_and_its_export_loads_in_transforme
     from titanlab.generation.loading import load_model
 
     dump = tmp_path / "run"
-    proc = subprocess.run(
-        [os.path.join(REPO, "run_train.sh"), "train_configs/gpt_oss_debug.toml",
-         "--data.dataset_path", tiny_dataset, "--training.steps", "16",
-         "--training.local_batch_size", "4", "--metrics.log_freq", "1",
-         "--validation.enable", "false", "--lr_scheduler.warmup_steps", "2",
-         "--checkpoint.interval", "1000", "--job.dump_folder", str(dump)],
-        cwd=REPO, env=dict(os.environ, NGPU="2", OMP_NUM_THREADS="1"),
-        capture_output=True, text=True, timeout=600,
+    proc = run_config(
+        "train_configs/gpt_oss_debug.toml",
+        "--data.dataset_path", tiny_dataset, "--training.steps", "16",
+        "--training.local_batch_size", "4", "--metrics.log_freq", "1",
+        "--validation.enable", "false", "--lr_scheduler.warmup_steps", "2",
+        "--checkpoint.interval", "1000", "--job.dump_folder", str(dump),
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "ep=2" in proc.stdout and "gpt_oss" in proc.stdout

@@ -1,31 +1,18 @@
-"""Qwen3 end to end: its debug config trains and resumes exactly through run_train.sh, every
+"""Qwen3 end to end: its debug config trains and resumes exactly (on 2 warm ranks, as run_train.sh
+trains it: `conftest.run_config`), every
 kind of parallelism matches one process, and a run started from an imported Hugging Face
 checkpoint logs the loss transformers computes on the same batch."""
 
 import dataclasses
-import os
-import subprocess
 
 import pytest
 import torch
 
-from conftest import CONSTANT_LR, REPO, checkpoint_every, read_metrics
+from conftest import CONSTANT_LR, checkpoint_every, read_metrics, run_config
 from titanlab.planning.layouts import Layout
 from tools import parity_matrix
 
 QWEN3 = ["--model.name", "qwen3"]
-
-
-def run_script(*args: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, NGPU="2", OMP_NUM_THREADS="1")
-    return subprocess.run(
-        [os.path.join(REPO, "run_train.sh"), *args],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
 
 
 def test_qwen3_debug_config_trains_and_resumes_exactly(tiny_dataset, tmp_path):
@@ -48,7 +35,7 @@ def test_qwen3_debug_config_trains_and_resumes_exactly(tiny_dataset, tmp_path):
     ]
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     for steps, dump in (("12", straight), ("6", resumed), ("12", resumed)):
-        proc = run_script(*common, "--training.steps", steps, "--job.dump_folder", str(dump))
+        proc = run_config(*common, "--training.steps", steps, "--job.dump_folder", str(dump))
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "model: qwen3 debugmodel" in proc.stdout and "step-6" in proc.stdout
     want, got = read_metrics(str(straight)), read_metrics(str(resumed))
@@ -148,41 +135,35 @@ def test_run_from_an_imported_checkpoint_logs_transformers_loss(family, tiny_dat
 
     seq, batch = 64, 2
     dump = tmp_path / "run"
-    proc = subprocess.run(
-        [
-            os.path.join(REPO, "run_train.sh"),
-            "--model.name",
-            family,
-            "--model.flavor",
-            "hf",
-            "--checkpoint.enable",
-            "true",
-            "--checkpoint.initial_load_path",
-            str(tmp_path / "dcp"),
-            "--checkpoint.export_at_end",
-            "false",
-            "--data.dataset_path",
-            tiny_dataset,
-            "--training.steps",
-            "1",
-            "--training.seq_len",
-            str(seq),
-            "--training.local_batch_size",
-            str(batch),
-            "--validation.enable",
-            "false",
-            "--debug.deterministic",
-            "true",
-            "--metrics.log_freq",
-            "1",
-            "--job.dump_folder",
-            str(dump),
-        ],
-        cwd=REPO,
-        env=dict(os.environ, NGPU="1", OMP_NUM_THREADS="1"),
-        capture_output=True,
-        text=True,
-        timeout=600,
+    proc = run_config(
+        "train_configs/debug_model.toml",
+        "--model.name",
+        family,
+        "--model.flavor",
+        "hf",
+        "--checkpoint.enable",
+        "true",
+        "--checkpoint.initial_load_path",
+        str(tmp_path / "dcp"),
+        "--checkpoint.export_at_end",
+        "false",
+        "--data.dataset_path",
+        tiny_dataset,
+        "--training.steps",
+        "1",
+        "--training.seq_len",
+        str(seq),
+        "--training.local_batch_size",
+        str(batch),
+        "--validation.enable",
+        "false",
+        "--debug.deterministic",
+        "true",
+        "--metrics.log_freq",
+        "1",
+        "--job.dump_folder",
+        str(dump),
+        nproc=1,
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     ours = read_metrics(str(dump))[1]

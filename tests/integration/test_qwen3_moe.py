@@ -1,7 +1,8 @@
 """Qwen3-MoE under data, tensor, pipeline and expert parallelism equals one process, from one
 seed checkpoint, fp32, 5 steps, within 1e-5: with the load-balance loss, and separately with the
 auxiliary-loss-free expert bias (whose values after 5 steps are equal too). The debug MoE config
-trains with EP 2 through run_train.sh with expert-load lines in its log, resumes exactly, and
+trains with EP 2 (on warm ranks, as run_train.sh trains it) with expert-load lines in its log,
+resumes exactly, and
 one checkpoint reshards EP 2 → EP 1 → EP 2 × FSDP 2 with equal losses.
 
 The cases are generated: every layout of 2 and 4 ranks (1F1B when pipelined, with and without
@@ -20,12 +21,11 @@ total counts only: every layout is compared with the undivided run.
 import json
 import os
 import shutil
-import subprocess
 
 import pytest
 import torch
 
-from conftest import REPO
+from conftest import RunResult, run_config
 from titanlab.checkpoint.convert import DcpModelReader
 from titanlab.planning.layouts import SCHEDULES, pairwise_subset
 from tools import parity_matrix
@@ -125,46 +125,40 @@ def test_moe_layout_matches_single_process(mode, layout, reference):
 
 def _run_debug_config(
     tiny_dataset, dump, steps: int, *extra: str, nproc: int = 2, interval: int = 6
-) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [
-            os.path.join(REPO, "run_train.sh"),
-            "train_configs/qwen3_moe_debug.toml",
-            "--data.dataset_path",
-            tiny_dataset,
-            "--training.steps",
-            str(steps),
-            "--training.seq_len",
-            "64",
-            "--training.local_batch_size",
-            "4",
-            "--metrics.log_freq",
-            "1",
-            "--validation.enable",
-            "false",
-            "--debug.deterministic",
-            "true",
-            "--lr_scheduler.warmup_steps",
-            "2",
-            "--lr_scheduler.decay_ratio",
-            "0",
-            "--model.moe_bias_update_speed",
-            "0.01",  # both balancing methods on: the bias is checkpointed state
-            "--checkpoint.interval",
-            str(interval),
-            "--checkpoint.keep_latest_k",
-            "0",
-            "--checkpoint.export_at_end",
-            "false",
-            "--job.dump_folder",
-            str(dump),
-            *extra,
-        ],
-        cwd=REPO,
-        env=dict(os.environ, NGPU=str(nproc), OMP_NUM_THREADS="1"),
-        capture_output=True,
-        text=True,
-        timeout=600,
+) -> RunResult:
+    """train_configs/qwen3_moe_debug.toml on `nproc` warm ranks, as run_train.sh trains it."""
+    return run_config(
+        "train_configs/qwen3_moe_debug.toml",
+        "--data.dataset_path",
+        tiny_dataset,
+        "--training.steps",
+        str(steps),
+        "--training.seq_len",
+        "64",
+        "--training.local_batch_size",
+        "4",
+        "--metrics.log_freq",
+        "1",
+        "--validation.enable",
+        "false",
+        "--debug.deterministic",
+        "true",
+        "--lr_scheduler.warmup_steps",
+        "2",
+        "--lr_scheduler.decay_ratio",
+        "0",
+        "--model.moe_bias_update_speed",
+        "0.01",  # both balancing methods on: the bias is checkpointed state
+        "--checkpoint.interval",
+        str(interval),
+        "--checkpoint.keep_latest_k",
+        "0",
+        "--checkpoint.export_at_end",
+        "false",
+        "--job.dump_folder",
+        str(dump),
+        *extra,
+        nproc=nproc,
     )
 
 

@@ -18,10 +18,10 @@ def pool():
     pool.close()
 
 
-def probe(pool: RankPool, name: str, nproc: int = 2, timeout: float = 60):
+def probe(pool: RankPool, name: str, nproc: int = 2, timeout: float = 60, **options):
     env = dict(os.environ, OMP_NUM_THREADS="1")
     return pool.run(nproc, [], env=env, timeout=timeout, target=f"pool_probes:{name}",
-                    paths=[HERE])  # fmt: skip
+                    paths=[HERE], **options)  # fmt: skip
 
 
 def assert_next_job_passes(pool: RankPool) -> None:
@@ -58,3 +58,14 @@ def test_a_job_leaves_nothing_behind_for_the_next(pool):
     assert after.stdout == before.stdout
     assert "deterministic=False dtype=torch.float32" in after.stdout
     assert "env=None" in after.stdout and "sum=3" in after.stdout
+
+
+def test_log_rank_keeps_one_ranks_stdout_and_every_ranks_stderr(pool):
+    """As run_train.sh shows rank 0's output (torchrun's --local-ranks-filter): `log_rank=0`
+    keeps rank 0's stdout only; a failure's stderr still names every failed rank."""
+    both = probe(pool, "report_state")
+    one = probe(pool, "report_state", log_rank=0)
+    assert both.stdout.count("sum=3") == 2 and one.stdout.count("sum=3") == 1
+    crashed = probe(pool, "crash_rank_1", log_rank=0)
+    assert "rank 1 about to fail" not in crashed.stdout
+    assert "rank 1 last line: rank 1 about to fail\n" in crashed.stderr, crashed.stderr

@@ -90,7 +90,11 @@ def _apply_thread_count(env: dict[str, str]) -> None:
 
 
 def fork_run(
-    nproc: int, args: list[str], env: dict[str, str] | None = None, timeout: float = 900
+    nproc: int,
+    args: list[str],
+    env: dict[str, str] | None = None,
+    timeout: float = 900,
+    log_rank: int | None = None,
 ) -> subprocess.CompletedProcess:
     """Run `titanlab.train` with `args` on `nproc` ranks forked from the preloaded server.
 
@@ -101,6 +105,7 @@ def fork_run(
         env: the ranks' environment (default: this process's), to which the rank variables are
             added.
         timeout: seconds before every rank is killed and `subprocess.TimeoutExpired` raised.
+        log_rank: keep only this rank's stdout (run_train.sh's LOG_RANK); None: every rank's.
     Returns:
         A CompletedProcess: returncode 0, or the exit code of the first rank that failed (a
         negative signal number for a rank killed by a signal); stdout and stderr are the ranks'
@@ -130,17 +135,20 @@ def fork_run(
             if isinstance(e, subprocess.TimeoutExpired):  # the ranks' logs go with it
                 e.output, e.stderr = _read_logs(logs, nproc)
             raise
-        outs, errs = _read_logs(logs, nproc)
+        outs, errs = _read_logs(logs, nproc, log_rank)
     failed = [f"rank {r} exitcode : {p.exitcode}" for r, p in enumerate(procs) if p.exitcode]
     stderr = errs + "".join(line + "\n" for line in failed)
     return subprocess.CompletedProcess(args, returncode, outs, stderr)
 
 
-def _read_logs(logs: str, nproc: int) -> tuple[str, str]:
-    """The ranks' stdout and stderr, each concatenated in rank order."""
+def _read_logs(logs: str, nproc: int, log_rank: int | None = None) -> tuple[str, str]:
+    """The ranks' stdout and stderr, each concatenated in rank order (stdout: only rank
+    `log_rank`'s when given, as torchrun's `--local-ranks-filter` shows)."""
     outs, errs = [], []
     for rank in range(nproc):
         for name, into in (("out", outs), ("err", errs)):
+            if name == "out" and log_rank is not None and rank != log_rank:
+                continue
             path = os.path.join(logs, f"{rank}.{name}")
             if os.path.exists(path):  # absent when the fork failed before the rank began
                 with open(path, encoding="utf-8", errors="replace") as f:

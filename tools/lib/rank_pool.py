@@ -98,6 +98,7 @@ class RankPool:
         target: str = TRAIN_MAIN,
         paths: list[str] | None = None,
         spawned: bool = False,
+        log_rank: int | None = None,
     ) -> subprocess.CompletedProcess:
         """Run `target(args)` as ranks 0..nproc-1 of a fresh world; `fork_run`'s contract.
 
@@ -109,6 +110,7 @@ class RankPool:
             target: "module:function"; the function takes the list and returns an exit code.
             paths: directories put in front of the workers' `sys.path` for this job.
             spawned: call `target(rank, *args)` and count a return as exit code 0.
+            log_rank: keep only this rank's stdout (run_train.sh's LOG_RANK); None: all.
         Returns:
             CompletedProcess: returncode 0 or the first failed rank's code (a negative signal
             number for a rank that died), the ranks' stdout and stderr in rank order, stderr
@@ -138,7 +140,7 @@ class RankPool:
                 e.output, e.stderr = fork_launch._read_logs(logs, nproc)
                 e.last_lines = [_last_line(out, err) for out, err in files]
                 raise
-            outs, errs = fork_launch._read_logs(logs, nproc)
+            outs, errs = fork_launch._read_logs(logs, nproc, log_rank)
             failed = [r for r, c in enumerate(codes) if c]
             tail = "".join(f"rank {r} exitcode : {codes[r]}\n" for r in failed)
             tail += "".join(f"rank {r} last line: {_last_line(*files[r])}\n" for r in failed)
@@ -292,10 +294,15 @@ def default_pool() -> RankPool:
 
 
 def warm_run(
-    nproc: int, args: list[str], env: dict[str, str] | None = None, timeout: float = 900
+    nproc: int,
+    args: list[str],
+    env: dict[str, str] | None = None,
+    timeout: float = 900,
+    log_rank: int | None = None,
 ) -> subprocess.CompletedProcess:
     """`titanlab.train` on `nproc` warm ranks of `default_pool()` (`RankPool.run`), or, with
-    TITANLAB_WARM_RANKS=0 in this process's environment, on fresh forks (`fork_run`)."""
+    TITANLAB_WARM_RANKS=0 in this process's environment, on fresh forks (`fork_run`);
+    `log_rank`: only that rank's stdout."""
     if os.environ.get("TITANLAB_WARM_RANKS", "1") == "0":
-        return fork_launch.fork_run(nproc, args, env=env, timeout=timeout)
-    return default_pool().run(nproc, args, env=env, timeout=timeout)
+        return fork_launch.fork_run(nproc, args, env=env, timeout=timeout, log_rank=log_rank)
+    return default_pool().run(nproc, args, env=env, timeout=timeout, log_rank=log_rank)
