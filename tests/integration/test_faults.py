@@ -13,17 +13,13 @@ import time
 
 import pytest
 
-from conftest import CONSTANT_LR, REPO, read_metrics, wait_for, worker_pid
+from conftest import CONSTANT_LR, REPO, read_metrics, run_config, wait_for, worker_pid
 from titanlab.checkpoint import store
 
 
-def start(
-    tiny_dataset, dump, *extra, env_extra=None, stdout=subprocess.PIPE, stderr=subprocess.PIPE
-):
-    env = dict(os.environ, NGPU="2", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env_extra or {}))
-    cmd = [
-        os.path.join(REPO, "run_train.sh"),
-        "train_configs/debug_model.toml",
+def start_args(tiny_dataset, dump) -> list[str]:
+    """The options every run of this module uses (after the config file)."""
+    return [
         "--training.seq_len",
         "64",
         "--training.local_batch_size",
@@ -45,6 +41,18 @@ def start(
         "--job.dump_folder",
         dump,
         *CONSTANT_LR,
+    ]
+
+
+def start(
+    tiny_dataset, dump, *extra, env_extra=None, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+):
+    """`run_train.sh train_configs/debug_model.toml` on 2 ranks, as a user starts it."""
+    env = dict(os.environ, NGPU="2", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env_extra or {}))
+    cmd = [
+        os.path.join(REPO, "run_train.sh"),
+        "train_configs/debug_model.toml",
+        *start_args(tiny_dataset, dump),
         *extra,
     ]
     return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=stdout, stderr=stderr, text=True)
@@ -53,10 +61,11 @@ def start(
 @pytest.fixture(scope="module")
 def straight(tiny_dataset, tmp_path_factory):
     """Exact losses of an uninterrupted 20-step run (the constant LR makes them independent of
-    training.steps and of where checkpoints are taken)."""
+    training.steps and of where checkpoints are taken), trained on warm ranks: the faults are
+    injected into the runs the tests launch with run_train.sh."""
     dump = str(tmp_path_factory.mktemp("straight"))
-    ref = start(tiny_dataset, dump, "--training.steps", "20", "--checkpoint.interval", "10")
-    assert ref.wait(timeout=600) == 0, ref.stderr.read()[-2000:]
+    run_config("train_configs/debug_model.toml", *start_args(tiny_dataset, dump), "--training.steps",
+               "20", "--checkpoint.interval", "10").check()  # fmt: skip
     return read_metrics(dump)
 
 
@@ -216,10 +225,10 @@ def test_sigkill_while_checkpoint_is_written_resumes_from_previous_complete(
     assert any(f.endswith(".distcp") for f in os.listdir(step10))  # data written, .metadata not
     assert store.incomplete_reason(step10) == "no .metadata (the write did not finish)"
 
-    again = start(tiny_dataset, dump, *ckpt)
-    out, err = again.communicate(timeout=600)
-    assert again.returncode == 0, err[-4000:]
-    log = out + err
+    # the next run (on warm ranks: what it loads does not depend on its launch) skips the torn one
+    again = run_config("train_configs/debug_model.toml", *start_args(tiny_dataset, dump), *ckpt)
+    assert again.returncode == 0, again.stderr[-4000:]
+    log = again.stdout + again.stderr
     assert f"skipping incomplete {step10}: no .metadata" in log, log[-4000:]
     assert f"checkpoint: loaded {os.path.join(dump, 'checkpoint', 'step-5')} (step 5)" in log
     assert store.incomplete_reason(step10) is None  # written again, completely
