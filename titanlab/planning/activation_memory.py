@@ -294,7 +294,7 @@ def trace_activation_bytes(
     weight_grads = (none.two[2] - none.one[2]) // u
     if compiled_loss and not fused_chunk:  # the head up to the logits, run eagerly, then the
         # compiled loss
-        if (key, "head") not in _HEAD_CACHE:
+        if key not in _HEAD_CACHE:
             _HEAD_CACHE[key] = (
                 live_after_forward(u, "none", with_loss=False)[0] + compiled_loss_bytes()
             )
