@@ -80,12 +80,11 @@ def estimate_memory(
     Returns:
         bytes per rank by category; `total` is the predicted peak including overhead.
     """
-    from titanlab.models.common.decoder import moe_layers
-    from titanlab.models.common.counting import count_params
     from titanlab.planning.activation_memory import trace_activation_bytes
+    from titanlab.planning.meta_counts import expert_params, moe_layers, params
 
     model = _meta_model(model_args)
-    n_params = count_params(model)
+    n_params = params(model)
     p = config.parallelism
     tp, pp, cp = p.tensor_parallel_degree, p.pipeline_parallel_degree, p.context_parallel_degree
     dp_shard = p.data_parallel_shard_degree
@@ -187,8 +186,8 @@ def estimate_memory(
     def gathered(module: nn.Module) -> int:
         """A module's weights gathered by FSDP: the dense ones tp-sharded, the experts (not
         tensor-parallel) all of them, or this rank's num_experts / ep under expert parallel."""
-        experts = sum(count_params(m.experts) for m in moe_layers(module))
-        return (count_params(module) - experts) // tp + experts // ep
+        experts = expert_params(module)
+        return (params(module) - experts) // tp + experts // ep
 
     gathered_block = max(gathered(block) for block in cast(nn.ModuleDict, model.layers).values())
     resharded = reshard_policy(p.fsdp_reshard_after_forward, pp > 1, stage)
@@ -310,10 +309,10 @@ def _gathered_units(
     is larger. Stages 1 and 2 keep every unit gathered from forward to backward; so does
     FSDP2's `replicate` (DDP: stage 0, or dp_replicate without dp_shard), whose parameters live
     twice, as the one-rank "shard" and as the gathered copy the blocks compute with."""
-    from titanlab.models.common.counting import count_params
+    from titanlab.planning.meta_counts import params as count
 
     def params(*modules) -> int:
-        return sum(count_params(m) for m in modules if m is not None) // tp
+        return sum(count(m) for m in modules if m is not None) // tp
 
     output = getattr(model, "output", None)
     embedding = getattr(model, "tok_embeddings", None)

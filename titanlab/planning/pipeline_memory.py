@@ -159,7 +159,7 @@ def rank_loads(
         pending: (per block, for the head) bytes a split backward keeps from its input half to
             its weight half, per microbatch (`titanlab.planning.split_backward`).
     """
-    from titanlab.models.common.counting import count_params
+    from titanlab.planning.meta_counts import params as count_params
 
     p = config.parallelism
     pp, per = p.pipeline_parallel_degree, p.pipeline_parallel_stages_per_rank
