@@ -8,8 +8,8 @@ paid once per test process. The server has run no tensor operation and holds no 
 process group, so a fork of it starts as clean as a fresh interpreter.
 
 Each rank gets torchrun --standalone's environment contract: RANK, LOCAL_RANK, WORLD_SIZE,
-LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR and MASTER_PORT (rank 0 hosts the TCPStore, as
-`titanlab.distributed.init` does without torchrun's agent store). Like torchrun, the first rank
+LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR and MASTER_PORT, the rendezvous store hosted by the
+launching process as torchrun's agent hosts it (`agent_store`). Like torchrun, the first rank
 that fails stops the others (SIGTERM, then SIGKILL after `GRACE_S`), and the launch returns that
 rank's exit code. The launcher itself (restarts, signals to the agent, its one-line summary) is
 tested through torchrun: tests of launching use `tools.lib.runs.launch_command`. As with any
@@ -23,6 +23,7 @@ and of torchrun's environment variables (PyTorch "torchrun (Elastic Launch)").
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import multiprocessing
 import multiprocessing.connection
@@ -33,6 +34,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 GRACE_S = 3.0
@@ -54,6 +56,23 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def agent_store() -> Iterator[dict[str, str]]:
+    """A rendezvous store hosted by this process for one job, as torchrun's agent hosts it:
+    yields the variables that point the ranks at it (`TORCHELASTIC_USE_AGENT_STORE`, so that
+    no rank hosts one). Listening before any rank starts, it spares the ranks the wait of a
+    rank hosting it: a rank that connects before rank 0 has bound the port is refused and
+    retries after a back-off (0.75 s of a 1.7 s warm 2-rank job on CI's 2 cores)."""
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, multi_tenant=True)
+    try:
+        yield dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port),
+                   TORCHELASTIC_USE_AGENT_STORE="True")  # fmt: skip
+    finally:
+        del store
 
 
 def _rank_main(args: list[str], env: dict[str, str], out: str, err: str) -> None:
@@ -113,9 +132,10 @@ def fork_run(
     """
     ctx = _context()
     base = dict(os.environ if env is None else env)
-    if nproc > 1:
-        base.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
-    with tempfile.TemporaryDirectory(prefix="titanlab-ranks-") as logs:
+    with contextlib.ExitStack() as job:
+        if nproc > 1:
+            base.update(job.enter_context(agent_store()))
+        logs = job.enter_context(tempfile.TemporaryDirectory(prefix="titanlab-ranks-"))
         procs: list = []
         try:
             for rank in range(nproc):

@@ -11,7 +11,7 @@ serves 1-, 2-, 4- and 8-rank jobs.
 
 A job is `titanlab.train`'s `main(args)` (or any `module:function` taking the argument list) with
 torchrun's environment contract, as `fork_run` gives it: a fresh process group per job
-(`main` creates and destroys it; rank 0 hosts a TCPStore on a new port), stdout and stderr to
+(`main` creates and destroys it; the pool hosts its rendezvous store, as torchrun's agent does), stdout and stderr to
 per-rank files, the job's environment, working directory and intra-op thread count.
 
 Between jobs each worker puts back what a job may change in its process (environment, random
@@ -36,6 +36,7 @@ environment variables.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -121,10 +122,11 @@ class RankPool:
         if not 1 <= nproc <= MAX_WORKERS:
             raise ValueError(f"nproc={nproc}: a pool job has 1 to {MAX_WORKERS} ranks")
         base = dict(os.environ if env is None else env)
-        if nproc > 1 and not spawned:
-            base.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(fork_launch._free_port()))
         workers = [self._worker(rank) for rank in range(nproc)]
-        with tempfile.TemporaryDirectory(prefix="titanlab-pool-") as logs:
+        with contextlib.ExitStack() as job:
+            if nproc > 1 and not spawned:
+                base.update(job.enter_context(fork_launch.agent_store()))
+            logs = job.enter_context(tempfile.TemporaryDirectory(prefix="titanlab-pool-"))
             files = [(os.path.join(logs, f"{r}.out"), os.path.join(logs, f"{r}.err"))
                      for r in range(nproc)]  # fmt: skip
             for rank, worker in enumerate(workers):
