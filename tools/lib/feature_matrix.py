@@ -5,6 +5,7 @@ verdict on each pair (and EP/PP × PEFT triple), and the rows that cover the sup
 from __future__ import annotations
 
 import itertools
+import sys
 from dataclasses import dataclass, field
 
 from titanlab.planning.layouts import Layout
@@ -319,6 +320,13 @@ def _verdict_of_args(args: tuple) -> str | None:
         return str(e)
 
 
+def _untraced() -> None:
+    """A judging worker runs without the trace function it inherited from the fork (a
+    coverage run's: the pre-flight's fake-tensor traces ran 50 % slower under it); what it
+    runs is measured where the trainer runs it."""
+    sys.settrace(None)
+
+
 def prefill_verdicts(rows: list[Row], fixtures: Fixtures, workers: int = 2) -> None:
     """Judge `rows` (those not judged yet) on `workers` processes at once and remember the
     verdicts, so that `verdict` finds them; the pre-flight is single-threaded Python."""
@@ -328,7 +336,7 @@ def prefill_verdicts(rows: list[Row], fixtures: Fixtures, workers: int = 2) -> N
         return
     import multiprocessing
 
-    with multiprocessing.get_context("fork").Pool(workers) as pool:
+    with multiprocessing.get_context("fork").Pool(workers, initializer=_untraced) as pool:
         for args, why in zip(todo, pool.map(_verdict_of_args, todo, chunksize=8)):
             _VERDICTS[args] = why
 
