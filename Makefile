@@ -26,7 +26,7 @@ COV ?= --cov=titanlab
 STAGE := tools/ci_stage.sh
 JUNIT = $(if $(CI_REPORTS),--junitxml=$(CI_REPORTS)/$(1).xml)
 
-.PHONY: train test test-full setup clean check lint format docs benchmark test-parity-full gpu-check gpu-session llama-cpp peer-wheels dry-run-flavors
+.PHONY: train test test-full setup clean check lint format docs benchmark test-parity-full gpu-check gpu-session llama-cpp llama-cpp-wheel peer-wheels dry-run-flavors
 
 setup: $(VENV)/.installed
 
@@ -66,10 +66,17 @@ endif
 # (tools/llama_cpp_no_common.cmake: 2m32 -> 1m12, 256 -> 119 CPU-s, 2-core Xeon VM). -O1: the
 # tests run tiny models, and the build takes 2m31 instead of 3m23 at llama.cpp's -O3 (measured
 # with the common library on a 2-core AMD EPYC VM).
+# `make llama-cpp-wheel` builds the wheel alone, with python3's own pip into LLAMA_CPP_WHEELS (no
+# .venv needed: .ci/run starts it first, beside the single-threaded set-up, docs and lint);
+# `make llama-cpp` installs that wheel when it is there, else builds it.
 LLAMA_CPP_PYTHON ?= 0.3.36
 LLAMA_CPP_OPT ?= -O1
+LLAMA_CPP_WHEELS ?= .llama-cpp-wheels
+LLAMA_CPP_CMAKE = CMAKE_ARGS="-DGGML_NATIVE=OFF -DLLAVA_BUILD=OFF -DCMAKE_C_FLAGS_RELEASE=$(LLAMA_CPP_OPT) -DCMAKE_CXX_FLAGS_RELEASE=$(LLAMA_CPP_OPT) -DCMAKE_PROJECT_llama.cpp_INCLUDE=$(CURDIR)/tools/llama_cpp_no_common.cmake"
+llama-cpp-wheel:
+	$(LLAMA_CPP_CMAKE) python3 -m pip wheel -q --no-deps "llama-cpp-python==$(LLAMA_CPP_PYTHON)" -w $(LLAMA_CPP_WHEELS)
 llama-cpp: setup
-	CMAKE_ARGS="-DGGML_NATIVE=OFF -DLLAVA_BUILD=OFF -DCMAKE_C_FLAGS_RELEASE=$(LLAMA_CPP_OPT) -DCMAKE_CXX_FLAGS_RELEASE=$(LLAMA_CPP_OPT) -DCMAKE_PROJECT_llama.cpp_INCLUDE=$(CURDIR)/tools/llama_cpp_no_common.cmake" $(PY) -m pip install -q "llama-cpp-python==$(LLAMA_CPP_PYTHON)"
+	$(LLAMA_CPP_CMAKE) $(PY) -m pip install -q --find-links $(LLAMA_CPP_WHEELS) "llama-cpp-python==$(LLAMA_CPP_PYTHON)"
 
 # Quality gates: lint, format check and types (CI runs `make lint` before `make test`, which
 # runs the unit tests with the rest); `make check` adds the unit tests alone, for a quick local run.
