@@ -171,10 +171,13 @@ def trace_activation_bytes(
     Returns:
         bytes per block for each traced AC mode and for the head; each mode's traces are
         cached per arguments (a trace takes about a second for the 8B shapes, whatever seq is;
-        a compiled one a few seconds).
+        a compiled one a few seconds), in this process and on disk for the other processes of
+        this machine (`titanlab.planning.trace_cache`: a rank reads what the launcher's
+        pre-flight or another rank traced).
     """
     from titanlab.planning.compiled_saved import saved_bytes_compiled
     from titanlab.planning.split_backward import WeightOpOutputs
+    from titanlab.planning.trace_cache import remembered
     from titanlab.planning.tp_gathered import watch_gathered
     from titanlab.distributed.activation_checkpoint import apply_ac
     from titanlab.components.fused_head import fused_targets, use_fused_loss
@@ -281,10 +284,15 @@ def trace_activation_bytes(
             depth = live_after_forward(1, mode, with_depths=True)[0] - one[0]
         return _ModeTrace(one, two, compiled, depth)
 
+    def remembered_measure(mode: str) -> _ModeTrace:  # on disk, for the other processes
+        saved = remembered(f"{key!r} mode={mode}", lambda: dataclasses.asdict(measure(mode)))
+        return _ModeTrace(tuple(saved["one"]), tuple(saved["two"]), saved["compiled"],
+                          saved["depth"])  # fmt: skip
+
     traces = {}
     for mode in dict.fromkeys(("none", *modes)):  # "none" gives the head; each mode is kept
         if (key, mode) not in _CACHE:
-            _CACHE[key, mode] = measure(mode)
+            _CACHE[key, mode] = remembered_measure(mode)
         traces[mode] = _CACHE[key, mode]
     none = traces["none"]
     eager = {mode: (t.two[0] - t.one[0]) // u for mode, t in traces.items()}
@@ -295,8 +303,9 @@ def trace_activation_bytes(
     if compiled_loss and not fused_chunk:  # the head up to the logits, run eagerly, then the
         # compiled loss
         if key not in _HEAD_CACHE:
-            _HEAD_CACHE[key] = (
-                live_after_forward(u, "none", with_loss=False)[0] + compiled_loss_bytes()
+            _HEAD_CACHE[key] = remembered(
+                f"{key!r} compiled head",
+                lambda: live_after_forward(u, "none", with_loss=False)[0] + compiled_loss_bytes(),
             )
         head = _HEAD_CACHE[key] - u * eager["none"]
     per_block = eager
