@@ -19,6 +19,7 @@ from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     set_model_state_dict,
 )
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from titanlab.config.job_config import ConfigError, JobConfig
 from titanlab.data.digit_tasks import DigitVocab
@@ -257,8 +258,8 @@ def init_model_weights(
     `init_weights` runs on the sharded parts directly (pipeline stages then differ from a
     single-stage init: start every layout from a seed checkpoint to compare them). CPU
     generators have no such offsets (every shard would draw the same numbers), so on CPU each
-    rank initializes a full copy and loads its own parts and shards from it
-    (`set_model_state_dict(full_state_dict=True)`): the weights then equal a single-process
+    rank initializes a full copy and loads its own parts and shards from it (each rank cuts
+    its shards locally, no collective): the weights then equal a single-process
     run's for the same seed, whatever the layout. CPU runs use small models, so the full copy
     is cheap. The parts' own `init_weights` then runs on their local shards
     (`local_parameters`): it sets their buffers (RoPE tables, MoE counters), and what it
@@ -285,10 +286,17 @@ def init_model_weights(
         # QLoRA's NF4 weights are left as they are.
         keys = [k for k, v in sd.items() if not is_quantized(v)]
         extra = [k for k in keys if k not in full_sd]
+        # Every rank holds the same full copy, so each cuts its own shards from it
+        # (`src_data_rank=None`); a full state dict would scatter each tensor from rank 0.
+        shards = {
+            k: distribute_tensor(
+                full_sd[k], sd[k].device_mesh, sd[k].placements, src_data_rank=None
+            )
+            if isinstance(sd[k], DTensor)
+            else full_sd[k]
+            for k in keys
+            if k in full_sd
+        }
         set_model_state_dict(
-            part,
-            {k: full_sd[k] for k in keys if k in full_sd},
-            options=StateDictOptions(
-                full_state_dict=True, strict=not extra and len(keys) == len(sd)
-            ),
+            part, shards, options=StateDictOptions(strict=not extra and len(keys) == len(sd))
         )
