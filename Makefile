@@ -19,14 +19,17 @@ TESTS ?= tests
 # daemons and the hung rank's timeout); their output is printed after the integration tests'.
 UNIT_WORKERS ?= 2
 INTEGRATION_WORKERS ?= 2
-# Coverage of the package (the pytest processes'; ranks run in workers it does not trace).
-COV ?= --cov=titanlab
+# Coverage: off in `make test` (and so in CI): it measures only the pytest processes (the ranks,
+# where the trainer runs, are workers it does not trace) and its tracer slowed the unit stage by
+# ~15 % (~1 min of CI's 30). `make coverage` runs the same suite with it and prints the summary.
+COV ?=
+COV_QUIET = $(if $(COV),$(COV) --cov-report=)
 # CI_REPORTS (set by .ci/run): each test stage's time goes to $(CI_REPORTS)/stages.tsv
 # (tools/ci_stage.sh) and its JUnit file next to it, read by tools/ci_report.py at the end.
 STAGE := tools/ci_stage.sh
 JUNIT = $(if $(CI_REPORTS),--junitxml=$(CI_REPORTS)/$(1).xml)
 
-.PHONY: train test test-full setup clean check lint format docs benchmark test-parity-full gpu-check gpu-session llama-cpp llama-cpp-wheel peer-wheels dry-run-flavors
+.PHONY: train test coverage test-full setup clean check lint format docs benchmark test-parity-full gpu-check gpu-session llama-cpp llama-cpp-wheel peer-wheels dry-run-flavors
 
 setup: $(VENV)/.installed
 
@@ -47,17 +50,21 @@ train: setup
 
 test: setup
 ifeq ($(TESTS),tests)
-	$(STAGE) unit env OMP_NUM_THREADS=1 $(PY) -m pytest -q -rs -n $(UNIT_WORKERS) $(COV) --cov-report= $(call JUNIT,unit) $(PYTEST_ARGS) tests/unit
+	$(STAGE) unit env OMP_NUM_THREADS=1 $(PY) -m pytest -q -rs -n $(UNIT_WORKERS) $(COV_QUIET) $(call JUNIT,unit) $(PYTEST_ARGS) tests/unit
 	@serial_log=$$(mktemp); \
-	$(STAGE) "serial (overlapped)" env OMP_NUM_THREADS=1 COVERAGE_FILE=.coverage.serial $(PY) -m pytest -q -rs --durations=10 -m serial $(COV) --cov-report= $(call JUNIT,serial) $(PYTEST_ARGS) tests/integration >"$$serial_log" 2>&1 & serial=$$!; \
-	$(STAGE) integration env OMP_NUM_THREADS=1 $(PY) -m pytest -q -rs --durations=10 -n $(INTEGRATION_WORKERS) --dist loadscope --no-loadscope-reorder -m "not serial" $(COV) --cov-append --cov-report= $(call JUNIT,integration) $(PYTEST_ARGS) tests/integration; status=$$?; \
+	$(STAGE) "serial (overlapped)" env OMP_NUM_THREADS=1 COVERAGE_FILE=.coverage.serial $(PY) -m pytest -q -rs --durations=10 -m serial $(COV_QUIET) $(call JUNIT,serial) $(PYTEST_ARGS) tests/integration >"$$serial_log" 2>&1 & serial=$$!; \
+	$(STAGE) integration env OMP_NUM_THREADS=1 $(PY) -m pytest -q -rs --durations=10 -n $(INTEGRATION_WORKERS) --dist loadscope --no-loadscope-reorder -m "not serial" $(COV_QUIET) $(if $(COV),--cov-append) $(call JUNIT,integration) $(PYTEST_ARGS) tests/integration; status=$$?; \
 	wait $$serial || status=1; \
 	echo "---- the serial tests (beside the integration tests) ----"; cat "$$serial_log"; rm -f "$$serial_log"; \
 	if [ -n "$(COV)" ] && [ -f .coverage.serial ]; then $(PY) -m coverage combine --append --quiet .coverage.serial && $(PY) -m coverage report --skip-covered; fi; \
 	exit $$status
 else
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -rs --durations=10 $(COV) --cov-report=term:skip-covered $(PYTEST_ARGS) $(TESTS)
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -rs --durations=10 $(if $(COV),$(COV) --cov-report=term:skip-covered) $(PYTEST_ARGS) $(TESTS)
 endif
+
+# `make test` with coverage of the package (the pytest processes') and its summary at the end.
+coverage:
+	$(MAKE) test COV=--cov=titanlab
 
 # llama-cpp-python (llama.cpp built from source, ~1.2 min on 2 cores), for the tests that run
 # GGUF exports in llama.cpp (TITANLAB_LLAMA_CPP_TESTS=1; .ci/run does both). Portable x86-64
@@ -128,7 +135,7 @@ test-parity-full: setup
 # planner pick dry-run at its real size (tools/dry_run_flavors.py); both rewrite their tables
 # in docs/. Hours on 2 cores.
 test-full: setup llama-cpp
-	TITANLAB_PARITY_FULL=1 TITANLAB_SLURM_TESTS=1 TITANLAB_LLAMA_CPP_TESTS=1 $(MAKE) test COV=
+	TITANLAB_PARITY_FULL=1 TITANLAB_SLURM_TESTS=1 TITANLAB_LLAMA_CPP_TESTS=1 $(MAKE) test
 	OMP_NUM_THREADS=1 $(PY) tools/parity_matrix.py
 	OMP_NUM_THREADS=1 $(PY) tools/dry_run_flavors.py
 
