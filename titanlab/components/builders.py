@@ -244,6 +244,14 @@ def build_meta_model(model_args: Any) -> Decoder:
         return cast(Decoder, build_model(model_args))
 
 
+def _local_shards(full: torch.Tensor, like: Any) -> torch.Tensor:
+    """`full` cut as `like` is sharded, from this rank's own copy (no collective), or `full`
+    itself when `like` is not a DTensor."""
+    if isinstance(like, DTensor):
+        return distribute_tensor(full, like.device_mesh, like.placements, src_data_rank=None)
+    return full
+
+
 @torch.no_grad()
 def init_model_weights(
     model_parts: list[nn.Module],
@@ -288,15 +296,7 @@ def init_model_weights(
         extra = [k for k in keys if k not in full_sd]
         # Every rank holds the same full copy, so each cuts its own shards from it
         # (`src_data_rank=None`); a full state dict would scatter each tensor from rank 0.
-        shards = {
-            k: distribute_tensor(
-                full_sd[k], sd[k].device_mesh, sd[k].placements, src_data_rank=None
-            )
-            if isinstance(sd[k], DTensor)
-            else full_sd[k]
-            for k in keys
-            if k in full_sd
-        }
+        shards: dict[str, Any] = {k: _local_shards(full_sd[k], sd[k]) for k in keys if k in full_sd}
         set_model_state_dict(
             part, shards, options=StateDictOptions(strict=not extra and len(keys) == len(sd))
         )
