@@ -23,13 +23,16 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
+import importlib.metadata
 import json
 import os
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
+
+from titanlab.data.prepare import write_json_atomic
 
 ENV = "TITANLAB_TRACE_CACHE"
 _OFF = ("off", "0")
@@ -47,14 +50,22 @@ def cache_dir() -> str | None:
     return os.path.join(tempfile.gettempdir(), f"titanlab-traces-{uid}")
 
 
+def _version(package: str) -> str:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return "absent"
+
+
 def source_fingerprint() -> str:
-    """SHA-256 of titanlab's Python sources (path and bytes of each) and torch's version:
-    what a trace's result can depend on besides its arguments. Computed once per process
-    (~2.5 MB read)."""
+    """SHA-256 of titanlab's Python sources (path and bytes of each) and the versions of torch
+    and torchao (float8's emulated layers are traced): what a trace's result can depend on
+    besides its arguments. Computed once per process (~2.5 MB read)."""
     global _FINGERPRINT
     if _FINGERPRINT is None:
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        digest = hashlib.sha256(torch.__version__.encode())
+        versions = f"torch {torch.__version__} torchao {_version('torchao')}"
+        digest = hashlib.sha256(versions.encode())
         for folder, dirs, files in os.walk(root):
             dirs[:] = sorted(d for d in dirs if d != "__pycache__")
             for name in sorted(f for f in files if f.endswith(".py")):
@@ -66,18 +77,6 @@ def source_fingerprint() -> str:
     return _FINGERPRINT
 
 
-@contextlib.contextmanager
-def _locked(path: str) -> Iterator[None]:
-    """An exclusive lock on `path` (created when missing), released on exit or on the death of
-    the process that holds it."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)
-
-
 def _read(path: str) -> Any:
     try:
         with open(path, encoding="utf-8") as f:
@@ -86,26 +85,14 @@ def _read(path: str) -> Any:
         return None
 
 
-def _write(path: str, value: Any) -> None:
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump({"value": value}, f)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-
-
 def remembered(key: str, compute: Callable[[], Any]) -> Any:
     """`compute()`'s JSON-serializable result for `key`, computed once per machine: read from
     the cache when there, else computed under the key's lock (a process that asks meanwhile
     waits, then reads it) and written. Without a usable cache folder, computed each time.
 
     Args:
-        key: everything the result depends on besides titanlab's source and torch's version
-            (those are added), as a string.
+        key: everything the result depends on besides titanlab's source and the torch and
+            torchao versions (`source_fingerprint`, added), as a string.
         compute: returns a bool, a number, a string, or lists / dicts of them (not None).
     Returns:
         `compute()`'s value, or the cached copy of it (tuples come back as lists).
@@ -120,17 +107,17 @@ def remembered(key: str, compute: Callable[[], Any]) -> Any:
         return cached
     try:
         os.makedirs(folder, exist_ok=True)
-        lock = _locked(path + ".lock")
-        lock.__enter__()
+        lock = os.open(path + ".lock", os.O_RDWR | os.O_CREAT, 0o644)
     except OSError:  # a folder that cannot be written: no cache
         return compute()
     try:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when closed, or when this process dies
         cached = _read(path)  # traced by the process that held the lock before
         if cached is not None:
             return cached
         value = compute()
         with contextlib.suppress(OSError):
-            _write(path, value)
+            write_json_atomic(path, {"value": value})
         return value
     finally:
-        lock.__exit__(None, None, None)
+        os.close(lock)
