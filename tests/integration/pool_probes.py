@@ -61,3 +61,36 @@ def report_state(args: list[str]) -> int:
         flush=True,
     )
     return 0
+
+
+def tensor_parallel_matmul(args: list[str]) -> int:
+    """A column- then row-sharded matmul on a 2-rank mesh named `args[0]` (DTensor's sharding
+    propagation, an all-reduce on the mesh's group); prints the result's sum, the propagation
+    cache's misses and how many meshes of earlier jobs the worker aliased (`tools.lib.pool_mesh`)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+    from tools.lib import pool_worker
+
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    uncached = propagator.propagate_op_sharding_non_cached
+    misses = []
+
+    def counted(schema):
+        misses.append(schema)
+        return uncached(schema)
+
+    propagator.propagate_op_sharding_non_cached = counted
+    dist.init_process_group("gloo")
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=(args[0],))
+    torch.manual_seed(0)
+    x, w1, w2 = torch.randn(4, 8), torch.randn(8, 6), torch.randn(6, 8)
+    cols = distribute_tensor(w1, mesh, [Shard(1)])
+    rows = distribute_tensor(w2, mesh, [Shard(0)])
+    out = (distribute_tensor(x, mesh, [Replicate()]) @ cols).relu() @ rows
+    total = out.full_tensor().sum().item()
+    del propagator.propagate_op_sharding_non_cached
+    destroy_distributed()
+    print(f"sum={total:.6f} misses={len(misses)} "
+          f"aliased={pool_worker.MESHES.aliased}", flush=True)  # fmt: skip
+    return 0

@@ -1,6 +1,7 @@
 """The warm-rank pool (`tools.lib.rank_pool`) that runs the integration tests' launches: a rank
 that crashes or hangs is reported as that job's failure with the rank's last line, the next job
-on the pool passes, and a job leaves nothing behind that the next one sees."""
+on the pool passes, a job leaves nothing behind that the next one sees, and DTensor's sharding
+cache serves a later job's equal mesh with that job's own process groups."""
 
 import os
 
@@ -18,9 +19,9 @@ def pool():
     pool.close()
 
 
-def probe(pool: RankPool, name: str, nproc: int = 2, timeout: float = 60, **options):
+def probe(pool: RankPool, name: str, nproc: int = 2, timeout: float = 60, args=(), **options):
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    return pool.run(nproc, [], env=env, timeout=timeout, target=f"pool_probes:{name}",
+    return pool.run(nproc, list(args), env=env, timeout=timeout, target=f"pool_probes:{name}",
                     paths=[HERE], **options)  # fmt: skip
 
 
@@ -69,3 +70,23 @@ def test_log_rank_keeps_one_ranks_stdout_and_every_ranks_stderr(pool):
     crashed = probe(pool, "crash_rank_1", log_rank=0)
     assert "rank 1 about to fail" not in crashed.stdout
     assert "rank 1 last line: rank 1 about to fail\n" in crashed.stderr, crashed.stderr
+
+
+def test_a_later_jobs_equal_mesh_hits_the_sharding_cache_with_its_own_groups(pool):
+    """The second job on the same workers with an equal mesh takes its ops' shardings from the
+    first job's cache entries (no misses), their meshes aliased to its own: its all-reduces run on
+    its own groups and give the first job's result; a job with another mesh in between changes
+    nothing."""
+
+    def run(name: str) -> list[dict[str, str]]:
+        proc = probe(pool, "tensor_parallel_matmul", args=[name])
+        assert proc.returncode == 0, proc.stderr
+        return [dict(kv.split("=") for kv in line.split()) for line in proc.stdout.splitlines()]
+
+    first, other, second = run("tp"), run("dp"), run("tp")
+    assert len(first) == len(second) == 2
+    assert {r["sum"] for r in first} == {r["sum"] for r in second} == {r["sum"] for r in other}
+    assert len({r["sum"] for r in first}) == 1
+    for before, after in zip(first, second):
+        assert int(after["aliased"]) > int(before["aliased"])
+        assert int(before["misses"]) > 0 and int(after["misses"]) == 0

@@ -7,7 +7,8 @@ Dynamo, Inductor and functorch, Dynamo's compiled code, logging's root handlers,
 filters and the signal handlers; each is put back. What cannot be put back makes the worker
 retire (it exits, and the pool forks a fresh one): a thread or child process that outlived the
 job, a process group still up, resident memory past `MAX_RSS_BYTES`, context parallel's CPU
-attention handler (DTensor strategies registered for good).
+attention handler (DTensor strategies registered for good). DTensor's sharding caches are kept
+warm from job to job, their meshes made valid for each job by `tools.lib.pool_mesh`.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tools.lib import fork_launch
+from tools.lib.pool_mesh import MeshAliases
 
 MAX_RSS_BYTES = 3 * 2**30
 """A worker whose resident memory passes this after a job is retired."""
@@ -66,6 +68,7 @@ def worker_main(conn: multiprocessing.connection.Connection) -> None:
     for stream in (sys.stdout, sys.stderr):  # a hung rank's last line is in its file
         stream.reconfigure(line_buffering=True)  # type: ignore[union-attr]
     state = _State.take()
+    MESHES.install()
     while True:
         try:
             job = conn.recv()
@@ -148,6 +151,7 @@ class _State:
         if dist.is_initialized():
             dirty.append("a process group is still up")
         torch._dynamo.reset()
+        MESHES.end_job()
         _clear_caches()
         for module, saved in self.configs.items():
             importlib.import_module(module).load_config(saved)
@@ -175,6 +179,7 @@ class _State:
         for sig, handler in self.signals.items():
             signal.signal(sig, handler)
         gc.collect()
+        gc.freeze()  # what outlived the job (modules it imported, caches) is not scanned again
         cp_cpu = sys.modules.get("titanlab.distributed.cp_cpu")
         if cp_cpu is not None and getattr(cp_cpu, "_installed", False):
             dirty.append("context parallel's CPU handler is installed for good")
@@ -209,18 +214,27 @@ def _configs() -> dict[str, bytes]:
 
 CACHED_PACKAGES = ("torch.distributed", "titanlab")
 """Packages whose module- and class-level `functools` caches are cleared after each job."""
+MESHES = MeshAliases()
+"""The worker's meshes, aliased across jobs so that DTensor's sharding caches stay valid."""
+
+
+def _kept_caches() -> set[int]:
+    """The ids of the `functools` caches kept across jobs: DTensor's tensor-meta propagation
+    (its values hold no mesh; its keys' meshes are aliased by `MESHES`)."""
+    prop = sys.modules.get("torch.distributed.tensor._sharding_prop")
+    if prop is None:
+        return set()
+    return {id(vars(prop.ShardingPropagator)["_propagate_tensor_meta_cached"])}
 
 
 def _clear_caches() -> None:
-    import torch
-
-    """Empty the caches a job filled that can hold its objects: the `functools` caches of
-    `CACHED_PACKAGES` and DTensor's sharding propagation (Python's and the C++ fast path's:
-    `to_empty` of a meta DTensor parameter took its mesh from there). DTensor caches an op's output
-    placements keyed by specs whose device mesh compares by layout, so a later job's equal
-    mesh would get the earlier job's mesh back, with process groups that were destroyed
-    ("Could not resolve the process group registered under the name 4", seen here)."""
+    """Empty the `functools` caches of `CACHED_PACKAGES` that a job filled and that can hold
+    its objects (all but `_kept_caches`). DTensor's sharding caches (the C++ dispatch fast path's
+    and Python's `propagate_op_sharding`) are kept: their specs' meshes are aliased to the next
+    job's equal meshes (`tools.lib.pool_mesh`); emptied instead, they cost every job the
+    uncached propagation of every op."""
     cached = functools._lru_cache_wrapper
+    kept = _kept_caches()
     for name, module in list(sys.modules.items()):
         if module is None or not name.startswith(CACHED_PACKAGES):
             continue
@@ -229,14 +243,8 @@ def _clear_caches() -> None:
             for item in [value, *(vars(value).values() if is_class else ())]:
                 if type(item) in (staticmethod, classmethod):
                     item = item.__func__
-                if type(item) is cached:
+                if type(item) is cached and id(item) not in kept:
                     item.cache_clear()
-    dtensor = sys.modules.get("torch.distributed.tensor._api")
-    if dtensor is not None:
-        dtensor.DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
-        clear_native = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
-        if clear_native is not None:  # the C++ dispatch fast path's own cache
-            clear_native()
 
 
 def _rss_bytes() -> int:

@@ -24,6 +24,8 @@ from titanlab.models.llama3 import llama3_flavors
 from titanlab.models.registry import build_model, get_family, get_flavor
 from titanlab.models.stored_args import write_model_args
 
+from convert_runs import convert_in_process
+
 gguf = pytest.importorskip("gguf")
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
@@ -142,7 +144,7 @@ def _cli(*args):
     )  # fmt: skip
 
 
-def test_bad_input_is_one_line(tmp_path):
+def test_bad_input_is_one_line(tmp_path, capsys):
     save_dcp(tmp_path / "dcp", "llama3", LLAMA)
     (tmp_path / "taken.gguf").write_bytes(b"x")
     moe = get_flavor(get_family("qwen3_moe"), "debugmodel")
@@ -153,10 +155,14 @@ def test_bad_input_is_one_line(tmp_path):
         ((tmp_path / "nope", tmp_path / "o.gguf"), "nope"),
         ((tmp_path / "moe", tmp_path / "o.gguf"), "to-gguf supports the families llama3, qwen3"),
     ]
-    for args, message in cases:
-        r = _cli(*args)
-        lines = r.stderr.strip().splitlines()
-        assert r.returncode == 2 and len(lines) == 1, r.stderr
+    for i, (args, message) in enumerate(cases):
+        if i == 0:  # one case as a process, the rest in this one
+            r = _cli(*args)
+            code, err = r.returncode, r.stderr
+        else:
+            code, err = convert_in_process(capsys, "to-gguf", *map(str, args), "--quiet")
+        lines = err.strip().splitlines()
+        assert code == 2 and len(lines) == 1, err
         assert lines[0].startswith("convert_checkpoint: error: ") and message in lines[0]
     assert not (tmp_path / "o.gguf").exists() and not (tmp_path / "o.gguf.partial").exists()
 
