@@ -29,7 +29,7 @@ COV_QUIET = $(if $(COV),$(COV) --cov-report=)
 STAGE := tools/ci_stage.sh
 JUNIT = $(if $(CI_REPORTS),--junitxml=$(CI_REPORTS)/$(1).xml)
 
-.PHONY: train test coverage test-full setup clean check lint format docs benchmark test-parity-full gpu-check gpu-session llama-cpp llama-cpp-wheel peer-wheels dry-run-flavors
+.PHONY: train test coverage test-full setup clean check lint format docs docs-serve benchmark test-parity-full gpu-check gpu-session llama-cpp llama-cpp-wheel peer-wheels dry-run-flavors
 
 setup: $(VENV)/.installed
 
@@ -110,6 +110,12 @@ docs: setup $(DOCS_INSTALLED)
 $(DOCS_INSTALLED): docs/requirements.txt
 	$(PY) -m pip install -q -r docs/requirements.txt
 	@touch $@
+
+# The built site served on http://localhost:$(DOCS_PORT): its search reads an index the browser
+# will not load from a page opened from disk (file://), so search works only when served.
+DOCS_PORT ?= 8000
+docs-serve: docs
+	$(PY) -m http.server --directory site --bind 127.0.0.1 $(DOCS_PORT)
 
 # The CPU quick benchmark matrix (tools/benchmark.py), written to docs/performance.md.
 benchmark: setup

@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"titanlab {version()}")
         return 0
     if argv[0] not in COMMANDS:
-        close = difflib.get_close_matches(argv[0], list(COMMANDS), n=1)
+        close = difflib.get_close_matches(argv[0], [*COMMANDS, "--version", "--help"], n=1)
         hint = f"; did you mean {close[0]!r}?" if close else ""
         print(f"titanlab: error: unknown command {argv[0]!r}{hint} (commands: {', '.join(COMMANDS)})", file=sys.stderr)  # fmt: skip
         return 2

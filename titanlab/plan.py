@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m titanlab.plan") -
 
         return run(opts, resolve_config_option(rest))  # a shipped config by its name too
     except ConfigError as e:
-        print(f"titanlab.plan: error: {e}", file=sys.stderr)
+        print(f"titanlab: error: {e}", file=sys.stderr)
         return 2
 
 

@@ -55,6 +55,9 @@ def test_an_unknown_command_is_one_line_with_the_closest_name(tmp_path):
     lines = proc.stderr.splitlines()
     assert len(lines) == 1, proc.stderr
     assert lines[0].startswith("titanlab: error: unknown command 'trian'; did you mean 'train'?")
+    typo = titanlab("--versoin", cwd=str(tmp_path))  # the options of `titanlab` itself too
+    assert typo.returncode == 2
+    assert "unknown command '--versoin'; did you mean '--version'?" in typo.stderr
     far = titanlab("xyzzy", cwd=str(tmp_path))
     assert far.returncode == 2 and len(far.stderr.splitlines()) == 1
     assert "did you mean" not in far.stderr and "(commands: train, preflight" in far.stderr

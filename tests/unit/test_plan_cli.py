@@ -27,6 +27,7 @@ def test_bad_input_is_one_line(capsys, tmp_path):
     assert main(["--cluster", "v100", *DEBUG]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "cluster profile 'v100' is not known" in err[0]
+    assert err[0].startswith("titanlab: error: ")  # every command's one prefix (issue 64)
     assert main(["--cluster", "h100", "--explain", "ws8-nonsense", *DEBUG]) == 2
     assert "not a candidate layout" in capsys.readouterr().err
 

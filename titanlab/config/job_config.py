@@ -10,6 +10,7 @@ what would be valid; `JobConfig.validate()` adds the checks that span sections.
 
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass, field, fields
 from typing import Literal
 
@@ -322,9 +323,11 @@ class Comm:
     a minute for an 8B at seq_len 8192); not under pipeline parallel."""
 
     def validate(self) -> None:
+        close = difflib.get_close_matches(self.mode.replace("-", "_"), COMM_MODES, n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
         _require(
             self.mode in COMM_MODES,
-            f"comm.mode={self.mode!r} is not one of {', '.join(COMM_MODES)}",
+            f"comm.mode={self.mode!r} is not one of {', '.join(COMM_MODES)}{hint}",
         )
         _require(
             self.fake_world_size == -1 or self.fake_world_size >= 1,

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from titanlab.config.errors import _require
+from titanlab.config.errors import _require, spelled
 
 
 @dataclass
@@ -93,7 +93,7 @@ class Optimizer:
                 value = getattr(self, key)
                 _require(
                     value == getattr(defaults, key),
-                    f"optimizer.{key}={value} sets Muon's parameter groups, and "
+                    f"optimizer.{key}={spelled(value)} sets Muon's parameter groups, and "
                     f"optimizer.name={self.name} has none; set optimizer.name=Muon or drop it",
                 )
         _require(self.lr > 0, f"optimizer.lr={self.lr} must be > 0")

@@ -151,14 +151,14 @@ def run(argv: list[str], prog: str = PROG) -> int:
 
 def main(argv: list[str] | None = None, prog: str = PROG) -> int:
     """Generate (see the module); `prog` names the program in usage lines. Bad input is one
-    `titanlab.generate: error:` line, exit code 2."""
+    `titanlab: error:` line (the prefix of every titanlab command), exit code 2."""
     clean = False
     try:
         code = run(sys.argv[1:] if argv is None else argv, prog)
         clean = True
         return code
     except (ValueError, FileNotFoundError) as e:
-        print(f"{PROG.split()[-1]}: error: {e}", file=sys.stderr)
+        print(f"titanlab: error: {e}", file=sys.stderr)
         return 2
     finally:
         destroy_distributed(barrier=clean)

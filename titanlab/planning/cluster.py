@@ -21,6 +21,7 @@ A profile is also a JSON file (`save_profile` / `load_profile`) with the fields 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 from dataclasses import dataclass, field
 
@@ -135,15 +136,18 @@ PROFILES: dict[str, Cluster] = {
 
 
 def get_profile(name_or_path: str) -> Cluster:
-    """A built-in profile by name, or one read from a JSON file; ConfigError (one line) for an
-    unknown name or a malformed file."""
-    if name_or_path in PROFILES:
-        return PROFILES[name_or_path]
+    """A built-in profile by name, in any case ("H100" is "h100"), or one read from a JSON file;
+    ConfigError (one line) for an unknown name, with the closest one, or a malformed file."""
+    if name_or_path.lower() in PROFILES:
+        return PROFILES[name_or_path.lower()]
     if name_or_path.endswith(".json"):
         return load_profile(name_or_path)
+    close = difflib.get_close_matches(name_or_path.lower(), list(PROFILES), n=1, cutoff=0.8)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
     raise ConfigError(
-        f"cluster profile {name_or_path!r} is not known; use one of "
-        f"{', '.join(PROFILES)} or a profile file (*.json with the fields of titanlab.planning.cluster.Cluster)"
+        f"cluster profile {name_or_path!r} is not known{hint} (use one of "
+        f"{', '.join(PROFILES)} or a profile file: *.json with the fields of "
+        "titanlab.planning.cluster.Cluster)"
     )
 
 

@@ -56,7 +56,7 @@ from titanlab.config.job_config import ConfigError, JobConfig
 from titanlab.distributed.parallelize import reshard_policy
 from titanlab.models.common.mtp import boundary_width
 from titanlab.planning.cp_memory import cp_attention_bytes
-from titanlab.planning.memory_estimate import GIB, MemoryEstimate
+from titanlab.planning.memory_estimate import GIB, MemoryEstimate, shrinking_option
 from titanlab.planning.pipeline_memory import rank_loads
 
 if TYPE_CHECKING:
@@ -369,8 +369,8 @@ def check_memory(
     if est.total > have:
         raise ConfigError(
             f"model.flavor={config.model.flavor} needs about {est.total / GIB:.1f} GiB per rank "
-            f"({est.summary()}) on {world_size} rank(s), but there is {what}; use more devices, "
-            "a smaller model.flavor (e.g. debugmodel) or a smaller batch "
+            f"({est.summary()}) on {world_size} rank(s), but there is {what}; "
+            f"{shrinking_option(est, config)}; else a smaller model.flavor (e.g. debugmodel) "
             "(--training.memory_check false skips this check)"
         )
     return est

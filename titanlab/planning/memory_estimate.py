@@ -61,3 +61,30 @@ class MemoryEstimate:
     def summary(self) -> str:
         parts = [(name, getattr(self, name)) for name in CATEGORIES]
         return ", ".join(f"{n} {b / GIB:.1f}" for n, b in parts if b) + " GiB"
+
+
+def shrinking_option(est: MemoryEstimate, config) -> str:
+    """The estimate's largest category and the option that shrinks it, for a refusal that does
+    not send a user to more devices when more devices would not help (`config` a JobConfig):
+    e.g. "activations 65.1 GiB are the largest part: --activation_checkpoint.mode full
+    recomputes them in backward"."""
+    sizes = {name: getattr(est, name) for name in CATEGORIES if name != "overhead"}
+    largest = max(sizes, key=lambda name: sizes[name])
+    ac = config.activation_checkpoint.mode
+    remedies = {
+        "params": "more devices in dp_shard (FSDP shards them)",
+        "grads": "more devices in dp_shard (FSDP shards them)",
+        "optimizer": "more devices in dp_shard (FSDP shards the moments)",
+        "gathered_params": "--parallelism.fsdp_reshard_after_forward always frees them "
+        "after each forward",
+        "activations": "--activation_checkpoint.mode full recomputes them in backward"
+        if ac != "full"
+        else "a smaller --training.local_batch_size or seq_len, or context parallel "
+        "(--parallelism.context_parallel_degree) splits the sequence",
+        "a2a_buffers": "a smaller --training.local_batch_size (the experts' all-to-all "
+        "buffers grow with the tokens of a microbatch, not with the devices)",
+        "pipeline_buffers": "fewer microbatches in flight "
+        "(--parallelism.pipeline_parallel_microbatch_size larger)",
+        "logits": "--loss.fused_linear_cross_entropy true computes them chunk by chunk",
+    }
+    return f"{largest} {sizes[largest] / GIB:.1f} GiB are the largest part: {remedies[largest]}"

@@ -34,7 +34,7 @@ from titanlab.distributed.pipeline import pipeline_model
 from titanlab.metrics import MetricsLogger, device_peak_flops
 from titanlab.metrics.build import build_sinks
 from titanlab.models.common.decoder import Decoder
-from titanlab.models.common.counting import count_active_params, count_params
+from titanlab.models.common.counting import count_active_params, describe_params
 from titanlab.models.common.mtp import trains_mtp
 from titanlab.observability import warning_filters
 from titanlab.components.fused_head import use_fused_loss
@@ -173,18 +173,16 @@ class Trainer(TrainLoop):
         FLOPs per token (an MoE token counts its active parameters only)."""
         config, dims = self.config, self.parallel_dims
         model = components.build_meta_model(self.model_args)
-        nparams, active = count_params(model), count_active_params(model)
         flops_per_token = self.family.flops_per_token(
             self.model_args,
             config.training.seq_len,
             count_active_params(model, exclude_embedding=True),
         )
         logger.info(
-            "model: %s %s, %s parameters%s, %.3e training FLOPs/token; layout: %s",
+            "model: %s %s, %s, %.3e training FLOPs/token; layout: %s",
             self.family.name,
             config.model.flavor,
-            f"{nparams:,}",
-            f" ({active:,} active per token)" if active != nparams else "",
+            describe_params(model),
             flops_per_token,
             dims,
         )

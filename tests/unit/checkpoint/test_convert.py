@@ -185,6 +185,8 @@ def test_from_hf_errors_name_the_tensor(tmp_path):
     dcp_to_hf(str(tmp_path / "dcp"), str(hf), dtype=torch.float32, progress=False)
     with pytest.raises(ConversionError, match="has no config.json"):
         hf_to_dcp(str(tmp_path), str(tmp_path / "out"))
+    with pytest.raises(ConversionError, match="'.*nope' does not exist"):  # not "no config.json"
+        hf_to_dcp(str(tmp_path / "nope"), str(tmp_path / "out"))
     with pytest.raises(ValueError, match="does not match flavor '8B': hidden_size=256"):
         hf_to_dcp(str(hf), str(tmp_path / "out"), flavor="8B")
     # A tensor of the wrong shape under a config that matches: named with both shapes.

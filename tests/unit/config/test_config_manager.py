@@ -218,6 +218,20 @@ def test_literal_not_in_choices_lists_valid_ones():
     )
 
 
+def test_a_validated_choice_suggests_the_closest_too():
+    """Issue 64: `--comm.mode fake-backend` had no did-you-mean where other options do."""
+    assert config_error(["--comm.mode", "fake-backend"]) == (
+        "comm.mode='fake-backend' is not one of default, fake_backend, local_tensor; "
+        "did you mean 'fake_backend'?"
+    )
+
+
+def test_a_bool_in_a_message_is_spelled_as_the_command_line_spells_it():
+    """Issue 64: `optimizer.muon_nesterov=False` in a message; the command line says false."""
+    message = config_error(["--optimizer.name", "AdamW", "--optimizer.muon_nesterov", "false"])
+    assert message.startswith("optimizer.muon_nesterov=false sets Muon's parameter groups")
+
+
 def test_literal_in_toml(tmp_path):
     toml = '[training]\nmixed_precision_param = "fp8"\n'
     message = config_error(["--job.config_file", write_toml(tmp_path, toml)])

@@ -81,13 +81,13 @@ def test_bad_input_is_one_line(folders, capsys, extra, message):
     prompt = [] if not extra or extra[0] == "--chat" else ["--prompt", "x"]
     assert cli.main([hf, *prompt, *extra]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("titanlab.generate: error: ") and message in err[0]
+    assert len(err) == 1 and err[0].startswith("titanlab: error: ") and message in err[0]
 
 
 def test_unknown_checkpoint_folder_is_one_line(tmp_path, capsys):
     assert cli.main([str(tmp_path / "nope"), "--prompt", "x"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == [f"titanlab.generate: error: checkpoint {str(tmp_path / 'nope')!r} is not a "
+    assert err == [f"titanlab: error: checkpoint {str(tmp_path / 'nope')!r} is not a "
                    "folder; give a step-N, export-step-N or Hugging Face folder"]  # fmt: skip
 
 

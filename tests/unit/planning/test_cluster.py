@@ -51,8 +51,16 @@ def test_a_negative_bandwidth_is_refused(tmp_path):
 
 
 def test_an_unknown_profile_names_the_valid_ones():
-    with pytest.raises(ConfigError, match="h100, h200, a100, b200"):
+    with pytest.raises(ConfigError, match="h100, h200, a100, b200") as info:
         get_profile("v100")
+    assert "did you mean" not in str(info.value)  # V100 is not an A100
+    with pytest.raises(ConfigError, match="'h1000' is not known; did you mean 'h100'"):
+        get_profile("h1000")
+
+
+def test_a_profile_name_in_any_case_is_the_profile():
+    """Issue 64: `--comm.dry_run_device H100` and `plan --cluster H100` were refused."""
+    assert get_profile("H100") is PROFILES["h100"] and get_profile("B200") is PROFILES["b200"]
 
 
 @pytest.mark.parametrize(

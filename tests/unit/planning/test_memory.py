@@ -253,3 +253,28 @@ def test_muon_keeps_one_momentum_buffer_for_the_blocks_matrices():
     norms = 4096 * (2 * 32 + 1)
     matrices = LLAMA3_8B_PARAMS - embeddings - norms
     assert adamw.optimizer - muon.optimizer == pytest.approx(4 * matrices / 8, rel=1e-6)
+
+
+def test_a_refusal_names_its_largest_part_and_the_option_that_shrinks_it(host_with_8_gib):
+    """Issue 64: the 235B refusal sent users to more devices when most of the bytes were
+    activations, which more devices do not shrink; the line names the largest part and the
+    option that shrinks it: full AC for activations, the fused loss for logits, and once AC is
+    full and the loss fused, context parallel."""
+    cases = [  # (AC, seq_len, fused loss): the largest part, the option named
+        ("none", 8192, False, "activations", "--activation_checkpoint.mode full"),
+        ("full", 65536, False, "logits", "--loss.fused_linear_cross_entropy true"),
+        ("full", 65536, True, "activations", "--parallelism.context_parallel_degree"),
+    ]
+    for ac, seq, fused, largest, words in cases:
+        cfg = job(seq=seq, ac=ac)
+        cfg.loss.fused_linear_cross_entropy = fused
+        args = model_args("8B", 128256, seq)
+        est = estimate_memory(args, cfg, 64, torch.float32)
+        parts = {n: getattr(est, n) for n in ("params", "optimizer", "activations", "logits")}
+        assert max(parts, key=lambda n: parts[n]) == largest, parts
+        with pytest.raises(ConfigError) as info:
+            check_memory(args, cfg, 64, 8, torch.float32)
+        message = str(info.value)
+        assert f"{largest} {parts[largest] / GIB:.1f} GiB are the largest part: " in message
+        assert words in message.split("largest part: ")[1].split(";")[0]
+        assert "\n" not in message

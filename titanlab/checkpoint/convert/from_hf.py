@@ -129,6 +129,8 @@ def hf_to_dcp(
             requested flavor, or an HF tensor missing, unknown or of the wrong shape (naming it).
     """
     cfg_path = os.path.join(hf_dir, "config.json")
+    if not os.path.isdir(hf_dir):
+        raise ConversionError(f"Hugging Face folder {hf_dir!r} does not exist (or is not a folder)")
     if not os.path.isfile(cfg_path):
         raise ConversionError(f"Hugging Face folder {hf_dir!r} has no config.json")
     with open(cfg_path, encoding="utf-8") as f:

@@ -64,3 +64,20 @@ def get_nparams_and_flops(model: nn.Module, args: DecoderArgs, seq_len: int) -> 
     """(total parameter count, training FLOPs per token at `seq_len`); see `flops_per_token`."""
     n_non_embedding = count_params(model, exclude_embedding=True)
     return count_params(model), flops_per_token(args, seq_len, n_non_embedding)
+
+
+def describe_params(model: nn.Module) -> str:
+    """The trainer's words for the model's size: "N parameters", with the active ones of an MoE
+    model and, for a model with multi-token prediction depths (`model.mtp`, DeepSeek-V3), how
+    many of them the depths hold: a published count (671B) leaves them out, since inference
+    does not use them."""
+    n, active = count_params(model), count_active_params(model)
+    words = f"{n:,} parameters" + (f" ({active:,} active per token)" if active != n else "")
+    mtp = getattr(model, "mtp", None)
+    if mtp is not None:
+        mtp_n, mtp_active = count_params(mtp), count_active_params(mtp)
+        words += f", of them {mtp_n:,}" + (
+            f" ({mtp_active:,} active)" if mtp_active != mtp_n else ""
+        )
+        words += " in the multi-token prediction depths, which inference does not use"
+    return words

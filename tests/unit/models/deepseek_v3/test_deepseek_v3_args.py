@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from titanlab.models.common.decoder import moe_layers
-from titanlab.models.common.counting import count_active_params, count_params
+from titanlab.models.common.counting import count_active_params, count_params, describe_params
 from titanlab.models.common.mla import MLAttention
 from titanlab.models.deepseek_v3 import DeepSeekV3Transformer, deepseek_v3_flavors
 from titanlab.models.registry import get_family
@@ -40,6 +40,12 @@ def test_published_parameter_counts(flavor):
     print(f"deepseek_v3 {flavor}: {total:,} total, {active:,} active, MTP {mtp:,}")
     assert (total, active) == PUBLISHED[flavor]
     assert mtp == (11_610_067_968 if flavor == "671B" else 0)
+    if flavor == "671B":  # the trainer's `model:` line says what its larger count includes
+        assert describe_params(model) == (
+            "682,636,472,320 parameters (38,240,382,976 active per token), of them "
+            "11,610,067,968 (688,100,352 active) in the multi-token prediction depths, which "
+            "inference does not use"
+        )
 
 
 @pytest.mark.parametrize("flavor", list(deepseek_v3_flavors))
