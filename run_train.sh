@@ -48,16 +48,15 @@ if [[ -z "${NGPU:-}" ]]; then
 fi
 LOG_RANK=${LOG_RANK:-0}
 
-# Fail in seconds, with one line and nothing written, when the config is invalid or cannot fit.
-"$PYTHON" -m titanlab.preflight --nproc "$NGPU" --job.config_file "$CONFIG_FILE" "$@" || exit $?
-
 # Rank 0 writes this file when it stopped for preemption after saving.
 export TITANLAB_PREEMPT_MARKER
 TITANLAB_PREEMPT_MARKER=$(mktemp -u "${TMPDIR:-/tmp}/titanlab-preempt.XXXXXX")
 
 # titanlab.launcher runs torchrun, keeps its traceback in <dump_folder>/logs/launcher-*.log and
-# ends with the failing rank's one `titanlab: error:` line and exit code.
-"$PYTHON" -m titanlab.launcher \
+# ends with the failing rank's one `titanlab: error:` line and exit code. With --preflight,
+# torchrun's agent first runs the pre-flight check (titanlab.resilience.agent): an invalid config,
+# or one that cannot fit, fails in seconds with one line and nothing written.
+"$PYTHON" -m titanlab.launcher --preflight \
     --nproc_per_node="$NGPU" --max-restarts="${MAX_RESTARTS:-0}" \
     --rdzv_backend=c10d --rdzv_endpoint="localhost:${MASTER_PORT:-0}" \
     --local-ranks-filter="$LOG_RANK" --role=rank --tee=3 \

@@ -157,7 +157,8 @@ of the run; there is no Python traceback for these errors.
 The line can come from three places:
 
 - **The pre-flight check** (`python -m titanlab.preflight`), which `run_train.sh` and
-  `multinode_trainer.slurm` run before starting torchrun. It checks the config, the parallel
+  `titanlab train` run in torchrun's agent before it starts a rank (`titanlab.launcher
+  --preflight`), and `multinode_trainer.slurm` before `srun`. It checks the config, the parallel
   layout, the batch split, the memory estimate, the tokenizer, the dataset folder, the dump folder
   and `checkpoint.load_step`. It needs no process group and writes nothing, so these errors come
   in seconds.

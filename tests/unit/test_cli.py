@@ -172,7 +172,7 @@ def test_train_launches_what_run_train_sh_launches(tmp_path, monkeypatch):
     config = os.path.join(REPO, "train_configs", "llama_8b.toml")
     assert launch.nproc == "3" and launch.comm_mode == ""
     assert launch.torchrun == [
-        "--nproc_per_node=3", "--max-restarts=2", "--rdzv_backend=c10d",
+        "--preflight", "--nproc_per_node=3", "--max-restarts=2", "--rdzv_backend=c10d",
         "--rdzv_endpoint=localhost:29555", "--local-ranks-filter=0,1", "--role=rank", "--tee=3",
         "-m", "titanlab.train", "--job.config_file", config, "--training.steps", "2",
     ]  # fmt: skip
@@ -195,29 +195,23 @@ def test_train_exits_75_after_a_preemption_and_passes_other_codes(monkeypatch, c
     launch = run_train.plan_launch(["--training.steps", "2"], {"NGPU": "2"})
     ran: list[list[str]] = []
 
-    def preflight(cmd, *args, **kwargs):
-        ran.append(cmd)
-        return subprocess.CompletedProcess(cmd, 0)
-
     def preempted(argv):  # rank 0 saved step 7 and wrote the marker, torchrun ended by SIGTERM
+        ran.append(argv)
         with open(os.environ[launcher.MARKER_ENV], "w") as f:
             f.write("7\n")
         return -15
 
     monkeypatch.setenv(launcher.MARKER_ENV, "")  # run() sets both; restored after the test
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    monkeypatch.setattr(run_train.subprocess, "run", preflight)
     monkeypatch.setattr(run_train.launcher, "main", preempted)
     assert run_train.run(launch) == 75
-    assert ran[0][1:5] == ["-m", "titanlab.preflight", "--nproc", "2"]
+    assert ran[0][:2] == ["--preflight", "--nproc_per_node=2"]  # the check runs in the agent
     assert capsys.readouterr().err == "titanlab train: preempted after step 7; exit 75 to requeue\n"
     assert not os.path.exists(os.environ[launcher.MARKER_ENV])
     monkeypatch.setattr(run_train.launcher, "main", lambda argv: 4)  # a hang: the rank's code
     assert run_train.run(launch) == 4
-    monkeypatch.setattr(
-        run_train.subprocess, "run", lambda cmd, **kw: subprocess.CompletedProcess(cmd, 2)
-    )
-    assert run_train.run(launch) == 2  # the pre-flight check refused: nothing launched
+    monkeypatch.setattr(run_train.launcher, "main", lambda argv: 2)  # the check refused
+    assert run_train.run(launch) == 2
 
 
 def test_train_bad_input_is_one_line_before_any_launch(tmp_path):

@@ -1,9 +1,12 @@
 """Run torchrun so that a failing rank's one `titanlab: error:` line is the last thing shown.
 
-    python -m titanlab.launcher [torchrun options] -m titanlab.train [trainer options]
+    python -m titanlab.launcher [--preflight] [torchrun options] -m titanlab.train [trainer options]
 
 `run_train.sh`, `titanlab train` and `multinode_trainer.slurm` start training through this
-module. It runs `torch.distributed.run` with the same arguments and:
+module. It runs `torch.distributed.run` with the same arguments (with `--preflight`, as
+`run_train.sh` and `titanlab train` pass it: `titanlab.resilience.agent`, torchrun's agent with
+the pre-flight check run first in its process; the launcher's log is opened only once the
+check passed, so that a refused config writes nothing) and:
 - passes the ranks' output through (torchrun prefixes it with `[rankN]:` under `--tee`);
 - keeps torchrun's own report of a failed child (its `ChildFailedError` traceback and the
   `failed (exitcode: N)` lines) out of the terminal, in `<job.dump_folder>/logs/launcher-*.log`;
@@ -33,6 +36,8 @@ import tempfile
 import time
 
 ERROR_DIR_ENV = "TITANLAB_ERROR_DIR"
+# What `titanlab.resilience.agent` writes to stderr once the pre-flight check passed.
+PREFLIGHT_PASSED = "titanlab-agent: pre-flight passed"
 ERROR_PREFIX = "titanlab: error:"
 # 0 where the signal already reaches torchrun itself (srun signals every process of a step).
 FORWARD_SIGNALS_ENV = "TITANLAB_FORWARD_SIGNALS"
@@ -131,70 +136,100 @@ def is_launcher_noise(line: str) -> bool:
     )
 
 
+def _nproc_per_node(argv: list[str]) -> str:
+    """torchrun's `--nproc_per_node` (or `--nproc-per-node`) value as given, "1" without one."""
+    for i, arg in enumerate(argv):
+        for name in ("--nproc_per_node", "--nproc-per-node"):
+            if arg.startswith(name + "="):
+                return arg.split("=", 1)[1]
+            if arg == name and i + 1 < len(argv):
+                return argv[i + 1]
+    return "1"
+
+
 def main(argv: list[str]) -> int:
     if "-m" not in argv:
         print(
-            f"{ERROR_PREFIX} usage: python -m titanlab.launcher [torchrun options] -m "
-            "titanlab.train [trainer options]",
+            f"{ERROR_PREFIX} usage: python -m titanlab.launcher [--preflight] [torchrun "
+            "options] -m titanlab.train [trainer options]",
             file=sys.stderr,
         )
         return 2
+    preflight = argv[:1] == ["--preflight"]
+    if preflight:  # the check runs in torchrun's agent process (`titanlab.resilience.agent`)
+        argv = argv[1:]
+        agent = ["-m", "titanlab.resilience.agent", "--preflight", _nproc_per_node(argv)]
+    else:
+        agent = ["-m", "torch.distributed.run"]
     trainer_args = argv[argv.index("-m") + 2 :]
-    log_path = _log_path(dump_folder(trainer_args))
-    with (
-        tempfile.TemporaryDirectory(prefix="titanlab-errors-") as errors,
-        open(log_path, "a", encoding="utf-8") as log,
-    ):
-        env = dict(os.environ, **{ERROR_DIR_ENV: errors})
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "torch.distributed.run", *argv],
-            env=env,
-            stderr=subprocess.PIPE,
-            text=True,
-            errors="replace",
-            bufsize=1,
-        )
-        held: list[str] = []  # the ranks' error lines, printed once, last
-        stopped: list[int] = []
+    with tempfile.TemporaryDirectory(prefix="titanlab-errors-") as errors:
+        return _supervise([sys.executable, *agent, *argv], trainer_args, errors, preflight)
 
-        def forward(signum, _frame):  # preemption: torchrun passes SIGTERM on to every rank
-            stopped.append(signum)
-            if os.environ.get(FORWARD_SIGNALS_ENV, "1") != "0":
-                proc.send_signal(signal.SIGTERM)
 
-        for signum in (signal.SIGTERM, signal.SIGUSR1):
-            signal.signal(signum, forward)
-        try:
-            assert proc.stderr is not None
-            for line in proc.stderr:
-                log.write(line)
-                log.flush()
-                text = line.rstrip("\n")
-                bare = re.sub(r"^\[[^\]]*\]:", "", text)
-                if bare.startswith(ERROR_PREFIX):
-                    held.append(bare)
-                elif not is_launcher_noise(text):
+def _supervise(command: list[str], trainer_args: list[str], errors: str, preflight: bool) -> int:
+    """Run torchrun's agent (`command`) and report as the module says. With `preflight`, the
+    agent checks the config first: what it prints before `PREFLIGHT_PASSED` goes to the
+    terminal as it is, and the log in the dump folder is opened only after that line, so that a
+    refused config writes nothing."""
+    log = None if preflight else open(_log_path(dump_folder(trainer_args)), "a", encoding="utf-8")
+    env = dict(os.environ, **{ERROR_DIR_ENV: errors})
+    proc = subprocess.Popen(
+        command, env=env, stderr=subprocess.PIPE, text=True, errors="replace", bufsize=1
+    )
+    held: list[str] = []  # the ranks' error lines, printed once, last
+    stopped: list[int] = []
+
+    def forward(signum, _frame):  # preemption: torchrun passes SIGTERM on to every rank
+        stopped.append(signum)
+        if os.environ.get(FORWARD_SIGNALS_ENV, "1") != "0":
+            proc.send_signal(signal.SIGTERM)
+
+    for signum in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(signum, forward)
+    try:
+        assert proc.stderr is not None
+        for line in proc.stderr:
+            if log is None:  # the pre-flight check's output, its refusal the last line
+                if line.rstrip("\n") == PREFLIGHT_PASSED:
+                    log = open(_log_path(dump_folder(trainer_args)), "a", encoding="utf-8")
+                else:
                     sys.stderr.write(line)
                     sys.stderr.flush()
-            code = proc.wait()
-        except KeyboardInterrupt:
-            proc.terminate()
-            code = proc.wait()
-        if code == 0 or (stopped and read_error_files(errors) is None):
-            return code  # success, or stopped by a signal (run_train.sh reports preemption)
-        recorded = read_error_files(errors)
-        if recorded is not None:
-            rank_code, line = recorded
-        elif held:
-            rank_code, line = code, held[0]
-        else:
-            rank_code, line = (
-                code,
-                (
-                    f"{ERROR_PREFIX} training failed (torchrun exit code {code});"
-                    " the failing rank's output is above"
-                ),
-            )
-        print(f"titanlab: launcher report (torchrun's traceback): {log_path}", file=sys.stderr)
-        print(line, file=sys.stderr, flush=True)
-        return rank_code if rank_code > 0 else code
+                continue
+            log.write(line)
+            log.flush()
+            text = line.rstrip("\n")
+            bare = re.sub(r"^\[[^\]]*\]:", "", text)
+            if bare.startswith(ERROR_PREFIX):
+                held.append(bare)
+            elif not is_launcher_noise(text):
+                sys.stderr.write(line)
+                sys.stderr.flush()
+        code = proc.wait()
+    except KeyboardInterrupt:
+        proc.terminate()
+        code = proc.wait()
+    finally:
+        if log is not None:
+            log.close()
+    if log is None:  # the check refused the config, or the agent died before torchrun
+        return code
+    log_path = log.name
+    if code == 0 or (stopped and read_error_files(errors) is None):
+        return code  # success, or stopped by a signal (run_train.sh reports preemption)
+    recorded = read_error_files(errors)
+    if recorded is not None:
+        rank_code, line = recorded
+    elif held:
+        rank_code, line = code, held[0]
+    else:
+        rank_code, line = (
+            code,
+            (
+                f"{ERROR_PREFIX} training failed (torchrun exit code {code});"
+                " the failing rank's output is above"
+            ),
+        )
+    print(f"titanlab: launcher report (torchrun's traceback): {log_path}", file=sys.stderr)
+    print(line, file=sys.stderr, flush=True)
+    return rank_code if rank_code > 0 else code

@@ -17,12 +17,14 @@ The same steps, with the same exit codes (0 done, 2 bad config, 3 diverged, 4 ha
 memory, 75 preempted: requeue):
 1. comm.mode fake_backend or local_tensor (from the config or the command line): this process
    becomes `python -m titanlab.train` (exec), without torchrun.
-2. The pre-flight check, `python -m titanlab.preflight --nproc NGPU ...`: a hopeless config
-   fails in seconds with one line and nothing written.
-3. `titanlab.resilience.launcher` runs torchrun (rank output, the failing rank's one error line
-   last); SIGTERM or SIGUSR1 reach the ranks as SIGTERM. When rank 0 stopped for preemption
-   after saving, the exit code is 75.
-The launching process imports neither torch nor the trainer: the ranks do.
+2. `titanlab.resilience.launcher --preflight` starts torchrun's agent, which first runs the
+   pre-flight check (`titanlab.preflight` with `--nproc NGPU`, in the agent's process:
+   `titanlab.resilience.agent`): a hopeless config fails in seconds with one line and nothing
+   written.
+3. Then torchrun starts the ranks; the launcher shows their output, the failing rank's one
+   error line last; SIGTERM or SIGUSR1 reach the ranks as SIGTERM. When rank 0 stopped for
+   preemption after saving, the exit code is 75.
+The launching process imports neither torch nor the trainer: the agent and the ranks do.
 """
 
 from __future__ import annotations
@@ -125,6 +127,7 @@ def plan_launch(argv: list[str], env: dict[str, str]) -> Launch:
         return launch
     launch.nproc = env.get("NGPU") or str(gpu_count() or 2)
     launch.torchrun = [
+        "--preflight",
         f"--nproc_per_node={launch.nproc}",
         f"--max-restarts={env.get('MAX_RESTARTS', '0')}",
         "--rdzv_backend=c10d",
@@ -151,10 +154,6 @@ def run(launch: Launch, prog: str = PROG) -> int:
         sys.stdout.flush()
         sys.stderr.flush()
         os.execv(python, [python, "-m", "titanlab.train", *launch.trainer_args()])
-    check = [python, "-m", "titanlab.preflight", "--nproc", launch.nproc, *launch.trainer_args()]
-    code = subprocess.run(check).returncode
-    if code != 0:
-        return code
     marker = os.path.join(tempfile.gettempdir(), f"titanlab-preempt.{uuid.uuid4().hex[:12]}")
     os.environ[launcher.MARKER_ENV] = marker
     code = launcher.main(launch.torchrun)
