@@ -54,7 +54,7 @@ TITANLAB_PREEMPT_MARKER=$(mktemp -u "${TMPDIR:-/tmp}/titanlab-preempt.XXXXXX")
 
 # titanlab.launcher runs torchrun, keeps its traceback in <dump_folder>/logs/launcher-*.log and
 # ends with the failing rank's one `titanlab: error:` line and exit code. With --preflight,
-# torchrun's agent first runs the pre-flight check (titanlab.resilience.agent): an invalid config,
+# torchrun's agent first runs the pre-flight check (titanlab.planning.agent): an invalid config,
 # or one that cannot fit, fails in seconds with one line and nothing written.
 "$PYTHON" -m titanlab.launcher --preflight \
     --nproc_per_node="$NGPU" --max-restarts="${MAX_RESTARTS:-0}" \

@@ -4,7 +4,7 @@
 
 `run_train.sh`, `titanlab train` and `multinode_trainer.slurm` start training through this
 module. It runs `torch.distributed.run` with the same arguments (with `--preflight`, as
-`run_train.sh` and `titanlab train` pass it: `titanlab.resilience.agent`, torchrun's agent with
+`run_train.sh` and `titanlab train` pass it: `titanlab.planning.agent`, torchrun's agent with
 the pre-flight check run first in its process; the launcher's log is opened only once the
 check passed, so that a refused config writes nothing) and:
 - passes the ranks' output through (torchrun prefixes it with `[rankN]:` under `--tee`);
@@ -36,7 +36,7 @@ import tempfile
 import time
 
 ERROR_DIR_ENV = "TITANLAB_ERROR_DIR"
-# What `titanlab.resilience.agent` writes to stderr once the pre-flight check passed.
+# What `titanlab.planning.agent` writes to stderr once the pre-flight check passed.
 PREFLIGHT_PASSED = "titanlab-agent: pre-flight passed"
 ERROR_PREFIX = "titanlab: error:"
 # 0 where the signal already reaches torchrun itself (srun signals every process of a step).
@@ -156,9 +156,9 @@ def main(argv: list[str]) -> int:
         )
         return 2
     preflight = argv[:1] == ["--preflight"]
-    if preflight:  # the check runs in torchrun's agent process (`titanlab.resilience.agent`)
+    if preflight:  # the check runs in torchrun's agent process (`titanlab.planning.agent`)
         argv = argv[1:]
-        agent = ["-m", "titanlab.resilience.agent", "--preflight", _nproc_per_node(argv)]
+        agent = ["-m", "titanlab.planning.agent", "--preflight", _nproc_per_node(argv)]
     else:
         agent = ["-m", "torch.distributed.run"]
     trainer_args = argv[argv.index("-m") + 2 :]

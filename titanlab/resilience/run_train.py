@@ -19,7 +19,7 @@ memory, 75 preempted: requeue):
    becomes `python -m titanlab.train` (exec), without torchrun.
 2. `titanlab.resilience.launcher --preflight` starts torchrun's agent, which first runs the
    pre-flight check (`titanlab.preflight` with `--nproc NGPU`, in the agent's process:
-   `titanlab.resilience.agent`): a hopeless config fails in seconds with one line and nothing
+   `titanlab.planning.agent`): a hopeless config fails in seconds with one line and nothing
    written.
 3. Then torchrun starts the ranks; the launcher shows their output, the failing rank's one
    error line last; SIGTERM or SIGUSR1 reach the ranks as SIGTERM. When rank 0 stopped for

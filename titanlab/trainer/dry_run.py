@@ -135,7 +135,13 @@ def fake_step(trainer: Any) -> str:
     (the loss, loss parallel, the fused head, MoE dispatch) on fake tensors: the model parts
     are materialized under `FakeTensorMode` (shapes only, no memory) and fed zeros. Returns one
     line: what ran, or why it did not (a pipeline schedule, or an op fake tensors cannot run,
-    such as a data-dependent all-to-all split); call it after `rank_bytes`."""
+    such as a data-dependent all-to-all split); call it after `rank_bytes`.
+
+    Compiled regions (`compile.enable`) run eagerly here (`torch.compiler.set_stance
+    ("force_eager")`): Inductor's CPU kernels, compiled for real tensors, read the memory of
+    fake ones, which have none (the step died of a segmentation fault on every compiled
+    config). The shapes, the layout's collectives and the loss are the same; what compiling
+    changes (fusion, memory) is the estimate's to count."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from titanlab.components.loss import maybe_loss_parallel
@@ -148,8 +154,9 @@ def fake_step(trainer: Any) -> str:
     device = torch.device(trainer.dry_run.device_type)
     trainer.init_step_state(param_dtype(config, device))
     mb, seq = config.training.local_batch_size, config.training.seq_len
+    compiled = " (compiled regions run eagerly)" if config.compile.enable else ""
     try:
-        with FakeTensorMode(allow_non_fake_inputs=True):
+        with torch.compiler.set_stance("force_eager"), FakeTensorMode(allow_non_fake_inputs=True):
             for part in trainer.model_parts:
                 to_empty_keeping_quantized(part, "cpu")
             tokens = torch.zeros(mb, seq, dtype=torch.long)
@@ -157,7 +164,7 @@ def fake_step(trainer: Any) -> str:
                 trainer._forward_backward(tokens, tokens.clone(), torch.ones(()), {})
     except Exception as e:  # an op fake tensors cannot run: say which, do not fail the run
         return f"forward/backward: not run on fake tensors ({type(e).__name__}: {str(e)[:160]})"
-    return f"forward/backward: ran on fake tensors (a microbatch of {mb} × {seq} tokens)"
+    return f"forward/backward: ran on fake tensors (a microbatch of {mb} × {seq} tokens){compiled}"
 
 
 def report(trainer: Any) -> str:

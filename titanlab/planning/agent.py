@@ -1,10 +1,10 @@
 """torchrun's agent with the pre-flight check in front, in one process.
 
-    python -m titanlab.resilience.agent --preflight NPROC [torchrun options] -m titanlab.train [trainer options]
+    python -m titanlab.planning.agent --preflight NPROC [torchrun options] -m titanlab.train [trainer options]
 
 `titanlab.resilience.launcher --preflight` (what `run_train.sh` and `titanlab train` run)
 starts this instead of `python -m torch.distributed.run`: the check
-(`titanlab.preflight.main("--nproc NPROC" + the trainer options)`) runs here first and, when it
+(`titanlab.preflight`'s `main("--nproc NPROC" + the trainer options)`) runs here first and, when it
 refuses the config, this process exits with its code (2) and its one line, before torchrun
 starts anything. When it passes, `launcher.PREFLIGHT_PASSED` is written to stderr (the launcher opens its log
 only then, so that a refused config writes nothing) and this process becomes
@@ -28,13 +28,13 @@ def main(argv: list[str]) -> int:
     the check's exit code when it refuses, else torchrun's (by SystemExit, as `-m` exits)."""
     if argv[:1] != ["--preflight"] or len(argv) < 2 or "-m" not in argv:
         print(
-            "titanlab: error: usage: python -m titanlab.resilience.agent --preflight NPROC "
+            "titanlab: error: usage: python -m titanlab.planning.agent --preflight NPROC "
             "[torchrun options] -m titanlab.train [trainer options]",
             file=sys.stderr,
         )
         return 2
     nproc, torchrun = argv[1], argv[2:]
-    from titanlab import preflight
+    from titanlab.planning import preflight_cli as preflight
 
     trainer_args = torchrun[torchrun.index("-m") + 2 :]
     code = preflight.main(["--nproc", nproc, *trainer_args])

@@ -1,4 +1,4 @@
-"""The pre-flight check inside torchrun's agent (`titanlab.resilience.agent`, started by
+"""The pre-flight check inside torchrun's agent (`titanlab.planning.agent`, started by
 `titanlab.launcher --preflight`, as run_train.sh and `titanlab train` do): a refused config is
 one line and its exit code, with nothing written and no rank started."""
 
