@@ -26,6 +26,7 @@ from titanlab.data.digit_tasks import DigitVocab
 from titanlab.distributed.local_params import local_parameters
 from titanlab.data.tokenizer import AnyTokenizer, default_tokenizer_path, load_tokenizer
 from titanlab.models.common.decoder import Decoder
+from titanlab.models.common.init import random_weights_skipped
 from titanlab.models.registry import (
     ModelFamily,
     build_model,
@@ -270,14 +271,19 @@ def init_model_weights(
     its shards locally, no collective): the weights then equal a single-process
     run's for the same seed, whatever the layout. CPU runs use small models, so the full copy
     is cheap. The parts' own `init_weights` then runs on their local shards
-    (`local_parameters`): it sets their buffers (RoPE tables, MoE counters), and what it
-    writes into the parameters is replaced.
+    (`local_parameters`) with its random draws skipped (`random_weights_skipped`): it sets
+    their buffers (RoPE tables, MoE counters), and the parameters are replaced.
     """
     torch.manual_seed(seed)
     whole = device.type == "cuda" or world_size == 1
-    # On CPU the shards' parameters are overwritten by the full copy below: they are
-    # initialized on their local tensors (the buffers as they are), skipping DTensor's dispatch.
-    local = contextlib.nullcontext() if whole else local_parameters(model_parts)
+    # On CPU the shards' parameters are overwritten by the full copy below: only their buffers
+    # and constant weights are set (no random draws), on their local tensors (the buffers as
+    # they are), skipping DTensor's dispatch.
+    local: contextlib.AbstractContextManager = contextlib.nullcontext()
+    if not whole:
+        local = contextlib.ExitStack()
+        local.enter_context(local_parameters(model_parts))
+        local.enter_context(random_weights_skipped())
     with hide_quantized(model_parts), local:  # QLoRA's NF4 base weights: from the checkpoint
         for part in model_parts:
             cast(Decoder, part).init_weights(buffer_device=device)

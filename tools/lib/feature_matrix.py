@@ -12,7 +12,7 @@ from titanlab.planning.layouts import Layout
 from tools.lib.runs import TINY_RUN
 
 STEPS = 2
-GLOBAL_BATCH = 8
+GLOBAL_BATCH = 4
 FP32_TOLERANCE = 1e-5
 LOW_PRECISION_TOLERANCE = 2e-2
 EXPORT_TOLERANCE = 1e-4
@@ -153,7 +153,7 @@ FACTORS: dict[str, tuple[Level, ...]] = {
     ),
     "loss": (
         Level("loss", "plain", ("--loss.fused_linear_cross_entropy", "false")),
-        # 32-token chunks: a microbatch (4 × 64 tokens per rank) is 8 of them
+        # 32-token chunks: a microbatch (2 × 64 tokens per rank) is 4 of them
         Level("loss", "fused", _FUSED_LOSS),
     ),
     "data": (

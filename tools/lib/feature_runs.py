@@ -1,6 +1,6 @@
 """Running the feature-pair matrix's rows (`tools/feature_pairs.py` chooses them): the shared
-fixtures (token data, chat data, a seed checkpoint per model), a row on 2 ranks against 1 process,
-the checks of its export, and the markdown table."""
+fixtures (token data, chat data, a seed checkpoint per model), a row on 2 ranks against 1 eager
+process, the checks of its export, and the markdown table."""
 
 from __future__ import annotations
 
@@ -64,21 +64,24 @@ def _run(nproc: int, args: list[str], dump: str) -> str | None:
 def launch_row(
     row: Row, fixtures: Fixtures, root: str, compile_backend: str = "inductor"
 ) -> RowOutcome:
-    """Train `row` on 2 ranks and on 1 process (subprocesses) and compare the losses; the
-    export is checked by `finish_row`. `compile_backend`: torch.compile's backend where the row
-    compiles (CI's covering rows use "aot_eager": Dynamo's capture and AOTAutograd's joint
-    graph, which is where features meet compile, without Inductor's C++ build; Inductor's
-    numerics are in test_compile.py)."""
+    """Train `row` on 2 ranks and its reference on 1 process (subprocesses) and compare the
+    losses; the export is checked by `finish_row`. The reference has the row's options with
+    compile off: a compiled row must train like the eager single process, which also proves
+    compile alone (and saves the reference's compilation). `compile_backend`: torch.compile's
+    backend where the row compiles (CI's covering rows use "aot_eager": Dynamo's capture and
+    AOTAutograd's joint graph, which is where features meet compile, without Inductor's C++
+    build; Inductor's numerics are in test_compile.py)."""
     name = row_name(row)
     start = time.time()
     low = any(lv.low_precision for lv in row.values())
     out = RowOutcome(name, tolerance=LOW_PRECISION_TOLERANCE if low else FP32_TOLERANCE)
     dump = os.path.join(root, "rows", name)
     backend = ["--compile.backend", compile_backend] if row["compile"].name == "on" else []
-    ref_key = json.dumps(row_args(row, fixtures, reference=True) + backend)
+    ref_args = row_args({**row, "compile": FACTORS["compile"][0]}, fixtures, reference=True)
+    ref_key = json.dumps(ref_args)
     ref = os.path.join(root, "references", hashlib.sha1(ref_key.encode()).hexdigest()[:12])
     if not os.path.exists(os.path.join(ref, "metrics.jsonl")):
-        out.error = _run(1, row_args(row, fixtures, reference=True) + backend, ref)
+        out.error = _run(1, ref_args, ref)
     if out.error is None:
         export = ["--checkpoint.enable", "true", "--checkpoint.export_dtype", "float32"]
         out.error = _run(WORLD_SIZE, row_args(row, fixtures) + backend + export, dump)
@@ -289,7 +292,8 @@ def write_doc(
     if outcomes:
         lines += [
             "",
-            f"## Rows ({len(rows)}): 2 ranks against 1 process, {STEPS} steps, then the export",
+            f"## Rows ({len(rows)}): 2 ranks against 1 eager process, {STEPS} steps, then the "
+            "export",
             "",
             "| row | worst \\|Δloss\\| | bound | export | result |",
             "|---|---|---|---|---|",

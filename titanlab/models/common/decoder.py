@@ -25,7 +25,7 @@ from torch import nn
 from titanlab.models.common.attention import Attention
 from titanlab.models.common.feed_forward import FeedForward
 from titanlab.models.common.document_mask import block_causal_mask, build_attention_mask
-from titanlab.models.common.init import trunc_normal_
+from titanlab.models.common.init import normal_, trunc_normal_
 from titanlab.models.common.kv_cache import KVCache, LayerCache
 from titanlab.models.common.mla import MLAttention
 from titanlab.models.common.aux_loss import add_loss_grad
@@ -266,7 +266,7 @@ class Decoder(nn.Module):
         """
         self.reset_rope(buffer_device)
         if self.tok_embeddings is not None and not self.args.tie_word_embeddings:
-            nn.init.normal_(self.tok_embeddings.weight, mean=0.0, std=1.0)
+            normal_(self.tok_embeddings.weight, 1.0)
         for layer_id in sorted(self.layers.keys(), key=int):
             cast(TransformerBlock, self.layers[layer_id]).init_weights()
         if self.norm is not None:

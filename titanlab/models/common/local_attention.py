@@ -23,6 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from titanlab.models.common.init import normal_
+
 
 class AttentionSinks(nn.Module):
     """The learned sink logit of each head, `weight` (n_heads,); under tensor parallel a block
@@ -33,7 +35,7 @@ class AttentionSinks(nn.Module):
         self.weight = nn.Parameter(torch.empty(n_heads))
 
     def init_weights(self) -> None:
-        nn.init.normal_(self.weight, std=0.02)  # Hugging Face's GptOss initializer_range
+        normal_(self.weight, 0.02)  # Hugging Face's GptOss initializer_range
 
     def forward(self) -> torch.Tensor:
         """(local heads,) sink logits."""
