@@ -279,12 +279,11 @@ def init_model_weights(
     # On CPU the shards' parameters are overwritten by the full copy below: only their buffers
     # and constant weights are set (no random draws), on their local tensors (the buffers as
     # they are), skipping DTensor's dispatch.
-    local: contextlib.AbstractContextManager = contextlib.nullcontext()
-    if not whole:
-        local = contextlib.ExitStack()
-        local.enter_context(local_parameters(model_parts))
-        local.enter_context(random_weights_skipped())
-    with hide_quantized(model_parts), local:  # QLoRA's NF4 base weights: from the checkpoint
+    # QLoRA's NF4 base weights are hidden first: they come from the checkpoint.
+    with hide_quantized(model_parts), contextlib.ExitStack() as local:
+        if not whole:
+            local.enter_context(local_parameters(model_parts))
+            local.enter_context(random_weights_skipped())
         for part in model_parts:
             cast(Decoder, part).init_weights(buffer_device=device)
     if whole:

@@ -9,7 +9,6 @@ with `to_empty` + `init_weights` (or a checkpoint load).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, cast
 
 import torch
@@ -33,6 +32,7 @@ from titanlab.distributed.activation_checkpoint import apply_ac
 from titanlab.distributed.cp_documents import own_cp_attention
 from titanlab.distributed.activation_offload import apply_offload
 from titanlab.distributed.expert_parallel import apply_ep
+from titanlab.distributed.expert_sharding import ExpertSharding, expert_fsdp, shard_placement
 from titanlab.distributed.parallel_dims import ParallelDims
 from titanlab.distributed.tensor_parallel import apply_tp
 from titanlab.models.common.decoder import moe_layers
@@ -172,39 +172,6 @@ def grid_dp_dims(parallel_dims: ParallelDims) -> DataParallelMeshDims | None:
     )
 
 
-def expert_fsdp(parallel_dims: ParallelDims, device: torch.device) -> ExpertSharding | None:
-    """How FSDP shards expert-parallel experts (None without ep): over efsdp, replicated over
-    dp_replicate under HSDP."""
-    if not parallel_dims.ep_enabled:
-        return None
-    efsdp = parallel_dims.mesh("efsdp")
-    assert efsdp is not None  # built whenever ep > 1
-    mesh = (
-        parallel_dims.root_slice("dp_replicate", "efsdp")
-        if parallel_dims.dp_replicate_enabled
-        else efsdp
-    )
-    # The dense gradients are averaged over every data-parallel rank (dp_replicate × dp_shard
-    # × cp); an expert's gradient already sums the tokens of its ep ranks (the all-to-all's
-    # backward), so FSDP must divide it by the same count, not by its own mesh's size.
-    dp_ranks = parallel_dims.dp_replicate * parallel_dims.dp_shard * parallel_dims.cp
-    # Without a reduce-scatter (efsdp of 1 rank) FSDP divides while copying, then again after
-    # the reduction when told to sum (torch 2.13): sum only when efsdp really reduce-scatters.
-    sum_reduce = device.type != "cuda" and efsdp.size() > 1
-    return ExpertSharding(mesh, float(dp_ranks), sum_reduce=sum_reduce)
-
-
-@dataclass
-class ExpertSharding:
-    """FSDP of expert-parallel experts: their own mesh and gradient divide factor."""
-
-    mesh: DeviceMesh
-    grad_divide_factor: float
-    sum_reduce: bool
-    """Reduce with SUM then divide (gloo has no PREMUL_SUM, which FSDP uses for a custom divide
-    factor)."""
-
-
 def fsdp_mesh(parallel_dims: ParallelDims) -> DeviceMesh:
     """The mesh FSDP shards over: 1D `dp_shard_cp`, or 2D (dp_replicate, dp_shard_cp) for HSDP
     (parameters replicated on dim 0, sharded on dim 1)."""
@@ -315,7 +282,8 @@ def apply_fsdp(
     The final norm and output run last in forward and first in backward, so they are never
     resharded after forward. With tied embeddings the shared weight stays with the root.
     An MoE layer's router is its own group with fp32 weights (`ROUTER_MP`); expert-parallel
-    experts (`experts` given) are their own group on the expert mesh. `dp_mesh_dims` (2D / 3D
+    experts (`experts` given) are their own group on the expert mesh, each weight sharded on a
+    dim that splits evenly (`titanlab.distributed.expert_sharding`). `dp_mesh_dims` (2D / 3D
     tensor parallel): `mesh` is the parameters' (dp..., grid...) mesh and these its dp dims.
     """
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
@@ -340,6 +308,7 @@ def apply_fsdp(
                     mesh=experts.mesh,
                     mp_policy=mp,
                     offload_policy=offload,
+                    shard_placement_fn=shard_placement(experts.shard_ranks),
                 )
                 moe.experts.set_gradient_divide_factor(experts.grad_divide_factor)  # type: ignore[operator]
                 moe.experts.set_force_sum_reduction_for_comms(experts.sum_reduce)  # type: ignore[operator]

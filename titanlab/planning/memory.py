@@ -81,6 +81,7 @@ def estimate_memory(
         bytes per rank by category; `total` is the predicted peak including overhead.
     """
     from titanlab.planning.activation_memory import trace_activation_bytes
+    from titanlab.distributed.expert_sharding import held_elements
     from titanlab.planning.meta_counts import expert_params, moe_layers, params
 
     model = _meta_model(model_args)
@@ -201,18 +202,31 @@ def estimate_memory(
         optimizer_bytes_per_param = 8.0 - 4.0 * muon / n_params
     gathers = dp_shard * cp > 1 or replicas > 1
 
+    # The expert weights are sharded on a dim that splits evenly over the efsdp ranks; where
+    # none does, FSDP2 pads dim 0 (`expert_sharding.held_elements`): a rank's elements per MoE
+    # layer beyond the even share.
+    padding_per_moe = 0
+    if moes and ep > 1:
+        efsdp = max(sharded_by // ep, 1)
+        for w in moes[0].experts.parameters():
+            local_shape = (w.shape[0] // ep, *w.shape[1:])
+            padding_per_moe += held_elements(local_shape, efsdp) - w.numel() // sharded_by
+    # pipeline ranks: the largest share of the MoE layers
+    padding = padding_per_moe * -(-len(moes) // pp)
+
     def grad_bytes(params: int, local: int) -> int:
         """Gradient bytes of a rank with `params` parameter elements (unsharded), `local` of
         them its own when gathered (dense ones tp-split, experts ep-split): whole gradients
-        hold `local`, reduce-scattered ones their shard."""
-        return 4 * (local if whole_grads else params // sharded_by)
+        hold `local`, reduce-scattered ones their shard (with the experts' padding)."""
+        return 4 * (local if whole_grads else params // sharded_by + padding)
 
     def estimate(params: int, local: int, gathered_units: int, **rank) -> MemoryEstimate:
         """The estimate of a rank holding `params` parameter elements, `local` as gathered."""
         return MemoryEstimate(
-            params=4 * params // sharded_by,
+            params=4 * params // sharded_by + 4 * padding,
             grads=grad_bytes(params, local),
-            optimizer=round(optimizer_bytes_per_param * params) // sharded_by,
+            optimizer=round(optimizer_bytes_per_param * params) // sharded_by
+            + round(optimizer_bytes_per_param * padding),
             gathered_params=gathered_units * elem if gathers else 0,
             overhead=(2 if on_gpu else 1) * GIB // 2,
             # a recomputed block remakes its all-to-all buffers (an MoE block's: a2a_layer)

@@ -78,7 +78,7 @@ def _expert_norm_worker(rank: int, world: int, init_file: str, out_dir: str) -> 
     from titanlab.distributed.expert_parallel import apply_ep
     from titanlab.distributed.init import destroy_distributed
     from titanlab.distributed.parallel_dims import ParallelDims
-    from titanlab.distributed.parallelize import expert_fsdp
+    from titanlab.distributed.expert_sharding import expert_fsdp
     from titanlab.models.common.moe import MoE, MoEArgs
 
     init_gloo(rank, world, init_file)

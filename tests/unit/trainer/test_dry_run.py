@@ -83,18 +83,26 @@ def test_every_shipped_config_dry_runs_at_the_world_size_it_states(config, tmp_p
     # AdamW: two fp32 moments per trained parameter (and a step count each)
     trained = [p for part in trainer.model_parts for p in part.parameters() if p.requires_grad]
     assert 2 * held.grads <= held.optimizer <= 2 * held.grads + 8 * len(trained)
-    dims = trainer.parallel_dims
-    if not dims.pp_enabled and trainer.config.peft.method == "none":
-        # FSDP shards every fp32 parameter over the dp_shard × cp × tp ranks (rank 0's shard
-        # is at most one row longer per tensor)
-        from titanlab.models.common.counting import count_params
-        from titanlab.components.builders import build_meta_model
-
-        total = count_params(build_meta_model(trainer.model_args))
-        shards = dims.dp_shard * dims.cp * dims.tp
-        assert held.params == pytest.approx(4 * total / shards, rel=0.01)
+    assert_parameters_even_and_estimated(held, trainer)
     # the save plan holds rank 0's model and optimizer shards
     assert held.save_bytes >= held.params + held.optimizer - 8 * len(trained)
+
+
+def assert_parameters_even_and_estimated(held, trainer) -> None:
+    """Without pipeline stages or adapters, rank 0's fp32 parameters are the even share of the
+    dp_shard × cp × tp ranks FSDP shards them over (a tensor's shard is at most one row longer;
+    expert weights too: `titanlab.distributed.expert_sharding`), and what the pre-flight's
+    estimate counts, both within 1%."""
+    dims = trainer.parallel_dims
+    if dims.pp_enabled or trainer.config.peft.method != "none":
+        return
+    from titanlab.components.builders import build_meta_model
+    from titanlab.models.common.counting import count_params
+
+    total = count_params(build_meta_model(trainer.model_args))
+    shards = dims.dp_shard * dims.cp * dims.tp
+    assert held.params == pytest.approx(4 * total / shards, rel=0.01)
+    assert held.params == pytest.approx(trainer.memory.params, rel=0.01)
 
 
 def recorded_picks() -> list[tuple[str, dict]]:
@@ -129,6 +137,22 @@ def test_every_published_flavor_dry_runs_at_the_layout_the_planner_picked(name, 
     assert trainer.parallel_dims.world_size == pick["world_size"]
     assert trainer.memory.total <= H100
     assert held.params > 0 and 2 * held.grads <= held.optimizer
+    assert_parameters_even_and_estimated(held, trainer)
+
+
+def test_fewer_local_experts_than_expert_fsdp_ranks_hold_the_even_share():
+    """Qwen3-MoE 235B-A22B at EP 16 on 256 ranks (full AC): 8 local experts over 16 efsdp
+    ranks, which FSDP's default dim-0 sharding padded to a whole expert each (1.97× the even
+    share on rank 0)."""
+    config = os.path.join(REPO, "train_configs", "qwen3_30b_a3b.toml")
+    held, text, trainer = built(["--job.config_file", config, "--model.flavor", "235B-A22B",
+                                 "--comm.mode", "fake_backend", "--comm.fake_world_size", "256",
+                                 "--parallelism.data_parallel_shard_degree", "256",
+                                 "--parallelism.expert_parallel_degree", "16",
+                                 "--activation_checkpoint.mode", "full"])  # fmt: skip
+    print(text)
+    assert trainer.parallel_dims.ep == 16 and trainer.parallel_dims.world_size == 256
+    assert_parameters_even_and_estimated(held, trainer)
 
 
 def run_train(*args: str, ngpu: str = "") -> subprocess.CompletedProcess:
