@@ -49,6 +49,13 @@ COMMON = ["--training.steps", "5", "--checkpoint.enable", "false"]
                 "selective",
             ],
         ),
+        # Dense TP × full AC: the checkpoint around the compiled inner block (`apply_compile`'s
+        # inside_checkpoint; compiled around the checkpoint it stopped on a DeviceMesh).
+        (
+            2,
+            4,
+            ["--parallelism.tensor_parallel_degree", "2", "--activation_checkpoint.mode", "full"],
+        ),
         # MoE blocks: the norms and attention compiled, the experts eager (issue 29). CI meets
         # MoE × compile in the feature-pair matrix's covering rows.
         pytest.param(
@@ -119,6 +126,7 @@ COMMON = ["--training.steps", "5", "--checkpoint.enable", "false"]
         "fsdp2_tp2",
         "pp2_fsdp2",
         "qwen3_tp2_selective_ac",
+        "llama3_tp2_full_ac",
         "moe_ep2_fsdp2_sac",
         "deepseek_v3_tp2_ep2_full_ac",
         "gpt_oss_tp2_ep2_sac",

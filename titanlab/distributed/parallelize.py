@@ -125,7 +125,9 @@ def parallelize_model(
         # tensor and context parallel put collectives inside the compiled blocks
         in_graph = parallel_dims.tp_enabled or parallel_dims.cp > 1
         apply_compile(model, config.compile.backend, collectives_in_graph=in_graph,
-                      fullgraph=not own_cp_attention(config))  # fmt: skip
+                      fullgraph=not own_cp_attention(config),
+                      inside_checkpoint=parallel_dims.tp_enabled
+                      and config.activation_checkpoint.mode == "full")  # fmt: skip
     if parallel_dims.dp_replicate_enabled and not parallel_dims.fsdp_enabled:
         dp_mesh = parallel_dims.mesh("dp_replicate")
         assert dp_mesh is not None  # built whenever dp_replicate > 1
@@ -224,7 +226,11 @@ def reshard_policy(option: str, pp_enabled: bool, zero_stage: int = 3) -> bool:
 
 
 def apply_compile(
-    model: Decoder, backend: str, collectives_in_graph: bool = False, fullgraph: bool = True
+    model: Decoder,
+    backend: str,
+    collectives_in_graph: bool = False,
+    fullgraph: bool = True,
+    inside_checkpoint: bool = False,
 ) -> None:
     """Compile each transformer block in place (`Module.compile`, so parameter names do not
     change and checkpoints stay portable). Blocks are identical, so one graph serves all.
@@ -246,7 +252,15 @@ def apply_compile(
 
     `fullgraph=False` (titanlab's context-parallel attention, whose collectives run eagerly:
     `titanlab.distributed.cp_documents`): each block compiles in the pieces around its
-    attention call."""
+    attention call.
+
+    `inside_checkpoint` (tensor parallel with full AC): a checkpointed dense block compiles its
+    inner block, and the checkpoint runs eagerly around the compiled code (recomputing by
+    running it again). Compiled around the checkpoint, torch 2.13's AOTAutograd stopped in the
+    first forward of a tensor-parallel block: "expected all tensors_saved_with_vc_check to be
+    Tensors, got ... DeviceMesh" (measured on CPU, aot_eager and Inductor alike; the mesh that
+    the tensor-parallel input hooks pass to `DTensor.from_local` was taken for a saved value of
+    the checkpointed region)."""
     if collectives_in_graph:
         import torch._functorch.config
         import torch._inductor.config
@@ -258,7 +272,7 @@ def apply_compile(
     for block in [*model.layers.values(), *mtp_blocks]:
         inner = getattr(block, "_checkpoint_wrapped_module", block)
         if not moe_layers(inner):
-            block.compile(backend=backend, fullgraph=fullgraph)
+            (inner if inside_checkpoint else block).compile(backend=backend, fullgraph=fullgraph)
             continue
         for child in inner.children():
             if not isinstance(child, MoE) and not type(child).__module__.startswith("torch."):

@@ -113,25 +113,6 @@ def validate_layout(config: JobConfig, dims: ParallelDims, model_args, device_ty
             "(each rank would need its own window of the other ranks' keys); use "
             "context_parallel_degree=1"
         )
-    if (
-        dims.tp > 1
-        and device_type != "cuda"
-        and config.compile.enable
-        and "model" in config.compile.components
-        and config.activation_checkpoint.mode == "full"
-        and getattr(model_args, "attention_type", "gqa") != "mla"
-    ):
-        # Measured on CPU with torch 2.13 (the feature-pair row dense-tp2-compile-full):
-        # aot_autograd stops in the compiled block's forward, "expected all
-        # tensors_saved_with_vc_check to be Tensors, got ... DeviceMesh", with the aot_eager and
-        # Inductor backends alike. Not measured on CUDA (no GPU lent when it was found), where
-        # the planner's picks use it (llama3 405B): left allowed there.
-        raise ConfigError(
-            f"parallelism.tensor_parallel_degree={dims.tp} with compile.enable=true (the model) "
-            "and activation_checkpoint.mode=full on CPU: torch 2.13 cannot compile a grouped-query "
-            "attention block that is both tensor-parallel and fully checkpointed there; use "
-            "activation_checkpoint.mode=selective, or compile.components=['loss']"
-        )
     if dims.cp > 1:
         if device_type != "cuda":
             from titanlab.distributed.cp_cpu import PrivateNameMissing, check_private_names
