@@ -167,12 +167,13 @@ def fake_step(trainer: Any) -> str:
     return f"forward/backward: ran on fake tensors (a microbatch of {mb} × {seq} tokens){compiled}"
 
 
-def report(trainer: Any) -> str:
+def report(trainer: Any, held: RankBytes | None = None) -> str:
     """The dry run's summary: the layout, rank 0's bytes, the save plan and the pre-flight's
-    estimate (the peak rank's) against the target device's memory."""
+    estimate (the peak rank's) against the target device's memory. `held`: `rank_bytes(trainer)`
+    when the caller has it already (its save plan takes seconds at 405B), else computed here."""
     device = trainer.dry_run
     assert device is not None, "report() follows a Trainer built with comm.mode=fake_backend"
-    held = rank_bytes(trainer)
+    held = held if held is not None else rank_bytes(trainer)
     step = fake_step(trainer) if trainer.config.comm.dry_run_step else ""
     est = trainer.memory
     dims = trainer.parallel_dims

@@ -59,7 +59,8 @@ def built(argv: list[str]):
     is ended afterwards."""
     try:
         trainer = Trainer(build_config(argv))
-        return dry_run.rank_bytes(trainer), dry_run.report(trainer), trainer
+        held = dry_run.rank_bytes(trainer)
+        return held, dry_run.report(trainer, held), trainer
     finally:
         destroy_distributed(barrier=False)
 
