@@ -51,10 +51,10 @@ def convert(*args: str) -> None:
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory) -> str:
-    """The debug model (dim 256, 6 layers, bundled 4k tokenizer) trained for 60 steps of 16 ×
+    """The debug model (dim 256, 6 layers, bundled 4k tokenizer) trained for 60 steps of 8 ×
     128 tokens of the stdlib corpus in one process: its step-60 DCP checkpoint."""
     dump = str(tmp_path_factory.mktemp("trained"))
-    overrides = ["--training.seq_len", "128", "--training.local_batch_size", "16",
+    overrides = ["--training.seq_len", "128", "--training.local_batch_size", "8",
                  "--training.steps", str(STEPS), "--checkpoint.interval", str(STEPS),
                  "--lr_scheduler.warmup_steps", "10", "--metrics.log_freq", "20",
                  "--job.dump_folder", dump]  # fmt: skip

@@ -45,16 +45,24 @@ class Plan:
     tokenizer: AnyTokenizer
     family: ModelFamily
     model_args: Any
-    memory: MemoryEstimate
+    memory: MemoryEstimate | None
+    """None where `check` was asked not to estimate it (`memory=False`)."""
 
 
 def check(
-    config: JobConfig, world_size: int, local_world_size: int, target: Cluster | None = None
+    config: JobConfig,
+    world_size: int,
+    local_world_size: int,
+    target: Cluster | None = None,
+    memory: bool = True,
 ) -> Plan:
     """Validate the layout, batch sizes, tokenizer, model dims and memory. Raises ConfigError.
 
     `target`: the devices a dry run (`comm.mode = "fake_backend"`) is meant for, whose type,
-    compute dtype and memory replace this machine's; None: this machine's.
+    compute dtype and memory replace this machine's; None: this machine's. `memory=False`
+    leaves out the memory estimate and its check (the activation trace, a fraction of a second
+    to seconds), for a caller that judges only the rules of layouts and features, such as the
+    feature-pair matrix (`tools/lib/feature_matrix.py`); the trainer always checks it.
     """
     family = components.build_family(config)
     tokenizer = components.build_tokenizer(config)
@@ -92,11 +100,12 @@ def check(
     check_rl(config, batch, tokenizer)
     if config.distill.teacher_path:
         teacher_args(config, family, model_args.vocab_size)
-    memory = check_memory(
-        model_args, config, world_size, local_world_size, param_dtype(config, device), target
-    )
+    estimate = None
+    if memory:
+        dtype = param_dtype(config, device)
+        estimate = check_memory(model_args, config, world_size, local_world_size, dtype, target)
     check_files(config, tokenizer)
-    return Plan(parallel_dims, batch, tokenizer, family, model_args, memory)
+    return Plan(parallel_dims, batch, tokenizer, family, model_args, estimate)
 
 
 def check_files(config: JobConfig, tokenizer: AnyTokenizer) -> None:

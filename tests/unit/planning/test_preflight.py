@@ -51,3 +51,30 @@ def test_2d_tensor_parallel_names_the_model_at_every_expert_parallel_degree(
             "yet (2D, 2.5D and 3D tensor parallel cover dense training with the plain loss); "
             "use tensor_parallel_mode=1d"
         ), (ep, line)
+
+
+def test_memory_false_judges_the_rules_without_the_memory_estimate(tmp_path, monkeypatch):
+    """The feature-pair matrix's verdicts: Llama 3 8B on 2 CPU ranks passes every rule but not
+    the memory check; with memory=False the plan comes back without an estimate, nothing is
+    traced, and a rule's refusal is still raised."""
+    from titanlab.planning import activation_memory, memory
+
+    argv = ["--job.config_file", os.path.join(REPO, "train_configs", "llama_8b.toml"),
+            "--job.dump_folder", str(tmp_path / "out"), "--compile.enable", "false",
+            "--parallelism.data_parallel_shard_degree", "2"]  # fmt: skip
+    monkeypatch.setattr(
+        memory, "available_bytes_per_rank", lambda n: (8 * 2**30, "8.0 GiB of host memory")
+    )
+    with pytest.raises(ConfigError, match="needs about"):
+        preflight.check(build_config(argv), 2, 2)
+
+    def no_trace(*args, **kwargs):
+        raise AssertionError("memory=False traced the activations")
+
+    monkeypatch.setattr(activation_memory, "trace_activation_bytes", no_trace)
+    plan = preflight.check(build_config(argv), 2, 2, memory=False)
+    assert plan.memory is None and plan.parallel_dims.dp_shard == 2
+    with pytest.raises(ConfigError, match="does not equal the world size 2"):
+        preflight.check(
+            build_config([*argv, "--parallelism.tensor_parallel_degree", "3"]), 2, 2, memory=False
+        )
