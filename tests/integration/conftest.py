@@ -66,6 +66,14 @@ def pytest_collection_modifyitems(config, items) -> None:
 # A tiny run of the debug model (6 layers, dim 256, 64-token windows), 2 samples per rank.
 TINY = [*TINY_RUN, "--training.local_batch_size", "2"]
 
+PARITY_FULL = os.environ.get("TITANLAB_PARITY_FULL") == "1"
+"""`make test-parity-full` (and `make test-full`): every case CI trims."""
+CI_COMPILE_BACKEND = [] if PARITY_FULL else ["--compile.backend", "aot_eager"]
+"""Options of a run where compile meets another feature: in CI aot_eager (Dynamo's capture and
+AOTAutograd's joint graph, where features meet compile) without Inductor's C++ build of each new
+graph's kernels; Inductor under TITANLAB_PARITY_FULL=1. Inductor's numerics are
+tests/integration/test_compile.py's."""
+
 
 @dataclass
 class RunResult:

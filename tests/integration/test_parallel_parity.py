@@ -15,6 +15,8 @@ import sys
 
 import pytest
 
+from conftest import CI_COMPILE_BACKEND
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, REPO)
 from titanlab.planning.layouts import Layout  # noqa: E402
@@ -33,12 +35,6 @@ CP2 = Layout(1, 1, 1, 1, None, 1, cp=2)
 FULL_ONLY = pytest.mark.skipif(
     os.environ.get("TITANLAB_PARITY_FULL") != "1", reason="make test-parity-full runs it"
 )
-# CI compiles with aot_eager (Dynamo's capture and AOTAutograd's joint graph, where FSDP2's
-# hooks and ZeRO-1's per-microbatch toggles meet the compiled blocks) without Inductor's C++
-# build; Inductor's numerics are test_compile.py's, and `make test-parity-full` uses Inductor.
-COMPILE_BACKEND = (
-    [] if os.environ.get("TITANLAB_PARITY_FULL") == "1" else ["--compile.backend", "aot_eager"]
-)
 OPTIONS = {
     "tp2_no_loss_parallel": Layout(1, 1, 2, 1, None, 1),
     "pp2_split_flops": Layout(1, 1, 1, 2, "1F1B", 1),  # blocks 6 + 2 instead of 4 + 4
@@ -53,7 +49,8 @@ OPTIONS = {
 OPTION_ARGS = {
     "tp2_no_loss_parallel": ["--parallelism.disable_loss_parallel", "true"],
     "pp2_split_flops": ["--parallelism.pipeline_parallel_split", "flops"],
-    "fsdp2_zero1_ga2_compile": ["--compile.enable", "true", *COMPILE_BACKEND],
+    # aot_eager in CI: FSDP2's hooks and ZeRO-1's per-microbatch toggles meet the captured blocks
+    "fsdp2_zero1_ga2_compile": ["--compile.enable", "true", *CI_COMPILE_BACKEND],
     "cp2_ac_full": ["--activation_checkpoint.mode", "full"],
     "cp2_ac_selective_op": ["--activation_checkpoint.mode", "selective"],
     "cp2_ac_selective_2": [

@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from conftest import TINY
+from conftest import CI_COMPILE_BACKEND, PARITY_FULL, TINY
 
 
 def trace_names(path: str) -> set[str]:
@@ -94,17 +94,15 @@ def test_out_of_memory_in_a_recorded_step_ends_with_one_line_naming_its_snapshot
 
 # One 2-rank layout per parallelism the FSDP test above does not cover, compile included: the
 # profiler wraps the whole loop, so each must still write a trace per rank naming the step.
-# CI compiles with aot_eager (Dynamo's capture and AOTAutograd's compiled function, what the
-# profiler records as compiled regions) without Inductor's C++ build of the TP block's kernels
-# (25 of the test's 32 s, 2 cores); `make test-parity-full` compiles with Inductor.
-FULL = os.environ.get("TITANLAB_PARITY_FULL") == "1"
+# aot_eager in CI (`CI_COMPILE_BACKEND`): the profiler records its compiled regions as it does
+# Inductor's; Inductor's build of the TP block's kernels was 23 of the test's 32 s (2 cores).
 LAYOUTS = {
     "tp2-compile": [
         "--parallelism.tensor_parallel_degree",
         "2",
         "--compile.enable",
         "true",
-        *([] if FULL else ["--compile.backend", "aot_eager"]),
+        *CI_COMPILE_BACKEND,
     ],
     "pp2": ["--parallelism.pipeline_parallel_degree", "2", "--training.local_batch_size", "4"],
     "cp2": ["--parallelism.context_parallel_degree", "2"],
@@ -117,7 +115,7 @@ LAYOUTS = {
         pytest.param(
             name,
             marks=pytest.mark.skipif(
-                name == "cp2" and not FULL,
+                name == "cp2" and not PARITY_FULL,
                 reason="make test-parity-full runs it",
             ),
         )
