@@ -18,6 +18,9 @@ TESTS ?= tests
 # integration tests, they left half of the 2 cores idle for 2.4 minutes (waiting on the Slurm
 # daemons and the hung rank's timeout); their output is printed after the integration tests'.
 UNIT_WORKERS ?= 2
+# A command `make test` runs between the unit and the integration tests (.ci/run: install the
+# llama.cpp wheel built beside the set-up and the unit tests, tools/ci_llama_cpp.sh).
+BEFORE_INTEGRATION ?=
 INTEGRATION_WORKERS ?= 2
 # Coverage: off in `make test` (and so in CI): it measures only the pytest processes (the ranks,
 # where the trainer runs, are workers it does not trace) and its tracer slowed the unit stage by
@@ -31,18 +34,22 @@ JUNIT = $(if $(CI_REPORTS),--junitxml=$(CI_REPORTS)/$(1).xml)
 
 .PHONY: train test coverage test-full setup clean check lint format docs docs-serve benchmark test-parity-full gpu-check gpu-session llama-cpp llama-cpp-wheel peer-wheels dry-run-flavors
 
+# Installs into .venv with uv when it can be had, else pip (tools/venv_install.sh: the same
+# versions, ~20 s instead of ~3 min).
+INSTALL = tools/venv_install.sh $(VENV)
+
 setup: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml setup.py
 	@test -x $(PY) || python3 -m venv $(VENV)
 	@if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
 		echo "setup: CUDA GPU found, installing torch==$(TORCH_VERSION)"; \
-		$(PY) -m pip install -q "torch==$(TORCH_VERSION)"; \
+		$(INSTALL) "torch==$(TORCH_VERSION)"; \
 	else \
 		echo "setup: no CUDA GPU, installing the CPU build of torch==$(TORCH_VERSION)"; \
-		$(PY) -m pip install -q "torch==$(TORCH_VERSION)" $(TORCH_CPU_PIP_ARGS); \
+		$(INSTALL) "torch==$(TORCH_VERSION)" $(TORCH_CPU_PIP_ARGS); \
 	fi
-	$(PY) -m pip install -q -e ".[dev]"
+	$(INSTALL) -e ".[dev]"
 	@touch $@
 
 train: setup
@@ -51,6 +58,7 @@ train: setup
 test: setup
 ifeq ($(TESTS),tests)
 	$(STAGE) unit env OMP_NUM_THREADS=1 $(PY) -m pytest -q -rs -n $(UNIT_WORKERS) $(COV_QUIET) $(call JUNIT,unit) $(PYTEST_ARGS) tests/unit
+	$(BEFORE_INTEGRATION)
 	@serial_log=$$(mktemp); \
 	$(STAGE) "serial (overlapped)" env OMP_NUM_THREADS=1 COVERAGE_FILE=.coverage.serial $(PY) -m pytest -q -rs --durations=10 -m serial $(COV_QUIET) $(call JUNIT,serial) $(PYTEST_ARGS) tests/integration >"$$serial_log" 2>&1 & serial=$$!; \
 	$(STAGE) integration env OMP_NUM_THREADS=1 $(PY) -m pytest -q -rs --durations=10 -n $(INTEGRATION_WORKERS) --dist loadscope --no-loadscope-reorder -m "not serial" $(COV_QUIET) $(if $(COV),--cov-append) $(call JUNIT,integration) $(PYTEST_ARGS) tests/integration; status=$$?; \
@@ -108,7 +116,7 @@ docs: setup $(DOCS_INSTALLED)
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet
 
 $(DOCS_INSTALLED): docs/requirements.txt
-	$(PY) -m pip install -q -r docs/requirements.txt
+	$(INSTALL) -r docs/requirements.txt
 	@touch $@
 
 # The built site served on http://localhost:$(DOCS_PORT): its search reads an index the browser

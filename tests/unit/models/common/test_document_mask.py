@@ -94,15 +94,26 @@ def test_without_masking_the_documents_see_each_other():
 
 
 def test_flex_block_mask_equals_the_dense_mask():
-    """The CUDA path's BlockMask against the dense SDPA mask (forward; flex attention has no
-    CPU backward, and its CPU forward runs compiled)."""
+    """The CUDA path's BlockMask against the dense SDPA mask: element for element at a length
+    that is not a multiple of flex attention's block, and the attention's output (forward; flex
+    attention has no CPU backward, and its CPU forward runs compiled) at 32 tokens. The output
+    is compared at a multiple of the CPU kernel's 32-token block: torch 2.13's CPU kernel
+    returns wrong rows when the sequence ends inside a block on AVX2 machines (24 tokens:
+    |diff| 2.0, NaN in 6 of 48 rows on an AMD EPYC; exact on AVX-512 Xeons), the defect of
+    pytorch/pytorch#159247."""
+    from torch.nn.attention.flex_attention import create_mask
+
     from titanlab.models.common.document_mask import flex_block_mask
 
+    stream = [t for d in three_documents() for t in d] * 2  # 6 documents over 60 tokens
+    for seq in (24, 32):
+        seg = document_ids(torch.tensor([stream[:seq], stream[5 : 5 + seq]]), EOS)
+        block = flex_block_mask(seg)
+        elements = create_mask(block.mask_mod, 2, 1, seq, seq, device="cpu")
+        assert torch.equal(elements, block_causal_mask(seg)), seq
     model = model_of(LLAMA)
-    window = torch.tensor([[t for d in three_documents() for t in d]] * 2)[:, :24]
-    seg = document_ids(window, EOS)
     attn = model.layers["0"].attention
-    x = torch.randn(2, 24, LLAMA.dim)
+    x = torch.randn(2, 32, LLAMA.dim)
     cos, sin = model.rope_cos, model.rope_sin
     with torch.no_grad():
         dense = attn(x, cos, sin, mask=block_causal_mask(seg))
