@@ -3,11 +3,11 @@ files, installed into a fresh virtual environment (no system site-packages, no c
 path), where `titanlab train` trains the debug model from a folder outside the checkout with the
 config and tokenizer the wheel ships.
 
-torch is pinned to the version this environment runs (2.13.0): pip finds its CPU wheel through
-the machine's pip configuration (find-links); an unpinned torch would pull the CUDA build.
-Elsewhere, `TORCH_CPU_PIP_ARGS` (as the Makefile's) adds pip arguments for it, e.g.
-`--index-url https://download.pytorch.org/whl/cpu`. About a minute on 2 cores, most of it
-installing torch.
+It installs with `tools/venv_install.sh`, as `make setup` does (uv where it can be had, else
+pip). torch is pinned to the version this environment runs (2.13.0), found as pip finds it
+through the machine's pip configuration (find-links); an unpinned torch would pull the CUDA
+build. Elsewhere, `TORCH_CPU_PIP_ARGS` (as the Makefile's) adds installer arguments for it, e.g.
+`--index-url https://download.pytorch.org/whl/cpu`.
 """
 
 from __future__ import annotations
@@ -69,8 +69,11 @@ def test_the_wheel_installs_and_trains_outside_the_checkout(tmp_path):
     sh([sys.executable, "-m", "venv", str(venv)], 120)
     python, titanlab = str(venv / "bin" / "python"), str(venv / "bin" / "titanlab")
     extra = shlex.split(os.environ.get("TORCH_CPU_PIP_ARGS", ""))
-    pip = [python, "-m", "pip", "install", "-q", "--disable-pip-version-check"]
-    sh([*pip, f"torch=={TORCH}", str(wheel), *extra], 600)
+    # The installer `make setup` uses (uv where it can be had, else pip; TITANLAB_PIP=1: pip):
+    # the wheel's metadata decides what it pulls in either way, and uv took 210 -> ~60 s of
+    # this test off CI's 2 cores.
+    install = [os.path.join(REPO, "tools", "venv_install.sh"), str(venv)]
+    sh([*install, f"torch=={TORCH}", str(wheel), *extra], 600)
 
     run = tmp_path / "run"  # outside the checkout: no run_train.sh, train_configs/ or .venv
     run.mkdir()
