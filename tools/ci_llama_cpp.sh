@@ -16,13 +16,21 @@ log=$CI_REPORTS/llama-cpp.log
 done_file=$CI_REPORTS/llama-cpp.status
 case ${1:-} in
 build)
-	status=0
-	tools/ci_stage.sh "llama-cpp build (overlapped)" make llama-cpp-wheel >"$log" 2>&1 || status=$?
-	echo "$status" >"$done_file.tmp"
-	mv "$done_file.tmp" "$done_file"
+	# The status is written however the build ends (set -e exits with the failed command's).
+	trap 'code=$?; echo "$code" >"$done_file.tmp"; mv "$done_file.tmp" "$done_file"' EXIT
+	tools/ci_stage.sh "llama-cpp build (overlapped)" make llama-cpp-wheel >"$log" 2>&1
 	;;
 install)
-	while [ ! -f "$done_file" ]; do sleep 1; done
+	waited=0
+	while [ ! -f "$done_file" ]; do
+		if [ "$waited" -ge "${LLAMA_CPP_WAIT_S:-1800}" ]; then
+			cat "$log" 2>/dev/null || true
+			echo "the llama.cpp build wrote no status in ${waited} s (killed?): see $log"
+			exit 1
+		fi
+		sleep 1
+		waited=$((waited + 1))
+	done
 	if [ "$(cat "$done_file")" != 0 ]; then
 		cat "$log"
 		echo "the llama.cpp build failed (exit $(cat "$done_file")): see above"
