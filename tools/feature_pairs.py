@@ -24,7 +24,9 @@ own pre-flight (`titanlab.planning.preflight.check`, the function `run_train.sh`
   failing row is at fault. A row is checked by the pre-flight again (a combination of more
   levels may be refused where its pairs are not; the row then falls back to its seed's own
   row). Each row trains 2 steps on 2 ranks from one seed
-  checkpoint per model (global batch 4 × 64 tokens) and is compared with the same options on
+  checkpoint per model (global batch 4 × 64 tokens; 2 × 64 in a row with bf16, fp16 or float8,
+  whose matmuls run ~40x slower than fp32 on CPUs without native bf16) and is compared with the
+  same options on
   1 process, eager (compile, expert, tensor, context and pipeline parallel off; the global
   batch split into as many accumulation steps as the layout has global microbatches, over each
   of which MoE's load-balance loss is taken), then exports and loads its export

@@ -1,5 +1,5 @@
 """Chat SFT in the trainer: prepared conversations train packed (document masking and restarted
-positions forced on, assistant tokens only), and FSDP 2 equals 1 process (1e-5, 5 steps, one
+positions forced on, assistant tokens only), and FSDP 2 equals 1 process (1e-5, 3 steps, one
 seed checkpoint)."""
 
 import os

@@ -1,7 +1,7 @@
 """DeepSeek-V3 (multi-head latent attention, dense first block, group-limited routing with the
 auxiliary-loss-free bias, a shared expert) under data, tensor, pipeline and expert parallelism
-equals one process, from one seed checkpoint, fp32, 5 steps, within 1e-5, and its expert biases
-after 5 steps are equal bitwise; the debug flavor's multi-token prediction depth trains under
+equals one process, from one seed checkpoint, fp32, 3 steps, within 1e-5, and its expert biases
+after 3 steps are equal bitwise; the debug flavor's multi-token prediction depth trains under
 FSDP × EP, TP, PP and TP × PP to the 1-process losses (main and MTP). The debug config trains on 2 processes, resumes bitwise, and
 its export loads in transformers with equal logits.
 
@@ -58,7 +58,7 @@ def reference(tiny_dataset, tmp_path_factory):
 
 
 def _biases(dump: str) -> dict[str, torch.Tensor]:
-    reader = DcpModelReader(os.path.join(dump, "checkpoint", f"step-{parity_matrix.STEPS}"))
+    reader = DcpModelReader(os.path.join(dump, "checkpoint", f"step-{parity_matrix.LAYOUT_STEPS}"))
     return {k: reader.load(k) for k in reader.tensors if k.endswith("expert_bias")}
 
 
@@ -78,7 +78,7 @@ def test_deepseek_v3_layout_matches_single_process(layout, reference):
 
 
 # The debug flavor's MTP depth, with DeepSeek-V3's sequence-wise balance loss (weight far above
-# the paper's 1e-4, so a wrong gradient shows in 5 steps; refused under TP) or with the bias
+# the paper's 1e-4, so a wrong gradient shows in 3 steps; refused under TP) or with the bias
 # balancing alone (any layout).
 MTP_FLAVOR = [*OPTIONS, "--model.flavor", "debugmodel"]
 MTP_OPTIONS = {
@@ -151,7 +151,8 @@ def test_multi_token_prediction_trains_equal_to_one_process(kind, need, mtp_refe
     assert outcome.error is None, outcome.report()
     want = _mtp_losses(os.path.join(root, "reference"))
     got = _mtp_losses(os.path.join(root, "runs", layout.name))
-    mtp_diff = max(abs(got[s] - want[s]) for s in want)
+    assert sorted(got) == list(range(1, parity_matrix.LAYOUT_STEPS + 1))
+    mtp_diff = max(abs(got[s] - want[s]) for s in got)
     print(
         f"deepseek_v3 debugmodel (MTP, {kind}) {layout.name}: worst |Δloss| "
         f"{outcome.max_abs_diff:.3g}, worst |Δmtp_loss| {mtp_diff:.3g}"

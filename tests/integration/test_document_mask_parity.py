@@ -1,5 +1,5 @@
 """Document masking (data.document_mask, data.reset_positions) in the trainer: under TP 2 and
-PP 2 the losses equal 1 process (1e-5, 5 steps, one seed checkpoint) and the masking changes the
+PP 2 the losses equal 1 process (1e-5, 3 steps, one seed checkpoint) and the masking changes the
 losses (it is on). (Data without EOS: tests/integration/test_error_lines.py.)
 
 The data are short documents (the functions of stdlib modules, ~20-200 tokens), so every

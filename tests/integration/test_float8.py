@@ -3,6 +3,10 @@
 from conftest import read_metrics
 
 BF16 = [
+    "--model.flavor",
+    "debugmodel_deep",
+    "--optimizer.lr",
+    "1e-2",
     "--training.steps",
     "20",
     "--training.mixed_precision_on_cpu",

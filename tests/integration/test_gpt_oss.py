@@ -1,5 +1,5 @@
 """gpt-oss (sliding windows, sinks, biased MoE) under data, tensor, expert and pipeline
-parallelism equals one process, from one seed checkpoint, fp32, 5 steps, within 1e-5, with the
+parallelism equals one process, from one seed checkpoint, fp32, 3 steps, within 1e-5, with the
 load-balance loss on; and the debug config trains on 2 CPU ranks with falling loss (warm ranks, as
 run_train.sh trains it), and its export loads in transformers with equal logits.
 

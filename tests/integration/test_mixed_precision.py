@@ -5,7 +5,11 @@ import os
 
 from conftest import read_metrics
 
+# The thin debug flavor (dim 64): on CPUs without native bf16/fp16 (AVX2) a low-precision
+# matmul runs ~40x slower than fp32, and what is tested here does not depend on the width.
+THIN = ["--model.flavor", "debugmodel_deep"]
 BF16 = [
+    *THIN,
     "--training.mixed_precision_on_cpu",
     "true",
     "--training.mixed_precision_param",
@@ -25,6 +29,7 @@ def test_bf16_autocast_single_process_matches_fsdp_bf16(train, tmp_path):
     train(2, *BF16, "--training.local_batch_size", "2", dump=two).check()
     train(
         1,
+        *THIN,
         "--training.steps",
         "4",
         "--checkpoint.enable",
@@ -43,6 +48,7 @@ def test_fp16_loss_scaling_skips_overflow_and_recovers(train, tmp_path):
     dump = str(tmp_path / "fp16")
     run = train(
         2,
+        *THIN,
         "--training.mixed_precision_on_cpu",
         "true",
         "--training.mixed_precision_param",

@@ -1,6 +1,6 @@
 """Qwen3-MoE under data, tensor, pipeline and expert parallelism equals one process, from one
-seed checkpoint, fp32, 5 steps, within 1e-5: with the load-balance loss, and separately with the
-auxiliary-loss-free expert bias (whose values after 5 steps are equal too). The debug MoE config
+seed checkpoint, fp32, 3 steps, within 1e-5: with the load-balance loss, and separately with the
+auxiliary-loss-free expert bias (whose values after 3 steps are equal too). The debug MoE config
 trains with EP 2 (on warm ranks, as run_train.sh trains it) with expert-load lines in its log,
 resumes exactly, and
 one checkpoint reshards EP 2 → EP 1 → EP 2 × FSDP 2 with equal losses.
@@ -31,7 +31,7 @@ from titanlab.planning.layouts import SCHEDULES, pairwise_subset
 from tools import parity_matrix
 
 BALANCING = {
-    # A coefficient far above Qwen3's 0.001, so a wrongly reduced aux gradient shows in 5 steps.
+    # A coefficient far above Qwen3's 0.001, so a wrongly reduced aux gradient shows in 3 steps.
     "aux_loss": ["--model.moe_load_balance_coeff", "0.1", "--model.moe_bias_update_speed", "0"],
     "expert_bias": ["--model.moe_load_balance_coeff", "0", "--model.moe_bias_update_speed", "0.01"],
 }
@@ -102,7 +102,7 @@ def reference(tiny_dataset, tmp_path_factory):
 
 
 def _biases(dump: str) -> dict[str, torch.Tensor]:
-    reader = DcpModelReader(os.path.join(dump, "checkpoint", f"step-{parity_matrix.STEPS}"))
+    reader = DcpModelReader(os.path.join(dump, "checkpoint", f"step-{parity_matrix.LAYOUT_STEPS}"))
     return {k: reader.load(k) for k in reader.tensors if k.endswith("expert_bias")}
 
 
