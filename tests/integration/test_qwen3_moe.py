@@ -124,7 +124,7 @@ def test_moe_layout_matches_single_process(mode, layout, reference):
 
 
 def _run_debug_config(
-    tiny_dataset, dump, steps: int, *extra: str, nproc: int = 2, interval: int = 6
+    tiny_dataset, dump, steps: int, *extra: str, nproc: int = 2, interval: int = 4
 ) -> RunResult:
     """train_configs/qwen3_moe_debug.toml on `nproc` warm ranks, as run_train.sh trains it."""
     return run_config(
@@ -169,41 +169,41 @@ def _records(dump) -> dict[int, dict]:
 
 def test_moe_debug_config_trains_with_ep2_resumes_exactly_and_reshards(tiny_dataset, tmp_path):
     straight, resumed, chain = tmp_path / "straight", tmp_path / "resumed", tmp_path / "chain"
-    for steps, dump in ((12, straight), (6, resumed), (12, resumed)):
+    for steps, dump in ((8, straight), (4, resumed), (8, resumed)):
         proc = _run_debug_config(tiny_dataset, dump, steps)
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-        if steps == 6:  # the EP 2 checkpoint the resharding chain starts from
-            shutil.copytree(dump / "checkpoint" / "step-6", chain / "checkpoint" / "step-6")
-    assert "ep=2" in proc.stdout and "active per token" in proc.stdout and "step-6" in proc.stdout
+        if steps == 4:  # the EP 2 checkpoint the resharding chain starts from
+            shutil.copytree(dump / "checkpoint" / "step-4", chain / "checkpoint" / "step-4")
+    assert "ep=2" in proc.stdout and "active per token" in proc.stdout and "step-4" in proc.stdout
     lines = [ln for ln in proc.stdout.splitlines() if "expert max/mean load:" in ln]
-    assert len(lines) == 6 and "moe_aux_loss:" in lines[0] and "(bias " in lines[0]  # 7..12
+    assert len(lines) == 4 and "moe_aux_loss:" in lines[0] and "(bias " in lines[0]  # 5..8
 
     want, got = _records(straight), _records(resumed)
-    assert [got[s]["loss"] for s in range(1, 13)] == [want[s]["loss"] for s in range(1, 13)]
-    assert got[12]["moe/0/bias_norm"] == want[12]["moe/0/bias_norm"] > 0
-    assert want[12]["loss"] < want[1]["loss"]
+    assert [got[s]["loss"] for s in range(1, 9)] == [want[s]["loss"] for s in range(1, 9)]
+    assert got[8]["moe/0/bias_norm"] == want[8]["moe/0/bias_norm"] > 0
+    assert want[8]["loss"] < want[1]["loss"]
     assert {"moe/0/max_load", "moe/0/mean_load", "moe/0/aux_loss", "moe/aux_loss"} <= set(want[1])
 
-    # EP 2 (steps 1-6) → EP 1, FSDP 2 (7-9) → EP 2 × FSDP 2 on 4 ranks (10-12), same global batch.
+    # EP 2 (steps 1-4) → EP 1, FSDP 2 (5-6) → EP 2 × FSDP 2 on 4 ranks (7-8), same global batch.
     ep1 = _run_debug_config(
-        tiny_dataset, chain, 9, "--parallelism.expert_parallel_degree", "1", interval=3
+        tiny_dataset, chain, 6, "--parallelism.expert_parallel_degree", "1", interval=2
     )
     assert ep1.returncode == 0, ep1.stdout[-2000:] + ep1.stderr[-2000:]
     ep2_fsdp2 = _run_debug_config(
         tiny_dataset,
         chain,
-        12,
+        8,
         "--training.local_batch_size",
         "2",
         "--training.global_batch_size",
         "8",
         nproc=4,
-        interval=3,
+        interval=2,
     )
     assert ep2_fsdp2.returncode == 0, ep2_fsdp2.stdout[-2000:] + ep2_fsdp2.stderr[-2000:]
     assert "dp_shard=4" in ep2_fsdp2.stdout and "ep=2" in ep2_fsdp2.stdout
     resharded = _records(chain)
-    diffs = [abs(resharded[s]["loss"] - want[s]["loss"]) for s in range(7, 13)]
-    print(f"resharded EP 2 → EP 1 → EP 2 × FSDP 2: worst |Δloss| over steps 7-12 {max(diffs):.3g}")
+    diffs = [abs(resharded[s]["loss"] - want[s]["loss"]) for s in range(5, 9)]
+    print(f"resharded EP 2 → EP 1 → EP 2 × FSDP 2: worst |Δloss| over steps 5-8 {max(diffs):.3g}")
     assert max(diffs) <= parity_matrix.TOLERANCE
-    assert abs(resharded[12]["moe/0/bias_norm"] - want[12]["moe/0/bias_norm"]) <= 1e-6
+    assert abs(resharded[8]["moe/0/bias_norm"] - want[8]["moe/0/bias_norm"]) <= 1e-6
