@@ -50,14 +50,9 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from tools.lib.feature_covering import covering_rows, pair_rows
-from tools.lib.feature_matrix import (
-    companions,
-    names_both,
-    pair_verdicts,
-    row_name,
-    triple_verdicts,
-)
+from tools.lib.feature_matrix import row_name
 from tools.lib.feature_runs import make_fixtures, run_rows, write_doc
+from tools.lib.feature_verdicts import companions, names_both, pair_verdicts, triple_verdicts
 from tools.lib.runs import REPO
 
 

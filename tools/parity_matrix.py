@@ -13,7 +13,7 @@ tokens) from the same seed checkpoint, and its losses are compared with the 1-pr
 which trains 5 (to show it trains: the loss falls below step 1's). Three steps cover every
 part of a step a layout changes: the forward at the seed (step 1), a first update (gradients,
 clipping, the optimizer's first step; step 2) and a second one from the optimizer's state,
-the warmup over (step 3); steps 4 and 5 took 2 of a layout's 5 steps and repeated step 3.
+the warmup over (step 3). Running a layout against the reference is `tools/lib/parity_runs.py`.
 Results are appended to `<work-dir>/results.jsonl` as they come (a rerun skips layouts already
 there), and the table is written between markers in `docs/parallelism.md` (`--output`).
 `make test-parity-full` runs the whole matrix.
@@ -25,22 +25,21 @@ import argparse
 import json
 import os
 import re
-import shutil
-import subprocess
 import sys
-import time
-from dataclasses import dataclass
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from titanlab.planning.layouts import Layout, check_layout, enumerate_layouts, pairwise_subset
-from tools.lib.runs import TINY_RUN, failure_line, launch, read_losses
+from tools.lib.parity_runs import BASE_ARGS as BASE_ARGS
+from tools.lib.parity_runs import GLOBAL_BATCH as GLOBAL_BATCH
+from tools.lib.parity_runs import LAYOUT_STEPS as LAYOUT_STEPS
+from tools.lib.parity_runs import STEPS as STEPS
+from tools.lib.parity_runs import TOLERANCE as TOLERANCE
+from tools.lib.parity_runs import Outcome as Outcome
+from tools.lib.parity_runs import prepare_reference as prepare_reference
+from tools.lib.parity_runs import run_layout as run_layout
 
-STEPS = 5  # the 1-process reference's
-LAYOUT_STEPS = 3  # each layout's, compared with the reference's first LAYOUT_STEPS
-GLOBAL_BATCH = 8
-TOLERANCE = 1e-5
 WORLD_SIZES = (1, 2, 4, 8)
 ZERO_STAGES = (0, 1, 2, 3)
 OFFLOAD = (False, True)
@@ -54,51 +53,6 @@ MUST = (
     frozenset({"cp:alltoall", "hsdp"}),
     frozenset({"cp:alltoall", "tp", "pp:1F1B"}),
 )
-BASE_ARGS = [
-    *TINY_RUN,
-    "--model.flavor",
-    "debugmodel_deep",
-    "--training.steps",
-    str(STEPS),
-    "--training.global_batch_size",
-    str(GLOBAL_BATCH),
-    "--training.local_batch_size",
-    str(GLOBAL_BATCH),
-    "--checkpoint.export_at_end",
-    "false",
-    "--checkpoint.interval",
-    "1000",
-]
-
-
-@dataclass
-class Outcome:
-    """One layout's result: worst |Δloss| over the steps, or why it did not run/pass."""
-
-    layout: str
-    world_size: int
-    max_abs_diff: float | None
-    refused: str | None = None
-    error: str | None = None
-    seconds: float = 0.0
-    log: str | None = None  # the whole output of a failed launch
-
-    def report(self, lines: int = 60) -> str:
-        """`error`, followed by the last `lines` lines of the failed launch's output."""
-        if self.log is None or not os.path.exists(self.log):
-            return str(self.error)
-        with open(self.log, encoding="utf-8", errors="replace") as f:
-            tail = f.read().splitlines()[-lines:]
-        return "\n".join([str(self.error), f"--- last {len(tail)} lines of {self.log}:", *tail])
-
-    @property
-    def passed(self) -> bool:
-        return (
-            self.refused is None
-            and self.error is None
-            and self.max_abs_diff is not None
-            and self.max_abs_diff <= TOLERANCE
-        )
 
 
 def _base_config(extra: list[str] | tuple[str, ...] = ()):
@@ -162,137 +116,6 @@ def ci_layouts(device_type: str = "cpu") -> list[Layout]:
 def in_ci(layout: Layout) -> bool:
     """Whether `layout` may be in CI's subset (see `ci_layouts`)."""
     return not layout.variants and layout.tp_mode in CI_TP_MODES
-
-
-def prepare_reference(
-    root: str,
-    dataset: str | None = None,
-    extra: list[str] | tuple[str, ...] = (),
-    microbatches: int = 1,
-) -> tuple[str, str, dict[int, float]]:
-    """(dataset, seed checkpoint, 1-process losses) under `root`, made once and reused; `extra`
-    options (e.g. `--model.name qwen3`) go to both runs and must go to every layout's too. The
-    reference splits the global batch into `microbatches` accumulation steps (for statistics
-    taken per global microbatch, like an MoE load-balance loss); each count has its own reference
-    run (`reference`, `reference-mb<N>`) next to the one seed checkpoint."""
-    if dataset is None:
-        dataset = os.path.join(root, "data")
-        if not os.path.exists(os.path.join(dataset, "metadata.json")):
-            from titanlab.data.default_corpus import default_corpus_files
-            from titanlab.data.prepare import prepare_data
-            from titanlab.data.tokenizer import default_tokenizer_path
-
-            files = [f for f in default_corpus_files() if os.sep + "email" + os.sep in f][:40]
-            prepare_data(
-                files,
-                dataset,
-                default_tokenizer_path(),
-                workers=1,
-                shard_size_mb=0.25,
-                progress=False,
-            )
-    base = BASE_ARGS + ["--data.dataset_path", dataset, *extra]
-    seed = os.path.join(root, "seed", "checkpoint", "step-0")
-    if not os.path.exists(os.path.join(seed, ".metadata")):
-        _check(
-            launch(
-                1,
-                base
-                + [
-                    "--job.dump_folder",
-                    os.path.join(root, "seed"),
-                    "--checkpoint.create_seed_checkpoint",
-                    "true",
-                ],
-            )
-        )
-    ref = os.path.join(root, "reference" if microbatches == 1 else f"reference-mb{microbatches}")
-    if not os.path.exists(os.path.join(ref, "metrics.jsonl")):
-        _check(
-            launch(
-                1,
-                base
-                + [
-                    "--job.dump_folder",
-                    ref,
-                    "--training.local_batch_size",
-                    str(GLOBAL_BATCH // microbatches),
-                    "--checkpoint.initial_load_path",
-                    seed,
-                    # the state at the layouts' last step, for tests that compare it
-                    "--checkpoint.interval",
-                    str(LAYOUT_STEPS),
-                    "--checkpoint.keep_latest_k",
-                    "0",
-                ],
-            )
-        )
-    return dataset, seed, read_losses(ref)
-
-
-def _check(proc: subprocess.CompletedProcess) -> None:
-    if proc.returncode != 0:
-        raise RuntimeError(f"reference run failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
-
-
-# torchrun's summary of a rank killed by SIGSEGV (-11) or SIGABRT (-6).
-NATIVE_CRASH = re.compile(r"exitcode\s*:\s*-(?:6|11)\b")
-
-
-def run_layout(
-    layout: Layout,
-    dataset: str,
-    seed: str,
-    reference: dict[int, float],
-    root: str,
-    extra: list[str] | tuple[str, ...] = (),
-) -> Outcome:
-    """Train `layout` (plus `extra` options) from `seed` and compare its losses with
-    `reference`."""
-    dump = os.path.join(root, "runs", layout.name)
-    start = time.time()
-    args = BASE_ARGS + layout.overrides(GLOBAL_BATCH) + [
-        "--data.dataset_path", dataset, "--job.dump_folder", dump,
-        "--checkpoint.initial_load_path", seed, "--training.steps", str(LAYOUT_STEPS), *extra,
-    ]  # fmt: skip
-    proc = launch(layout.world_size, args)
-    if proc.returncode != 0 and NATIVE_CRASH.search(proc.stdout + proc.stderr):
-        # A rank killed by SIGSEGV/SIGABRT inside gloo (seen twice in CI on 8 oversubscribed
-        # CPU ranks with context parallel, each time passing when run again): keep the log
-        # and run the layout once more from scratch. A real fault crashes again.
-        os.makedirs(os.path.dirname(dump), exist_ok=True)
-        with open(f"{dump}-native-crash.log", "w", encoding="utf-8") as f:
-            f.write(proc.stdout + "\n" + proc.stderr)
-        print(f"{layout.name}: a rank died of a signal in gloo; running it once more "
-              f"(log: {dump}-native-crash.log)", flush=True)  # fmt: skip
-        shutil.rmtree(dump, ignore_errors=True)
-        proc = launch(layout.world_size, args)
-    seconds = time.time() - start
-    if proc.returncode != 0:
-        os.makedirs(dump, exist_ok=True)
-        log = os.path.join(dump, "launch.log")
-        output = proc.stdout + "\n" + proc.stderr
-        with open(log, "w", encoding="utf-8") as f:
-            f.write(output)
-        return Outcome(
-            layout.name,
-            layout.world_size,
-            None,
-            error=f"exit {proc.returncode}: {failure_line(output)}",
-            seconds=seconds,
-            log=log,
-        )
-    losses = read_losses(dump)
-    if sorted(losses) != list(range(1, LAYOUT_STEPS + 1)):
-        return Outcome(
-            layout.name,
-            layout.world_size,
-            None,
-            seconds=seconds,
-            error=f"logged steps {sorted(losses)}, expected 1..{LAYOUT_STEPS}",
-        )
-    worst = max(abs(losses[s] - reference[s]) for s in range(1, LAYOUT_STEPS + 1))
-    return Outcome(layout.name, layout.world_size, worst, seconds=seconds)
 
 
 def format_table(outcomes: list[Outcome]) -> str:

@@ -65,6 +65,10 @@ def pytest_collection_modifyitems(config, items) -> None:
 
 # A tiny run of the debug model (6 layers, dim 256, 64-token windows), 2 samples per rank.
 TINY = [*TINY_RUN, "--training.local_batch_size", "2"]
+THIN = ["--model.flavor", "debugmodel_deep"]
+"""The thin debug flavor (dim 64, 8 layers), for tests that compute in bf16 or fp16 because low
+precision is what they test: on CPUs without native bf16 (AVX2) a low-precision matmul runs ~40x
+slower than fp32 (docs/contributing.md, "CI"), and what they check does not depend on the width."""
 
 PARITY_FULL = os.environ.get("TITANLAB_PARITY_FULL") == "1"
 """`make test-parity-full` (and `make test-full`): every case CI trims."""

@@ -18,6 +18,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, REPO)
 from tools.lib import feature_runs as runs  # noqa: E402
 from tools.lib import feature_matrix as fp  # noqa: E402
+from tools.lib import feature_verdicts as fv  # noqa: E402
 from tools.lib.feature_covering import covering_rows  # noqa: E402
 from tools.lib.runs import read_losses  # noqa: E402
 
@@ -30,8 +31,8 @@ def matrix(tmp_path_factory):
     pre-flight's verdict on every pair."""
     root = str(tmp_path_factory.mktemp("feature_pairs"))
     fixtures = runs.make_fixtures(root)
-    helpers = fp.companions(fixtures)
-    return fixtures, helpers, fp.pair_verdicts(fixtures, helpers), root
+    helpers = fv.companions(fixtures)
+    return fixtures, helpers, fv.pair_verdicts(fixtures, helpers), root
 
 
 def level(factor: str, name: str) -> fp.Level:
@@ -43,7 +44,7 @@ def test_every_refusal_is_one_line_naming_both_options(matrix):
     refused = {pair: why for pair, why in verdicts.items() if why is not None}
     assert all("\n" not in why for why in refused.values())
     unnamed = [f"{a.label} × {b.label}: {why}" for (a, b), why in refused.items()
-               if not fp.names_both((a, b), why, helpers)]  # fmt: skip
+               if not fv.names_both((a, b), why, helpers)]  # fmt: skip
     assert not unnamed, "\n".join(unnamed)
     # The pairs of issue 29 that must be refused, not crash after launch (packed chat data
     # under CP, refused then, trains since issue 55: tests/integration/test_cp_documents.py).
@@ -57,7 +58,7 @@ def test_every_refusal_is_one_line_naming_both_options(matrix):
 
 def test_supported_pairs_train_like_one_process_and_export_whole(matrix):
     fixtures, helpers, verdicts, root = matrix
-    triples = fp.triple_verdicts(fixtures, helpers, verdicts) if FULL else {}
+    triples = fv.triple_verdicts(fixtures, helpers, verdicts) if FULL else {}
     rows = covering_rows(verdicts, fixtures, helpers, triples=triples)
     in_rows = {frozenset(c) for row in rows for n in (2, 3) for c in combinations(row.values(), n)}
     supported = [pair for pair, why in verdicts.items() if why is None]
@@ -86,7 +87,7 @@ def test_selective_op_ac_with_expert_parallel_under_fsdp_equals_full_ac(matrix):
     fixtures, _, _, root = matrix
     losses = {}
     for ac in ("full", "selective_op"):
-        row = fp._row(level("model", "moe"), level("layout", "ep2"), level("ac", ac))
+        row = fp.row_with(level("model", "moe"), level("layout", "ep2"), level("ac", ac))
         dump = os.path.join(root, "sac_ep", ac)
         error = runs._run(fp.WORLD_SIZE, fp.row_args(row, fixtures), dump)
         assert error is None, error

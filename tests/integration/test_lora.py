@@ -16,7 +16,7 @@ from titanlab.checkpoint import store  # noqa: E402
 from titanlab.planning.layouts import Layout  # noqa: E402
 from titanlab.models.llama3 import llama3_flavors  # noqa: E402
 from tools import parity_matrix  # noqa: E402
-from tools.lib.runs import launch, read_losses  # noqa: E402
+from tools.lib.runs import failure_line, launch, read_losses  # noqa: E402
 from tools.parity_matrix import BASE_ARGS, GLOBAL_BATCH  # noqa: E402
 
 LORA = ["--peft.method", "lora", "--peft.rank", "4",
@@ -34,7 +34,7 @@ def run(layout: Layout, dataset: str, base: str, dump: str, *extra: str) -> dict
     proc = launch(layout.world_size, BASE_ARGS + layout.overrides(GLOBAL_BATCH) + [
         "--data.dataset_path", dataset, "--job.dump_folder", dump,
         "--checkpoint.initial_load_path", base, *LORA, *extra])  # fmt: skip
-    assert proc.returncode == 0, parity_matrix.failure_line(proc.stdout + proc.stderr)
+    assert proc.returncode == 0, failure_line(proc.stdout + proc.stderr)
     return read_losses(dump)
 
 

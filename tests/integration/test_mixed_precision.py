@@ -3,11 +3,8 @@
 import json
 import os
 
-from conftest import read_metrics
+from conftest import THIN, read_metrics
 
-# The thin debug flavor (dim 64): on CPUs without native bf16/fp16 (AVX2) a low-precision
-# matmul runs ~40x slower than fp32, and what is tested here does not depend on the width.
-THIN = ["--model.flavor", "debugmodel_deep"]
 BF16 = [
     *THIN,
     "--training.mixed_precision_on_cpu",

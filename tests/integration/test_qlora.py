@@ -24,7 +24,7 @@ from titanlab.generation.loading import load_model  # noqa: E402
 from titanlab.models.llama3 import llama3_flavors  # noqa: E402
 from titanlab.peft.lora import LoRALinear, apply_lora  # noqa: E402
 from tools import parity_matrix  # noqa: E402
-from tools.lib.runs import launch, read_losses  # noqa: E402
+from tools.lib.runs import failure_line, launch, read_losses  # noqa: E402
 
 to_nf4 = pytest.importorskip("torchao.quantization").to_nf4
 CONFIG = os.path.join(REPO, "train_configs", "qlora_debug.toml")
@@ -53,7 +53,7 @@ def run(nproc: int, dataset: str, base: str, dump: str, *extra: str) -> tuple[di
                           "--comm.init_timeout_seconds", "300", "--comm.train_timeout_seconds",
                           "300", *extra])  # fmt: skip
     out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, parity_matrix.failure_line(out)
+    assert proc.returncode == 0, failure_line(out)
     return read_losses(dump), out
 
 

@@ -1,20 +1,13 @@
 """Rows of the feature-pair matrix: the covering rows CI runs (every supported pair, and triple,
 in at least one row, AETG), or a row per supported pair. `tools/feature_pairs.py` runs them;
-`tools/lib/feature_matrix.py` defines the factors, levels and verdicts."""
+`tools/lib/feature_matrix.py` defines the factors and levels, `feature_verdicts.py` judges them."""
 
 from __future__ import annotations
 
 import itertools
 
-from tools.lib.feature_matrix import (
-    FACTORS,
-    FIRST,
-    Fixtures,
-    Level,
-    Row,
-    pair_row,
-    verdict,
-)
+from tools.lib.feature_matrix import FACTORS, FIRST, Fixtures, Level, Row
+from tools.lib.feature_verdicts import pair_row, verdict
 
 CANDIDATE_SEEDS = 64
 """Candidate rows built per step of `covering_rows` (one per uncovered pair, in order)."""
