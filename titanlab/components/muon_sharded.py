@@ -178,7 +178,10 @@ def buckets(updates: list[Tensor], ns_steps: int) -> tuple[list[Bucket], list[in
         assert isinstance(u, DTensor)
         if any(isinstance(p, Partial) for p in u.placements):
             raise ValueError(f"Muon update with a Partial placement: {u.placements}")
-        key = (id(u.device_mesh), dims, u.dtype)
+        # The mesh by value (its ranks, shape and names), not by object: two equal meshes
+        # can be one object on one rank and two on another (a process's earlier slicing),
+        # and every rank must form the same buckets, in the same order, for the all-to-alls.
+        key = (u.device_mesh, dims, u.dtype)
         b = by_key.setdefault(key, Bucket(u.device_mesh, dims, [], [], []))
         b.items.append(pos)
         b.layouts.append(_layout_of(u, dims))

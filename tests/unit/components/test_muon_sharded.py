@@ -73,6 +73,25 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
             "want": want_bytes,
             "flops": flops,
         }
+        # An equal mesh that is another object on rank 0 only (a process's history can make
+        # one, as a warm test worker's did): every rank must still form the same buckets, or
+        # the all-to-alls mismatch (they did when buckets were keyed by the mesh object).
+        import copy
+
+        from torch.distributed.tensor import DTensor
+
+        twin = copy.copy(mesh)  # equal, the same process groups, another object
+        mixed = [
+            DTensor.from_local(u.to_local(), twin, u.placements, shape=u.shape, stride=u.stride())
+            if rank == 0 and i % 2 else u
+            for i, u in enumerate(updates)
+        ]  # fmt: skip
+        result["buckets"] = len(buckets(mixed, 5)[0])
+        again, _, _ = orthogonalize_all(mixed, 5, torch.float32)
+        result["mixed_worst"] = max(
+            (a.full_tensor() - g.full_tensor()).abs().max().item()
+            for a, g in zip(again, got, strict=True)
+        )
         with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
             json.dump(result, f)
         ok = True
@@ -86,6 +105,7 @@ def test_every_placement_orthogonalizes_as_the_whole_matrix(tmp_path):
     for r in results:
         assert r["worst"] <= 1e-6, r
         assert r["sent"] == r["want"] > 0, r
+        assert r["buckets"] == results[0]["buckets"] and r["mixed_worst"] == 0.0, r
     # Each piece is orthogonalized once per class: the FLOPs over the 4 ranks are those of the
     # whole matrices, counted once per replica (HSDP) and once per expert group.
     whole = sum(ns_flops(shape, 5) for shape, _ in CASES)
