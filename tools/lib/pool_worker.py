@@ -6,16 +6,9 @@ A job may change, in its process: the environment, the working directory, `sys.a
 Dynamo, Inductor and functorch, Dynamo's compiled code, logging's root handlers, the warnings
 filters and the signal handlers; each is put back. What cannot be put back makes the worker
 retire (it exits, and the pool forks a fresh one): a thread or child process that outlived the
-job, a process group still up, resident memory past `MAX_RSS_BYTES`. DTensor's sharding caches
-are kept warm from job to job, their meshes made valid for each job by `tools.lib.pool_mesh`.
-
-Kept too: context parallel's CPU attention handler (`titanlab.distributed.cp_cpu.install`, the
-DTensor strategies of the CPU flash-attention kernel and its entry in torch's CP handler
-table, registered for the life of the process). It changes nothing for a later job that does
-not run context parallel: the handler table is read only inside `context_parallel`, and the
-strategies only when that kernel gets DTensor inputs, which in titanlab happens under context
-parallel alone, whose runs install the same handler themselves. Retiring the workers of every
-CP job instead left the next job cold (14 of CI's 29 parity layouts run CP).
+job, a process group still up, resident memory past `MAX_RSS_BYTES`, context parallel's CPU
+attention handler (DTensor strategies registered for good). DTensor's sharding caches are kept
+warm from job to job, their meshes made valid for each job by `tools.lib.pool_mesh`.
 """
 
 from __future__ import annotations
@@ -187,6 +180,9 @@ class _State:
             signal.signal(sig, handler)
         gc.collect()
         gc.freeze()  # what outlived the job (modules it imported, caches) is not scanned again
+        cp_cpu = sys.modules.get("titanlab.distributed.cp_cpu")
+        if cp_cpu is not None and getattr(cp_cpu, "_installed", False):
+            dirty.append("context parallel's CPU handler is installed for good")
         left = [t.name for t in threading.enumerate() if t.name not in PROCESS_THREADS]
         if len(left) > self.threads:
             dirty.append(f"threads left: {left}")

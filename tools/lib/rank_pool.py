@@ -54,6 +54,8 @@ from tools.lib.pool_worker import Job, worker_main
 TRAIN_MAIN = "titanlab.train:main"
 MAX_WORKERS = 8
 """The largest world a job may have."""
+KEEP_WORKERS = 4
+"""Workers kept warm after a job; those of higher rank (an 8-rank job's 4-7) are retired."""
 GRACE_S = fork_launch.GRACE_S
 
 
@@ -207,12 +209,8 @@ class RankPool:
                 if codes[rank] and not first:
                     first = codes[rank]
                     self._stop_others(codes)
-        # Every worker that put its process back is kept, of whatever rank: kept to ranks 0-3,
-        # an 8-rank job's ranks 4-7 started every job cold (DTensor's sharding caches empty:
-        # first step 6-8 s against 3 s for the parity layouts; 8 of them in a row 152 s against
-        # 133 s kept, 2-core AMD EPYC VM). A warm worker holds ~0.35 GiB, a pool of 8 ~3 GiB.
         for rank in range(len(workers)):
-            if not clean[rank]:
+            if not (clean[rank] and rank < KEEP_WORKERS):
                 self._retire(rank, signal.SIGKILL)
         return [c or 0 for c in codes], first
 
