@@ -45,7 +45,7 @@ class CheckpointLoading:
     _optim_sd: Callable[[], dict]
     _has_quantized: Callable[[], bool]
 
-    def _choose(self) -> str | None:
+    def _choose(self, warn: bool = True) -> str | None:
         if self.cfg.load_step >= 0:
             return store.load_step_path(self.root, self.cfg.load_step)
         for s in reversed(store.list_steps(self.root)):
@@ -53,9 +53,31 @@ class CheckpointLoading:
             reason = store.incomplete_reason(path)
             if reason is None:
                 return path
-            if self.rank == 0:
+            if warn and self.rank == 0:
                 logger.warning("checkpoint: skipping incomplete %s: %s", path, reason)
         return None
+
+    def loads_every_weight(self) -> bool:
+        """Whether `load` will replace every model weight but LoRA's adapters (which
+        `init_adapters` sets): the run then skips its random initialization, as Hugging Face's
+        `from_pretrained` skips the weights it loads. False where `load` would raise, or would
+        leave a weight to the initialization (a LoRA checkpoint of adapters alone, without
+        `initial_load_path` to take the frozen base from)."""
+        try:
+            path = self._choose(warn=False) if self.cfg.enable else None
+        except ConfigError:
+            return False
+        if path is None:
+            path = self.cfg.initial_load_path or None
+            if path is None or not os.path.isdir(path) or store.incomplete_reason(path):
+                return False
+        keys = store.saved_keys(path)
+        base = [k for k in self._model_sd() if not is_adapter(k)]
+        if all(f"model.{k}" in keys for k in base):
+            return True
+        # An adapter checkpoint: `load` takes the frozen base from initial_load_path, whole.
+        has_optim = any(k.startswith("optimizer.") for k in keys)
+        return self.adapters_only and has_optim and bool(self.cfg.initial_load_path)
 
     def load(self) -> int:
         """Restore the newest complete checkpoint (or `checkpoint.load_step`), else the weights

@@ -260,8 +260,14 @@ def init_model_weights(
     device: torch.device,
     seed: int,
     world_size: int,
+    weights_loaded: bool = False,
 ) -> None:
     """Materialized (`to_empty`) model parts → initialized weights, deterministic for `seed`.
+
+    `weights_loaded`: a checkpoint that holds every weight loads next
+    (`CheckpointLoading.loads_every_weight`), so nothing is drawn: only the buffers and the
+    constant weights are set. Either way the global random generator is left seeded with `seed`
+    (what LoRA dropout draws from), so a run starts alike whether it drew its weights or not.
 
     On CUDA, DTensor's offset-based RNG gives each shard its own slice of one random stream, so
     `init_weights` runs on the sharded parts directly (pipeline stages then differ from a
@@ -275,13 +281,25 @@ def init_model_weights(
     their buffers (RoPE tables, MoE counters), and the parameters are replaced.
     """
     torch.manual_seed(seed)
-    whole = device.type == "cuda" or world_size == 1
+    _init_weights(model_parts, model_args, device, seed, world_size, weights_loaded)
+    torch.manual_seed(seed)
+
+
+def _init_weights(
+    model_parts: list[nn.Module],
+    model_args: Any,
+    device: torch.device,
+    seed: int,
+    world_size: int,
+    weights_loaded: bool,
+) -> None:
+    whole = weights_loaded or device.type == "cuda" or world_size == 1
     # On CPU the shards' parameters are overwritten by the full copy below: only their buffers
     # and constant weights are set (no random draws), on their local tensors (the buffers as
     # they are), skipping DTensor's dispatch.
     # QLoRA's NF4 base weights are hidden first: they come from the checkpoint.
     with hide_quantized(model_parts), contextlib.ExitStack() as local:
-        if not whole:
+        if weights_loaded or not whole:
             local.enter_context(local_parameters(model_parts))
             local.enter_context(random_weights_skipped())
         for part in model_parts:

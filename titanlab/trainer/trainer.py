@@ -235,8 +235,8 @@ class Trainer(TrainLoop):
             join_teacher_load(config)
 
     def _build_checkpointer(self, world_size: int) -> None:
-        """The checkpointer, then the initial weights (a checkpoint, when found, replaces them
-        in `Checkpointer.load`)."""
+        """The checkpointer, then the initial weights: drawn from the seed, or, when a checkpoint
+        that holds them all loads next (`Checkpointer.load`), left to it."""
         config = self.config
         self.checkpointer = Checkpointer(
             config.checkpoint,
@@ -256,7 +256,12 @@ class Trainer(TrainLoop):
             peft=config.peft if config.peft.method == "lora" else None,
         )
         components.init_model_weights(
-            self.model_parts, self.model_args, self.device, config.debug.seed, world_size
+            self.model_parts,
+            self.model_args,
+            self.device,
+            config.debug.seed,
+            world_size,
+            weights_loaded=self.checkpointer.loads_every_weight(),
         )
         if config.peft.method == "lora":
             init_adapters(self.model_parts, config.debug.seed)
