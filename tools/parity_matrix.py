@@ -30,7 +30,8 @@ import sys
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from titanlab.planning.layouts import Layout, check_layout, enumerate_layouts, pairwise_subset
+from titanlab.planning.layout_cover import pairwise_subset
+from titanlab.planning.layouts import Layout, check_layout, enumerate_layouts
 from tools.lib.parity_runs import BASE_ARGS as BASE_ARGS
 from tools.lib.parity_runs import GLOBAL_BATCH as GLOBAL_BATCH
 from tools.lib.parity_runs import LAYOUT_STEPS as LAYOUT_STEPS

@@ -18,7 +18,8 @@ import os
 import pytest
 
 from conftest import CONSTANT_LR, checkpoint_every, read_metrics
-from titanlab.planning.layouts import SCHEDULES, pairwise_subset
+from titanlab.planning.layout_cover import pairwise_subset
+from titanlab.planning.layouts import SCHEDULES
 from tools import parity_matrix
 
 FULL = os.environ.get("TITANLAB_PARITY_FULL") == "1"

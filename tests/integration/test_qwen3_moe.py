@@ -27,7 +27,8 @@ import torch
 
 from conftest import RunResult, run_config
 from titanlab.checkpoint.convert import DcpModelReader
-from titanlab.planning.layouts import SCHEDULES, pairwise_subset
+from titanlab.planning.layout_cover import pairwise_subset
+from titanlab.planning.layouts import SCHEDULES
 from tools import parity_matrix
 
 BALANCING = {

@@ -8,7 +8,8 @@ import pytest
 
 from titanlab.config.job_config import ConfigError
 
-from titanlab.planning.layouts import SCHEDULES, Layout, enumerate_layouts, pairwise_subset
+from titanlab.planning.layout_cover import pairwise_subset
+from titanlab.planning.layouts import SCHEDULES, Layout, enumerate_layouts
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 sys.path.insert(0, REPO)
@@ -162,18 +163,6 @@ def test_ci_subset_covers_every_pair_that_can_meet(verdicts):
         for lay in subset
     ), names
     assert len(subset) < len(valid) / 3  # a subset, not the matrix
-
-
-def test_pairwise_subset_on_a_toy():
-    a = Layout(2, 1, 1, 1, None, 2)  # ddp + grad_accum, 2 ranks
-    b = Layout(1, 1, 2, 1, None, 2)  # tp + grad_accum, 2 ranks
-    c = Layout(2, 1, 2, 1, None, 1)  # ddp + tp, 4 ranks
-    d = Layout(2, 1, 2, 1, None, 2)  # all three on 4 ranks: covers every pair alone
-    e = Layout(1, 1, 1, 1, None, 1)  # no feature at all: never needed
-    assert pairwise_subset([a, b, c, d, e]) == pairwise_subset([a, b, c, d, e])  # deterministic
-    assert pairwise_subset([d, e]) == [d]
-    assert set(pairwise_subset([a, b, c, e])) == {a, b, c}
-    assert pairwise_subset([a, b, c, d], must=(frozenset({"ddp", "tp"}),))[0] == c  # cheapest
 
 
 def test_2d_tensor_parallel_is_enumerated_on_square_degrees_and_meets_dp_and_pp(verdicts):
