@@ -224,9 +224,11 @@ def test_bad_dry_run_options_are_one_line(args, env, says):
     ("config", "args", "says"),
     [
         ("debug_model.toml", [], "forward/backward: ran on fake tensors (a microbatch of 16 × 128"),
-        # issue 64: compiled blocks ran Inductor's CPU kernels on fake tensors (segfault)
-        ("debug_model.toml", ["--compile.enable", "true"],
-         "ran on fake tensors (a microbatch of 16 × 128 tokens) (compiled regions run eagerly)"),
+        # issue 64: compiled blocks ran Inductor's CPU kernels on fake tensors (segfault); the
+        # shipped Llama 3 8B config as it is (compiled, seq 8192, 8 ranks). The other shipped
+        # configs are make test-full's (test_every_shipped_config_runs_its_dry_run_step...).
+        ("llama_8b.toml", [],
+         "ran on fake tensors (a microbatch of 1 × 8192 tokens) (compiled regions run eagerly)"),
         ("debug_model.toml", ["--parallelism.tensor_parallel_degree", "2",
                               "--comm.fake_world_size", "4"], "ran on fake tensors"),
         ("qwen3_moe_debug.toml", [], "not run on fake tensors (DataDependentOutputException"),
