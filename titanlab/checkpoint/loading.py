@@ -57,6 +57,20 @@ class CheckpointLoading:
                 logger.warning("checkpoint: skipping incomplete %s: %s", path, reason)
         return None
 
+    def _source(self, warn: bool = True) -> tuple[str | None, bool]:
+        """(the folder `load` reads, whether only its model weights are taken): the newest
+        complete checkpoint (or `checkpoint.load_step`), else `checkpoint.initial_load_path`;
+        with `checkpoint.enable = false`, only the latter. Raises ConfigError for a
+        `load_step` or an `initial_load_path` that cannot be loaded."""
+        path = self._choose(warn) if self.cfg.enable else None
+        if path is not None or not self.cfg.initial_load_path:
+            return path, False
+        path = self.cfg.initial_load_path
+        reason = store.incomplete_reason(path) if os.path.isdir(path) else "it does not exist"
+        if reason:
+            raise ConfigError(f"checkpoint.initial_load_path={path!r} cannot be loaded: {reason}")
+        return path, self.cfg.initial_load_model_only
+
     def loads_every_weight(self) -> bool:
         """Whether `load` will replace every model weight but LoRA's adapters (which
         `init_adapters` sets): the run then skips its random initialization, as Hugging Face's
@@ -64,16 +78,13 @@ class CheckpointLoading:
         leave a weight to the initialization (a LoRA checkpoint of adapters alone, without
         `initial_load_path` to take the frozen base from)."""
         try:
-            path = self._choose(warn=False) if self.cfg.enable else None
+            path, _ = self._source(warn=False)
         except ConfigError:
             return False
         if path is None:
-            path = self.cfg.initial_load_path or None
-            if path is None or not os.path.isdir(path) or store.incomplete_reason(path):
-                return False
+            return False
         keys = store.saved_keys(path)
-        base = [k for k in self._model_sd() if not is_adapter(k)]
-        if all(f"model.{k}" in keys for k in base):
+        if all(f"model.{k}" in keys for k in self._model_sd() if not is_adapter(k)):
             return True
         # An adapter checkpoint: `load` takes the frozen base from initial_load_path, whole.
         has_optim = any(k.startswith("optimizer.") for k in keys)
@@ -87,14 +98,7 @@ class CheckpointLoading:
         Raises ConfigError when `load_step` names a missing or incomplete checkpoint.
         """
         # With checkpointing off nothing is resumed, but the initial weights are still loaded.
-        path, model_only = (self._choose() if self.cfg.enable else None), False
-        if path is None and self.cfg.initial_load_path:
-            path, model_only = self.cfg.initial_load_path, self.cfg.initial_load_model_only
-            reason = store.incomplete_reason(path) if os.path.isdir(path) else "it does not exist"
-            if reason:
-                raise ConfigError(
-                    f"checkpoint.initial_load_path={path!r} cannot be loaded: {reason}"
-                )
+        path, model_only = self._source()
         if path is None:
             return 0
         keys = store.saved_keys(path)

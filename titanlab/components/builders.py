@@ -281,31 +281,26 @@ def init_model_weights(
     their buffers (RoPE tables, MoE counters), and the parameters are replaced.
     """
     torch.manual_seed(seed)
-    _init_weights(model_parts, model_args, device, seed, world_size, weights_loaded)
-    torch.manual_seed(seed)
-
-
-def _init_weights(
-    model_parts: list[nn.Module],
-    model_args: Any,
-    device: torch.device,
-    seed: int,
-    world_size: int,
-    weights_loaded: bool,
-) -> None:
-    whole = weights_loaded or device.type == "cuda" or world_size == 1
-    # On CPU the shards' parameters are overwritten by the full copy below: only their buffers
-    # and constant weights are set (no random draws), on their local tensors (the buffers as
-    # they are), skipping DTensor's dispatch.
+    # Drawn on the parts themselves (CUDA, or one process), or, on CPU ranks, cut from a full
+    # copy drawn below; not at all when a checkpoint replaces every weight.
+    on_parts = device.type == "cuda" or world_size == 1
+    skip_draws = weights_loaded or not on_parts
+    # Where the parts draw nothing, only their buffers and constant weights are set, on their
+    # local tensors (the buffers as they are), skipping DTensor's dispatch.
     # QLoRA's NF4 base weights are hidden first: they come from the checkpoint.
     with hide_quantized(model_parts), contextlib.ExitStack() as local:
-        if weights_loaded or not whole:
+        if skip_draws:
             local.enter_context(local_parameters(model_parts))
             local.enter_context(random_weights_skipped())
         for part in model_parts:
             cast(Decoder, part).init_weights(buffer_device=device)
-    if whole:
-        return
+    if not weights_loaded and not on_parts:
+        _load_full_copy(model_parts, model_args, seed)
+    torch.manual_seed(seed)
+
+
+def _load_full_copy(model_parts: list[nn.Module], model_args: Any, seed: int) -> None:
+    """Each CPU rank draws the whole model for `seed` and loads its own parts and shards of it."""
     full = build_meta_model(model_args)
     full.to_empty(device="cpu")
     torch.manual_seed(seed)
