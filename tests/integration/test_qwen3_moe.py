@@ -208,3 +208,42 @@ def test_moe_debug_config_trains_with_ep2_resumes_exactly_and_reshards(tiny_data
     print(f"resharded EP 2 → EP 1 → EP 2 × FSDP 2: worst |Δloss| over steps 5-8 {max(diffs):.3g}")
     assert max(diffs) <= parity_matrix.TOLERANCE
     assert abs(resharded[8]["moe/0/bias_norm"] - want[8]["moe/0/bias_norm"]) <= 1e-6
+
+
+# Fewer local experts than expert-FSDP ranks (issue 64): the stacks of `debugmodel_2_experts`
+# (2 experts) on 4 FSDP ranks, in their blocks without EP (2 experts over 4 ranks) and as one
+# expert per EP rank (EP 2: 1 expert over 2 efsdp ranks), with AdamW and with Muon (whose
+# orthogonalization must see each expert's whole matrix, gathered from its dim-1 shards).
+FEW_EXPERTS = ["--model.name", "qwen3_moe", "--model.flavor", "debugmodel_2_experts"]
+MUON = ["--optimizer.name", "Muon", "--optimizer.muon_ns_dtype", "float32"]
+FEW_EXPERT_CASES = {
+    "fsdp4-adamw": (parity_matrix.Layout(1, 4, 1, 1, None, 1), []),
+    "fsdp4-muon": (parity_matrix.Layout(1, 4, 1, 1, None, 1), MUON),
+    "fsdp4-ep2-adamw": (parity_matrix.Layout(1, 4, 1, 1, None, 1, ep=2), []),
+    "fsdp4-ep2-muon": (parity_matrix.Layout(1, 4, 1, 1, None, 1, ep=2), MUON),
+}
+
+
+@pytest.mark.parametrize("case", FEW_EXPERT_CASES)
+def test_fewer_local_experts_than_expert_fsdp_ranks_match_one_process(
+    case, tiny_dataset, tmp_path_factory
+):
+    from titanlab.distributed.expert_sharding import expert_shard_dim
+    from titanlab.models.qwen3_moe import qwen3_moe_flavors
+
+    layout, optimizer = FEW_EXPERT_CASES[case]
+    args = qwen3_moe_flavors["debugmodel_2_experts"]
+    local_experts, efsdp = args.moe.num_experts // layout.ep, layout.dp_shard // layout.ep
+    assert local_experts < efsdp  # the case this test exists for: the stacks shard on dim 1
+    assert expert_shard_dim((local_experts, args.moe.hidden_dim, args.dim), efsdp) == 1
+
+    extra = [*FEW_EXPERTS, *BALANCING["aux_loss"], *optimizer]
+    root = str(tmp_path_factory.getbasetemp() / f"few_experts_{'muon' if optimizer else 'adamw'}")
+    dataset, seed, losses = parity_matrix.prepare_reference(
+        root, tiny_dataset, extra=extra, microbatches=parity_matrix.global_microbatches(layout)
+    )
+    outcome = parity_matrix.run_layout(layout, dataset, seed, losses, root, extra=extra)
+    assert outcome.error is None, outcome.report()
+    print(f"qwen3_moe 2 experts {case}: worst |Δloss| {outcome.max_abs_diff:.3g}")
+    assert outcome.max_abs_diff <= parity_matrix.TOLERANCE, (case, outcome.max_abs_diff)
+    assert losses[parity_matrix.STEPS] < losses[1]

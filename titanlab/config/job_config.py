@@ -88,7 +88,7 @@ class Model:
     flavor: str = "debugmodel"
     """A published size of the family (llama3: debugmodel, debugmodel_deep, debugmodel_tiny, 1B, 3B, 8B, 70B,
     405B; qwen3: debugmodel, debugmodel_deep, 0.6B, 1.7B, 4B, 8B, 14B, 32B; qwen3_moe:
-    debugmodel, debugmodel_deep, 30B-A3B, 235B-A22B; deepseek_v3: debugmodel, debugmodel_deep,
+    debugmodel, debugmodel_deep, debugmodel_2_experts, 30B-A3B, 235B-A22B; deepseek_v3: debugmodel, debugmodel_deep,
     16B, 671B; gpt_oss: debugmodel, debugmodel_deep, 20b, 120b), or `hf`: the
     architecture of `model.hf_config`, or of the `model_args.json` stored in
     `checkpoint.initial_load_path` (any shape of the family, e.g. an imported checkpoint)."""

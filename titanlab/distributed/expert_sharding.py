@@ -1,4 +1,5 @@
-"""How FSDP2 shards the expert-parallel experts' weights over their expert-FSDP (efsdp) ranks.
+"""How FSDP2 shards MoE experts' weights: expert-parallel ones over their expert-FSDP (efsdp)
+ranks, the others over their block's FSDP ranks.
 
 An expert stack's weight is (local experts, ...) on each expert-parallel rank. FSDP2 shards a
 parameter on dim 0 by default, in `torch.chunk`'s pieces padded to the first one's size: with
@@ -52,6 +53,25 @@ def shard_placement(ranks: int) -> Callable[[nn.Parameter], Shard]:
         return Shard(expert_shard_dim(tuple(local.shape), ranks))
 
     return place
+
+
+def block_placement(block: nn.Module, ranks: int) -> Callable[[nn.Parameter], Shard | None] | None:
+    """FSDP2's `shard_placement_fn` for a block whose MoE experts are not expert-parallel: its
+    expert stacks (all the experts, in the block's unit) on `expert_shard_dim` over the block's
+    `ranks` FSDP ranks, every other weight on FSDP2's default (None: dim 0). None for a block
+    without experts. Without it, 128 experts over 256 FSDP ranks leave half the ranks with
+    padding and rank 0 with twice the even share."""
+    from titanlab.models.common.decoder import moe_layers
+
+    stacks = [p for moe in moe_layers(block) for p in moe.experts.parameters()]
+    if not stacks:
+        return None
+    place = shard_placement(ranks)
+
+    def place_in_block(param: nn.Parameter) -> Shard | None:
+        return place(param) if any(param is stack for stack in stacks) else None
+
+    return place_in_block
 
 
 @dataclass

@@ -32,7 +32,12 @@ from titanlab.distributed.activation_checkpoint import apply_ac
 from titanlab.distributed.cp_documents import own_cp_attention
 from titanlab.distributed.activation_offload import apply_offload
 from titanlab.distributed.expert_parallel import apply_ep
-from titanlab.distributed.expert_sharding import ExpertSharding, expert_fsdp, shard_placement
+from titanlab.distributed.expert_sharding import (
+    ExpertSharding,
+    block_placement,
+    expert_fsdp,
+    shard_placement,
+)
 from titanlab.distributed.parallel_dims import ParallelDims
 from titanlab.distributed.tensor_parallel import apply_tp
 from titanlab.models.common.decoder import moe_layers
@@ -306,7 +311,13 @@ def apply_fsdp(
     mtp = list(depths.values()) if depths is not None else []
     # Multi-token prediction depths (DeepSeek-V3) are one more unit each, their block inside.
     blocks: list[nn.Module] = [*model.layers.values(), *(cast(nn.Module, m.block) for m in mtp)]
+    # Experts that are not expert-parallel ride in their block's unit, over all of `mesh`'s
+    # shard ranks: their stacks take a dim that splits evenly there too.
+    shard_ranks = mesh.size(mesh.ndim - 1)
     for block in blocks:
+        in_block = None
+        if experts is None and dp_mesh_dims is None:
+            in_block = block_placement(block, shard_ranks)
         for moe in moe_layers(block):
             fully_shard(
                 moe.router,
@@ -332,6 +343,7 @@ def apply_fsdp(
             mesh=mesh,
             mp_policy=mp,
             offload_policy=offload,
+            shard_placement_fn=in_block,
             **_mesh_dims(dp_mesh_dims),
         )
     for depth in mtp:

@@ -202,11 +202,11 @@ def estimate_memory(
         optimizer_bytes_per_param = 8.0 - 4.0 * muon / n_params
     gathers = dp_shard * cp > 1 or replicas > 1
 
-    # The expert weights are sharded on a dim that splits evenly over the efsdp ranks; where
-    # none does, FSDP2 pads dim 0 (`expert_sharding.held_elements`): a rank's elements per MoE
-    # layer beyond the even share.
+    # The expert weights are sharded on a dim that splits evenly over the efsdp ranks (without
+    # expert parallel: the block's FSDP ranks); where none does, FSDP2 pads dim 0
+    # (`expert_sharding.held_elements`): a rank's elements per MoE layer beyond the even share.
     padding_per_moe = 0
-    if moes and ep > 1:
+    if moes:
         efsdp = max(sharded_by // ep, 1)
         for w in moes[0].experts.parameters():
             local_shape = (w.shape[0] // ep, *w.shape[1:])

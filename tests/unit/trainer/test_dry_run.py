@@ -156,6 +156,20 @@ def test_fewer_local_experts_than_expert_fsdp_ranks_hold_the_even_share():
     assert_parameters_even_and_estimated(held, trainer)
 
 
+def test_experts_without_expert_parallel_over_more_fsdp_ranks_hold_the_even_share():
+    """The debug Qwen3-MoE on 16 FSDP ranks without EP: its 8 experts ride in their blocks'
+    units over 16 ranks, which FSDP's default dim-0 sharding padded to a whole expert each
+    (1.54× the even share of the whole model on rank 0 before)."""
+    config = os.path.join(REPO, "train_configs", "qwen3_moe_debug.toml")
+    held, text, trainer = built(["--job.config_file", config, "--comm.mode", "fake_backend",
+                                 "--comm.fake_world_size", "16",
+                                 "--parallelism.data_parallel_shard_degree", "16",
+                                 "--parallelism.expert_parallel_degree", "1"])  # fmt: skip
+    print(text)
+    assert trainer.parallel_dims.ep == 1 and trainer.parallel_dims.dp_shard == 16
+    assert_parameters_even_and_estimated(held, trainer)
+
+
 def run_train(*args: str, ngpu: str = "") -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "NGPU"}
     env["PYTHON"] = sys.executable

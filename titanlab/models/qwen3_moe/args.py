@@ -74,6 +74,17 @@ qwen3_moe_flavors: dict[str, Qwen3MoEModelArgs] = {
         hidden_dim=160,
         moe=_moe(8, 2, 32),
     ),
+    # 2 thin layers of 2 experts (top-1): on 4 CPU ranks a rank group holds fewer local experts
+    # than its expert-FSDP ranks, so the expert stacks shard on a dim other than the experts'.
+    "debugmodel_2_experts": Qwen3MoEModelArgs(
+        dim=64,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        head_dim=24,
+        hidden_dim=160,
+        moe=_moe(2, 1, 32),
+    ),
     "30B-A3B": Qwen3MoEModelArgs(
         dim=2048,
         n_layers=48,
