@@ -1,7 +1,6 @@
-"""The `titanlab` command, one entry point with a subcommand per tool (docs/cli.md):
-`titanlab COMMAND [ARGS ...]`, `titanlab COMMAND --help`, `titanlab --version`. Each command is
-the `main(argv, prog)` of the module COMMANDS names, the same code as its `python -m` entry point
-or script. An unknown command is one line naming the closest one, exit code 2.
+"""The `titanlab` command (docs/cli.md): `titanlab COMMAND [ARGS ...]`, `titanlab COMMAND --help`,
+`titanlab --version`. Each command is the `main(argv, prog)` of the module COMMANDS names, the
+same code as its `python -m` entry point. An unknown command is one line naming the closest one.
 """
 
 from __future__ import annotations
@@ -17,6 +16,7 @@ COMMANDS = {
     "train": ("titanlab.resilience.run_train", "pre-flight, then train on NGPU processes (./run_train.sh)"),
     "preflight": ("titanlab.preflight", "check a config's layout and memory in seconds, before launching"),
     "plan": ("titanlab.plan", "rank the parallel layouts of a job on a cluster profile"),
+    "ledger": ("titanlab.ledger.cli", "one training step op by op, priced for a GPU, on this CPU"),
     "generate": ("titanlab.generation.cli", "sample from a DCP or Hugging Face checkpoint"),
     "convert": ("titanlab.checkpoint.convert_cli", "convert checkpoints: from-hf, to-hf, to-peft, to-gguf"),
     "prepare-data": ("titanlab.data.prepare_cli", "tokenize text, JSONL, Parquet or chats into shards"),

@@ -33,6 +33,7 @@ LAYERS = (
     "posttrain",
     "planning",
     "trainer",
+    "ledger",
     "entry points",
 )
 ENTRY_POINTS = {"__init__", "train", "generate", "preflight", "launcher", "plan", "cli"}

@@ -11,6 +11,7 @@ import torch
 from torch.optim.optimizer import _get_fused_kernels_supported_devices
 
 from titanlab.config.job_config import LRScheduler, Optimizer
+from titanlab.config.device_path import device_type
 
 
 def build_optimizer(
@@ -29,7 +30,7 @@ def build_optimizer(
     impl = cfg.implementation
     fused: bool | None = None  # None: AdamW's own default
     foreach: bool | None = None
-    fused_ok = allow_fused and device.type in _get_fused_kernels_supported_devices()
+    fused_ok = allow_fused and device_type(device) in _get_fused_kernels_supported_devices()
     if impl == "fused" and fused_ok:
         fused = True
     elif impl in ("foreach", "fused"):

@@ -22,6 +22,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from titanlab.distributed.parallel_dims import ParallelDims
+from titanlab.config.device_path import device_type
 
 
 def expert_shard_dim(local_shape: tuple[int, ...], ranks: int) -> int:
@@ -109,5 +110,5 @@ def expert_fsdp(parallel_dims: ParallelDims, device: torch.device) -> ExpertShar
     dp_ranks = parallel_dims.dp_replicate * parallel_dims.dp_shard * parallel_dims.cp
     # Without a reduce-scatter (efsdp of 1 rank) FSDP divides while copying, then again after
     # the reduction when told to sum (torch 2.13): sum only when efsdp really reduce-scatters.
-    sum_reduce = device.type != "cuda" and efsdp.size() > 1
+    sum_reduce = device_type(device) != "cuda" and efsdp.size() > 1
     return ExpertSharding(mesh, float(dp_ranks), sum_reduce=sum_reduce)

@@ -42,6 +42,7 @@ from titanlab.distributed.parallel_dims import ParallelDims
 from titanlab.distributed.tensor_parallel import apply_tp
 from titanlab.models.common.decoder import moe_layers
 from titanlab.models.common.moe import MoE
+from titanlab.config.device_path import device_type
 
 if TYPE_CHECKING:
     from titanlab.models.common.decoder import Decoder
@@ -54,7 +55,7 @@ ROUTER_MP = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.f
 def param_dtype(config: JobConfig, device: torch.device) -> torch.dtype:
     """Compute dtype of parameters in forward/backward: `training.mixed_precision_param` on
     accelerators, float32 on CPU unless `training.mixed_precision_on_cpu`."""
-    if device.type == "cpu" and not config.training.mixed_precision_on_cpu:
+    if device_type(device) == "cpu" and not config.training.mixed_precision_on_cpu:
         return torch.float32
     return _DTYPES[config.training.mixed_precision_param]
 
@@ -114,7 +115,9 @@ def parallelize_model(
             model,
             tp_mesh,
             loss_parallel=loss_parallel_enabled(config, parallel_dims),
-            float8_comm=f8.enable and f8.recipe_name == "tensorwise" and device.type == "cuda",
+            float8_comm=f8.enable
+            and f8.recipe_name == "tensorwise"
+            and device_type(device) == "cuda",
             lora=config.peft.method == "lora",
         )
     if parallel_dims.ep_enabled:

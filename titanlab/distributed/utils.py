@@ -6,6 +6,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
+from titanlab.config.device_path import device_type
 
 
 @torch.no_grad()
@@ -18,8 +19,16 @@ def clip_grad_norm_(
     over their own mesh by `full_tensor()` (one norm per mesh: expert-parallel experts live on
     another mesh than the dense weights), and under pipeline parallel the squared norms of the
     stages are summed over `pp_mesh`. `max_norm <= 0` only measures. Returns a 0-dim float32
-    tensor on the gradients' device (the same value on every rank).
+    tensor on the gradients' device (the same value on every rank). Its ops run inside the
+    profiler range "titanlab::clip_grad_norm" (traces and `titanlab.ledger` name them by it).
     """
+    with torch.profiler.record_function("titanlab::clip_grad_norm"):
+        return _clip_grad_norm(parameters, max_norm, pp_mesh)
+
+
+def _clip_grad_norm(
+    parameters: list[torch.nn.Parameter], max_norm: float, pp_mesh: DeviceMesh | None
+) -> torch.Tensor:
     by_mesh: dict[object, list[torch.nn.Parameter]] = {}
     for p in parameters:
         if p.grad is not None:
@@ -68,7 +77,7 @@ def _norm(grads: list[torch.Tensor]) -> torch.Tensor:
     sharded in two halves (FSDP) was 2.6e-5 off, so the logged and clipped norm depended on the
     layout. Accelerators keep `get_total_norm` (float32).
     """
-    if not grads or grads[0].device.type != "cpu":
+    if not grads or device_type(grads[0]) != "cpu":
         return torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
     return torch.linalg.vector_norm(torch.stack([_norm64(g) for g in grads]))
 

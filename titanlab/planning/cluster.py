@@ -3,13 +3,15 @@ the links between them, and the efficiencies the performance model applies).
 
 Built-in profiles (`PROFILES`) describe nodes of 8 NVIDIA GPUs joined by NVLink inside the node
 and one InfiniBand NIC per GPU between nodes, from the vendors' data sheets:
-- H100 SXM5 80 GB (79.6 GiB): 989 TFLOP/s dense bf16 (1979 float8), HBM3 3.35 TB/s, NVLink 4 900 GB/s per
-  GPU (450 each way), ConnectX-7 400 Gb/s (50 GB/s each way);
+- H100 SXM5 80 GB (79.6 GiB): 989 TFLOP/s dense bf16 (1979 float8, 67 fp32 on CUDA cores), HBM3
+  3.35 TB/s, NVLink 4 900 GB/s per GPU (450 each way), ConnectX-7 400 Gb/s (50 GB/s each way);
 - H200 SXM 141 GB (140.4 GiB): the H100's compute and links, HBM3e 4.8 TB/s;
-- A100 SXM4 80 GB (80 GiB): 312 TFLOP/s bf16 (no float8), HBM2e 2.04 TB/s, NVLink 3 600 GB/s (300 each
-  way), HDR 200 Gb/s (25 GB/s);
-- B200 180 GB (179.1 GiB): 2.25 PFLOP/s dense bf16 (4.5 float8), HBM3e 8 TB/s, NVLink 5 1.8 TB/s (900 each
-  way), ConnectX-7 400 Gb/s.
+- A100 SXM4 80 GB (80 GiB): 312 TFLOP/s bf16 (no float8, 19.5 fp32), HBM2e 2.04 TB/s, NVLink 3
+  600 GB/s (300 each way), HDR 200 Gb/s (25 GB/s);
+- B200 180 GB (179.1 GiB): 2.25 PFLOP/s dense bf16 (4.5 float8; 75 TFLOP/s fp32, the HGX B200
+  data sheet's 600 for 8 GPUs), HBM3e 8 TB/s, NVLink 5 1.8 TB/s (900 each way), ConnectX-7
+  400 Gb/s.
+fp32 is the CUDA cores' rate, not TF32's: titanlab does not enable TF32.
 Their efficiencies start from titanlab's own H100 run (docs/performance.md, "GPU (H100 80GB
 HBM3)"): block GEMMs at ~760 of 989 TFLOP/s (0.77), attention at 0.85 of the FLOPs it is
 counted for, AdamW at ~1.8 of 3.35 TB/s (0.55), pointwise kernels 0.19 of the GEMM time; NCCL's
@@ -77,6 +79,9 @@ class Cluster:
     device_type: str = "cuda"
     """What the trainer runs on: "cuda", or "cpu" (float32 compute unless
     `training.mixed_precision_on_cpu`)."""
+    compute_capability: tuple[int, int] = (0, 0)
+    """A CUDA GPU's compute capability (the kernels it has: grouped GEMM from 9.0); (0, 0)
+    unknown."""
     split_backward_s: float = 0.0
     """Seconds a block's backward takes, per microbatch, beyond a whole backward when a
     zero-bubble schedule splits it into an input half and a weight half (torch's
@@ -117,21 +122,23 @@ class Cluster:
         return dataclasses.replace(self, nodes=nodes)
 
 
-def _nvidia(name, memory_mib, hbm, nvlink, nic, fp8_ratio=2.0) -> Cluster:
+def _nvidia(name, memory_mib, hbm, nvlink, nic, fp32, capability, fp8_ratio=2.0) -> Cluster:
     bf16 = peak_bf16_flops(name.upper())
     assert bf16 is not None, name  # every built-in profile is in titanlab.metrics' table
-    peak = {"bfloat16": bf16, "float16": bf16, "float32": bf16 / 2}  # fp32 via TF32 tensor cores
+    # fp32 GEMMs at the CUDA cores' fp32 rate: titanlab never enables TF32
+    # (torch.backends.cuda.matmul.allow_tf32 stays False), so cuBLAS does not use tensor cores.
+    peak = {"bfloat16": bf16, "float16": bf16, "float32": fp32}
     if fp8_ratio:
         peak["float8"] = fp8_ratio * bf16
-    return Cluster(name, 8, memory_mib * MIB, peak, hbm, nvlink, nic)
+    return Cluster(name, 8, memory_mib * MIB, peak, hbm, nvlink, nic, compute_capability=capability)
 
 
 # Memory: the total nvidia-smi reports (MiB), of which the pre-flight's check keeps headroom.
 PROFILES: dict[str, Cluster] = {
-    "h100": _nvidia("h100", 81559, 3.35e12, 450 * GB, 50 * GB),
-    "h200": _nvidia("h200", 143771, 4.8e12, 450 * GB, 50 * GB),
-    "a100": _nvidia("a100", 81920, 2.04e12, 300 * GB, 25 * GB, fp8_ratio=0.0),
-    "b200": _nvidia("b200", 183359, 8e12, 900 * GB, 50 * GB),
+    "h100": _nvidia("h100", 81559, 3.35e12, 450 * GB, 50 * GB, 67e12, (9, 0)),
+    "h200": _nvidia("h200", 143771, 4.8e12, 450 * GB, 50 * GB, 67e12, (9, 0)),
+    "a100": _nvidia("a100", 81920, 2.04e12, 300 * GB, 25 * GB, 19.5e12, (8, 0), fp8_ratio=0.0),
+    "b200": _nvidia("b200", 183359, 8e12, 900 * GB, 50 * GB, 75e12, (10, 0)),
 }
 
 
@@ -163,6 +170,7 @@ def load_profile(path: str) -> Cluster:
         with open(path, encoding="utf-8") as f:
             raw = json.load(f)
         raw["efficiency"] = Efficiency(**raw.get("efficiency", {}))
+        raw["compute_capability"] = tuple(raw.get("compute_capability", (0, 0)))
         cluster = Cluster(**raw)
     except FileNotFoundError:
         raise ConfigError(f"cluster profile file {path} does not exist") from None

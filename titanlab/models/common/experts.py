@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from titanlab.models.common.init import trunc_normal_
+from titanlab.config.device_path import device_capability, device_type
 
 
 def grouped_mm_supported(x: torch.Tensor) -> bool:
@@ -25,9 +26,9 @@ def grouped_mm_supported(x: torch.Tensor) -> bool:
     capability 9.0+ (Hopper), where it is a grouped GEMM kernel."""
     return (
         hasattr(torch, "_grouped_mm")
-        and x.is_cuda
+        and device_type(x) == "cuda"
         and x.dtype == torch.bfloat16
-        and torch.cuda.get_device_capability(x.device) >= (9, 0)
+        and device_capability(x) >= (9, 0)
     )
 
 

@@ -1,0 +1,41 @@
+"""`titanlab ledger`: the table and JSON of the debug config's step on 8 fake ranks, and bad
+input as one line, exit code 2."""
+
+from __future__ import annotations
+
+import json
+
+from titanlab.ledger.cli import main
+
+
+def test_the_debug_configs_step_on_8_ranks(tmp_path, capsys):
+    out_json = tmp_path / "ledger.json"
+    code = main(["debug_model.toml", "--device", "h200", "--comm.fake_world_size", "8",
+                 "--top", "5", "--json", str(out_json)])  # fmt: skip
+    text = capsys.readouterr().out
+    assert code == 0, text
+    lines = text.splitlines()
+    assert lines[0].startswith("ledger: llama3 debugmodel") and lines[0].endswith("priced for h200")
+    assert "dp_shard=8" in lines[0] and "MFU" in lines[1]
+    table = [line for line in lines if line.startswith("| ") and "ms |" not in line]
+    assert len(table) == 5
+    saved = json.loads(out_json.read_text())
+    summary = saved["summary"]
+    assert summary["step_s"] > 0 and 0 < summary["mfu"] < 1 and summary["device"] == "h200"
+    assert set(summary["seconds_by_phase"]) >= {"forward", "backward", "grad_norm", "optimizer"}
+    # FSDP over 8 ranks: the all-gathers and reduce-scatters are there, on dp_shard, overlapped
+    ops = {(r["op"], r["phase"]) for r in saved["ops"]}
+    assert ("c10d._allgather_base_.default", "forward") in ops
+    assert ("c10d._reduce_scatter_base_.default", "backward") in ops
+    assert summary["comm_s"] > 0 and summary["exposed_comm_s"] == 0
+
+
+def test_bad_input_is_one_line(capsys):
+    assert main(["debug_model.toml", "--device", "h900"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("titanlab: error:") and "h900" in err[0]
+    piped = ["debug_model.toml", "--comm.fake_world_size", "2",
+             "--parallelism.pipeline_parallel_degree", "2"]  # fmt: skip
+    assert main(piped) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "pipeline_parallel_degree=2" in err[0]

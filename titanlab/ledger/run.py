@@ -1,0 +1,70 @@
+"""Building the ledger of a config: the trainer of a dry run at the config's world size, built
+and stepped on the target GPU's code path (`titanlab.config.device_path`), its ops recorded
+and priced."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from titanlab.config.device_path import Target, code_path_of
+from titanlab.config.manager import build_config
+from titanlab.ledger.price import Priced, price
+from titanlab.ledger.record import OpRecord
+from titanlab.ledger.step import group_dims, record_step
+from titanlab.planning.cluster import Cluster, get_profile
+
+
+@dataclass
+class Ledger:
+    """A priced step: the ops, their prices, the device, and what the step trains."""
+
+    ops: list[OpRecord]
+    priced: Priced
+    device: Cluster
+    tokens: int
+    """Tokens rank 0 trains on in the step (local batch × seq_len × accumulation steps)."""
+    model_flops: float
+    """Training FLOPs of those tokens by the model's count (`flops_per_token`, 6N + attention),
+    what MFU is measured against."""
+    config_summary: str
+    memory_peak: float
+    """The pre-flight estimate of the peak rank's memory, bytes."""
+
+
+def build_ledger(argv: list[str], device: str = "") -> Ledger:
+    """The ledger of the run `argv` (a command line of `titanlab.train`) on `device` (a cluster
+    profile name or file; default the config's `comm.dry_run_device`). Raises ConfigError (one
+    line) for a bad option, profile or a pipelined layout."""
+    from titanlab.components.builders import build_meta_model
+    from titanlab.distributed.init import destroy_distributed
+    from titanlab.models.common.counting import count_active_params
+    from titanlab.trainer import Trainer
+
+    extra = ["--comm.mode", "fake_backend", "--comm.dry_run_step", "false"]
+    if device:
+        extra += ["--comm.dry_run_device", device]
+    config = build_config([*argv, *extra])
+    profile = get_profile(config.comm.dry_run_device)
+    target = Target(profile.device_type, profile.compute_capability)
+    with code_path_of(target):
+        try:
+            trainer = Trainer(config)
+            ops = record_step(trainer)
+            dims = group_dims(trainer)
+        finally:
+            destroy_distributed(barrier=False)
+    t = config.training
+    tokens = t.local_batch_size * t.seq_len * trainer.batch.grad_accum_steps
+    active = count_active_params(build_meta_model(trainer.model_args), exclude_embedding=True)
+    per_token = trainer.family.flops_per_token(trainer.model_args, t.seq_len, active)
+    dp = trainer.parallel_dims
+    summary = (
+        f"{config.model.name} {config.model.flavor}, seq_len {t.seq_len}, local batch "
+        f"{t.local_batch_size} × {trainer.batch.grad_accum_steps} accumulation step(s), "
+        f"{dp}, compile {'on' if config.compile.enable else 'off'}"
+    )
+    # the model's FLOPs per rank: its share of the tensor-parallel (and context-parallel) work
+    model_flops = per_token * tokens / (dp.tp * dp.cp)
+    priced = price(ops, profile, dims)
+    peak = trainer.memory.total if trainer.memory is not None else 0.0
+    return Ledger(ops, priced, profile, tokens, model_flops, summary, peak)
