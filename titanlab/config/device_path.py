@@ -39,6 +39,11 @@ def code_path_of(target: Target) -> Iterator[None]:
         _TARGET.pop()
 
 
+def target() -> Target | None:
+    """The target whose code path runs (inside `code_path_of`), or None."""
+    return _TARGET[-1] if _TARGET else None
+
+
 def _type_of(where: torch.Tensor | torch.device | str) -> str:
     if isinstance(where, torch.Tensor):
         return where.device.type

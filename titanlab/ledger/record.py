@@ -4,11 +4,13 @@ FLOPs, bytes and dtypes, and every collective with its kind, bytes and group.
 `Recorder` is a `TorchDispatchMode` entered inside a `FakeTensorMode` (the dry run's fake
 step), so the ops run on tensors without memory and the shapes are those of the real run:
 
-- **Rank-local ops.** An op on DTensors is left to DTensor (the mode returns NotImplemented, as
-  `FakeTensorMode` does for subclasses it does not know), which runs the rank's local ops on its
-  local shards; those are what is recorded. DTensor's sharding propagation computes output
-  shapes by running the op on global-shape fake tensors: ops run from
-  `_propagate_tensor_meta_non_cached` are not the rank's work and are not recorded.
+- **Rank-local ops.** An op on DTensors (or on any wrapper subclass: torchao's float8 and NF4
+  tensors) is left to the subclass (the mode returns NotImplemented, as `FakeTensorMode` does
+  for subclasses it does not know), which runs its inner ops: the rank's local ops on its
+  shards, float8's `_scaled_mm`, NF4's dequantization; those are what is recorded. DTensor's
+  sharding propagation computes output shapes by running the op on global-shape fake
+  tensors: ops run from `_propagate_tensor_meta_non_cached` are not the rank's work and are
+  not recorded.
 - **Phases**: forward, backward (whatever autograd's engine runs, recomputation included),
   grad_norm and optimizer (the ops inside the profiler ranges `_PHASES` names); what runs
   outside them and outside every module (the token count, a loss outside the model) is
@@ -44,8 +46,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed._tools.mod_tracker import ModTracker
-from torch.distributed.tensor import DTensor
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry
 
@@ -236,8 +237,10 @@ class Recorder(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         leaves = tree_leaves((args, kwargs))
-        if any(isinstance(a, DTensor) for a in leaves):
-            return NotImplemented  # DTensor runs the rank's local ops, recorded as they come
+        if any(is_traceable_wrapper_subclass(a) for a in leaves):
+            # DTensor, torchao's float8 and NF4 tensors run their inner ops (the rank's local
+            # ones, `_scaled_mm`, the dequantization), which are recorded as they come
+            return NotImplemented
         out = func(*args, **kwargs)
         if func is _RANGE_ENTER:
             self._ranges[id(out)] = args[0]

@@ -17,12 +17,14 @@ import dataclasses
 import torch
 from torch import nn
 
+from titanlab.config.device_path import device_capability, device_type
 from titanlab.config.job_config import ConfigError, Float8
 
 
 def float8_supported(device: torch.device) -> bool:
-    """Whether `device` has float8 tensor cores (NVIDIA compute capability >= 8.9)."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+    """Whether `device` has float8 tensor cores (NVIDIA compute capability >= 8.9; on a
+    target's code path, `titanlab.config.device_path`, the target's)."""
+    return device_type(device) == "cuda" and device_capability(device) >= (8, 9)
 
 
 def _linear_filter(filter_fqns: list[str]):

@@ -25,6 +25,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
+from titanlab.config.device_path import target as code_path_target
 from titanlab.config.job_config import ConfigError, Float8, JobConfig
 from titanlab.planning.cluster import Cluster, get_profile
 from titanlab.planning.memory import GIB
@@ -62,7 +63,8 @@ def world_size(config: JobConfig) -> int:
 def float8(config: JobConfig, device: Cluster | None) -> Float8:
     """The float8 config the model is built with: a dry run on meta tensors builds torchao's
     emulated Linears (the same modules, float8 math in software) when the target device has
-    float8. Raises ConfigError when it has none."""
+    float8, except on a target's code path (`titanlab.ledger`), which takes the GPU's float8
+    GEMMs (`torch._scaled_mm`, which fake tensors run). Raises ConfigError when it has none."""
     cfg = config.float8
     if device is None or not cfg.enable:
         return cfg
@@ -71,7 +73,7 @@ def float8(config: JobConfig, device: Cluster | None) -> Float8:
             f"float8.enable=true needs float8 hardware; comm.dry_run_device="
             f"{config.comm.dry_run_device} ({device.name}) has none; choose h100, h200 or b200"
         )
-    return dataclasses.replace(cfg, emulate=True)
+    return cfg if code_path_target() is not None else dataclasses.replace(cfg, emulate=True)
 
 
 @dataclasses.dataclass(frozen=True)

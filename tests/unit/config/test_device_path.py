@@ -32,10 +32,7 @@ FLEX = (
     "a flex BlockMask on CUDA: the ledger prices the dense mask until masked attention moves "
     "to FlexAttention (its issue)"
 )
-FLOAT8 = (
-    "the dry run builds torchao's emulated float8 Linears for a target with float8 "
-    "(`dry_run.float8`): the ledger prices their bf16 GEMMs (docs/ledger.md, limits)"
-)
+FLOAT8 = "names the device in a refusal (`float8_supported` decides)"
 
 _LISTED = {
     "config/device_path.py": {"_type_of": "the switch itself",
@@ -73,7 +70,7 @@ _LISTED = {
     "planning/preflight.py": {"check": PLANNED},
     "planning/validate.py": {"validate_layout": PLANNED},
     "posttrain/teacher.py": {"build_teacher": OUTSIDE_STEP},
-    "precision/float8.py": {"apply_float8": FLOAT8, "float8_supported": FLOAT8},
+    "precision/float8.py": {"apply_float8": FLOAT8},
     "precision/mixed.py": {"autocast_context": NOT_BRANCHING, "build_grad_scaler": NOT_BRANCHING},
     "trainer/trainer.py": {"Trainer.__init__": THIS_MACHINE},
 }  # fmt: skip
