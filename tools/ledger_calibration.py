@@ -102,7 +102,8 @@ def predict(row: Row, folder: str):
     from titanlab.ledger.run import build_ledger
 
     config = os.path.join(REPO, "train_configs", "llama_8b.toml")
-    argv = ["--job.config_file", config, "--comm.fake_world_size", "1", *model_args(folder)]
+    argv = ["--job.config_file", config, "--comm.fake_world_size", "1", *model_args(folder),
+            "--activation_checkpoint.mode", "none"]  # fmt: skip
     with fp32_head_gradient(row.fp32_head_grad):
         return build_ledger([*argv, *row.args], row.device)
 

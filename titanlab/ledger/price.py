@@ -2,14 +2,15 @@
 the step's.
 
 - **An op** takes max(FLOPs ÷ (peak FLOP/s of its dtype × efficiency), bytes ÷ (HBM bandwidth ×
-  efficiency)) plus a kernel-launch floor (Williams, Waterman and Patterson, "Roofline", CACM
+  efficiency; the optimizer's at the profile's `Efficiency.optimizer`)) plus a kernel-launch floor (Williams, Waterman and Patterson, "Roofline", CACM
   2009). The peaks are the cluster profile's (`titanlab.planning.cluster`, one source of truth
   with the planner); fp32 GEMMs are priced at the fp32 rate, since titanlab never enables TF32.
 - **Compiled regions** (a module compiled with `nn.Module.compile`, `Recorder`'s regions) fuse
-  their pointwise ops, as Inductor does: inside one region and phase, a pointwise op reads from
-  memory only the inputs no fused op of the region made, writes only the outputs something else
-  reads (an op outside the region, a GEMM, the backward), and pays no launch of its own. GEMMs
-  and attention stay their own kernels.
+  what Inductor generates code for (pointwise ops, casts, reductions, copies: every op but the
+  extern kernels), as Inductor does: inside one region and phase, such an op reads from memory
+  only the inputs no fused op of the region made, writes only the outputs something else reads
+  (an op outside the region, a GEMM, the backward), and pays no launch of its own. GEMMs,
+  attention and collectives stay their own kernels.
 - **Collectives** on the profile's links in the α–β ring model (`comm_model.ring_seconds`): a
   group of at most `devices_per_node` ranks on NVLink, a larger one on the NICs. FSDP's and
   DDP's (the dp_shard, dp_replicate and efsdp groups) overlap the compute and only what exceeds
@@ -51,6 +52,12 @@ def dtype_key(dtype: str) -> str:
     return {"bfloat16": "bfloat16", "float16": "float16"}.get(dtype, "float32")
 
 
+def _fuses(op: OpRecord) -> bool:
+    """Whether Inductor generates `op` into the fused kernels of its compiled region: every op
+    there but the extern kernels (GEMMs, attention, collectives) and host syncs."""
+    return op.region is not None and op.kind in ("pointwise", "other")
+
+
 def fused_traffic(ops: list[OpRecord]) -> list[tuple[int, int]]:
     """(bytes read, bytes written) of each op of `ops` once compiled regions fuse their
     pointwise ops (the module docstring's rule); other ops keep their own."""
@@ -62,7 +69,7 @@ def fused_traffic(ops: list[OpRecord]) -> list[tuple[int, int]]:
     made_by: dict[int, tuple[int | None, str, bool]] = {}
     readers: dict[int, list[tuple[int | None, str, bool]]] = {}
     for op in ops:
-        fused = op.region is not None and op.kind == "pointwise"
+        fused = _fuses(op)
         where = (op.region, op.phase, fused)
         for t in op.outputs:
             made_by.setdefault(alias.get(t, t), where)
@@ -71,7 +78,7 @@ def fused_traffic(ops: list[OpRecord]) -> list[tuple[int, int]]:
                 readers.setdefault(alias.get(t, t), []).append(where)
     out = []
     for op in ops:
-        if op.kind != "pointwise" or op.region is None:
+        if not _fuses(op):
             out.append((op.bytes_read, op.bytes_written))
             continue
         home = (op.region, op.phase, True)
@@ -123,6 +130,7 @@ def price(
     group_dims = group_dims or {}
     eff = device.efficiency
     bandwidth = device.memory_bandwidth * efficiency.memory
+    optimizer_bandwidth = device.memory_bandwidth * eff.optimizer
     seconds, compute, overlapped, waited = [], 0.0, 0.0, 0.0
     for op, (read, written) in zip(ops, fused_traffic(ops)):
         if op.kind == "view":
@@ -136,11 +144,12 @@ def price(
             else:
                 waited += s
             continue
-        s = (read + written) / bandwidth
+        # the optimizer's kernels at the bandwidth the profile measured for them
+        s = (read + written) / (optimizer_bandwidth if op.phase == "optimizer" else bandwidth)
         if op.flops:
             rate = eff.attention if op.kind == "attention" else eff.matmul
             s = max(s, op.flops / (device.flops(dtype_key(op.dtype)) * rate))
-        fused_away = op.region is not None and op.kind == "pointwise"
+        fused_away = _fuses(op)
         s += 0.0 if fused_away else efficiency.launch_s
         seconds.append(s)
         compute += s

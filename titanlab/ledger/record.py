@@ -156,6 +156,19 @@ def _kind(func: Any, name: str) -> str:
     return "other"
 
 
+def _mutated_bytes(func: Any, args: tuple, kwargs: dict) -> int:
+    """Bytes of the tensors an op writes in place and does not return (a fused or foreach
+    optimizer's parameters and moments): the arguments its schema marks as written."""
+    total = 0
+    for i, arg in enumerate(func._schema.arguments):
+        # the fused optimizers mark their gradients writable (for an unscale) but only read them
+        if arg.alias_info is None or not arg.alias_info.is_write or arg.name == "grads":
+            continue
+        value = args[i] if i < len(args) else kwargs.get(arg.name)
+        total += sum(_nbytes(t) for t in tree_leaves(value) if isinstance(t, torch.Tensor))
+    return total
+
+
 def _in_shape_propagation() -> bool:
     frame: FrameType | None = sys._getframe(2)
     for _ in range(16):
@@ -273,7 +286,7 @@ class Recorder(TorchDispatchMode):
         if kind == "view":
             return rec
         rec.bytes_read = 0 if name.split(".")[1] in _WRITE_ONLY else sum(_nbytes(t) for t in ins)
-        rec.bytes_written = sum(_nbytes(t) for t in outs)
+        rec.bytes_written = sum(_nbytes(t) for t in outs) or _mutated_bytes(func, args, kwargs)
         if kind in ("gemm", "attention"):
             rec.flops = int(FLOPS[func.overloadpacket](*args, **kwargs, out_val=out))
         if kind == "collective":

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from titanlab.components.optim import LRSchedulersContainer, OptimizersContainer
 from titanlab.config.job_config import ConfigError
 from titanlab.data.batches import BatchPreparer
 from titanlab.data.document_masking import DocumentMasking
@@ -48,6 +49,7 @@ def record_step(trainer: Any) -> list[OpRecord]:
             "use pipeline_parallel_degree=1"
         )
     config = trainer.config
+    fused = param_dtype(config, torch.device(trainer.dry_run.device_type)) != torch.float16
     # What a dry-run Trainer leaves out: the batch preparer (document masking as configured;
     # the EOS id does not change a shape) and the step count.
     masking = None
@@ -63,6 +65,14 @@ def record_step(trainer: Any) -> list[OpRecord]:
     with torch.compiler.set_stance("force_eager"), FakeTensorMode(allow_non_fake_inputs=True):
         for part in trainer.model_parts:
             to_empty_keeping_quantized(part, "cpu")
+        # Materializing replaced the parameters that are not DTensors (a run without FSDP or
+        # TP): the optimizer is built again on the model's own.
+        trainer.optimizer = OptimizersContainer(
+            trainer.model_parts, config.optimizer, trainer.device, allow_fused=fused
+        )
+        trainer.lr_scheduler = LRSchedulersContainer(
+            trainer.optimizer, config.lr_scheduler, config.training.steps
+        )
         batches = [(torch.zeros(mb, seq, dtype=torch.long),) * 2 for _ in range(accum)]
         # a first step builds the optimizer state and takes the first call's paths; the
         # second is the step every later one repeats
