@@ -35,9 +35,7 @@ def build_ledger(argv: list[str], device: str = "") -> Ledger:
     """The ledger of the run `argv` (a command line of `titanlab.train`) on `device` (a cluster
     profile name or file; default the config's `comm.dry_run_device`). Raises ConfigError (one
     line) for a bad option, profile or a pipelined layout."""
-    from titanlab.components.builders import build_meta_model
     from titanlab.distributed.init import destroy_distributed
-    from titanlab.models.common.counting import count_active_params
     from titanlab.trainer import Trainer
 
     extra = ["--comm.mode", "fake_backend", "--comm.dry_run_step", "false"]
@@ -55,8 +53,7 @@ def build_ledger(argv: list[str], device: str = "") -> Ledger:
             destroy_distributed(barrier=False)
     t = config.training
     tokens = t.local_batch_size * t.seq_len * trainer.batch.grad_accum_steps
-    active = count_active_params(build_meta_model(trainer.model_args), exclude_embedding=True)
-    per_token = trainer.family.flops_per_token(trainer.model_args, t.seq_len, active)
+    per_token = trainer.flops_per_token
     dp = trainer.parallel_dims
     summary = (
         f"{config.model.name} {config.model.flavor}, seq_len {t.seq_len}, local batch "

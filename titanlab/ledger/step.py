@@ -49,7 +49,7 @@ def record_step(trainer: Any) -> list[OpRecord]:
             "use pipeline_parallel_degree=1"
         )
     config = trainer.config
-    fused = param_dtype(config, torch.device(trainer.dry_run.device_type)) != torch.float16
+    compute_dtype = param_dtype(config, torch.device(trainer.dry_run.device_type))
     # What a dry-run Trainer leaves out: the batch preparer (document masking as configured;
     # the EOS id does not change a shape) and the step count.
     masking = None
@@ -58,7 +58,7 @@ def record_step(trainer: Any) -> list[OpRecord]:
     trainer.batches = BatchPreparer(config, masking, rank=0, dp_rank=0)
     trainer.step = 1
     trainer.device = torch.device("cpu")  # where the fake tensors live (the meta device's stand-in)
-    trainer.init_step_state(param_dtype(config, torch.device(trainer.dry_run.device_type)))
+    trainer.init_step_state(compute_dtype)
     mb, seq = config.training.local_batch_size, config.training.seq_len
     accum = trainer.batch.grad_accum_steps
     recorder = Recorder()
@@ -68,7 +68,10 @@ def record_step(trainer: Any) -> list[OpRecord]:
         # Materializing replaced the parameters that are not DTensors (a run without FSDP or
         # TP): the optimizer is built again on the model's own.
         trainer.optimizer = OptimizersContainer(
-            trainer.model_parts, config.optimizer, trainer.device, allow_fused=fused
+            trainer.model_parts,
+            config.optimizer,
+            trainer.device,
+            allow_fused=compute_dtype != torch.float16,
         )
         trainer.lr_scheduler = LRSchedulersContainer(
             trainer.optimizer, config.lr_scheduler, config.training.steps

@@ -89,6 +89,7 @@ class Trainer(TrainLoop):
         if self.dry_run is None:  # a dry run reads no data (the pre-flight checked the files)
             self._build_data()
         model, flops_per_token = self._build_model()
+        self.flops_per_token = flops_per_token  # training FLOPs per token (MFU, the ledger)
         compute_dtype = param_dtype(config, self.device)
         peft_steps.adapt(model, config, compute_dtype)
         if fused_loss(config):
