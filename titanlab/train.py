@@ -32,6 +32,13 @@ def main(argv: list[str] | None = None) -> int:
     trainer, clean = None, False
     try:
         config = build_config(argv)
+        if config.comm.ledger:  # the step priced op by op for comm.dry_run_device
+            from titanlab.ledger.report import render
+            from titanlab.ledger.run import build_ledger
+
+            print(render(build_ledger(argv)), flush=True)
+            clean = True
+            return 0
         if config.comm.mode == "local_tensor":  # every rank simulated in this process
             from titanlab.trainer import local_tensor
 

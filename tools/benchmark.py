@@ -50,7 +50,6 @@ the file.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import resource
@@ -164,11 +163,9 @@ def plain_loop(spec: dict) -> dict:
     (CUDA max reserved, else peak RSS), training FLOPs/token and the device's peak FLOP/s."""
     import numpy as np
     import torch
-    import torch.nn.functional as F
 
     from titanlab.metrics import device_peak_flops
-    from titanlab.models.common.counting import count_active_params
-    from titanlab.models.registry import get_family
+    from tools.lib import plain_loop as plain
 
     torch.set_num_threads(spec["threads"])
     if spec.get("fixed_malloc"):
@@ -176,32 +173,8 @@ def plain_loop(spec: dict) -> dict:
 
         fix_malloc_thresholds()
     device = torch.device(spec["device"])
-    family = get_family(spec["model"])
-    base = family.flavors[spec["flavor"]]
-    args = dataclasses.replace(
-        base,
-        vocab_size=spec["vocab"],
-        max_seq_len=spec["seq"],
-        n_layers=spec["layers"] or base.n_layers,
-    )
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = family.model_cls(args)
-    model.init_weights()
-    active = count_active_params(model, exclude_embedding=True)  # MoE: top_k of the experts
-    flops = family.flops_per_token(args, spec["seq"], active)
-    if spec["precision"] == "float8":
-        from torchao.float8 import convert_to_float8_training
-
-        convert_to_float8_training(model, module_filter_fn=lambda m, fqn: fqn != "output")
-    loss_fn = lambda logits, y: F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
-    if spec["compile"]:
-        for block in model.layers.values():
-            block.compile(fullgraph=True)
-        loss_fn = torch.compile(loss_fn)
-    opt = torch.optim.AdamW(
-        model.parameters(), lr=4e-3, betas=(0.9, 0.95), weight_decay=0.1, fused=True
-    )
+    loop = plain.build(spec, device)
+    flops, vocab = loop.flops_per_token, spec["vocab"]
     bs, seq = spec["batch"], spec["seq"]
     if spec["data_dir"]:
         with open(os.path.join(spec["data_dir"], "metadata.json"), encoding="utf-8") as f:
@@ -212,23 +185,14 @@ def plain_loop(spec: dict) -> dict:
 
     def batch(k: int) -> torch.Tensor:  # (bs, seq + 1) int64
         if not spec["data_dir"]:
-            return torch.randint(args.vocab_size, (bs, seq + 1), device=device)
+            return torch.randint(vocab, (bs, seq + 1), device=device)
         rows = [tokens[w * seq : w * seq + seq + 1] for w in (k * bs + np.arange(bs)) % windows]
         return torch.from_numpy(np.stack(rows).astype(np.int64)).to(device)
 
-    amp = spec["precision"] != "fp32"
     times = []
     for k in range(spec["warmup"] + spec["steps"]):
         begin = time.perf_counter()
-        xy = batch(k)
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp):
-            logits = model(xy[:, :-1])  # (bs, seq, vocab)
-        loss = loss_fn(logits, xy[:, 1:])
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        loss.item()
+        loop.step(batch(k)).item()
         if device.type == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - begin)

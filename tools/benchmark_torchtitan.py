@@ -40,6 +40,8 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
+from tools.lib.ab_rows import CPU_ROWS, GPU_ROWS, Row
+
 GIB = 2**30
 
 
@@ -101,49 +103,6 @@ def gpu_shape(layers: int) -> Shape:
 
 
 CPU_SHAPE = Shape(512, 4, 8, 4, 1.3, 256, 32000, 512, 4)
-
-
-@dataclasses.dataclass(frozen=True)
-class Row:
-    precision: str  # bf16 | fp32 | float8
-    compile: bool
-    ac: str = "none"  # none | selective (per op)
-    recipe: str = ""  # float8: tensorwise | rowwise
-
-    @property
-    def name(self) -> str:
-        prec = f"float8 {self.recipe}" if self.precision == "float8" else self.precision
-        return f"{prec} · {'compile' if self.compile else 'eager'} · AC {self.ac}"
-
-    def titanlab_args(self) -> list[str]:
-        out = ["--compile.enable", str(self.compile).lower(), "--activation_checkpoint.mode"]
-        out += [self.ac, "--activation_checkpoint.selective_ac_option", "op"]
-        if self.precision == "float8":
-            out += ["--float8.enable", "true", "--float8.recipe_name", self.recipe]
-        return out
-
-    def torchtitan_args(self) -> list[str]:
-        out = ["--activation_checkpoint.mode", self.ac]
-        out += ["--activation_checkpoint.selective_ac_option", "op"]
-        out += ["--compile.enable"] if self.compile else ["--compile.no-enable"]
-        if self.precision == "float8":
-            out += ["--model.converters", "quantize.linear.float8"]
-            out += ["--quantize.linear.float8.recipe_name", self.recipe]
-            out += ["--quantize.linear.float8.filter_fqns", "output"]
-        if self.precision == "fp32":
-            out += ["--training.mixed_precision_param", "float32"]
-        return out
-
-
-# In order of value: a run cut off by its budget still has the rows users pick first.
-GPU_ROWS = (
-    Row("bf16", compile=True),
-    Row("float8", compile=True, recipe="tensorwise"),
-    Row("bf16", compile=True, ac="selective"),
-    Row("bf16", compile=False),
-    Row("float8", compile=True, recipe="rowwise"),
-)
-CPU_ROWS = (Row("fp32", compile=False), Row("fp32", compile=True))
 
 
 def titanlab_cmd(shape: Shape, row: Row, folder: str, out: str, a) -> list[str]:

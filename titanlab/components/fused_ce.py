@@ -20,11 +20,15 @@ import functools
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Partial
 
+from titanlab.components.fused_ce_chunks import (
+    _compiled_chunk,
+    _eager_chunk,
+    _eager_local_chunk,
+)
+from titanlab.components.head_gradient import RowGradients
 from titanlab.data.labels import IGNORE_INDEX
-from titanlab.config.device_path import device_type
 
 
 def _chunked(
@@ -46,103 +50,55 @@ def _chunked(
     kernels instead of eager passes over the (c, V) logits."""
     n, v_local = hidden.shape[0], weight.shape[0]
     grad_h = torch.empty_like(hidden) if grads[0] else hidden.new_empty(0)
-    grad_w = (
-        weight.new_zeros(weight.shape, dtype=torch.float32) if grads[1] else weight.new_empty(0)
-    )
     # Without `low_rank`, empty stand-ins that nothing reads.
     u, b = low_rank if low_rank is not None else (hidden.new_empty(0), weight.new_empty(0))
     want_u, want_b = (grads[2], grads[3]) if low_rank is not None else (False, False)
     grad_u = torch.empty_like(u) if want_u else hidden.new_empty(0)
-    grad_b = b.new_zeros(b.shape, dtype=torch.float32) if want_b else b.new_empty(0)
     total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+    compute, hidden, weight = _operands(hidden, weight)
+    # the weight gradients Gᵀ hidden (and Gᵀ u), a group of chunks' rows of G at a time
+    xs = ([hidden] if grads[1] else []) + ([u] if want_b else [])
+    summed = RowGradients(xs, v_local, chunk_size, compute) if xs else None
     for start in range(0, n, chunk_size):
         h, y = hidden[start : start + chunk_size], labels[start : start + chunk_size]
         logits = h @ weight.t()
         if low_rank is not None:
             logits = logits + u[start : start + chunk_size] @ b.t()
-        logits = logits.float()  # (c, V_local): the only vocabulary-sized tensor
-        if compiled and group is None and any(grads):
-            piece, g = _compiled_chunk()(logits, y)
-        else:
-            piece, g = _eager_chunk(logits, y, any(grads), group, offset, v_local)
+        if compiled and group is None and any(grads):  # upcast inside, g in `compute`
+            out = summed.next_rows(h.shape[0]) if summed is not None else None
+            piece, g = _compiled_chunk()(logits, y, out)
+        elif group is None and any(grads):  # eager without tensor parallel: fewer passes
+            out = summed.next_rows(h.shape[0]) if summed is not None else None
+            piece, g = _eager_local_chunk(logits, y, out)
+            g = g if out is not None else g.to(h.dtype)
+        else:  # (c, V_local) in fp32: the only vocabulary-sized tensor
+            piece, g = _eager_chunk(logits.float(), y, any(grads), group, offset, v_local)
+            if any(grads):
+                g = summed.keep(g) if summed is not None else g.to(h.dtype)
         total += piece
         if any(grads):
-            g = g.to(h.dtype)
             if grads[0]:
                 grad_h[start : start + chunk_size] = g @ weight
-            if grads[1]:
-                _add_product(grad_w, g.t(), h)
             if want_u:
                 grad_u[start : start + chunk_size] = g @ b
-            if want_b:
-                _add_product(grad_b, g.t(), u[start : start + chunk_size])
+            if summed is not None:
+                summed.flush(start + h.shape[0])
+    products = summed.results() if summed is not None else []
+    grad_w = products.pop(0) if grads[1] else weight.new_empty(0)
+    grad_b = products.pop(0) if want_b else b.new_empty(0)
     if low_rank is None:
         return total, grad_h, grad_w
     return total, grad_h, grad_w, grad_u, grad_b
 
 
-def _add_product(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """acc += a @ b, with `acc` an fp32 gradient summed over the chunks.
-
-    On CPU the product runs in fp32 (and `addmm_` writes it into `acc` with no temporary). On
-    an accelerator it runs in the operands' dtype (bf16 / fp16 tensor cores, fp32 accumulation
-    inside the GEMM) and is added to the fp32 sum: there an fp32 GEMM runs at a small fraction
-    of the bf16 rate. Measured on one H200 (Llama 3 8B blocks, vocab 128,256, 8,192 tokens):
-    the head's weight gradient as fp32 GEMMs made titanlab's compiled bf16 step 0.548 s
-    against torchtitan's 0.328 s."""
-    if device_type(acc) == "cpu" or a.dtype == torch.float32:
-        acc.addmm_(a.float(), b.float())
-    else:
-        acc.add_(a @ b)
-
-
-def _eager_chunk(
-    logits: torch.Tensor, y: torch.Tensor, grad: bool, group: Any, offset: int, v_local: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(Σ CE of the chunk, d(Σ CE)/d logits if `grad`) of fp32 `logits` (c, V_local), computed
-    in place on them: one (c, V) tensor in all. With a tp `group`, one MAX and one SUM
-    all-reduce give the log-sum-exp over the whole vocabulary."""
-    keep = y != IGNORE_INDEX
-    local = y - offset
-    mine = keep & (local >= 0) & (local < v_local)  # the label's row is on this rank
-    index = local.clamp(0, v_local - 1)[:, None]
-    peak = logits.max(dim=-1).values
-    if group is not None:
-        dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
-    picked = torch.where(mine, logits.gather(1, index)[:, 0], 0.0)
-    g = logits.sub_(peak[:, None]).exp_()
-    sums = torch.stack([g.sum(-1), picked])
-    if group is not None:
-        dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=group)
-    lse = peak + torch.log(sums[0])
-    piece = torch.where(keep, lse - sums[1], 0.0).sum()
-    if grad:  # d(Σ CE)/d logits = softmax − onehot, 0 where ignored
-        g.mul_(torch.exp(peak - lse)[:, None])
-        g.scatter_add_(1, index, torch.where(mine, -1.0, 0.0)[:, None])
-        g.mul_(keep[:, None])
-    return piece, g
-
-
-def _chunk_loss_and_grad(logits: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """`_eager_chunk`'s arithmetic without tensor parallel, out of place, for torch.compile:
-    (Σ CE of the chunk, d(Σ CE)/d logits) of fp32 logits (c, V) against labels (c,)."""
-    keep = y != IGNORE_INDEX
-    index = y.clamp(0, logits.shape[1] - 1)[:, None]
-    peak = logits.max(dim=-1).values
-    e = (logits - peak[:, None]).exp()
-    lse = peak + torch.log(e.sum(-1))
-    piece = torch.where(keep, lse - logits.gather(1, index)[:, 0], 0.0).sum()
-    g = (e * torch.exp(peak - lse)[:, None]).scatter_add(
-        1, index, torch.where(keep, -1.0, 0.0)[:, None]
-    )
-    return piece, g * keep[:, None]
-
-
-@functools.cache
-def _compiled_chunk():
-    """`_chunk_loss_and_grad` compiled once per process (a new chunk length, the last chunk's,
-    compiles a dynamic-shape graph once)."""
-    return torch.compile(_chunk_loss_and_grad)
+def _operands(
+    hidden: torch.Tensor, weight: torch.Tensor
+) -> tuple[torch.dtype, torch.Tensor, torch.Tensor]:
+    """(the GEMMs' dtype, hidden, weight) with both cast to it once: autocast's dtype where it
+    is on (one GPU: fp32 weights, bf16 GEMMs), else theirs. Autocast would cast the head's
+    weight again in every chunk's two GEMMs (3.2 GB of traffic each for Llama 3's head)."""
+    compute = (hidden[:1] @ weight[:1].t()).dtype
+    return compute, hidden.to(compute), weight.to(compute)
 
 
 class _GradientsInForward(torch.autograd.Function):
@@ -161,7 +117,11 @@ class _GradientsInForward(torch.autograd.Function):
     def backward(ctx, grad_out):  # type: ignore[override]
         out: list[torch.Tensor | None] = [None]
         for g, need, dtype in zip(ctx.saved_tensors, ctx.needs_input_grad[1:], ctx.dtypes):
-            out.append((g * grad_out.to(g.dtype)).to(dtype) if need else None)
+            if not need:
+                out.append(None)
+                continue
+            scaled = torch.empty(g.shape, dtype=dtype, device=g.device)  # scale and cast, one pass
+            out.append(torch.mul(g, grad_out.to(g.dtype), out=scaled))
         return tuple(out)
 
 
@@ -261,11 +221,10 @@ def _distill_chunks(
     − softmax(t/T)) on target positions, 0 elsewhere."""
     n = hidden.shape[0]
     grad_h = torch.empty_like(hidden) if grads[0] else hidden.new_empty(0)
-    grad_w = (
-        weight.new_zeros(weight.shape, dtype=torch.float32) if grads[1] else weight.new_empty(0)
-    )
     total = torch.zeros((), dtype=torch.float32, device=hidden.device)
     t = temperature
+    compute, hidden, weight = _operands(hidden, weight)
+    summed = RowGradients([hidden], weight.shape[0], chunk_size, compute) if grads[1] else None
     for start in range(0, n, chunk_size):
         h, y = hidden[start : start + chunk_size], labels[start : start + chunk_size]
         student = (h @ weight.t()).float()  # (c, V): with the teacher's, 4 such tensors at most
@@ -286,11 +245,13 @@ def _distill_chunks(
             g = log_p.exp_().mul_(alpha)
             g.scatter_add_(1, index, torch.full_like(hard, -alpha))
             g.add_(log_ps_t.exp_().sub_(pt_t), alpha=(1.0 - alpha) * t)
-            g = g.mul_(keep).to(h.dtype)
+            g = g.mul_(keep)
+            g = summed.keep(g) if summed is not None else g.to(h.dtype)
             if grads[0]:
                 grad_h[start : start + chunk_size] = g @ weight
-            if grads[1]:
-                _add_product(grad_w, g.t(), h)
+            if summed is not None:
+                summed.flush(start + h.shape[0])
+    grad_w = summed.results()[0] if summed is not None else weight.new_empty(0)
     return total, grad_h, grad_w
 
 
@@ -344,7 +305,11 @@ class _ChunkedLogprobs(torch.autograd.Function):
         hidden, weight, targets = ctx.saved_tensors
         want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_h = torch.empty_like(hidden) if want_h else None
-        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        out_dtype = weight.dtype
+        compute, hidden, weight = _operands(hidden, weight)
+        summed = (
+            RowGradients([hidden], weight.shape[0], ctx.chunk_size, compute) if want_w else None
+        )
         for start in range(0, hidden.shape[0], ctx.chunk_size):
             h = hidden[start : start + ctx.chunk_size]
             t, go = (
@@ -355,12 +320,14 @@ class _ChunkedLogprobs(torch.autograd.Function):
             # d logp_i / d logits_i = (onehot − softmax) / T, times the incoming gradient
             g = torch.softmax(logits, dim=-1).mul_(-go[:, None])
             g.scatter_add_(1, t[:, None], go[:, None].float())
-            g = g.div_(ctx.temperature).to(h.dtype)
+            g = g.div_(ctx.temperature)
+            g = summed.keep(g) if summed is not None else g.to(h.dtype)
             if want_h:
                 grad_h[start : start + ctx.chunk_size] = g @ weight
-            if want_w:
-                _add_product(grad_w, g.t(), h)
-        return grad_h, grad_w.to(weight.dtype) if want_w else None, None, None, None
+            if summed is not None:
+                summed.flush(start + h.shape[0])
+        grad_w = summed.results()[0].to(out_dtype) if summed is not None else None
+        return grad_h, grad_w, None, None, None
 
 
 def chunked_token_logprobs(

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
+from titanlab.components.compiled import compile_function
 from titanlab.data.labels import IGNORE_INDEX
 
 __all__ = ["IGNORE_INDEX", "ScaledLoss", "build_loss_fn", "cross_entropy_sum", "local_value",
@@ -52,7 +53,7 @@ def build_loss_fn(compile_loss: bool, loss_parallel: bool):
     it stays eager: the cross-entropy of vocab-sharded DTensor logits is dispatched by the
     `loss_parallel()` context, which a compiled graph would not see."""
     if compile_loss and not loss_parallel:
-        return torch.compile(cross_entropy_sum)
+        return compile_function(cross_entropy_sum)
     return cross_entropy_sum
 
 

@@ -322,12 +322,22 @@ class Comm:
     trainer's own step code on fake tensors (shapes only; seconds for a debug model, about half
     a minute for an 8B at seq_len 8192); not under pipeline parallel."""
 
+    ledger: bool = False
+    """In a "fake_backend" dry run, print the per-op ledger of one whole training step priced
+    for `comm.dry_run_device` instead of the dry run's report (`titanlab ledger`,
+    docs/ledger.md); not under pipeline parallel."""
+
     def validate(self) -> None:
         close = difflib.get_close_matches(self.mode.replace("-", "_"), COMM_MODES, n=1)
         hint = f"; did you mean {close[0]!r}?" if close else ""
         _require(
             self.mode in COMM_MODES,
             f"comm.mode={self.mode!r} is not one of {', '.join(COMM_MODES)}{hint}",
+        )
+        _require(
+            not self.ledger or self.mode == "fake_backend",
+            f"comm.ledger=true needs comm.mode=fake_backend (comm.mode={self.mode!r}): the "
+            "ledger prices a step of the simulated world on fake tensors",
         )
         _require(
             self.fake_world_size == -1 or self.fake_world_size >= 1,

@@ -111,11 +111,13 @@ class Loss:
     where none of those applies and a microbatch holds more than `chunk_size` tokens (then
     the whole logits never exist), false elsewhere (`fused_loss`)."""
 
-    chunk_size: int = 256
+    chunk_size: int = 1024
     """Tokens per chunk of the fused loss (1 .. local_batch_size × seq_len); the largest
-    transient is one chunk_size × vocab fp32 tensor (the logits, turned in place into their
-    gradient): 128 MiB at a 128k vocabulary. Measured on a 2-core CPU (LoRA, vocab 128k, 2048
-    tokens): 256 took 2.00 GiB peak and 6.5 s/step, 1024 took 2.73 GiB and 6.8 s."""
+    transient is one chunk's logits (chunk_size × vocab; fp32 where the chunk runs eagerly):
+    512 MiB at a 128k vocabulary in fp32. Each chunk's two GEMMs read the head's whole weight,
+    so a chunk below a GPU's FLOP/byte ridge (~300 tokens on an H100) is memory-bound: in the
+    per-op ledger (docs/ledger.md; Llama 3 8B's head, 8192 tokens, H100) 256 priced the trainer
+    5.6% above the plain loop, 1024 1.0%."""
 
     def validate(self) -> None:
         _require(self.chunk_size >= 1, f"loss.chunk_size={self.chunk_size} must be >= 1")

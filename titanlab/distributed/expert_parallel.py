@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard, distribute_module, distribute_tensor
@@ -82,16 +83,28 @@ def _dispatch(module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
     recv_counts = torch.empty_like(counts)
     dist.all_to_all_single(recv_counts, counts, group=group)  # [source rank][local expert]
     per_peer = recv_counts.view(ep, local_experts)
-    send_splits = counts.view(ep, local_experts).sum(1).tolist()
-    recv_splits = per_peer.sum(1).tolist()
+    if is_fake(counts):
+        # Fake tensors (a dry run's step, the ledger) hold no counts: the exchange is priced
+        # at the load a balanced router gives, every rank's slots split evenly over the ranks.
+        send_splits = recv_splits = even_splits(x.shape[0], ep)
+    else:
+        send_splits = counts.view(ep, local_experts).sum(1).tolist()
+        recv_splits = per_peer.sum(1).tolist()
     received = all_to_all_single_autograd(x, recv_splits, send_splits, group)
     # Segment (source s, expert e) of the received slots sorts to position e·ep + s.
     segment_key = torch.arange(ep * local_experts, device=counts.device).view(ep, local_experts)
     segment_key = (segment_key % local_experts) * ep + segment_key // local_experts
-    key = torch.repeat_interleave(segment_key.flatten(), per_peer.flatten())
+    key = torch.repeat_interleave(
+        segment_key.flatten(), per_peer.flatten(), output_size=sum(recv_splits)
+    )
     order = key.argsort(stable=True)
     module._ep_exchange = _Exchange(send_splits, recv_splits, order)  # type: ignore[assignment]
     return received[order], per_peer.sum(0)
+
+
+def even_splits(rows: int, parts: int) -> list[int]:
+    """`rows` split into `parts` sizes as equal as they can be (the first ones one larger)."""
+    return [rows // parts + (i < rows % parts) for i in range(parts)]
 
 
 def _combine(module: nn.Module, out: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:

@@ -2,15 +2,16 @@
 the step's.
 
 - **An op** takes max(FLOPs ÷ (peak FLOP/s of its dtype × efficiency), bytes ÷ (HBM bandwidth ×
-  efficiency; the optimizer's at the profile's `Efficiency.optimizer`)) plus a kernel-launch floor (Williams, Waterman and Patterson, "Roofline", CACM
-  2009). The peaks are the cluster profile's (`titanlab.planning.cluster`, one source of truth
-  with the planner); fp32 GEMMs are priced at the fp32 rate, since titanlab never enables TF32.
+  efficiency)) plus a kernel-launch floor (Williams, Waterman and Patterson, "Roofline", CACM
+  2009); the efficiencies are `LedgerEfficiency`'s, fitted on profiled GPU steps. The peaks
+  are the cluster profile's (`titanlab.planning.cluster`, one source of truth with the
+  planner); fp32 GEMMs are priced at the fp32 rate, since titanlab never enables TF32.
 - **Compiled regions** (a module compiled with `nn.Module.compile`, `Recorder`'s regions) fuse
   what Inductor generates code for (pointwise ops, casts, reductions, copies: every op but the
   extern kernels), as Inductor does: inside one region and phase, such an op reads from memory
-  only the inputs no fused op of the region made, writes only the outputs something else reads
-  (an op outside the region, a GEMM, the backward), and pays no launch of its own. GEMMs,
-  attention and collectives stay their own kernels.
+  only the inputs no fused op of the region made (each once for the region), writes only the
+  outputs something else reads (an op outside the region, a GEMM, the backward), and pays no
+  launch of its own. GEMMs, attention and collectives stay their own kernels.
 - **Collectives** on the profile's links in the α–β ring model (`comm_model.ring_seconds`): a
   group of at most `devices_per_node` ranks on NVLink, a larger one on the NICs. FSDP's and
   DDP's (the dp_shard, dp_replicate and efsdp groups) overlap the compute and only what exceeds
@@ -36,13 +37,42 @@ _RING_KIND = {"all_gather": "all-gather", "reduce_scatter": "reduce-scatter",
 
 @dataclass(frozen=True)
 class LedgerEfficiency:
-    """Fractions of the peaks kernels reach, and the launch floor. GEMM and attention
-    efficiencies are the cluster profile's (`Efficiency.matmul`, `.attention`)."""
+    """Fractions of the peaks kernels reach, and the launch floor. bf16 and fp32 GEMMs run at
+    the cluster profile's `Efficiency.matmul` (measured: the H100's profiled GEMMs at 0.77 of
+    peak). The others are fitted by `tools/ledger_calibration.py --fit` on the profiled H100
+    rows of 2026-11-23 (docs/performance.md, "The ledger against the GPU rows") and checked on
+    the rows not used to fit."""
 
-    memory: float = 0.7
-    """Achieved ÷ peak HBM bandwidth of a memory-bound kernel."""
+    memory: float = 0.78
+    """Achieved ÷ peak HBM bandwidth of a memory-bound kernel outside compiled regions: fitted
+    on the bf16 row's fused AdamW and gradient-norm kernels (53 ms; fitted 0.777)."""
+    fused: float = 1.06
+    """Peak-bandwidth seconds of the traffic `fused_traffic` counts ÷ the measured seconds of a
+    compiled region's fused kernels: fitted on the bf16 row's Triton kernels (32 ms; fitted
+    1.062). Above 1 because the count is an upper bound: Inductor's partitioner recomputes
+    cheap pointwise ops in backward rather than reading what forward saved, and a kernel reads
+    an input once for several ops; this factor scales the count to the measured time."""
+    attention: float = 0.52
+    """Achieved ÷ peak bf16 FLOP/s of flash attention, on the FLOPs of the tiles it computes
+    (`titanlab.ledger.record.causal_fraction`): fitted on the bf16 row's cuDNN attention
+    (42 ms; fitted 0.518)."""
+    float8_tensorwise: float = 0.47
+    """Achieved ÷ peak float8 FLOP/s of a tensorwise-scaled `_scaled_mm`: fitted on the float8
+    tensorwise row's GEMMs (162 ms, of which the bf16 head's are priced at `matmul`; fitted
+    0.465)."""
+    float8_rowwise: float = 0.38
+    """The same for rowwise scaling (torch 2.11's rowwise `_scaled_mm` is no faster than bf16
+    there): fitted on the float8 rowwise row's GEMMs (190 ms, its only row; fitted 0.382)."""
     launch_s: float = 4e-6
     """Seconds a kernel takes however small (launch and tail)."""
+
+    def gemm(self, op: OpRecord, device: Cluster) -> float:
+        """Achieved ÷ peak FLOP/s of `op`'s GEMM or attention kernel on `device`."""
+        if op.kind == "attention":
+            return self.attention
+        if op.dtype.startswith("float8"):
+            return self.float8_rowwise if op.rowwise else self.float8_tensorwise
+        return device.efficiency.matmul
 
 
 def dtype_key(dtype: str) -> str:
@@ -77,6 +107,7 @@ def fused_traffic(ops: list[OpRecord]) -> list[tuple[int, int]]:
             for t in op.inputs:
                 readers.setdefault(alias.get(t, t), []).append(where)
     out = []
+    counted: set[tuple[int | None, str, int]] = set()  # (region, phase, tensor) already read
     for op in ops:
         if not _fuses(op):
             out.append((op.bytes_read, op.bytes_written))
@@ -84,7 +115,12 @@ def fused_traffic(ops: list[OpRecord]) -> list[tuple[int, int]]:
         home = (op.region, op.phase, True)
         per_in = op.bytes_read // max(len(op.inputs), 1)
         per_out = op.bytes_written // max(len(op.outputs), 1)
-        read = sum(per_in for t in op.inputs if made_by.get(alias.get(t, t)) != home)
+        read = 0
+        for t in op.inputs:  # a tensor from outside, read once by the region's fused kernels
+            base = alias.get(t, t)
+            if made_by.get(base) != home and (op.region, op.phase, base) not in counted:
+                counted.add((op.region, op.phase, base))
+                read += per_in
         written = sum(
             per_out
             for t in op.outputs
@@ -128,9 +164,8 @@ def price(
     """Price `ops` on `device`. `group_dims`: process-group name → mesh dim name (which
     collectives overlap the compute); unnamed groups wait."""
     group_dims = group_dims or {}
-    eff = device.efficiency
     bandwidth = device.memory_bandwidth * efficiency.memory
-    optimizer_bandwidth = device.memory_bandwidth * eff.optimizer
+    fused_bandwidth = device.memory_bandwidth * efficiency.fused
     seconds, compute, overlapped, waited = [], 0.0, 0.0, 0.0
     for op, (read, written) in zip(ops, fused_traffic(ops)):
         if op.kind == "view":
@@ -144,12 +179,11 @@ def price(
             else:
                 waited += s
             continue
-        # the optimizer's kernels at the bandwidth the profile measured for them
-        s = (read + written) / (optimizer_bandwidth if op.phase == "optimizer" else bandwidth)
-        if op.flops:
-            rate = eff.attention if op.kind == "attention" else eff.matmul
-            s = max(s, op.flops / (device.flops(dtype_key(op.dtype)) * rate))
         fused_away = _fuses(op)
+        s = (read + written) / (fused_bandwidth if fused_away else bandwidth)
+        if op.flops:
+            peak = device.flops(dtype_key(op.dtype))
+            s = max(s, op.flops / (peak * efficiency.gemm(op, device)))
         s += 0.0 if fused_away else efficiency.launch_s
         seconds.append(s)
         compute += s

@@ -17,12 +17,17 @@ step), so the ops run on tensors without memory and the shapes are those of the 
   "step".
 - **Module paths** come from `torch.distributed._tools.mod_tracker.ModTracker` (forward and
   backward), without wrapper names (`_checkpoint_wrapped_module`, `_orig_mod`). A module
-  compiled with `nn.Module.compile` (the blocks, `titanlab.distributed.parallelize`) makes the
-  ops of its forward and backward one *compiled region*: `titanlab.ledger.price` prices the
-  pointwise ops inside one as fused.
+  compiled with `nn.Module.compile` (the blocks, `titanlab.distributed.parallelize`) or wrapped
+  by `torch.compile(module)` makes the
+  ops of its forward and backward one *compiled region*, and so does each call of a function
+  compiled with `titanlab.components.compiled.compile_function` (the loss, the fused loss's
+  chunks): its forward ops, and in backward the autograd nodes the call made (reached from its
+  outputs, up to its inputs' nodes). `titanlab.ledger.price` prices the pointwise ops inside a
+  region as fused.
 - **FLOPs** from torch's `torch.utils.flop_counter.flop_registry` (matmuls, SDPA and its
   backward, flash and efficient attention), plus `FLOPS`' own: the CPU flash-attention
-  kernels the fake step runs in place of the GPU's, and grouped GEMM.
+  kernels the fake step runs in place of the GPU's, and grouped GEMM. Causal attention counts
+  the tiles a flash kernel computes (`causal_fraction`), not the whole square.
 - **Bytes**: every tensor argument an op reads and every tensor it returns, at the fake tensors'
   sizes; views read and write nothing.
 - **Collectives**: the functional collectives (`_c10d_functional.*`) DTensor and FSDP2 issue,
@@ -48,7 +53,9 @@ import torch.distributed as dist
 from torch.distributed._tools.mod_tracker import ModTracker
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
-from torch.utils.flop_counter import flop_registry
+
+from titanlab.components import compiled
+from titanlab.ledger.flops import FLOPS, argument, causal_fraction
 
 _WRAPPERS = ("._checkpoint_wrapped_module", "._orig_mod", "._fsdp_wrapped_module")
 _SHAPE_PROPAGATION = "_propagate_tensor_meta_non_cached"
@@ -57,6 +64,13 @@ _FREE = {"empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided
 _WRITE_ONLY = {"zeros", "ones", "full", "zeros_like", "ones_like", "full_like", "new_zeros",
                "new_ones", "new_full", "scalar_tensor", "fill_", "zero_", "arange"}  # fmt: skip
 """Ops that write their output and read no tensor's values (a memset, a fill)."""
+_SPARSE_WRITES = {"scatter_", "scatter_add_", "scatter_reduce_", "index_put_", "index_add_",
+                  "index_copy_", "index_fill_"}  # fmt: skip
+"""In-place ops that touch only the rows their index names: they read the index and source and
+read-modify-write as many elements of their first argument, not all of it."""
+_SPARSE_READS = {"gather", "embedding", "index_select", "nll_loss_forward", "nll_loss2d_forward"}
+"""Ops that read only the elements their index names (a gathered row, a label's logit): as many
+bytes as they write, plus the index."""
 _COLLECTIVES = {
     # functional collectives (DTensor, torchtitan-style code) and c10d's in-place ones (FSDP2)
     "all_gather_into_tensor": "all_gather",
@@ -109,36 +123,12 @@ class OpRecord:
     group: str = ""
     inputs: tuple[int, ...] = ()
     outputs: tuple[int, ...] = ()
+    rowwise: bool = False
+    """A float8 GEMM (`_scaled_mm`) scaled per row rather than per tensor."""
 
 
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
-
-
-def _grouped_mm_flops(a, b, *args, out_val=None, **kwargs) -> int:
-    """`torch._grouped_mm(a (tokens, k), b (groups, k, n), offs)`: each token row meets one
-    group's (k, n) matrix, 2·tokens·k·n FLOPs (2D × 3D, the MoE experts' form)."""
-    return 2 * a.shape[0] * a.shape[-1] * b.shape[-1] if b.dim() == 3 else 0
-
-
-def _flop_formulas() -> dict[Any, Any]:
-    """torch's FLOP formulas, plus those it has none for: the CPU flash-attention kernels the
-    fake step runs (the same arguments as the CUDA ones, so their formulas) and grouped GEMM."""
-    aten = torch.ops.aten
-    table = dict(flop_registry)
-    table[aten.addmm_] = flop_registry[aten.addmm]  # in place, the same arguments
-    table[aten._scaled_dot_product_flash_attention_for_cpu] = flop_registry[
-        aten._scaled_dot_product_flash_attention
-    ]
-    table[aten._scaled_dot_product_flash_attention_for_cpu_backward] = flop_registry[
-        aten._scaled_dot_product_flash_attention_backward
-    ]
-    if hasattr(aten, "_grouped_mm"):
-        table[aten._grouped_mm] = _grouped_mm_flops
-    return table
-
-
-FLOPS = _flop_formulas()
 
 
 def _kind(func: Any, name: str) -> str:
@@ -186,20 +176,60 @@ def _clean(fqn: str) -> str:
     return fqn.split(".", 1)[1] if "." in fqn else ""
 
 
+def _compiled(module: torch.nn.Module) -> bool:
+    """Whether `module` runs compiled: `nn.Module.compile` (titanlab's blocks) or wrapped by
+    `torch.compile(module)` (an `OptimizedModule`, as torchtitan compiles its blocks)."""
+    return getattr(module, "_compiled_call_impl", None) is not None or isinstance(
+        module, torch._dynamo.eval_frame.OptimizedModule
+    )
+
+
 @dataclass
 class _Regions:
-    """The compiled modules running now (forward or backward), innermost last."""
+    """The compiled modules and functions running now (forward or backward), innermost last,
+    and the autograd nodes of compiled functions' backward, by region."""
 
     stack: list[int] = field(default_factory=list)
-    ids: dict[int, int] = field(default_factory=dict)
+    ids: dict[Any, int] = field(default_factory=dict)
+    nodes: dict[Any, int] = field(default_factory=dict)
 
-    def enter(self, module: torch.nn.Module) -> None:
-        if getattr(module, "_compiled_call_impl", None) is not None:
+    def enter_module(self, module: torch.nn.Module) -> None:
+        if _compiled(module):
             self.stack.append(self.ids.setdefault(id(module), len(self.ids)))
 
-    def leave(self, module: torch.nn.Module) -> None:
-        if getattr(module, "_compiled_call_impl", None) is not None and self.stack:
+    def leave_module(self, module: torch.nn.Module) -> None:
+        if _compiled(module) and self.stack:
             self.stack.pop()
+
+    # a `titanlab.components.compiled.compile_function` call: a region of its own
+    def enter(self, name: str, args: tuple, kwargs: dict) -> tuple[int, set]:
+        region = self.ids.setdefault((name, len(self.ids)), len(self.ids))
+        self.stack.append(region)
+        tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        return region, {t.grad_fn for t in tensors if t.grad_fn is not None}
+
+    def leave(self, token: tuple[int, set], outputs: Any) -> None:
+        """Close the call's region; the autograd nodes it made (its backward) join it: those
+        reachable from its outputs before its inputs' own nodes or a leaf's accumulation."""
+        region, boundary = token
+        self.stack.pop()
+        floor = max((n._sequence_nr() for n in boundary), default=-1)
+        todo = [t.grad_fn for t in tree_leaves(outputs) if isinstance(t, torch.Tensor)]
+        while todo:
+            node = todo.pop()
+            if node is None or node in boundary or node in self.nodes:
+                continue
+            if type(node).__name__ == "AccumulateGrad" or node._sequence_nr() <= floor:
+                continue
+            self.nodes[node] = region
+            todo.extend(n for n, _ in node.next_functions)
+
+    def current(self) -> int | None:
+        """The innermost region running: a compiled module's, a compiled function's, or the
+        one whose backward node autograd runs now."""
+        if self.stack:
+            return self.stack[-1]
+        return self.nodes.get(torch._C._current_autograd_node())
 
 
 class Recorder(TorchDispatchMode):
@@ -217,10 +247,10 @@ class Recorder(TorchDispatchMode):
         self._ranges: dict[int, str] = {}  # open profiler ranges (record_function), by handle
         self._modules = ModTracker()
         self._modules.register_user_hooks(
-            pre_fw_hook=lambda m, i: self._regions.enter(m),
-            post_fw_hook=lambda m, i, o: self._regions.leave(m),
-            pre_bw_hook=lambda m, g: self._regions.enter(m),
-            post_bw_hook=lambda m, g: self._regions.leave(m),
+            pre_fw_hook=lambda m, i: self._regions.enter_module(m),
+            post_fw_hook=lambda m, i, o: self._regions.leave_module(m),
+            pre_bw_hook=lambda m, g: self._regions.enter_module(m),
+            post_bw_hook=lambda m, g: self._regions.leave_module(m),
         )
 
     @contextlib.contextmanager
@@ -234,10 +264,12 @@ class Recorder(TorchDispatchMode):
 
     def __enter__(self):
         self._modules.__enter__()
+        compiled.OBSERVERS.append(self._regions)
         return super().__enter__()
 
     def __exit__(self, *exc):
         super().__exit__(*exc)
+        compiled.OBSERVERS.remove(self._regions)
         self._modules.__exit__(*exc)
 
     def _id(self, t: torch.Tensor) -> int:
@@ -268,7 +300,8 @@ class Recorder(TorchDispatchMode):
 
     def _record(self, func, args, kwargs, leaves, out) -> OpRecord:
         name = str(func)
-        ins = [a for a in leaves if isinstance(a, torch.Tensor)]
+        out_args = {id(t) for t in tree_leaves(kwargs.get("out"))}  # written, not read
+        ins = [a for a in leaves if isinstance(a, torch.Tensor) and id(a) not in out_args]
         outs = [o for o in tree_leaves(out) if isinstance(o, torch.Tensor)]
         kind = _kind(func, name)
         running = self._modules.parents - {"Global"}  # the innermost: the most dotted name
@@ -278,7 +311,7 @@ class Recorder(TorchDispatchMode):
             phase = next((p for prefix, p in _PHASES if label.startswith(prefix)), phase)
         module = _clean(max(running, key=lambda n: (n.count("."), n))) if running else ""
         rec = OpRecord(name, module, phase, kind, shape=tuple(outs[0].shape) if outs else ())
-        rec.region = self._regions.stack[-1] if self._regions.stack else None
+        rec.region = self._regions.current()
         rec.inputs = tuple(self._id(t) for t in ins)
         rec.outputs = tuple(self._id(t) for t in outs)
         dtype_of = ins if kind in ("gemm", "attention") and ins else outs or ins
@@ -287,8 +320,19 @@ class Recorder(TorchDispatchMode):
             return rec
         rec.bytes_read = 0 if name.split(".")[1] in _WRITE_ONLY else sum(_nbytes(t) for t in ins)
         rec.bytes_written = sum(_nbytes(t) for t in outs) or _mutated_bytes(func, args, kwargs)
+        if name.split(".")[1] in _SPARSE_READS:
+            index = sum(_nbytes(t) for t in ins if not t.is_floating_point())
+            rec.bytes_read = rec.bytes_written + index
+        if name.split(".")[1] in _SPARSE_WRITES and ins:
+            touched = sum(_nbytes(t) for t in ins[1:] if t.is_floating_point())
+            rec.bytes_read = sum(_nbytes(t) for t in ins[1:]) + touched
+            rec.bytes_written = touched
         if kind in ("gemm", "attention"):
             rec.flops = int(FLOPS[func.overloadpacket](*args, **kwargs, out_val=out))
+        if name.startswith("aten._scaled_mm"):
+            rec.rowwise = args[2].numel() > 1  # scale_a: one per tensor, or one per row
+        if kind == "attention" and argument(func, args, kwargs, "is_causal"):
+            rec.flops = int(rec.flops * causal_fraction(ins[0].shape[-2]))
         if kind == "collective":
             _collective(rec, _COLLECTIVES[name.split(".")[1]], leaves)
         return rec

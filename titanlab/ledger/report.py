@@ -99,3 +99,16 @@ def render(ledger: Ledger, top: int = 20) -> str:
 def to_json(ledger: Ledger) -> str:
     """The summary and every op group, as JSON."""
     return json.dumps({"summary": summary(ledger), "ops": op_rows(ledger)}, indent=1)
+
+
+def differences(ledger: Ledger, baseline: Ledger, top: int = 12) -> list[tuple[float, str]]:
+    """Where `ledger`'s step spends more or less time than `baseline`'s: (seconds of ledger −
+    seconds of baseline, "op phase dtype") per op, phase and dtype (modules aside: the two
+    steps may name theirs differently), largest differences first."""
+    spent: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
+    for i, side in enumerate((ledger, baseline)):
+        for op, s in zip(side.ops, side.priced.seconds):
+            if op.kind != "view":
+                spent[f"{op.op} {op.phase} {op.dtype}"][i] += s
+    rows = [(a - b, key) for key, (a, b) in spent.items()]
+    return sorted(rows, key=lambda r: -abs(r[0]))[:top]

@@ -29,6 +29,10 @@ class Ledger:
     config_summary: str
     memory_peak: float
     """The pre-flight estimate of the peak rank's memory, bytes."""
+    seq_len: int = 0
+    """Tokens per sequence (`training.seq_len`)."""
+    cp: int = 1
+    """Context-parallel degree: each rank holds seq_len / cp of a sequence's queries."""
 
 
 def build_ledger(argv: list[str], device: str = "") -> Ledger:
@@ -64,4 +68,4 @@ def build_ledger(argv: list[str], device: str = "") -> Ledger:
     model_flops = per_token * tokens / (dp.tp * dp.cp)
     priced = price(ops, profile, dims)
     peak = trainer.memory.total if trainer.memory is not None else 0.0
-    return Ledger(ops, priced, profile, tokens, model_flops, summary, peak)
+    return Ledger(ops, priced, profile, tokens, model_flops, summary, peak, t.seq_len, dp.cp)

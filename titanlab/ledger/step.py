@@ -12,14 +12,17 @@ only): `record_step` raises ConfigError for a pipelined layout.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
 
 from titanlab.components.optim import LRSchedulersContainer, OptimizersContainer
+from titanlab.config.device_path import target
 from titanlab.config.job_config import ConfigError
 from titanlab.data.batches import BatchPreparer
 from titanlab.data.document_masking import DocumentMasking
+from titanlab.ledger.gpu_kernels import gpu_attention
 from titanlab.ledger.record import OpRecord, Recorder
 
 
@@ -56,12 +59,20 @@ def record_step(trainer: Any) -> list[OpRecord]:
     if config.data.document_mask:
         masking = DocumentMasking(eos_id=1, reset_positions=config.data.reset_positions)
     trainer.batches = BatchPreparer(config, masking, rank=0, dp_rank=0)
+    if config.parallelism.context_parallel_load_balancer == "work":
+        # The work balancer reads the documents' lengths, which fake tensors do not hold; the
+        # head-tail order gives each rank as many tokens, all the ledger's shapes depend on.
+        config.parallelism.context_parallel_load_balancer = "head_tail"
     trainer.step = 1
     trainer.device = torch.device("cpu")  # where the fake tensors live (the meta device's stand-in)
     trainer.init_step_state(compute_dtype)
     mb, seq = config.training.local_batch_size, config.training.seq_len
     accum = trainer.batch.grad_accum_steps
     recorder = Recorder()
+    on = target()  # a CUDA target's attention kernels, not the CPU's (gpu_kernels)
+    attention = (
+        gpu_attention(on) if on is not None and on.type == "cuda" else contextlib.nullcontext()
+    )
     with torch.compiler.set_stance("force_eager"), FakeTensorMode(allow_non_fake_inputs=True):
         for part in trainer.model_parts:
             to_empty_keeping_quantized(part, "cpu")
@@ -79,7 +90,8 @@ def record_step(trainer: Any) -> list[OpRecord]:
         batches = [(torch.zeros(mb, seq, dtype=torch.long),) * 2 for _ in range(accum)]
         # a first step builds the optimizer state and takes the first call's paths; the
         # second is the step every later one repeats
-        trainer.train_step(batches)
-        with recorder:
+        with attention:
             trainer.train_step(batches)
+            with recorder:
+                trainer.train_step(batches)
     return recorder.ops

@@ -51,6 +51,7 @@ from typing import TYPE_CHECKING, cast
 import torch
 from torch import nn
 
+from titanlab.components.head_gradient import group_rows
 from titanlab.config.performance import fused_loss
 from titanlab.config.job_config import ConfigError, JobConfig
 from titanlab.distributed.parallelize import reshard_policy
@@ -170,8 +171,12 @@ def estimate_memory(
     )
     if fused_loss(config):  # one chunk's fp32 logits, turned in place into
         # their gradient (and, in a 16-bit compute dtype, the matmul's output before the upcast)
-        chunk = min(config.loss.chunk_size, mb * s_local) * model_args.vocab_size
-        logits_grads = chunk * (4 + (elem if elem < 4 else 0))
+        chunk = min(config.loss.chunk_size, mb * s_local)
+        logits_grads = chunk * model_args.vocab_size * (4 + (elem if elem < 4 else 0))
+        head_trains = config.peft.method == "none" or "output" in config.peft.target_modules
+        if head_trains:  # the rows of the logits' gradient a weight-gradient GEMM takes
+            rows = group_rows(model_args.dim, chunk, compute_dtype, mb * s_local)
+            logits_grads += rows * model_args.vocab_size * elem
     head = traced.head_bytes(tp) + depth_bytes(traced.depths, mode, option, layers) // tp
     logits = head + logits_grads // tp
     accumulating = config.training.global_batch_size > max(world_size // (tp * pp * cp), 1) * b

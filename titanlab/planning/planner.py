@@ -162,7 +162,9 @@ def _evaluate(config, model_args, shape, run, lay, cluster, dtype) -> Candidate:
         return cand
     cfg = apply_layout(config, lay, run.global_batch)
     cand.config, cand.ac_mode = cfg, run.ac_mode
-    cand.memory = estimate_memory(model_args, cfg, lay.world_size, dtype)
+    cand.memory = estimate_memory(
+        model_args, cfg, lay.world_size, dtype, device_type=cluster.device_type
+    )
     cand.prediction = predict(shape, run, lay, cluster)
     if cand.memory.total > cluster.memory_bytes:
         cand.refused = (

@@ -29,8 +29,8 @@ CP = (
 )
 PINNED = "pinned host memory for CPU offload (a CUDA runtime call), no kernel choice"
 FLEX = (
-    "a flex BlockMask on CUDA: the ledger prices the dense mask until masked attention moves "
-    "to FlexAttention (its issue)"
+    "a flex BlockMask on CUDA: FlexAttention has no CPU backward to record, so the ledger "
+    "prices the dense mask until issue 67 gives it a stand-in (docs/ledger.md, limits)"
 )
 FLOAT8 = "names the device in a refusal (`float8_supported` decides)"
 
@@ -107,21 +107,20 @@ def test_on_the_gpus_path_the_fused_losss_weight_gradient_is_a_bf16_product():
     fp32 GEMMs; on the GPU's path the product runs in bf16 and is added to the fp32 sum."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from titanlab.components.fused_ce import _add_product
+    from titanlab.components.head_gradient import product
     from titanlab.ledger.record import Recorder
 
-    def gemm_dtypes() -> list[str]:
+    def gemm_dtypes(operands: torch.dtype, compute: torch.dtype | None = None) -> list[str]:
         with FakeTensorMode():
-            acc = torch.zeros(64, 16)
-            a, b = (
-                torch.empty(64, 8, dtype=torch.bfloat16),
-                torch.empty(8, 16, dtype=torch.bfloat16),
-            )
+            a, b = torch.empty(64, 8, dtype=operands), torch.empty(8, 16, dtype=operands)
             rec = Recorder()
             with rec:
-                _add_product(acc, a, b)
+                product(a, b, compute or operands)
         return [op.dtype for op in rec.ops if op.kind == "gemm"]
 
-    assert gemm_dtypes() == ["float32"]  # CPU: one fp32 addmm into the sum
+    assert gemm_dtypes(torch.bfloat16) == ["float32"]  # CPU: one fp32 GEMM
     with code_path_of(Target("cuda", (9, 0))):
-        assert gemm_dtypes() == ["bfloat16"]
+        assert gemm_dtypes(torch.bfloat16) == ["bfloat16"]
+        # one GPU under autocast: fp32 weights and hidden states, the logits GEMM in bf16
+        assert gemm_dtypes(torch.float32, torch.bfloat16) == ["bfloat16"]
+        assert gemm_dtypes(torch.float32) == ["float32"]  # fp32 training stays fp32

@@ -69,7 +69,7 @@ def test_bad_fused_loss_config_is_one_line(case):
 def test_the_fused_loss_composes_with_data_parallel_and_lora_elsewhere_and_on_the_head():
     config = build_config([*FUSED, "--peft.method", "lora", "--parallelism.data_parallel_shard_degree",
                            "2"])  # fmt: skip
-    assert config.loss.fused_linear_cross_entropy and config.loss.chunk_size == 256
+    assert config.loss.fused_linear_cross_entropy and config.loss.chunk_size == 1024
     build_config([*FUSED, "--peft.method", "lora", "--peft.target_modules", "wq,output"])
 
 
@@ -91,8 +91,8 @@ def test_auto_fuses_where_a_microbatch_holds_more_than_a_chunk_and_nothing_refus
         return fused_loss(config)
 
     assert build_config([]).loss.fused_linear_cross_entropy == "auto"
-    assert resolved("--training.seq_len", "2048")  # 4096 tokens > 256
-    assert not resolved("--training.seq_len", "128")  # 256 tokens: one chunk, nothing saved
+    assert resolved("--training.seq_len", "2048")  # 4096 tokens > 1024
+    assert not resolved("--training.seq_len", "512")  # 1024 tokens: one chunk, nothing saved
     assert resolved("--training.seq_len", "128", "--loss.chunk_size", "64")
     for refused_with_true in CASES.values():
         args = refused_with_true[0]
@@ -101,7 +101,7 @@ def test_auto_fuses_where_a_microbatch_holds_more_than_a_chunk_and_nothing_refus
     assert not fused_loss(build_config(["--loss.fused_linear_cross_entropy", "false",
                                         "--training.seq_len", "2048"]))  # fmt: skip
     assert fused_loss(build_config([*FUSED, "--training.local_batch_size", "1",
-                                    "--training.seq_len", "256"]))  # fmt: skip
+                                    "--training.seq_len", "256", "--loss.chunk_size", "256"]))  # fmt: skip
 
 
 @pytest.mark.parametrize(

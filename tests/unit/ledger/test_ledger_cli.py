@@ -39,3 +39,21 @@ def test_bad_input_is_one_line(capsys):
     assert main(piped) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "pipeline_parallel_degree=2" in err[0]
+
+
+def test_the_same_ledger_behind_the_trainers_dry_run(capsys):
+    from titanlab.train import main as train
+
+    config = ["--job.config_file", "train_configs/debug_model.toml", "--comm.mode",
+              "fake_backend", "--comm.fake_world_size", "4", "--comm.dry_run_device", "a100"]  # fmt: skip
+    assert train([*config, "--comm.ledger", "true"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    head = next(i for i, line in enumerate(lines) if line.startswith("ledger: llama3 debugmodel"))
+    assert lines[head].endswith("priced for a100") and "dp_shard=4" in lines[head]
+    assert lines[head + 1].startswith("step ") and "MFU" in lines[head + 1]
+    assert not any(line.startswith("dry run: ok") for line in lines)  # the ledger, not the report
+    # without the dry run, one line
+    assert train(["--job.config_file", "train_configs/debug_model.toml", "--comm.ledger",
+                  "true"]) != 0  # fmt: skip
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("titanlab: error: comm.ledger=true needs comm.mode=fake_backend")

@@ -47,8 +47,9 @@ def test_a_compiled_regions_pointwise_chain_reads_its_inputs_and_writes_what_lea
              for o in (gemm, mul, add, use)]  # fmt: skip
     assert fused_traffic(eager)[1:3] == [(100, 100), (100, 100)]
     fused, plain = price([gemm, mul, add, use], H100), price(eager, H100)
+    # plain: 4 × 100 bytes at the memory efficiency and two launches; fused: 2 × 100 bytes
     assert plain.compute_s - fused.compute_s == pytest.approx(
-        200 / (3.35e12 * EFF.memory) + 2 * EFF.launch_s
+        400 / (3.35e12 * EFF.memory) + 2 * EFF.launch_s - 200 / (3.35e12 * EFF.fused)
     )
 
 
@@ -73,3 +74,22 @@ def test_fsdp_collectives_overlap_the_compute_and_tp_ones_are_waited_for():
     assert price([wide], H100).seconds[0] == pytest.approx(
         ring_seconds("all-gather", 16, 2**30, 1, H100.inter_latency, 50e9 * H100.efficiency.link)
     )
+
+
+def test_float8_attention_and_fused_kernels_run_at_their_fitted_efficiencies():
+    flops = int(1e12)
+    tensorwise = OpRecord("aten._scaled_mm.default", "", "forward", "gemm", flops=flops,
+                          dtype="float8_e4m3fn")  # fmt: skip
+    rowwise = OpRecord("aten._scaled_mm.default", "", "forward", "gemm", flops=flops,
+                       dtype="float8_e4m3fn", rowwise=True)  # fmt: skip
+    attention = OpRecord("aten._scaled_dot_product_cudnn_attention.default", "", "forward",
+                         "attention", flops=flops, dtype="bfloat16")  # fmt: skip
+    fused = OpRecord("aten.mul.Tensor", "", "forward", "pointwise", region=0, inputs=(1,),
+                     outputs=(2,), bytes_read=10**9, bytes_written=10**9)  # fmt: skip
+    got = price([tensorwise, rowwise, attention, fused], H100).seconds
+    fp8 = H100.flops("float8")
+    assert got[0] == pytest.approx(flops / (fp8 * EFF.float8_tensorwise) + EFF.launch_s)
+    assert got[1] == pytest.approx(flops / (fp8 * EFF.float8_rowwise) + EFF.launch_s)
+    assert got[2] == pytest.approx(flops / (989e12 * EFF.attention) + EFF.launch_s)
+    # its input came from outside the region and nothing reads its output: both count
+    assert got[3] == pytest.approx(2e9 / (3.35e12 * EFF.fused))

@@ -94,3 +94,62 @@ def test_fsdp_all_gathers_and_reduce_scatters_name_their_group_and_bytes(fake_wo
     gather = next(op for op in rec.ops if op.collective == "all_gather")
     assert gather.bytes_read == 4 * (32 * 64 + 64 * 16)  # the whole unit, gathered
     assert dist.is_initialized()
+
+
+def test_causal_attention_counts_the_tiles_a_flash_kernel_computes():
+    from titanlab.ledger.flops import causal_fraction
+
+    assert causal_fraction(8192) == pytest.approx(65 / 128)  # 64 × 64 tiles, 2080 computed
+    assert causal_fraction(128) == 1.0
+    assert causal_fraction(200) == pytest.approx(3 / 4)  # 2 × 2 tiles, 3 computed
+    b, h, s, d = 1, 2, 256, 16
+    with FakeTensorMode():
+        q, k, v = (torch.empty(b, h, s, d, requires_grad=True) for _ in range(3))
+        flops = {}
+        for causal in (False, True):
+            rec = Recorder()
+            with rec:
+                torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
+            (op,) = [o for o in rec.ops if o.kind == "attention"]
+            flops[causal] = op.flops
+    assert flops[False] == 4 * b * h * s * s * d  # QK^T and PV
+    assert flops[True] == int(flops[False] * causal_fraction(s))
+
+
+def test_a_compiled_functions_forward_and_backward_form_one_region():
+    from titanlab.components.compiled import compile_function
+
+    def softplus_sum(x):
+        return torch.log1p(torch.exp(x)).sum()
+
+    fn = compile_function(softplus_sum)
+    with FakeTensorMode(), torch.compiler.set_stance("force_eager"):
+        w = torch.empty(8, 8, requires_grad=True)
+        x = torch.empty(4, 8)
+        rec = Recorder()
+        with rec:
+            h = x @ w
+            fn(h * 2).backward()
+    ran = [(op.op, op.phase, op.region) for op in rec.ops if op.kind != "view"]
+    inside = [(op, phase) for op, phase, region in ran if region == 0]
+    outside = [(op, phase) for op, phase, region in ran if region is None]
+    assert [op for op, phase in inside if phase == "step"] == ["aten.exp.default",
+        "aten.log1p.default", "aten.sum.default"]  # fmt: skip
+    # softplus's gradient (expand, 1 + e^x, divide, multiply) joins the region; the caller's
+    # ops, before the call and in backward (h * 2's and the GEMM's gradients), do not
+    assert [op for op, phase in inside if phase == "backward"] == ["aten.add.Scalar",
+        "aten.div.Tensor", "aten.mul.Tensor"]  # fmt: skip
+    assert ("aten.mul.Tensor", "step") in outside and ("aten.mul.Tensor", "backward") in outside
+    assert ("aten.mm.default", "step") in outside and ("aten.mm.default", "backward") in outside
+
+
+def test_an_in_place_scatter_moves_the_rows_it_names_not_its_whole_target():
+    with FakeTensorMode():
+        g = torch.empty(1024, 32000)
+        index, src = torch.zeros(1024, 1, dtype=torch.long), torch.empty(1024, 1)
+        rec = Recorder()
+        with rec:
+            g.scatter_add_(1, index, src)
+    (op,) = [o for o in rec.ops if o.kind != "view"]
+    assert op.bytes_written == 1024 * 4  # one element per row
+    assert op.bytes_read == 1024 * 8 + 1024 * 4 + 1024 * 4  # index, source, the rows' old values

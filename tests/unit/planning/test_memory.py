@@ -68,11 +68,14 @@ def test_auto_takes_the_fused_loss_and_its_one_chunk_of_logits_at_8k_tokens():
     config = job()
     config.loss.fused_linear_cross_entropy = "auto"
     est = estimate_memory(model_args("8B", 128256, 8192), config, 8, torch.bfloat16)
-    # A chunk's fp32 logits and bf16 matmul output, and the head weight's fp32 gradient (the
-    # fused head computes it in forward); no (tokens × vocab) tensor.
-    chunk, weight_grad = 256 * 128256 * (4 + 2), 128256 * 4096 * 4
-    assert chunk + weight_grad <= est.logits <= chunk + weight_grad + 4 * 8192 * 4096 * 4
-    assert estimate_8b().logits > 3 * 8192 * 128256 * 4 > 4 * est.logits  # plain: 3 fp32 logits
+    # A chunk's fp32 logits and bf16 matmul output, the head weight's fp32 gradient (the fused
+    # head computes it in forward) and the rows of the logits' gradient its one GEMM takes
+    # (8192 in bf16: as many bytes as that fp32 gradient); no fp32 (tokens × vocab) tensor.
+    chunk, weight_grad = 1024 * 128256 * (4 + 2), 128256 * 4096 * 4
+    rows = 8192 * 128256 * 2
+    low = chunk + weight_grad + rows
+    assert low <= est.logits <= low + 4 * 8192 * 4096 * 4
+    assert estimate_8b().logits > 3 * 8192 * 128256 * 4 > 2 * est.logits  # plain: 3 fp32 logits
 
 
 def test_zero_stages_change_what_is_sharded_and_what_stays_gathered():

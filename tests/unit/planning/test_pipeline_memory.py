@@ -64,6 +64,7 @@ def debug_pp(schedule: str, local_batch: int = 8) -> JobConfig:
     c.parallelism.data_parallel_shard_degree = 2
     c.parallelism.pipeline_parallel_degree = 2
     c.parallelism.pipeline_parallel_schedule = schedule
+    c.loss.chunk_size = 64  # a microbatch of 128 tokens: the fused loss (auto) in 2 chunks
     return c
 
 

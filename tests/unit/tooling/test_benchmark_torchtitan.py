@@ -25,7 +25,8 @@ from tools.benchmark_torchtitan import (
     torchtitan_cmd,
 )
 from tools.lib.runs import REPO
-from tools.torchtitan_row import CpuDevice, RandomTokens
+from tools.lib.torchtitan_cpu import CpuDevice
+from tools.torchtitan_row import RandomTokens
 
 GIB = 2**30
 
