@@ -7,18 +7,20 @@ as rank 0 of the fake world plays it, at the config's real shapes.
 Compiled regions run eagerly (`torch.compiler.set_stance("force_eager")`, as the dry-run step:
 Inductor's kernels cannot run on tensors without memory); the recorder marks them and the
 pricing fuses their pointwise ops. Pipeline schedules are not recorded (they step real stages
-only): `record_step` raises ConfigError for a pipelined layout.
+only): `record_step` raises ConfigError for a pipelined layout. `record_loop` records any
+loop's step this way (the trainer's here; the plain loop's and torchtitan's in `loop.py`).
 """
 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from titanlab.components.optim import LRSchedulersContainer, OptimizersContainer
-from titanlab.config.device_path import target
+from titanlab.config.device_path import Target, code_path_of, target
 from titanlab.config.job_config import ConfigError
 from titanlab.data.batches import BatchPreparer
 from titanlab.data.document_masking import DocumentMasking
@@ -37,11 +39,31 @@ def group_dims(trainer: Any) -> dict[str, str]:
     return out
 
 
+def record_loop(build: Callable[[], Callable[[], Any]], target: Target) -> list[OpRecord]:
+    """The ops of one step of a loop on `target`'s code path. `build()` runs under
+    `FakeTensorMode` (the model, optimizer and batch it makes are fake tensors: build them on
+    the CPU) and returns the step; the step runs twice and the second is recorded (the first
+    builds the optimizer state). Compiled modules run eagerly, as in the trainer's ledger."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    attention = gpu_attention(target) if target.type == "cuda" else contextlib.nullcontext()
+    recorder = Recorder()
+    with (
+        code_path_of(target),
+        attention,
+        torch.compiler.set_stance("force_eager"),
+        FakeTensorMode(allow_non_fake_inputs=True),
+    ):
+        step = build()
+        step()
+        with recorder:
+            step()
+    return recorder.ops
+
+
 def record_step(trainer: Any) -> list[OpRecord]:
     """The ops rank 0 runs in one optimizer step of `trainer` (built with comm.mode
     "fake_backend", before any weight is loaded). Raises ConfigError for a pipelined layout."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     from titanlab.distributed.parallelize import param_dtype
     from titanlab.peft.qlora import to_empty_keeping_quantized
 
@@ -68,12 +90,8 @@ def record_step(trainer: Any) -> list[OpRecord]:
     trainer.init_step_state(compute_dtype)
     mb, seq = config.training.local_batch_size, config.training.seq_len
     accum = trainer.batch.grad_accum_steps
-    recorder = Recorder()
-    on = target()  # a CUDA target's attention kernels, not the CPU's (gpu_kernels)
-    attention = (
-        gpu_attention(on) if on is not None and on.type == "cuda" else contextlib.nullcontext()
-    )
-    with torch.compiler.set_stance("force_eager"), FakeTensorMode(allow_non_fake_inputs=True):
+
+    def build():  # under the fake mode `record_loop` enters
         for part in trainer.model_parts:
             to_empty_keeping_quantized(part, "cpu")
         # Materializing replaced the parameters that are not DTensors (a run without FSDP or
@@ -88,10 +106,6 @@ def record_step(trainer: Any) -> list[OpRecord]:
             trainer.optimizer, config.lr_scheduler, config.training.steps
         )
         batches = [(torch.zeros(mb, seq, dtype=torch.long),) * 2 for _ in range(accum)]
-        # a first step builds the optimizer state and takes the first call's paths; the
-        # second is the step every later one repeats
-        with attention:
-            trainer.train_step(batches)
-            with recorder:
-                trainer.train_step(batches)
-    return recorder.ops
+        return lambda: trainer.train_step(batches)
+
+    return record_loop(build, target() or Target("cpu"))
