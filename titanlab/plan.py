@@ -9,7 +9,8 @@
 InfiniBand NIC per GPU) or a profile file (*.json); every other option is the trainer's
 (`--section.key value`), so the plan is of exactly the run `run_train.sh` would start. The table
 ranks every layout the trainer's validator accepts and the memory estimate fits by predicted step
-time (titanlab/planning/perf_model.py; docs/planning.md gives the model and its sources).
+time (titanlab/planning/perf_model.py; docs/planning.md gives the model and its sources), its
+compute on a GPU profile priced by the per-op ledger (`--compute flops`: by the FLOP model).
 Bad input (an unknown profile, a malformed profile file, a job no layout holds) is one line,
 exit 2.
 """
@@ -31,6 +32,10 @@ def _parser(prog: str) -> argparse.ArgumentParser:
     p.add_argument("--apply", default="", help="write the best (or --explain's) layout's config")
     p.add_argument("--calibrate", default="", help="measure this machine into PROFILE.json")
     p.add_argument("--nproc", type=int, default=1, help="ranks per node for --calibrate")
+    p.add_argument(
+        "--compute", choices=("ledger", "flops"), default="ledger",
+        help="GPU compute priced by the per-op ledger (default) or by the FLOP model (faster)",
+    )  # fmt: skip
     return p
 
 
@@ -40,9 +45,11 @@ def main(argv: list[str] | None = None, prog: str = "python -m titanlab.plan") -
     opts, rest = _parser(prog).parse_known_args(argv)
     try:
         from titanlab.config.shipped import resolve_config_option
+        from titanlab.ledger.planner_costs import ledger_costs
         from titanlab.planning.report import run
 
-        return run(opts, resolve_config_option(rest))  # a shipped config by its name too
+        priced = ledger_costs if opts.compute == "ledger" else None
+        return run(opts, resolve_config_option(rest), priced)  # a shipped config by name too
     except ConfigError as e:
         print(f"titanlab: error: {e}", file=sys.stderr)
         return 2

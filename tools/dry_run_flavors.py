@@ -5,7 +5,7 @@
 For each family's published flavors (Llama 3, Qwen3 dense and MoE, DeepSeek-V3, gpt-oss; not the debug
 ones) on the H100 cluster of `FLAVORS` (the world size such a model is trained on), with the
 family's shipped config (seq_len, precision, optimizer) and a global batch of 2 sequences per
-GPU: `titanlab.planning.planner.plan`'s first pick becomes the options of a dry run
+GPU: `titanlab.planning.planner.plan`'s first pick (its compute priced by the per-op ledger) becomes the options of a dry run
 (`comm.mode = "fake_backend"`, `titanlab.trainer.dry_run`), which must build and fit. The picks
 go to docs/dry_run_picks.json (CI dry-runs each: tests/unit/trainer/test_dry_run.py) and a table
 to docs/dry_run.md. Planning takes from seconds (8 GPUs) to minutes (MoE on hundreds).
@@ -71,6 +71,7 @@ def plan_flavor(name: str) -> dict:
     """Plan `name` ("family flavor") and dry-run the pick; its record for the JSON file."""
     from titanlab.config.manager import build_config
     from titanlab.distributed.init import destroy_distributed
+    from titanlab.ledger.planner_costs import ledger_costs
     from titanlab.planning import planner
     from titanlab.planning.cluster import PROFILES
     from titanlab.trainer import Trainer, dry_run
@@ -84,7 +85,8 @@ def plan_flavor(name: str) -> dict:
     base = build_config([*base_argv, "--training.global_batch_size", str(batch)])
     began = time.time()
     cluster = PROFILES["h100"].with_nodes(gpus // 8)
-    best = planner.plan(base, planner.model_args_of(base), cluster)[0]
+    costs = ledger_costs(base_argv, "h100")  # compute priced by the per-op ledger
+    best = planner.plan(base, planner.model_args_of(base), cluster, costs=costs)[0]
     assert best.config is not None  # a fitting candidate carries its job
     args = layout_args(build_config(base_argv), best.config)
     planned_s = time.time() - began

@@ -8,7 +8,8 @@ on Llama 3.1 8B's dims with 11 of 32 blocks, vocab 128,256, seq_len 8192, local 
 GPU), on the code that ran then: the H100 rows of 2026-11-23 before the fused loss existed
 (`--loss.fused_linear_cross_entropy false`), the H200 rows of 2026-11-27 with the fused loss
 as it ran then (`before_2026_11_28`: the head's weight cast in every chunk, its gradient summed
-chunk by chunk as fp32 GEMMs). `tools/ledger_ab.py` predicts the A/B with the code as it is
+chunk by chunk as fp32 GEMMs); every row with RoPE in real pairs, as it ran eagerly until
+2026-11-30 (`real_pair_rope`; compiled, it still does). `tools/ledger_ab.py` predicts the A/B with the code as it is
 now. `--write`
 puts the table in docs/performance.md (block `ledger-calibration`).
 """
@@ -119,6 +120,20 @@ def before_2026_11_28(on: bool):
         fused_ce._operands, fused_ce.RowGradients = before
 
 
+@contextlib.contextmanager
+def real_pair_rope():
+    """RoPE as every recorded row ran it: in real pairs (ten eager kernels a tensor), not the
+    complex product eager runs have taken since 2026-11-30."""
+    import titanlab.models.common.rope as rope
+
+    before = rope._as_complex
+    rope._as_complex = lambda x: False
+    try:
+        yield
+    finally:
+        rope._as_complex = before
+
+
 def predict(row: Row, folder: str):
     from titanlab.ledger.run import build_ledger
 
@@ -126,7 +141,7 @@ def predict(row: Row, folder: str):
     argv = ["--job.config_file", config, "--comm.fake_world_size", "1", *model_args(folder),
             "--activation_checkpoint.mode", "none"]  # fmt: skip
     then = ("--loss.chunk_size", "256") if row.fp32_head_grad else ()  # the default then
-    with before_2026_11_28(row.fp32_head_grad):
+    with before_2026_11_28(row.fp32_head_grad), real_pair_rope():
         return build_ledger([*argv, *row.args, *then], row.device)
 
 

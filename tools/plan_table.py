@@ -3,7 +3,8 @@
     python tools/plan_table.py [--gpus 8 64 512 2048] [--models llama_8b ...] [--out docs/planning.md]
 
 For each train_configs/<model>.toml (Llama 3 8B, 70B, 405B, Qwen3-30B-A3B; seq_len 8192 as
-configured) and each cluster size (nodes of 8 H100s), runs `titanlab.planning.planner.plan`
+configured) and each cluster size (nodes of 8 H100s), runs `titanlab.planning.planner.plan`,
+its compute priced by the per-op ledger (`titanlab.ledger.planner_costs`),
 with a global batch of max(512, GPUs) sequences (4M tokens, 16M at 2048 GPUs: the Llama 3
 paper's batch schedule) and writes its first pick (layout, ZeRO stage, AC mode, accumulation
 steps), predicted MFU, tokens/s per device and memory per device to the `plan-picks` block of
@@ -34,17 +35,20 @@ def pick(config_name: str, gpus: int) -> str:
     """One table row: the planner's first pick for `config_name` on `gpus` H100s."""
     from titanlab.config.job_config import ConfigError
     from titanlab.config.manager import build_config
+    from titanlab.ledger.planner_costs import ledger_costs
     from titanlab.planning import planner
     from titanlab.planning.cluster import PROFILES
     from titanlab.planning.memory import GIB
 
     batch = max(512, gpus)
-    config = build_config(["--job.config_file", os.path.join(REPO, "train_configs",
-                           f"{config_name}.toml"), "--training.global_batch_size", str(batch)])  # fmt: skip
+    argv = ["--job.config_file", os.path.join(REPO, "train_configs", f"{config_name}.toml"),
+            "--training.global_batch_size", str(batch)]  # fmt: skip
+    config = build_config(argv)
     cluster = PROFILES["h100"].with_nodes(max(gpus // 8, 1))
     began = time.time()
     try:
-        ranked = planner.plan(config, planner.model_args_of(config), cluster)
+        costs = ledger_costs(argv, "h100")  # compute priced by the per-op ledger
+        ranked = planner.plan(config, planner.model_args_of(config), cluster, costs=costs)
     except ConfigError as e:
         return f"| {MODELS[config_name]} | {gpus} | {batch} | none fits: {e} | | | | |"
     best = ranked[0]

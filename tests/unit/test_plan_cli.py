@@ -23,6 +23,20 @@ def test_the_table_the_explanation_and_an_applied_config(tmp_path, capsys):
     assert f"{best}: step" in explained and "memory per device" in explained
 
 
+def test_gpu_compute_is_the_ledgers_and_the_flop_model_on_request(capsys):
+    assert main(["--cluster", "h100", "--top", "1", *DEBUG]) == 0
+    ledger = capsys.readouterr().out
+    assert main(["--cluster", "h100", "--top", "1", "--compute", "flops", *DEBUG]) == 0
+    flops = capsys.readouterr().out
+    assert "compute priced by the per-op ledger" in ledger.splitlines()[0]
+    assert "compute by the FLOP model" in flops.splitlines()[0]
+    rows = [
+        next(line for line in t.splitlines() if line.startswith("| 1 |")) for t in (ledger, flops)
+    ]
+    step = [float(row.split(" | ")[5].replace(",", "")) for row in rows]
+    assert step[0] != step[1]  # two pricings of the same layouts
+
+
 def test_bad_input_is_one_line(capsys, tmp_path):
     assert main(["--cluster", "v100", *DEBUG]) == 2
     err = capsys.readouterr().err.strip().splitlines()
@@ -86,7 +100,7 @@ def test_the_documented_first_example_plans_at_the_batch_its_config_runs(capsys)
     assert first == (
         "llama3 8B on 8 × 8 h100 (64 devices, 80 GiB each): seq_len 8192, global batch 64 "
         "(global_batch_size -1: local_batch_size 1 × dp 64, the config's own layout on 64 "
-        "devices), bfloat16"
+        "devices), bfloat16; compute priced by the per-op ledger"
     )
 
 

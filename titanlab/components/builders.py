@@ -27,6 +27,7 @@ from titanlab.distributed.local_params import local_parameters
 from titanlab.data.tokenizer import AnyTokenizer, default_tokenizer_path, load_tokenizer
 from titanlab.models.common.decoder import Decoder
 from titanlab.models.common.init import random_weights_skipped
+from titanlab.models.common.shortened import shortened
 from titanlab.models.registry import (
     ModelFamily,
     build_model,
@@ -162,7 +163,20 @@ def model_architecture(config: JobConfig, vocab_size: int) -> Any:
             # tokenizer's ids fit in (a real run takes the size of the tokenizer it is given).
             vocab_size = published.vocab_size
         args = dataclasses.replace(published, vocab_size=vocab_size)
-    return _validated(config, _with_mtp_options(config, _with_moe_options(config, args)))
+    return _validated(
+        config, _with_depth(config, _with_mtp_options(config, _with_moe_options(config, args)))
+    )
+
+
+def _with_depth(config: JobConfig, args: Any) -> Any:
+    """`args` with `model.n_layers` blocks (`shortened`); ConfigError beyond the model's own."""
+    n = config.model.n_layers
+    if n and n > args.n_layers:
+        raise ConfigError(
+            f"model.n_layers={n}: {config.model.name} {config.model.flavor} has "
+            f"{args.n_layers} blocks; use 1..{args.n_layers}, or 0 for all"
+        )
+    return shortened(args, n) if n else args
 
 
 def _validated(config: JobConfig, args: Any) -> Any:

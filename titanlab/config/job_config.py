@@ -97,6 +97,12 @@ class Model:
     """With `model.flavor = "hf"`: a Hugging Face `config.json` (or the folder holding it) whose
     architecture to build. Empty: the args stored with `checkpoint.initial_load_path`."""
 
+    n_layers: int = 0
+    """Build only the architecture's first `n_layers` blocks (0: all of them), the others'
+    kinds kept as `titanlab.models.common.shortened` says (DeepSeek-V3's dense first block, the
+    later blocks MoE): a real width at a depth one device holds, as the GPU benchmark rows run
+    Llama 3 8B's 11 of 32 blocks, and the per-block costs the planner prices."""
+
     tokenizer_path: str = ""
     """A tiktoken `tokenizer.model` (Llama 3 format) or a Hugging Face `tokenizer.json` (its
     special tokens from `tokenizer_config.json` beside it). Empty: the bundled 4k BPE trained
@@ -127,6 +133,9 @@ class Model:
                 value == -1.0 or value >= 0,
                 f"model.{name}={value} must be >= 0, or -1 for the flavor's value",
             )
+        _require(
+            self.n_layers >= 0, f"model.n_layers={self.n_layers} must be >= 0 (0: every block)"
+        )
         _require(
             self.moe_load_balance_type in ("", "global", "sequence"),
             f"model.moe_load_balance_type={self.moe_load_balance_type!r}; valid: global, "

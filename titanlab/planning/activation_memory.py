@@ -323,3 +323,26 @@ def trace_activation_bytes(
         weight_grads_per_block=weight_grads,
         weight_grads_head=none.one[2] - u * weight_grads,
     )
+
+
+def traced_modes(mode: str, option: str) -> tuple[str, ...]:
+    """The traced block modes (`trace_activation_bytes`) that activation checkpointing `mode`
+    with `option` keeps for backward besides "none": full AC and every-Nth-block selective AC
+    "full" (their checkpointed blocks), per-op selective AC "op", no AC nothing more."""
+    if mode == "full" or (mode == "selective" and option != "op"):
+        return ("full",)
+    return ("op",) if mode == "selective" else ()
+
+
+def depth_bytes(depths: dict[str, int], mode: str, option: str, n_layers: int) -> int:
+    """What trained multi-token prediction depths keep for backward in the AC mode (their
+    blocks are wrapped like the layers, numbered after them: `apply_ac`); 0 without depths."""
+    if not depths:
+        return 0
+    if mode == "full":
+        return depths["full"]
+    if mode == "selective" and option == "op":
+        return depths["op"]
+    if mode == "selective":
+        return depths["full" if n_layers % int(option) == 0 else "none"]
+    return depths["none"]

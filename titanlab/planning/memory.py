@@ -3,7 +3,8 @@
 Per-rank bytes, predicted from the config and world size without allocating anything:
 - parameters (fp32 master weights), gradients (fp32) and optimizer state (AdamW: two fp32
   moments; Muon: one momentum buffer for the blocks' matrices, AdamW's two for the rest), each
-  divided by the number of ranks that shard them (dp_shard × cp × tp × pp);
+  divided by the number of ranks that shard them (dp_shard × cp × tp × pp; what tensor
+  parallel keeps whole, `meta_counts.tp_whole_params`, by dp_shard × cp × pp);
 - under FSDP, the gathered parameters of the two blocks in flight (current + prefetched) in
   the compute dtype; under expert parallel a rank gathers only its num_experts / ep experts
   (the expert weights are sharded over ep × efsdp = dp_shard × cp × tp ranks, as many as the
@@ -81,9 +82,13 @@ def estimate_memory(
     Returns:
         bytes per rank by category; `total` is the predicted peak including overhead.
     """
-    from titanlab.planning.activation_memory import trace_activation_bytes
+    from titanlab.planning.activation_memory import (
+        depth_bytes,
+        trace_activation_bytes,
+        traced_modes,
+    )
     from titanlab.distributed.expert_sharding import held_elements
-    from titanlab.planning.meta_counts import expert_params, moe_layers, params
+    from titanlab.planning.meta_counts import expert_params, moe_layers, params, tp_whole_params
 
     model = _meta_model(model_args)
     n_params = params(model)
@@ -190,10 +195,12 @@ def estimate_memory(
         acts = max(block.values())
 
     def gathered(module: nn.Module) -> int:
-        """A module's weights gathered by FSDP: the dense ones tp-sharded, the experts (not
-        tensor-parallel) all of them, or this rank's num_experts / ep under expert parallel."""
+        """A module's weights gathered by FSDP: the dense ones tp-sharded but those tensor
+        parallel keeps whole (`tp_whole_params`), the experts (not tensor-parallel) all of them,
+        or this rank's num_experts / ep under expert parallel."""
         experts = expert_params(module)
-        return (params(module) - experts) // tp + experts // ep
+        whole = tp_whole_params(model, module) if tp > 1 else 0
+        return (params(module) - experts - whole) // tp + whole + experts // ep
 
     gathered_block = max(gathered(block) for block in cast(nn.ModuleDict, model.layers).values())
     resharded = reshard_policy(p.fsdp_reshard_after_forward, pp > 1, stage)
@@ -219,18 +226,25 @@ def estimate_memory(
     # pipeline ranks: the largest share of the MoE layers
     padding = padding_per_moe * -(-len(moes) // pp)
 
+    tp_whole = tp_whole_params(model) if tp > 1 else 0  # a pipeline stage: its share of them
+
+    def shard(params: int) -> float:
+        """Elements of `params` (unsharded) this rank holds once FSDP and TP shard them."""
+        whole = tp_whole * params / n_params
+        return (params - whole) / sharded_by + whole / (dp_shard * cp)
+
     def grad_bytes(params: int, local: int) -> int:
         """Gradient bytes of a rank with `params` parameter elements (unsharded), `local` of
         them its own when gathered (dense ones tp-split, experts ep-split): whole gradients
         hold `local`, reduce-scattered ones their shard (with the experts' padding)."""
-        return 4 * (local if whole_grads else params // sharded_by + padding)
+        return 4 * (local if whole_grads else round(shard(params)) + padding)
 
     def estimate(params: int, local: int, gathered_units: int, **rank) -> MemoryEstimate:
         """The estimate of a rank holding `params` parameter elements, `local` as gathered."""
         return MemoryEstimate(
-            params=4 * params // sharded_by + 4 * padding,
+            params=4 * round(shard(params)) + 4 * padding,
             grads=grad_bytes(params, local),
-            optimizer=round(optimizer_bytes_per_param * params) // sharded_by
+            optimizer=round(optimizer_bytes_per_param * shard(params))
             + round(optimizer_bytes_per_param * padding),
             gathered_params=gathered_units * elem if gathers else 0,
             overhead=(2 if on_gpu else 1) * GIB // 2,
@@ -276,29 +290,6 @@ def estimate_memory(
 
 _CACHE_SIZE = 64
 _META_MODELS: dict[str, nn.Module] = {}
-
-
-def traced_modes(mode: str, option: str) -> tuple[str, ...]:
-    """The traced block modes (`trace_activation_bytes`) that activation checkpointing `mode`
-    with `option` keeps for backward besides "none": full AC and every-Nth-block selective AC
-    "full" (their checkpointed blocks), per-op selective AC "op", no AC nothing more."""
-    if mode == "full" or (mode == "selective" and option != "op"):
-        return ("full",)
-    return ("op",) if mode == "selective" else ()
-
-
-def depth_bytes(depths: dict[str, int], mode: str, option: str, n_layers: int) -> int:
-    """What trained multi-token prediction depths keep for backward in the AC mode (their
-    blocks are wrapped like the layers, numbered after them: `apply_ac`); 0 without depths."""
-    if not depths:
-        return 0
-    if mode == "full":
-        return depths["full"]
-    if mode == "selective" and option == "op":
-        return depths["op"]
-    if mode == "selective":
-        return depths["full" if n_layers % int(option) == 0 else "none"]
-    return depths["none"]
 
 
 def _meta_model(model_args) -> nn.Module:

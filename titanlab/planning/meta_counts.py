@@ -42,3 +42,25 @@ def expert_params(module: nn.Module) -> int:
     if module not in _EXPERTS:
         _EXPERTS[module] = sum(params(m.experts) for m in moe_layers(module))
     return _EXPERTS[module]
+
+
+_TP_WHOLE: weakref.WeakKeyDictionary[nn.Module, frozenset[int]] = weakref.WeakKeyDictionary()
+
+
+def tp_whole_params(model: nn.Module, module: nn.Module | None = None) -> int:
+    """Elements of `module`'s parameters (default: all of `model`'s) that tensor parallel keeps
+    whole on every tp rank: all but the Linears `apply_tp` splits (`linear_split_dims`), the
+    embedding, the routed experts (expert parallel's) and attention sinks (split with their
+    heads). The norms, MLA's `wkv_a`, the routers and the shared experts; DeepSeek-V3 16B: 0.49B
+    of its 16.0B. `model` is a decoder on the meta device, remembered per model."""
+    if model not in _TP_WHOLE:
+        from titanlab.distributed.tensor_parallel import linear_split_dims
+
+        split = set(linear_split_dims(model)) | {"tok_embeddings"}  # type: ignore[arg-type]
+        _TP_WHOLE[model] = frozenset(
+            id(p) for name, p in model.named_parameters()
+            if name.rsplit(".", 1)[0] not in split and ".experts." not in name
+            and not name.endswith("sinks")
+        )  # fmt: skip
+    whole = _TP_WHOLE[model]
+    return sum(p.numel() for p in (module or model).parameters() if id(p) in whole)

@@ -2,6 +2,12 @@
 the communication left exposed, and the measured overheads of a split backward and of tensor
 parallel (docs/planning.md writes the model out with its sources).
 
+- Compute on a GPU profile, where `titanlab.plan` has the per-op ledger price it
+  (`compute_costs.ComputeCosts`): one sequence through a block, the head and the embedding and
+  the update per parameter as `titanlab ledger` prices them on the target GPU's code path,
+  scaled to the layout (sequences per rank, blocks of its busiest pipeline rank, ÷ tp × cp;
+  parameters per rank), FSDP2's buffer copies per byte its collectives move (in the FSDP
+  overhead). Otherwise (and on CPU profiles, whose efficiencies are measured):
 - Compute: the trainer's training FLOPs per token (`flops_per_token`: 6 × the active
   non-embedding parameters, an MoE layer's experts at top_k / num_experts, + 12·L·H·Q·s of
   attention; Kaplan et al. 2020, PaLM Appendix B), plus the recomputation of the AC mode, each
@@ -58,6 +64,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from titanlab.planning.cluster import Cluster
+from titanlab.planning.compute_costs import ComputeCosts
 from titanlab.planning.comm_model import (  # noqa: F401 (MESH_ORDER, intra_node: public here too)
     MESH_ORDER,
     Comm,
@@ -220,8 +227,13 @@ def _work(shape: ModelShape, run: Run, lay: Layout) -> _Work:
     return _Work(local, pp_mb, lay.grad_accum * pp_mb, per_rank, blocks, head, first)
 
 
-def predict(shape: ModelShape, run: Run, lay: Layout, cluster: Cluster) -> Prediction:
-    """The predicted step of `lay` for `run` on `cluster` (see the module docstring).
+def predict(
+    shape: ModelShape, run: Run, lay: Layout, cluster: Cluster, costs: ComputeCosts | None = None
+) -> Prediction:
+    """The predicted step of `lay` for `run` on `cluster` (see the module docstring). With
+    `costs` (the per-op ledger's, on a GPU profile) the compute and optimizer terms are
+    theirs: `global_batch / dp` sequences through the busiest rank's blocks, split over tp × cp,
+    and the update of the parameters it holds.
 
     Raises ValueError when the global batch does not split over dp × grad_accum, for a ZeRO
     stage outside 0-3, an unknown AC mode or pipeline schedule; ConfigError when the cluster has
@@ -243,6 +255,10 @@ def predict(shape: ModelShape, run: Run, lay: Layout, cluster: Cluster) -> Predi
     gemm_s = mm * tokens_global / devices_per_replica / (mm_peak * eff.matmul)
     attn_s = attn * tokens_global / devices_per_replica / (attn_peak * eff.attention)
     compute_s = (gemm_s * (1 + eff.pointwise) + attn_s) * slowdown
+    if costs is not None:
+        sequences = run.global_batch / (lay.dp_replicate * lay.dp_shard)
+        one = costs.sequence_s(work.blocks, work.has_head, work.has_embedding)
+        compute_s = one * sequences / (lay.tp * lay.cp) * slowdown
     bubble = bubble_fraction(lay.schedule, lay.pp, work.pp_microbatches, work.per_rank)
     # Ranks sharing cores: a rank idle in the bubble gives its core to another; with twice as
     # many ranks as cores the bubble costs nothing.
@@ -255,6 +271,8 @@ def predict(shape: ModelShape, run: Run, lay: Layout, cluster: Cluster) -> Predi
         _set_exposed(comm, compute_s, lay, work, cluster.device_type)
     shard = lay.tp * lay.pp * (lay.dp_shard * lay.cp if lay.zero_stage >= 1 else 1)
     optimizer_s = optimizer_seconds(shape, run, shard, cluster)  # optimizer_cost.py
+    if costs is not None:
+        optimizer_s = costs.update_s_per_param * shape.total_params / shard
     split_s = cluster.split_backward_s * split_blocks(shape, run, lay, work) * slowdown
     # measured with every rank running (the shared cores' slowdown included)
     tp_s = cluster.tp_block_s * work.blocks * work.microbatches if lay.tp > 1 else 0.0
@@ -262,6 +280,10 @@ def predict(shape: ModelShape, run: Run, lay: Layout, cluster: Cluster) -> Predi
     if lay.dp_shard * lay.cp > 1:
         gathers, reduces = fsdp_calls(lay, run, work)
         fsdp_s = gathers * cluster.fsdp_gather_s + reduces * cluster.fsdp_reduce_s
+        if costs is not None:  # FSDP2's buffer copies as the ledger prices them
+            moved = sum(c.bytes for c in comm if c.dim in ("dp_shard", "dp_shard+cp")
+                        and c.kind in ("all-gather", "reduce-scatter"))  # fmt: skip
+            fsdp_s += costs.fsdp_copy_s_per_byte * moved
     overheads = split_s + tp_s + fsdp_s
     step_s = compute_s + bubble_s + optimizer_s + overheads + sum(c.exposed for c in comm)
     flops = shape.flops_per_token(run.seq_len) * tokens_global

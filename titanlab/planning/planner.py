@@ -14,6 +14,7 @@ activation checkpointing (none, selective op, full) and the fewest gradient-accu
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -21,6 +22,7 @@ import torch
 from titanlab.config.job_config import ConfigError, JobConfig
 from titanlab.config.performance import ActivationCheckpoint
 from titanlab.planning.cluster import Cluster
+from titanlab.planning.compute_costs import ComputeCosts
 from titanlab.planning.layouts import Layout, apply_layout, check_layout, enumerate_layouts
 from titanlab.planning.memory import GIB, MemoryEstimate, estimate_memory
 from titanlab.planning.perf_model import ModelShape, Prediction, Run, predict
@@ -97,12 +99,14 @@ def plan(
     cluster: Cluster,
     run: Run | None = None,
     search_ac: bool = True,
+    costs: Callable[[str, int], ComputeCosts] | None = None,
 ) -> list[Candidate]:
     """Every candidate layout of `cluster` for `config`'s model, seq_len and global batch, each
     in the AC mode (none, selective op, full; `config`'s own when not `search_ac`) and with the
     fewest accumulation steps that predict the fastest step that fits: fitting ones first,
     fastest first; then those refused (validator or memory), each with its one-line reason.
-    ConfigError when none fits."""
+    `costs(ac_mode, ep)` gives the ledger's compute costs of an AC mode and expert-parallel
+    degree (`perf_model.predict`); None: the FLOP model's. ConfigError when none fits."""
     run = run or run_of(config, cluster.device_type, global_batch_of(config, cluster.world_size)[0])
     shape = ModelShape.of(model_args)
     dtype = getattr(torch, run.dtype if run.dtype != "float8" else "bfloat16")
@@ -117,8 +121,9 @@ def plan(
             cfg = dataclasses.replace(config, activation_checkpoint=dataclasses.replace(
                 config.activation_checkpoint, mode=ac.mode,
                 selective_ac_option=ac.selective_ac_option))  # fmt: skip
+            mode_costs = costs(ac_mode, lay.ep) if costs is not None else None
             cand = _fewest_microbatches(cfg, model_args, shape, dataclasses.replace(
-                run, ac_mode=ac_mode), lay, cluster, dtype)  # fmt: skip
+                run, ac_mode=ac_mode), lay, cluster, dtype, mode_costs)  # fmt: skip
             if cand.memory is None:  # the validator's refusal: the same in every AC mode
                 best = cand
                 break
@@ -136,13 +141,15 @@ def plan(
     return fitting + [c for c in out if not c.fits]
 
 
-def _fewest_microbatches(config, model_args, shape, run, lay, cluster, dtype) -> Candidate:
+def _fewest_microbatches(
+    config, model_args, shape, run, lay, cluster, dtype, costs=None
+) -> Candidate:
     """`lay` with the fewest gradient-accumulation steps whose memory fits (more only add FSDP
     traffic and smaller GEMMs); the last one tried when none fits."""
     dp = lay.dp_replicate * lay.dp_shard
     for accum in (a for a in _powers(run.global_batch // dp) if run.global_batch % (dp * a) == 0):
         lay_a = dataclasses.replace(lay, grad_accum=accum)
-        cand = _evaluate(config, model_args, shape, run, lay_a, cluster, dtype)
+        cand = _evaluate(config, model_args, shape, run, lay_a, cluster, dtype, costs)
         if cand.fits or cand.memory is None:
             break
     return cand
@@ -153,7 +160,7 @@ def _powers(limit: int) -> list[int]:
     return [2**k for k in range(max(limit, 1).bit_length()) if 2**k <= limit]
 
 
-def _evaluate(config, model_args, shape, run, lay, cluster, dtype) -> Candidate:
+def _evaluate(config, model_args, shape, run, lay, cluster, dtype, costs=None) -> Candidate:
     """`lay` validated, its memory estimated and its step predicted."""
     cand = Candidate(lay)
     why = check_layout(config, lay, run.global_batch, model_args, cluster.device_type)
@@ -165,7 +172,7 @@ def _evaluate(config, model_args, shape, run, lay, cluster, dtype) -> Candidate:
     cand.memory = estimate_memory(
         model_args, cfg, lay.world_size, dtype, device_type=cluster.device_type
     )
-    cand.prediction = predict(shape, run, lay, cluster)
+    cand.prediction = predict(shape, run, lay, cluster, costs)
     if cand.memory.total > cluster.memory_bytes:
         cand.refused = (
             f"needs {cand.memory.total / GIB:.1f} GiB per device ({cand.memory.summary()}), "

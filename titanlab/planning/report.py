@@ -5,14 +5,22 @@ Raises ConfigError (one line) for bad input."""
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 
 from titanlab.config.job_config import ConfigError
+from titanlab.planning.compute_costs import ComputeCosts
 from titanlab.planning.memory import GIB
 from titanlab.planning.planner import Candidate
 
 
-def run(opts: argparse.Namespace, rest: list[str]) -> int:
-    """`python -m titanlab.plan` with its own options `opts` and the trainer's `rest`."""
+def run(
+    opts: argparse.Namespace,
+    rest: list[str],
+    priced: Callable[[list[str], str], Callable[[str, int], ComputeCosts]] | None = None,
+) -> int:
+    """`python -m titanlab.plan` with its own options `opts` and the trainer's `rest`; on a GPU
+    profile `priced(rest, opts.cluster)` gives the compute costs by AC mode and ep (the per-op
+    ledger's, `titanlab.ledger.planner_costs`), None the FLOP model's."""
     from titanlab.config.manager import build_config
     from titanlab.planning import planner
     from titanlab.planning.cluster import get_profile
@@ -25,11 +33,15 @@ def run(opts: argparse.Namespace, rest: list[str]) -> int:
         cluster = get_profile(opts.cluster).with_nodes(opts.nodes)
     global_batch, how = planner.global_batch_of(config, cluster.world_size)
     run = planner.run_of(config, cluster.device_type, global_batch)
-    ranked = planner.plan(config, model_args, cluster, run)
+    costs = None
+    if priced is not None and cluster.device_type != "cpu":
+        costs = priced(rest, opts.cluster)
+    ranked = planner.plan(config, model_args, cluster, run, costs=costs)
     print(
         f"{config.model.name} {config.model.flavor} on {cluster.nodes} × {cluster.devices_per_node} "
         f"{cluster.name} ({cluster.world_size} devices, {cluster.memory_bytes / GIB:.0f} GiB "
-        f"each): seq_len {run.seq_len}, global batch {run.global_batch}{how}, {run.dtype}"
+        f"each): seq_len {run.seq_len}, global batch {run.global_batch}{how}, {run.dtype}; "
+        + ("compute priced by the per-op ledger" if costs else "compute by the FLOP model")
     )
     print(table([c for c in ranked if c.fits][: opts.top]))
     refused = [c for c in ranked if not c.fits]

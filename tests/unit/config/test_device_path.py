@@ -33,6 +33,10 @@ FLEX = (
     "prices the dense mask until issue 67 gives it a stand-in (docs/ledger.md, limits)"
 )
 FLOAT8 = "names the device in a refusal (`float8_supported` decides)"
+AUTOCAST = (
+    "asks whether autocast is on for the device it was entered for (the trainer's, the same "
+    "under the ledger); the kernel choice is `grouped_mm_supported`'s, through the switch"
+)
 
 _LISTED = {
     "config/device_path.py": {"_type_of": "the switch itself",
@@ -52,6 +56,7 @@ _LISTED = {
     "metrics/system.py": dict.fromkeys(("memory_fields", "memory_kind", "reset_peaks"),
                                        THIS_MACHINE),
     "models/common/document_mask.py": {"build_attention_mask": FLEX},
+    "models/common/experts.py": {"matmul_dtype": AUTOCAST},
     "models/common/moe.py": {"Router.forward": NOT_BRANCHING},
     "observability/profiling.py": dict.fromkeys(
         ("StepProfiler.__enter__", "StepProfiler.__init__", "StepProfiler._window_done",

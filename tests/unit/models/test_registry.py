@@ -65,6 +65,11 @@ def test_help_lists_every_family_and_its_flavors():
         ),
         (["--model.flavor", "hf"], 'model.flavor="hf" needs model.hf_config'),
         (
+            ["--model.flavor", "8B", "--model.n_layers", "33"],
+            "model.n_layers=33: llama3 8B has 32 blocks; use 1..32, or 0 for all",
+        ),
+        (["--model.n_layers", "-1"], "model.n_layers=-1 must be >= 0 (0: every block)"),
+        (
             ["--model.flavor", "hf", "--model.hf_config", "/nowhere/config.json"],
             "model.hf_config='/nowhere/config.json': [Errno 2]",
         ),
@@ -74,6 +79,18 @@ def test_bad_model_choices_are_one_line_config_errors(argv, message):
     with pytest.raises(ConfigError) as e:
         args_of(*argv)
     assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_n_layers_builds_the_first_blocks_of_every_family():
+    for name in FAMILIES:
+        whole = args_of("--model.name", name, "--model.flavor", "debugmodel")
+        short = args_of(
+            "--model.name", name, "--model.flavor", "debugmodel", "--model.n_layers", "2"
+        )
+        assert short.n_layers == 2 and short.dim == whole.dim, name
+    # DeepSeek-V3 671B: block 0 dense as published, block 1 of the MoE kind of its last 58
+    v3 = args_of("--model.name", "deepseek_v3", "--model.flavor", "671B", "--model.n_layers", "2")
+    assert (v3.n_layers, v3.n_dense_layers) == (2, 1)
 
 
 def test_hf_flavor_takes_the_architecture_of_a_config_json(tmp_path):

@@ -6,6 +6,7 @@ import torch
 from titanlab.models.common.counting import count_active_params, flops_per_token
 from titanlab.models.registry import build_model, get_family, get_flavor
 from titanlab.planning.cluster import PROFILES
+from titanlab.planning.compute_costs import ComputeCosts
 from titanlab.planning.layouts import Layout
 from titanlab.planning.perf_model import (
     ModelShape,
@@ -255,3 +256,21 @@ def test_muon_costs_its_newton_schulz_flops_and_all_to_alls():
     # HSDP: replicas compute the same matrices, no Muon traffic crosses dp_replicate
     hsdp = predict(shape, muon_run, Layout(2, 4, 1, 1, None, 1), H100)
     assert [c.group for c in hsdp.comm if c.dim.endswith("(muon)")] == [4]
+
+
+def test_ledger_costs_scale_to_the_layout():
+    """With the per-op ledger's costs, compute is one sequence's cost × sequences per rank
+    ÷ tp × cp over the busiest pipeline rank's blocks, the update per parameter held."""
+    shape = ModelShape.of(_args("llama3", "8B"))
+    costs = ComputeCosts(block_s=0.01, head_s=0.05, embedding_s=0.002, update_s_per_param=1e-11)
+    run = Run(seq_len=8192, global_batch=64)
+    fsdp = predict(shape, run, Layout(1, 8, 1, 1, None, 1), H100, costs)
+    assert fsdp.compute_s == pytest.approx(8 * (32 * 0.01 + 0.05 + 0.002))  # 8 sequences a rank
+    assert fsdp.optimizer_s == pytest.approx(1e-11 * shape.total_params / 8)
+    tp = predict(shape, run, Layout(1, 4, 2, 1, None, 1), H100, costs)
+    assert tp.compute_s == pytest.approx(fsdp.compute_s)  # twice the sequences over tp 2
+    pipe = predict(shape, run, Layout(1, 4, 1, 2, "1F1B", 1), H100, costs)
+    first, last = 16 * (16 * 0.01 + 0.002), 16 * (16 * 0.01 + 0.05)
+    assert pipe.compute_s == pytest.approx(max(first, last))  # the stage with the head
+    with pytest.raises(ValueError, match="head_s=-1"):
+        ComputeCosts(0.0, -1, 0.0, 0.0)

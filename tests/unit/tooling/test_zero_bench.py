@@ -23,7 +23,7 @@ def test_prediction_falls_with_each_stage_and_offload_changes_nothing_on_cpu(tmp
     # 0 holds everything (and replicate's gathered copy); 1 shards AdamW state; 2 also the
     # gradients; 3 also the weights between uses.
     assert predicted[0] > predicted[1] > predicted[2] > predicted[3]
-    assert round(predicted[0] / mib, 2) == 30.14  # = the measured peak (docs/performance.md)
+    assert round(predicted[0] / mib, 2) == 30.17  # the measured peak: 30.18 (docs/performance.md)
     assert zero_bench.predicted_bytes(3, True, str(tmp_path)) == predicted[3]
 
 

@@ -92,17 +92,21 @@ def test_every_shipped_config_dry_runs_at_the_world_size_it_states(config, tmp_p
 def assert_parameters_even_and_estimated(held, trainer) -> None:
     """Without pipeline stages or adapters, rank 0's fp32 parameters are the even share of the
     dp_shard × cp × tp ranks FSDP shards them over (a tensor's shard is at most one row longer;
-    expert weights too: `titanlab.distributed.expert_sharding`), and what the pre-flight's
-    estimate counts, both within 1%."""
+    expert weights too: `titanlab.distributed.expert_sharding`), of dp_shard × cp for those
+    tensor parallel keeps whole (norms, routers, shared experts, MLA's wkv_a), and what the
+    pre-flight's estimate counts, both within 1%."""
     dims = trainer.parallel_dims
     if dims.pp_enabled or trainer.config.peft.method != "none":
         return
     from titanlab.components.builders import build_meta_model
     from titanlab.models.common.counting import count_params
+    from titanlab.planning.meta_counts import tp_whole_params
 
-    total = count_params(build_meta_model(trainer.model_args))
-    shards = dims.dp_shard * dims.cp * dims.tp
-    assert held.params == pytest.approx(4 * total / shards, rel=0.01)
+    model = build_meta_model(trainer.model_args)
+    total = count_params(model)
+    whole = tp_whole_params(model) if dims.tp > 1 else 0
+    even = (total - whole) / (dims.dp_shard * dims.cp * dims.tp) + whole / (dims.dp_shard * dims.cp)
+    assert held.params == pytest.approx(4 * even, rel=0.01)
     assert held.params == pytest.approx(trainer.memory.params, rel=0.01)
 
 

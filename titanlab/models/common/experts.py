@@ -21,15 +21,33 @@ from titanlab.models.common.init import trunc_normal_
 from titanlab.config.device_path import device_capability, device_type
 
 
-def grouped_mm_supported(x: torch.Tensor) -> bool:
-    """Whether `torch._grouped_mm` runs for activations like `x`: bf16 on CUDA GPUs of compute
-    capability 9.0+ (Hopper), where it is a grouped GEMM kernel."""
+def grouped_mm_supported(x: torch.Tensor, dtype: torch.dtype | None = None) -> bool:
+    """Whether `torch._grouped_mm` runs for activations like `x` computed in `dtype` (default
+    x's own): bf16 on CUDA GPUs of compute capability 9.0+ (Hopper), where it is a grouped GEMM
+    kernel."""
     return (
         hasattr(torch, "_grouped_mm")
         and device_type(x) == "cuda"
-        and x.dtype == torch.bfloat16
+        and (dtype or x.dtype) == torch.bfloat16
         and device_capability(x) >= (9, 0)
     )
+
+
+def matmul_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype x's matmuls run in: autocast's for x's device where it is on (one device
+    without FSDP: fp32 activations, bf16 GEMMs), else x's own. `torch._grouped_mm` is not on
+    autocast's list, so the grouped path casts its operands to it itself."""
+    kind = x.device.type
+    return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else x.dtype
+
+
+def _grouped(module: nn.Module, x: torch.Tensor) -> torch.dtype | None:
+    """The dtype of `module`'s grouped GEMMs for `x`, or None for the per-expert loop."""
+    dtype = matmul_dtype(x)
+    grouped = module.use_grouped_mm
+    if grouped is None:
+        grouped = grouped_mm_supported(x, dtype)
+    return dtype if grouped else None
 
 
 def _local(w: torch.Tensor) -> torch.Tensor:
@@ -65,10 +83,9 @@ class GroupedExperts(nn.Module):
         """x_td: (tokens, dim) sorted by expert, `counts[e]` tokens for expert e (int64, sums to
         tokens). Returns (tokens, dim) in the same order."""
         w1, w2, w3 = _local(self.w1), _local(self.w2), _local(self.w3)
-        grouped = self.use_grouped_mm
-        if grouped is None:
-            grouped = grouped_mm_supported(x_td)
-        if grouped:
+        dtype = _grouped(self, x_td)
+        if dtype is not None:
+            x_td, w1, w2, w3 = (t.to(dtype) for t in (x_td, w1, w2, w3))
             offs = counts.cumsum(0).to(torch.int32)
             h = F.silu(torch._grouped_mm(x_td, w1.transpose(-2, -1), offs=offs))
             h = h * torch._grouped_mm(x_td, w3.transpose(-2, -1), offs=offs)
@@ -118,10 +135,9 @@ class ClampedSwiGLUExperts(nn.Module):
         Returns (tokens, dim) in the same order."""
         w13, b13 = _local(self.gate_up_proj), _local(self.gate_up_proj_bias)
         w2, b2 = _local(self.down_proj), _local(self.down_proj_bias)
-        grouped = self.use_grouped_mm
-        if grouped is None:
-            grouped = grouped_mm_supported(x_td)
-        if grouped:
+        dtype = _grouped(self, x_td)
+        if dtype is not None:
+            x_td, w13, w2 = (t.to(dtype) for t in (x_td, w13, w2))
             offs = counts.cumsum(0).to(torch.int32)
             expert = torch.repeat_interleave(
                 torch.arange(counts.numel(), device=x_td.device), counts, output_size=x_td.shape[0]

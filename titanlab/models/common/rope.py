@@ -195,11 +195,13 @@ def apply_rotary_emb(
     cos: torch.Tensor,
     sin: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotate queries and keys by position, Meta's interleaved pair layout, in real arithmetic.
+    """Rotate queries and keys by position, Meta's interleaved pair layout, math in fp32.
 
-    Elements (2i, 2i+1) of each head form pair i, rotated by angle position * freq_i: the same as
-    Meta's `view_as_complex(x.reshape(..., head_dim // 2, 2)) * freqs_cis`, but without complex
-    tensors (awkward under DTensor and torch.compile). Math runs in fp32.
+    Elements (2i, 2i+1) of each head form pair i, rotated by angle position * freq_i: Meta's
+    `view_as_complex(x.reshape(..., head_dim // 2, 2)) * freqs_cis`. Run eagerly on plain tensors
+    it is that complex product (one kernel each way, as torchtitan's); under torch.compile
+    (Inductor generates no code for complex operators) or on a wrapped tensor subclass (a
+    DTensor) it is the same arithmetic in real pairs, which Inductor fuses into one kernel.
 
     Args:
         xq: (bs, seq, n_heads, head_dim); xk: (bs, seq, n_kv_heads, head_dim), any float dtype.
@@ -212,11 +214,26 @@ def apply_rotary_emb(
         cos, sin = cos[None], sin[None]
     cos = cos[:, :, None, :].float()  # (1 or bs, seq, 1, head_dim/2)
     sin = sin[:, :, None, :].float()
+    if _as_complex(xq):
+        turn = torch.complex(cos, sin)  # e^{i·angle}, complex64
+        return _rotate_complex(xq, turn), _rotate_complex(xk, turn)
+    return _rotate_real(xq, cos, sin), _rotate_real(xk, cos, sin)
 
-    def rotate(x: torch.Tensor) -> torch.Tensor:
-        pairs = x.float().unflatten(-1, (-1, 2))  # (bs, seq, heads, head_dim/2, 2)
-        x_even, x_odd = pairs[..., 0], pairs[..., 1]
-        rotated = torch.stack((x_even * cos - x_odd * sin, x_even * sin + x_odd * cos), dim=-1)
-        return rotated.flatten(-2).type_as(x)
 
-    return rotate(xq), rotate(xk)
+def _as_complex(x: torch.Tensor) -> bool:
+    """Whether `apply_rotary_emb` takes the complex product: eager, on a plain tensor."""
+    return not torch.compiler.is_compiling() and not hasattr(x, "to_local")
+
+
+def _rotate_complex(x: torch.Tensor, turn: torch.Tensor) -> torch.Tensor:
+    """x (..., head_dim) times `turn` (complex64, broadcast over pairs), back in x's dtype."""
+    pairs = torch.view_as_complex(x.float().contiguous().unflatten(-1, (-1, 2)))
+    return torch.view_as_real(pairs * turn).flatten(-2).type_as(x)
+
+
+def _rotate_real(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The complex product (a + ib)(cos + i sin) written in real pairs, back in x's dtype."""
+    pairs = x.float().unflatten(-1, (-1, 2))  # (bs, seq, heads, head_dim/2, 2)
+    x_even, x_odd = pairs[..., 0], pairs[..., 1]
+    rotated = torch.stack((x_even * cos - x_odd * sin, x_even * sin + x_odd * cos), dim=-1)
+    return rotated.flatten(-2).type_as(x)

@@ -3,7 +3,9 @@
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
+from titanlab.config.device_path import Target, code_path_of
 from titanlab.models.common.moe import MoE, MoEArgs
 
 DIM = 16
@@ -99,6 +101,34 @@ def test_grouped_gemm_path_equals_the_loop():
     (o1, gx1, gw1), (o2, gx2, gw2) = results
     assert torch.allclose(o1, o2, atol=1e-6)
     assert torch.allclose(gx1, gx2, atol=1e-6) and torch.allclose(gw1, gw2, atol=1e-6)
+
+
+@pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="torch._grouped_mm is missing")
+def test_one_device_under_autocast_takes_the_grouped_gemm_in_bf16():
+    # One GPU without FSDP trains under autocast with fp32 activations: the experts cast to
+    # autocast's bf16 for the grouped GEMM, where they took the per-expert loop (a host sync).
+    moe = make(hidden_dim=16)  # bf16 grouped GEMMs want rows of 16-byte multiples
+    x = torch.randn(2, 9, DIM)
+    calls = []
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loop = moe(x)  # this CPU: the loop, its matmuls in bf16 by autocast
+        with code_path_of(Target("cuda", (9, 0))), _Spy(calls):
+            grouped = moe(x)
+    assert calls and all(dtype == torch.bfloat16 for dtype in calls)
+    torch.testing.assert_close(grouped.float(), loop.float(), atol=0.02, rtol=0.02)
+
+
+class _Spy(TorchDispatchMode):
+    """The input dtype of every `_grouped_mm` called in the block."""
+
+    def __init__(self, calls: list) -> None:
+        super().__init__()
+        self.calls = calls
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._grouped_mm.default:
+            self.calls.append(args[0].dtype)
+        return func(*args, **(kwargs or {}))
 
 
 def test_load_balance_loss_and_its_gradient():

@@ -3,6 +3,7 @@
 import math
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from titanlab.models.common.attention import Attention as _Attention
 from titanlab.models.common.rope import (
@@ -83,6 +84,48 @@ def test_apply_rotary_emb_matches_complex_reference():
     assert torch.equal(q[:, 0], xq[:, 0]) and torch.equal(k[:, 0], xk[:, 0])  # position 0
     qb, _ = apply_rotary_emb(xq.bfloat16(), xk.bfloat16(), cos, sin)
     assert qb.dtype == torch.bfloat16
+
+
+class _KernelLog(TorchDispatchMode):
+    """The aten ops that write memory (views left out), in call order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if not func.is_view:
+            self.ops.append(func.__name__)
+        return out
+
+
+def test_eager_rotation_is_one_complex_product_each_way():
+    # torchtitan's three passes (cast, complex product, cast back): the real-pair form took ten
+    # eager kernels per tensor, the one row where the ledger priced titanlab behind torchtitan.
+    xq = torch.randn(2, 5, 4, 16, dtype=torch.bfloat16, requires_grad=True)
+    cos, sin = precompute_rope_cos_sin(16, 5, 10000.0, None)
+    log = _KernelLog()
+    with log:
+        q, _ = apply_rotary_emb(xq, xq.detach(), cos, sin)
+        q.float().sum().backward()
+    products = [op for op in log.ops if op.startswith("mul")]
+    assert len(products) == 3, log.ops  # q and k forward, q backward (the real form: 10)
+    assert len(log.ops) <= 16, log.ops  # with the casts, the sum and its backward (real: 35)
+
+
+def test_compiled_rotation_matches_the_complex_product():
+    # Under torch.compile the same product runs in real pairs (Inductor has no complex codegen).
+    torch.manual_seed(0)
+    xq, xk = torch.randn(2, 7, 4, 16, requires_grad=True), torch.randn(2, 7, 2, 16)
+    cos, sin = precompute_rope_cos_sin(16, 7, 500000.0, SCALING)
+    eager_q, eager_k = apply_rotary_emb(xq, xk, cos, sin)
+    (eager_grad,) = torch.autograd.grad(eager_q.square().sum(), xq)
+    compiled_q, compiled_k = torch.compile(apply_rotary_emb, backend="aot_eager")(xq, xk, cos, sin)
+    (compiled_grad,) = torch.autograd.grad(compiled_q.square().sum(), xq)
+    torch.testing.assert_close(compiled_q, eager_q, atol=1e-6, rtol=0)
+    torch.testing.assert_close(compiled_k, eager_k, atol=1e-6, rtol=0)
+    torch.testing.assert_close(compiled_grad, eager_grad, atol=1e-5, rtol=0)
 
 
 def small_args(**kw):
