@@ -19,6 +19,7 @@ from titanlab.config.data import Data, DataSource, SchedulePoint
 from titanlab.config.distill import Distill
 from titanlab.config.errors import ConfigError, _require
 from titanlab.config.metrics import Metrics
+from titanlab.config.model import Model
 from titanlab.config.optimizer import Optimizer
 from titanlab.config.parallelism import Parallelism
 from titanlab.config.peft import Peft
@@ -75,76 +76,6 @@ class Job:
 
     def validate(self) -> None:
         _require(bool(self.dump_folder), "job.dump_folder must not be empty")
-
-
-@dataclass
-class Model:
-    name: str = "llama3"
-    """Model family, from the model registry: `llama3` (Llama 3 / 3.1 / 3.2), `qwen3` (Qwen3
-    dense), `qwen3_moe` (Qwen3-MoE), `deepseek_v3` (DeepSeek-V3, Moonlight) or `gpt_oss`
-    (gpt-oss).
-    `python -m titanlab.train --help` lists each family's flavors."""
-
-    flavor: str = "debugmodel"
-    """A published size of the family (llama3: debugmodel, debugmodel_deep, debugmodel_tiny, 1B, 3B, 8B, 70B,
-    405B; qwen3: debugmodel, debugmodel_deep, 0.6B, 1.7B, 4B, 8B, 14B, 32B; qwen3_moe:
-    debugmodel, debugmodel_deep, debugmodel_2_experts, 30B-A3B, 235B-A22B; deepseek_v3: debugmodel, debugmodel_deep,
-    16B, 671B; gpt_oss: debugmodel, debugmodel_deep, 20b, 120b), or `hf`: the
-    architecture of `model.hf_config`, or of the `model_args.json` stored in
-    `checkpoint.initial_load_path` (any shape of the family, e.g. an imported checkpoint)."""
-
-    hf_config: str = ""
-    """With `model.flavor = "hf"`: a Hugging Face `config.json` (or the folder holding it) whose
-    architecture to build. Empty: the args stored with `checkpoint.initial_load_path`."""
-
-    n_layers: int = 0
-    """Build only the architecture's first `n_layers` blocks (0: all of them), the others'
-    kinds kept as `titanlab.models.common.shortened` says (DeepSeek-V3's dense first block, the
-    later blocks MoE): a real width at a depth one device holds, as the GPU benchmark rows run
-    Llama 3 8B's 11 of 32 blocks, and the per-block costs the planner prices."""
-
-    tokenizer_path: str = ""
-    """A tiktoken `tokenizer.model` (Llama 3 format) or a Hugging Face `tokenizer.json` (its
-    special tokens from `tokenizer_config.json` beside it). Empty: the bundled 4k BPE trained
-    on the Python standard library."""
-
-    moe_load_balance_coeff: float = -1.0
-    """MoE models: weight of the auxiliary load-balance loss (Switch/GShard form over the global
-    microbatch; 0 turns it off). -1: the flavor's (Qwen3-MoE: 0.001)."""
-
-    moe_bias_update_speed: float = -1.0
-    """MoE models: step of the auxiliary-loss-free expert bias (DeepSeek-V3) per optimizer step
-    (0: off). -1: the flavor's (0, off)."""
-
-    moe_load_balance_type: str = ""
-    """MoE models: the load-balance loss's form, "global" (Switch/GShard over the global
-    microbatch) or "sequence" (DeepSeek-V3's sequence-wise loss, each sequence's own; not with
-    tensor or context parallel). Empty: the flavor's (Qwen3-MoE: global, DeepSeek-V3:
-    sequence)."""
-
-    mtp_loss_weight: float = -1.0
-    """Models with multi-token prediction depths (deepseek_v3): λ, the weight of their loss
-    (0: not computed, the depths do not train). -1: the flavor's (DeepSeek-V3: 0.3)."""
-
-    def validate(self) -> None:
-        for name in ("moe_load_balance_coeff", "moe_bias_update_speed", "mtp_loss_weight"):
-            value = getattr(self, name)
-            _require(
-                value == -1.0 or value >= 0,
-                f"model.{name}={value} must be >= 0, or -1 for the flavor's value",
-            )
-        _require(
-            self.n_layers >= 0, f"model.n_layers={self.n_layers} must be >= 0 (0: every block)"
-        )
-        _require(
-            self.moe_load_balance_type in ("", "global", "sequence"),
-            f"model.moe_load_balance_type={self.moe_load_balance_type!r}; valid: global, "
-            "sequence, or empty for the flavor's",
-        )
-        # The family and flavor are checked against the model registry in the pre-flight
-        # (`titanlab.components.builders.build_model_args`): config/ stays a leaf of the package.
-        _require(bool(self.name), "model.name must not be empty")
-        _require(bool(self.flavor), "model.flavor must not be empty")
 
 
 @dataclass
