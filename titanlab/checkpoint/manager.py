@@ -18,6 +18,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -31,6 +33,26 @@ from titanlab.models.stored_args import write_model_args
 from titanlab.peft.lora import is_adapter
 from titanlab.peft.qlora import dequantized, is_quantized
 from titanlab.peft.stored import write_peft_config
+
+
+
+def unwrapped(v: torch.Tensor) -> torch.Tensor:
+    """`v` (a tensor or a DTensor) with its values in a plain tensor where a training-time
+    wrapper subclass holds them: torchao's float8 FSDP weight (`WeightWithDynamicFloat8CastTensor`)
+    keeps its class through `.to` when the dtype does not change, and DCP would store the
+    wrapper, which a `weights_only` load (the converter's, transformers') refuses to unpickle.
+    The inner tensor comes from the subclass's `__tensor_flatten__` (its first inner name)."""
+    local = v.to_local() if isinstance(v, DTensor) else v
+    if not is_traceable_wrapper_subclass(local):
+        return v
+    names, _ = local.__tensor_flatten__()  # type: ignore[attr-defined]
+    inner = getattr(local, names[0])
+    if not isinstance(v, DTensor):
+        return inner
+    return DTensor.from_local(
+        inner, v.device_mesh, v.placements, run_check=False, shape=v.shape, stride=v.stride()
+    )
+
 
 if TYPE_CHECKING:
     from titanlab.models.registry import ModelFamily
@@ -185,7 +207,7 @@ class Checkpointer(CheckpointLoading):
         model = {
             k: dequantized(v, dtype)
             if is_quantized(v)
-            else v.to(dtype)
+            else unwrapped(v.to(dtype))
             if v.is_floating_point()
             else v
             for k, v in full.items()

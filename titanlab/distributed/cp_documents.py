@@ -1,28 +1,40 @@
 """titanlab's own context-parallel attention: document masks (packed pretraining windows and
-packed chat SFT samples) under ring CP, and Ulysses CP for any mask.
+packed chat SFT samples), sliding windows and attention sinks (gpt-oss) under ring CP, and
+Ulysses CP for any mask.
 
 PyTorch's `context_parallel` (`titanlab.distributed.context_parallel`) runs causal SDPA round
-the ring; it takes no other mask on this torch (its FlexAttention path all-gathers keys and
-values, but FlexAttention has no backward on CPU). This module covers the rest:
+the ring and takes no other mask. torch 2.13's FlexAttention context parallel (the
+`_ContextParallel` FLEX style: keys and values all-gathered by `cplib::flex_cp_allgather`, the
+mask from `_create_cp_block_mask`, a compiled `create_block_mask` over the load balancer's
+rearranged indices) is this module's ring `allgather` on CUDA; titanlab keeps its own because
+its masks read each token's document id and position rather than its index (any balancer's
+order, `work` included, needs no rewritten mask_mod, and no S divisible by cp·128), build tile
+by tile without compiling (`titanlab.models.common.flex_masks`: the ledger prices them), and the
+same masks serve the `alltoall` rotation and Ulysses, which torch's FlexAttention CP lacks.
 
 - The batch is sharded here, before the model: `shard_batch` gives each cp rank its tokens
   (`titanlab.distributed.cp_balance` chooses which, balancing the mask's work), with their
   labels (masked prompt tokens stay masked), document ids and RoPE positions (restarted per
   document when the data says so, else the token's index in the window).
-- Inside the model the document mask is built from ids and positions, not from indices: query
-  i may attend key j when both are in the same document and position_j ≤ position_i (positions
-  grow inside a document), so any order of the tokens over the ranks gives the right mask.
-  The model's `build_attention_mask` hook (`titanlab.models.common.document_mask`) returns a
-  `ContextParallelAttention` that each attention layer calls instead of SDPA (`attend`).
+- Inside the model the mask is built from ids and positions, not from indices: query i may
+  attend key j when both are in the same document and position_j ≤ position_i (positions
+  grow inside a document), and within a window of W when position_i − position_j < W, so any
+  order of the tokens over the ranks gives the right mask. The model's mask hook
+  (`titanlab.models.common.document_mask`) returns a `ContextParallelAttention` that each
+  attention layer calls instead of its kernel (`attend`, with its window and sinks).
+- The kernel, by the device's code path (`device_type`): on CUDA FlexAttention with block
+  masks (no S/cp × S tensor), the sinks through its log-sum-exp
+  (`titanlab.models.common.flex_kernel`); elsewhere SDPA with a dense (S/cp × S) bool mask,
+  the sinks as one more key (`titanlab.models.common.local_attention.attend`).
 - `mode = "ring"`: each rank attends its queries to every key. `rotate = "allgather"`: the
-  keys and values are all-gathered once per layer and one SDPA call with the rank's
-  (S/cp × S) mask runs; `rotate = "alltoall"`: they travel the ring one shard at a time (cp
-  steps of a point-to-point shift) and the partial softmaxes merge by their log-sum-exp (Liu
-  et al. 2023, "Ring Attention", arXiv:2310.01889), in fp32.
+  keys and values are all-gathered once per layer and one attention call runs; `rotate =
+  "alltoall"`: they travel the ring one shard at a time and the partial softmaxes merge by
+  their log-sum-exp (`titanlab.distributed.cp_ring`).
 - `mode = "ulysses"`: DeepSpeed-Ulysses (Jacobs et al. 2023, arXiv:2309.14509): an all-to-all
   turns (bs, H, S/cp, d) sequence shards of q, k and v into (bs, H/cp, S, d) head shards, the
-  rank attends its heads over the whole sequence with the whole mask (causal SDPA without
-  documents), and a second all-to-all turns the output back. Heads must divide by tp × cp.
+  rank attends its heads (and their sinks) over the whole sequence with the whole mask (causal
+  SDPA without documents or window), and a second all-to-all turns the output back. Heads must
+  divide by tp × cp.
 
 Bytes a rank sends per layer and microbatch, q/k/v/o each (bs, H, S/cp, d) of b bytes: ring
 allgather: k and v gathered forward, their gradients reduced backward; ring alltoall: k and v
@@ -33,20 +45,26 @@ tools/lib/cp_bench.py `closed_form_bytes`, checked by the communication counter)
 
 from __future__ import annotations
 
-import math
+from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
+from titanlab.config.device_path import device_type
 from titanlab.distributed.cp_balance import shard_order
 from titanlab.distributed.cp_collectives import (
-    shift,
     gather_sequence,
     gather_values,
     heads_to_sequence,
     sequence_to_heads,
 )
+from titanlab.distributed.cp_ring import flex_ring_attention, ring_attention
 from titanlab.models.common.document_mask import mask_builder
+from titanlab.models.common.flex_kernel import flex_attend, with_sinks
+from titanlab.models.common.flex_masks import band_fraction, document_block_mask
+from titanlab.models.common.local_attention import attend as attend_with_sinks
+from titanlab.models.common.local_attention import band_mask
 
 MODES = ("ring", "ulysses")
 
@@ -62,7 +80,8 @@ def allowed(
 
 class ContextParallelAttention:
     """The attention of one forward under titanlab's CP, built once per forward from this
-    rank's document ids and positions (bs, S/cp) by the model's mask hook.
+    rank's document ids and positions (bs, S/cp) by the model's mask hook; each layer's mask
+    (by its window) is built on its first use and kept for the others.
 
     Args:
         segments, positions: (bs, S/cp) int64, this rank's tokens'.
@@ -74,101 +93,85 @@ class ContextParallelAttention:
         self, segments: torch.Tensor, positions: torch.Tensor, group, mode: str, rotate: str,
         causal: bool = False,
     ) -> None:  # fmt: skip
-        self.group, self.mode, self.rotate = group, mode, rotate
-        seg_all, pos_all = gather_values(segments, 1, group), gather_values(positions, 1, group)
-        if mode == "ring":
-            self.mask: torch.Tensor | None = allowed(segments, positions, seg_all, pos_all)
-        else:
-            self.mask = None if causal else allowed(seg_all, pos_all, seg_all, pos_all)
+        self.group, self.mode, self.rotate, self.causal = group, mode, rotate, causal
+        self.mine = (segments, positions)
+        self.all = (gather_values(segments, 1, group), gather_values(positions, 1, group))
+        self._masks: dict[tuple[int | None, bool], Any] = {}
+
+    def _queries(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.mine if self.mode == "ring" else self.all
+
+    def mask(self, window: int | None, flex: bool) -> Any:
+        """The mask of this rank's queries (ring) or all queries (Ulysses) against all keys,
+        within `window` when given: FlexAttention BlockMasks (`flex`; ring alltoall: one per
+        key shard, in rank order) or a dense (bs, 1, Sq, S) bool mask (None: Ulysses without
+        documents or window, causal SDPA)."""
+        key = (window, flex)
+        if key not in self._masks:
+            self._masks[key] = self._build(window, flex)
+        return self._masks[key]
+
+    def _build(self, window: int | None, flex: bool) -> Any:
+        (seg_q, pos_q), (seg_k, pos_k) = self._queries(), self.all
+        if flex and self.mode == "ring" and self.rotate == "alltoall":
+            world = dist.get_world_size(self.group)
+            return [
+                document_block_mask(seg_q, pos_q, s, p, window)
+                for s, p in zip(seg_k.chunk(world, 1), pos_k.chunk(world, 1), strict=True)
+            ]
+        if flex:
+            return document_block_mask(seg_q, pos_q, seg_k, pos_k, window)
+        if self.mode == "ulysses" and self.causal and window is None:
+            return None
+        mask = allowed(seg_q, pos_q, seg_k, pos_k)
+        if window is not None:
+            mask = mask & (pos_q[:, None, :, None] - pos_k[:, None, None, :] < window)
+        return mask
 
     @torch.compiler.disable  # collectives inside: the compiled block breaks its graph here
     def attend(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None
-    ) -> torch.Tensor:
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,
+        window: int | None = None, sinks: torch.Tensor | None = None,
+    ) -> torch.Tensor:  # fmt: skip
         """softmax(q kᵀ · scale + mask) v for q, k (bs, H, S/cp, d) and v (bs, H, S/cp, dv) of
-        this rank's tokens; returns (bs, H, S/cp, dv) in q's dtype."""
+        this rank's tokens, within `window` tokens when given, with the sink logits `sinks`
+        ((H,) of these heads) in every softmax when given; returns (bs, H, S/cp, dv) in q's
+        dtype. The kernel: FlexAttention on CUDA (`device_type`), SDPA or fp32 matmuls else."""
+        flex = device_type(q) == "cuda"
+        scale = scale if scale is not None else q.shape[-1] ** -0.5
+        seq = self.all[0].shape[1]
+        # the share of its tiles a balanced rank computes, of all its keys and of each shard's
+        fraction = band_fraction(seq, seq, window)
+        mask = self.mask(window, flex)
         if self.mode == "ulysses":
             q, k, v = (sequence_to_heads(t, self.group) for t in (q, k, v))
-            out = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=self.mask, is_causal=self.mask is None, scale=scale
-            )
+            if sinks is not None:  # this rank's heads
+                world, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
+                sinks = sinks.chunk(world)[rank]
+            out = _one_call(q, k, v, mask, scale, sinks, window, flex, fraction)
             return heads_to_sequence(out, self.group)
         if self.rotate == "allgather":
             k, v = gather_sequence(k, 2, self.group), gather_sequence(v, 2, self.group)
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask, scale=scale)
-        return self._ring(q, k, v, scale if scale is not None else 1 / math.sqrt(q.shape[-1]))
-
-    def _ring(self, q, k, v, scale: float) -> torch.Tensor:
-        assert self.mask is not None
-        return _RingAttention.apply(q, k, v, self.mask, scale, self.group)
-
-
-def _block(q, k, mask, scale: float) -> torch.Tensor:
-    """fp32 scores of q (bs, H, Sq, d) against one key shard k (bs, H, Sk, d), disallowed
-    pairs at -1e30 (finite: a shard with no allowed key gets weight exp(-1e30 - lse) = 0)."""
-    return (q.float() @ k.float().transpose(-1, -2) * scale).masked_fill(~mask, -1e30)
+            return _one_call(q, k, v, mask, scale, sinks, window, flex, fraction)
+        if not flex:
+            return ring_attention(q, k, v, mask, scale, self.group, sinks)
+        out, lse = flex_ring_attention(q, k, v, mask, scale, self.group, fraction)
+        return out if sinks is None else with_sinks(out, lse, sinks)
 
 
-class _RingAttention(torch.autograd.Function):
-    """Ring attention with the `alltoall` rotation: the key/value shards travel the ring one
-    step at a time; forward merges the partial softmaxes by their log-sum-exp and keeps only
-    q, this rank's k and v, the output and the log-sum-exp (bs, H, S/cp); backward travels the
-    ring again, recomputing each shard's probabilities from the saved log-sum-exp (the
-    FlashAttention-2 backward, Dao 2023, arXiv:2307.08691, per shard), and the shards' key and
-    value gradients travel with them and come home after a last step. fp32 inside."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, mask, scale: float, group):
-        import torch.distributed as dist
-
-        world, rank = dist.get_world_size(group), dist.get_rank(group)
-        local = q.shape[2]
-        kj, vj = k, v
-        out = torch.zeros(*q.shape[:-1], v.shape[-1], dtype=torch.float32, device=q.device)
-        lse = torch.full(q.shape[:-1], -1e30, dtype=torch.float32, device=q.device)
-        for step in range(world):
-            if step:
-                kj, vj = shift(kj, 1, group), shift(vj, 1, group)
-            src = (rank - step) % world
-            scores = _block(q, kj, mask[..., src * local : (src + 1) * local], scale)
-            block_lse = torch.logsumexp(scores, dim=-1)
-            merged = torch.logaddexp(lse, block_lse)
-            out = (
-                out * torch.exp(lse - merged)[..., None]
-                + torch.exp(scores - merged[..., None]) @ vj.float()
-            )
-            lse = merged
-        ctx.save_for_backward(q, k, v, mask, out, lse)
-        ctx.scale, ctx.group = scale, group
-        return out.to(q.dtype)
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        import torch.distributed as dist
-
-        q, k, v, mask, out, lse = ctx.saved_tensors
-        group, scale = ctx.group, ctx.scale
-        world, rank = dist.get_world_size(group), dist.get_rank(group)
-        local = q.shape[2]
-        do = grad_out.float()
-        delta = (do * out).sum(-1, keepdim=True)  # (bs, H, S/cp, 1)
-        dq = torch.zeros_like(q, dtype=torch.float32)
-        kj, vj = k, v
-        dkj = torch.zeros_like(k, dtype=torch.float32)
-        dvj = torch.zeros_like(v, dtype=torch.float32)
-        for step in range(world):
-            if step:
-                kj, vj = shift(kj, 1, group), shift(vj, 1, group)
-                dkj, dvj = shift(dkj, 1, group), shift(dvj, 1, group)
-            src = (rank - step) % world
-            p = torch.exp(_block(q, kj, mask[..., src * local : (src + 1) * local], scale)
-                          - lse[..., None])  # fmt: skip
-            dvj = dvj + p.transpose(-1, -2) @ do
-            ds = p * (do @ vj.float().transpose(-1, -2) - delta)
-            dq = dq + ds @ kj.float() * scale
-            dkj = dkj + ds.transpose(-1, -2) @ q.float() * scale
-        dk, dv = shift(dkj, 1, group), shift(dvj, 1, group)  # home: one more step
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
+def _one_call(q, k, v, mask, scale: float, sinks, window, flex: bool, fraction: float):
+    """One attention call of q over all of k and v: FlexAttention under a BlockMask (`flex`),
+    else SDPA under the dense mask (None: causal), the sinks as its extra key."""
+    if flex:
+        return flex_attend(q, k, v, mask, scale=scale, sinks=sinks, window=window,
+                           fraction=fraction)  # fmt: skip
+    if sinks is not None:
+        if mask is None:
+            mask = band_mask(q.shape[2], k.shape[2], None, q.device)
+        return attend_with_sinks(q, k, v, mask, sinks, scale)
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale
+    )
 
 
 def shard_batch(
@@ -205,18 +208,20 @@ def cp_attention(group, mode: str, rotate: str, documents: bool):
     return mask_builder(build)
 
 
-def needs_own_cp(mode: str, kwargs: dict) -> bool:
+def needs_own_cp(mode: str, kwargs: dict, local: bool = False) -> bool:
     """Whether a batch goes through this module rather than PyTorch's causal ring: Ulysses
-    always, ring when the batch has a document mask (`segments`)."""
-    return mode == "ulysses" or kwargs.get("segments") is not None
+    always, ring when the batch has a document mask (`segments`) or the model has local
+    attention (`local`: sliding windows or sinks, `decoder.has_local_attention`)."""
+    return mode == "ulysses" or kwargs.get("segments") is not None or local
 
 
-def own_cp_attention(config) -> bool:
+def own_cp_attention(config, local: bool = False) -> bool:
     """Whether a run (`config` a JobConfig) may train through this module's attention: cp > 1
-    with Ulysses, a document mask, or packing on (chat SFT data packs with a document mask;
-    whether the data are chat is the data layer's to say, so a packed causal run counts too).
-    The trainer then compiles its blocks around the attention call."""
+    with Ulysses, a document mask, packing on (chat SFT data packs with a document mask;
+    whether the data are chat is the data layer's to say, so a packed causal run counts too)
+    or a model with local attention (`local`). The trainer then compiles its blocks around
+    the attention call."""
     data, par = config.data, config.parallelism
     if par.context_parallel_degree <= 1:
         return False
-    return par.context_parallel_mode == "ulysses" or data.document_mask or data.packing
+    return par.context_parallel_mode == "ulysses" or data.document_mask or data.packing or local

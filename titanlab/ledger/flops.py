@@ -1,19 +1,33 @@
 """FLOPs of the ops the ledger records: torch's formulas (`torch.utils.flop_counter`), plus those
-torch has none for (the CPU flash-attention kernels the fake step may run, grouped GEMM), and
-what a flash kernel computes of a causal score matrix."""
+torch has none for (the CPU flash-attention kernels the fake step may run, grouped GEMM,
+FlexAttention's priced stand-in), and what a flash kernel computes of a causal score matrix."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import torch
-from torch.utils.flop_counter import flop_registry
+from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
+
+import titanlab.models.common.flex_stand_in  # noqa: F401  (defines the titanlab:: ops)
+
 
 
 def _grouped_mm_flops(a, b, *args, out_val=None, **kwargs) -> int:
     """`torch._grouped_mm(a (tokens, k), b (groups, k, n), offs)`: each token row meets one
     group's (k, n) matrix, 2·tokens·k·n FLOPs (2D × 3D, the MoE experts' form)."""
     return 2 * a.shape[0] * a.shape[-1] * b.shape[-1] if b.dim() == 3 else 0
+
+
+def _flex_flops(q, k, v, computed, scale, *args, out_val=None, **kwargs) -> int:
+    """`titanlab::flex_attention`: SDPA's forward FLOPs times the share of tiles computed."""
+    return int(sdpa_flop_count(q.shape, k.shape, v.shape) * computed)
+
+
+def _flex_backward_flops(grad_out, q, k, v, out, lse, computed, scale, *args, out_val=None,
+                         **kwargs) -> int:  # fmt: skip
+    """Its backward: SDPA's backward FLOPs times the share of tiles computed."""
+    return int(sdpa_backward_flop_count(grad_out.shape, q.shape, k.shape, v.shape) * computed)
 
 
 def _flop_formulas() -> dict[Any, Any]:
@@ -30,6 +44,8 @@ def _flop_formulas() -> dict[Any, Any]:
     ]
     if hasattr(aten, "_grouped_mm"):
         table[aten._grouped_mm] = _grouped_mm_flops
+    table[torch.ops.titanlab.flex_attention] = _flex_flops  # FlexAttention's stand-in
+    table[torch.ops.titanlab.flex_attention_backward] = _flex_backward_flops
     return table
 
 

@@ -9,6 +9,10 @@ FlashAttention-2 before, and the memory-efficient kernel where those refuse the 
 (a value head dim that differs from the query's, an explicit mask). `GpuAttention` calls that
 kernel's aten op, whose fake (meta) implementation and FLOP formula torch has, so the ledger
 prices one fused kernel with its real FLOPs and no score matrix (`gpu_attention`).
+
+FlexAttention (the CUDA path of document masks, sliding windows and sinks) needs no swap: on
+CPU tensors under a CUDA code path, `titanlab.models.common.flex_kernel` itself runs its priced
+stand-in (`titanlab::flex_attention`), whose FLOPs `titanlab.ledger.flops` counts.
 """
 
 from __future__ import annotations

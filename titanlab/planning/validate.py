@@ -106,13 +106,6 @@ def validate_layout(config: JobConfig, dims: ParallelDims, model_args, device_ty
             "softmax scale) is not supported by PyTorch's causal ring attention; use "
             "parallelism.context_parallel_mode=ulysses, or context_parallel_degree=1"
         )
-    if dims.cp > 1 and has_local_attention(model_args):
-        raise ConfigError(
-            f"parallelism.context_parallel_degree={dims.cp} with model.name={config.model.name}: "
-            "attention sinks and sliding windows are not supported under context parallel yet "
-            "(each rank would need its own window of the other ranks' keys); use "
-            "context_parallel_degree=1"
-        )
     if dims.cp > 1:
         if device_type != "cuda":
             from titanlab.distributed.cp_cpu import PrivateNameMissing, check_private_names

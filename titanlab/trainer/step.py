@@ -30,6 +30,7 @@ from titanlab.data.labels import IGNORE_INDEX
 from titanlab.distributed import moe_stats, qk_clip
 from titanlab.distributed.context_parallel import cp_context
 from titanlab.distributed.cp_documents import cp_attention, needs_own_cp, shard_batch
+from titanlab.models.common.decoder import has_local_attention
 from titanlab.distributed.parallel_dims import ParallelDims
 from titanlab.distributed.utils import clip_grad_norm_, global_sum
 from titanlab.models.common.mtp import mtp_targets, trains_mtp
@@ -246,11 +247,13 @@ class TrainStep:
     ) -> tuple[torch.Tensor, torch.Tensor, dict, Any]:
         """Under context parallel: (inputs, labels, kwargs) of this cp rank and the context the
         model runs in. Causal ring batches go through PyTorch's `context_parallel` (it shards
-        them in place inside its context); document-masked batches and Ulysses are sharded
-        here and run titanlab's CP attention (`titanlab.distributed.cp_documents`). Without
+        them in place inside its context); document-masked batches, models with sliding
+        windows or sinks, and Ulysses are sharded here and run titanlab's CP attention
+        (`titanlab.distributed.cp_documents`). Without
         cp: the batch as given and a no-op context."""
         mesh, par = self.parallel_dims.mesh("cp"), self.config.parallelism
-        if mesh is None or not needs_own_cp(par.context_parallel_mode, kwargs):
+        local = has_local_attention(self.model_args)
+        if mesh is None or not needs_own_cp(par.context_parallel_mode, kwargs, local):
             rotate = par.context_parallel_rotate_method
             return (
                 inputs,

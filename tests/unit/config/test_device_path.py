@@ -29,8 +29,9 @@ CP = (
 )
 PINNED = "pinned host memory for CPU offload (a CUDA runtime call), no kernel choice"
 FLEX = (
-    "a flex BlockMask on CUDA: FlexAttention has no CPU backward to record, so the ledger "
-    "prices the dense mask until issue 67 gives it a stand-in (docs/ledger.md, limits)"
+    "tells a GPU step priced on CPU tensors (the ledger, the memory estimator) from a real one, "
+    "to run FlexAttention's priced stand-in; the kernel choice is `attention_masks`', through "
+    "the switch"
 )
 FLOAT8 = "names the device in a refusal (`float8_supported` decides)"
 AUTOCAST = (
@@ -55,7 +56,7 @@ _LISTED = {
     "metrics/flops.py": {"device_peak_flops": THIS_MACHINE},
     "metrics/system.py": dict.fromkeys(("memory_fields", "memory_kind", "reset_peaks"),
                                        THIS_MACHINE),
-    "models/common/document_mask.py": {"build_attention_mask": FLEX},
+    "models/common/flex_kernel.py": {"flex_call": FLEX},
     "models/common/experts.py": {"matmul_dtype": AUTOCAST},
     "models/common/moe.py": {"Router.forward": NOT_BRANCHING},
     "observability/profiling.py": dict.fromkeys(

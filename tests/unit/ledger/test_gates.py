@@ -7,11 +7,11 @@ under autocast), Qwen3-30B-A3B
 
 1. fp32 GEMM FLOPs stay under 1% of all (the MoE routers' named, exempt); the defect of
    2026-11-27 (the fused loss's weight gradient as fp32 GEMMs), put back, fails it (gate 5).
-2. No attention op makes a (seq_len/cp × seq_len) score or mask tensor above 64 MiB. The
-   window and sink attention, document masks and document masks under CP (seq_len 32,768 on 4 ranks) fail it today (a
-   dense mask through SDPA; on a GPU a single rank's document mask takes FlexAttention, which
-   has no CPU backward for the ledger to record): expected failures until the FlexAttention
-   issue (67) lands.
+2. No attention op makes a (seq_len/cp × seq_len) score or mask tensor above 64 MiB, masked
+   attention included: gpt-oss's windows and sinks (at 8192 and at 131,072 tokens), document
+   masks, and document masks under CP (32,768 tokens on 4 ranks; 131,072 on 8, ring
+   alltoall), all of which run FlexAttention on CUDA with block masks built tile by tile
+   (`titanlab.models.common.flex_masks`; the kernel priced by its stand-in op).
 """
 
 from __future__ import annotations
@@ -67,6 +67,11 @@ MASKED = {
     # long documents are what context parallel is for: 32,768 tokens over 4 ranks
     "llama3-8b-cp4-documents": ("llama_8b.toml", "llama3", "8B", DOCUMENTS + (
         "--parallelism.context_parallel_degree", "4", "--training.seq_len", "32768")),
+    # the real long shapes: 128k documents under CP 8 (ring alltoall), gpt-oss at 131,072
+    "llama3-8b-cp8-documents-128k": ("llama_8b.toml", "llama3", "8B", DOCUMENTS + (
+        "--parallelism.context_parallel_degree", "8", "--training.seq_len", "131072",
+        "--parallelism.context_parallel_rotate_method", "alltoall")),
+    "gpt-oss-20b-131k": ("gpt_oss_20b.toml", "gpt_oss", "20b", ("--training.seq_len", "131072")),
 }  # fmt: skip
 
 
@@ -99,24 +104,36 @@ def test_no_fp32_gemm_beyond_one_percent(case):
         assert gemm == pytest.approx(6 * params * 8192, rel=0.05)
 
 
-ISSUE_67 = pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="dense masks through SDPA until masked attention moves to FlexAttention (issue 67)",
-)
-
-
 @pytest.mark.parametrize(
     "case",
-    ["llama3-8b-bf16", "deepseek-v3-16b-ep8",
-     pytest.param("gpt-oss-20b-ep8", marks=ISSUE_67),
-     pytest.param("llama3-8b-documents", marks=ISSUE_67),
-     pytest.param("llama3-8b-cp4-documents", marks=ISSUE_67)],
+    ["llama3-8b-bf16", "deepseek-v3-16b-ep8", "gpt-oss-20b-ep8", "llama3-8b-documents",
+     "llama3-8b-cp4-documents", "llama3-8b-cp8-documents-128k", "gpt-oss-20b-131k"],
 )  # fmt: skip
 def test_no_attention_op_materializes_a_sequence_square_above_64_mib(case):
     found = attention_matrices(ledger_of(case))
     print(f"{case}: {found}")
     assert not found
+
+
+def test_flexattention_is_priced_by_the_tiles_it_computes():
+    """gpt-oss 20b at 131,072 tokens: its sliding layers (window 128) price about 2W/S of the
+    dense attention FLOPs, its full layers the causal half, each through FlexAttention's op."""
+    from torch.utils.flop_counter import sdpa_flop_count
+
+    from titanlab.models.common.flex_masks import band_fraction
+
+    ledger = ledger_of("gpt-oss-20b-131k")
+    forward = [op for op in ledger.ops
+               if op.op == "titanlab.flex_attention.default" and op.phase == "forward"]  # fmt: skip
+    assert {op.module for op in forward} == {"layers.0.attention", "layers.1.attention"}
+    dense = sdpa_flop_count((1, 64, 131072, 64), (1, 64, 131072, 64), (1, 64, 131072, 64))
+    shares = {op.module: op.flops / dense for op in forward}
+    print(shares)
+    assert shares["layers.0.attention"] == pytest.approx(band_fraction(131072, 131072, 128))
+    assert shares["layers.0.attention"] == pytest.approx(2 * 128 / 131072, rel=0.01)
+    assert shares["layers.1.attention"] == pytest.approx(0.5, rel=0.01)
+    backward = [op for op in ledger.ops if op.op == "titanlab.flex_attention_backward.default"]
+    assert len(backward) == 2 and all(op.flops > 0 for op in backward)
 
 
 def test_the_gate_sees_a_dense_score_matrix():

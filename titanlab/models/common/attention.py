@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.attention.flex_attention import BlockMask, flex_attention
+from torch.nn.attention.flex_attention import BlockMask
 
+from titanlab.models.common import flex_kernel
 from titanlab.models.common.init import trunc_normal_
 from titanlab.models.common.kv_cache import LayerCache
 from titanlab.models.common.local_attention import (
@@ -20,12 +20,6 @@ from titanlab.models.common.local_attention import (
 )
 from titanlab.models.common.logit_max import max_logits
 from titanlab.models.common.rope import apply_rotary_emb
-
-
-@functools.cache
-def compiled_flex_attention():
-    """flex attention compiled once (eager flex attention materializes the scores)."""
-    return torch.compile(flex_attention)
 
 
 class Attention(nn.Module):
@@ -108,9 +102,9 @@ class Attention(nn.Module):
         sees (under sequence parallel the block's input holds only a slice of the sequence).
 
         With `mask` (document masking, training): cos and sin are (bs, seq, head_dim // 2), each
-        token's own position, and `mask` is a (bs, 1, seq, seq) bool SDPA mask or a flex
-        attention `BlockMask` (`titanlab.models.common.document_mask`) replacing the causal mask,
-        or an object whose `attend(q, k, v)` computes the attention (context parallel's,
+        token's own position, and `mask` is a (bs, 1, seq, seq) bool SDPA mask or a
+        FlexAttention `BlockMask` (`titanlab.models.common.document_mask.attention_masks`: on
+        CUDA, also for windows and sinks without documents) replacing the causal mask, or an object whose `attend(q, k, v)` computes the attention (context parallel's,
         `document_mask.mask_builder`).
         """
         bs, seq, _ = x_bsd.shape
@@ -136,14 +130,17 @@ class Attention(nn.Module):
         if self.record_max_logit and kv is None:
             m = max_logits(q.transpose(1, 2), k.transpose(1, 2), mask)
             self.max_logit = m if self.max_logit is None else torch.maximum(self.max_logit, m)
-        if self.sinks is not None or self.window is not None:
+        sinks = self.sinks() if self.sinks is not None else None
+        if hasattr(mask, "attend"):  # an attention built outside (context parallel's)
+            out = mask.attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                              window=self.window, sinks=sinks)  # fmt: skip
+        elif isinstance(mask, BlockMask):  # CUDA: documents, windows, sinks (block-sparse)
+            out = flex_kernel.flex_attend(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask,
+                sinks=sinks, window=self.window,
+            )  # fmt: skip
+        elif sinks is not None or self.window is not None:
             out = self._local(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, kv)
-        elif hasattr(mask, "attend"):  # an attention built outside (context parallel's)
-            out = mask.attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
-        elif isinstance(mask, BlockMask):
-            out = compiled_flex_attention()(
-                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=mask
-            )
         elif mask is None:
             out = F.scaled_dot_product_attention(
                 q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True

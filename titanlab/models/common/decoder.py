@@ -24,7 +24,7 @@ from torch import nn
 
 from titanlab.models.common.attention import Attention
 from titanlab.models.common.feed_forward import FeedForward
-from titanlab.models.common.document_mask import block_causal_mask, build_attention_mask
+from titanlab.models.common.document_mask import attention_masks
 from titanlab.models.common.init import normal_, trunc_normal_
 from titanlab.models.common.kv_cache import KVCache, LayerCache
 from titanlab.models.common.mla import MLAttention
@@ -98,8 +98,8 @@ def layer_window(args: Any, layer_id: int) -> int | None:
 
 
 def has_local_attention(args: Any) -> bool:
-    """Whether any block has attention sinks or a sliding window (`local_attention`): their
-    document masks are dense, as that attention takes them."""
+    """Whether any block has attention sinks or a sliding window (`local_attention`): on CUDA
+    they run FlexAttention with or without documents (`document_mask.attention_masks`)."""
     return getattr(args, "attention_sinks", False) or any(
         layer_window(args, i) is not None for i in range(args.n_layers)
     )
@@ -319,18 +319,18 @@ class Decoder(nn.Module):
         seq = h.shape[1]
         if seq > self.rope_cos.shape[0]:
             raise ValueError(f"sequence length {seq} exceeds max_seq_len={self.rope_cos.shape[0]}")
-        if segments is not None or positions is not None:
+        local = has_local_attention(self.args)
+        masks = None
+        if cache is None:
+            windows = [layer_window(self.args, int(key)) for key in self.layers]
+            masks = attention_masks(segments, positions, windows, local, seq, h.device)
+        if segments is not None or positions is not None or masks is not None:
             cos, sin = self.rope_cos, self.rope_sin
             if positions is not None:
                 cos, sin = cos[positions], sin[positions]  # (bs, seq, hd/2)
-            extra = {}
-            if segments is not None:
-                extra["mask"] = (
-                    block_causal_mask(segments)
-                    if has_local_attention(self.args)
-                    else build_attention_mask(segments, positions)
-                )
-            for layer in self.layers.values():
+            for key, layer in self.layers.items():
+                window = layer_window(self.args, int(key))
+                extra = {"mask": masks[window]} if masks is not None else {}
                 h = layer(h, cos, sin, **extra)
         elif cache is None:
             for layer in self.layers.values():

@@ -10,19 +10,22 @@ Llama 3 pre-training masks attention across documents the same way: Llama 3 pape
 
 The data pipeline computes the per-token document index (`segments`, `titanlab.data.segments`);
 the model gets it and, for restarted positions,
-`positions`; `Decoder` builds the mask once per forward. On CUDA it is flex attention's
-`BlockMask` (blocks without any allowed pair are skipped); elsewhere a dense boolean mask for
-SDPA (flex attention has no CPU backward).
+`positions`; `Decoder` builds the masks once per forward (`attention_masks`). On CUDA each is a
+FlexAttention `BlockMask` (tiles without any allowed pair are skipped); elsewhere a dense
+boolean mask for SDPA (FlexAttention has no CPU backward in torch 2.13).
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextvars import ContextVar
 from typing import Any
 
 import torch
+
+from titanlab.config.device_path import device_type
+from titanlab.models.common.flex_masks import band_block_mask, document_block_mask
 
 # A builder that replaces the masks below for one context (context parallel's attention,
 # `titanlab.distributed.cp_documents`): called with (segments, positions) of the tokens the
@@ -34,7 +37,7 @@ _BUILDER: ContextVar[Callable[[torch.Tensor, torch.Tensor | None], Any] | None] 
 
 @contextlib.contextmanager
 def mask_builder(build: Callable[[torch.Tensor, torch.Tensor | None], Any]) -> Iterator[None]:
-    """Within: `build_attention_mask(segments, positions)` returns `build(segments,
+    """Within: `attention_masks(segments, positions, ...)` gives every layer `build(segments,
     positions)`, an object with `attend(q, k, v, scale=None)` over (bs, heads, seq, d)."""
     token = _BUILDER.set(build)
     try:
@@ -57,30 +60,40 @@ def block_causal_mask(segments: torch.Tensor) -> torch.Tensor:
     return (same & causal)[:, None]
 
 
-def flex_block_mask(segments: torch.Tensor):
-    """flex attention's `BlockMask` of the same block-causal pattern (CUDA; compiled).
+def attention_masks(
+    segments: torch.Tensor | None,
+    positions: torch.Tensor | None,
+    windows: Iterable[int | None],
+    local: bool,
+    seq: int,
+    device: torch.device,
+) -> dict[int | None, Any] | None:
+    """The mask each attention layer takes, by its window (None: full causal): the one place
+    that chooses the attention kernel, by the device's code path (`device_type`: the ledger's
+    target when it prices a GPU step).
 
-    Args:
-        segments: (bs, seq) int64 document indices.
-    Returns:
-        a `torch.nn.attention.flex_attention.BlockMask` for (bs, any heads, seq, seq).
+    - Inside `mask_builder` (context parallel's attention) with documents: its object, for every
+      window.
+    - CUDA, with documents (`segments` (bs, seq) int64, `positions` (bs, seq) int64 or None) or
+      local attention (`local`: a window or sinks in some layer): a FlexAttention `BlockMask`
+      per window (`titanlab.models.common.flex_masks`), built tile by tile (no seq × seq
+      tensor); `Attention` and `MLA` run them through `flex_kernel.flex_attend`.
+    - Elsewhere (CPU: FlexAttention has no CPU backward in torch 2.13): with documents, the
+      dense boolean SDPA mask of `block_causal_mask` for every window (the sliding window's
+      chunked SDPA combines it with the band); without, None (causal SDPA, or the local path).
     """
-    from torch.nn.attention.flex_attention import create_block_mask
-
-    def mask_mod(b, h, q, kv):
-        return (kv <= q) & (segments[b, q] == segments[b, kv])
-
-    bs, seq = segments.shape
-    return create_block_mask(mask_mod, bs, None, seq, seq, device=segments.device)
-
-
-def build_attention_mask(segments: torch.Tensor, positions: torch.Tensor | None = None):
-    """The mask `Attention` takes for `segments` (bs, seq): a flex `BlockMask` on CUDA, else
-    the dense boolean mask of `block_causal_mask`; inside `mask_builder`, its builder's object
-    (which also gets the tokens' `positions`, (bs, seq) int64 or None)."""
+    windows = set(windows)
     build = _BUILDER.get()
-    if build is not None:
-        return build(segments, positions)
-    if segments.device.type == "cuda":
-        return flex_block_mask(segments)
-    return block_causal_mask(segments)
+    if segments is not None and build is not None:
+        return dict.fromkeys(windows, build(segments, positions))
+    if device_type(device) == "cuda" and (segments is not None or local):
+        if segments is None:
+            return {w: band_block_mask(seq, seq, w, device) for w in windows}
+        if positions is None:
+            positions = torch.arange(seq, device=device).expand_as(segments)
+        return {
+            w: document_block_mask(segments, positions, segments, positions, w) for w in windows
+        }
+    if segments is not None:
+        return dict.fromkeys(windows, block_causal_mask(segments))
+    return None

@@ -59,11 +59,13 @@ def attend(
     v: torch.Tensor,
     mask: torch.Tensor,
     sinks: torch.Tensor | None,
+    scale: float | None = None,
 ) -> torch.Tensor:
     """SDPA under a boolean `mask` (broadcastable to (bs, heads, seq, kv_len), True: attend),
-    with the sink logits `sinks` ((heads,), any float dtype) in every softmax when given."""
+    with the sink logits `sinks` ((heads,), any float dtype) in every softmax when given;
+    `scale` of the logits, 1/√d by default."""
     d = q.shape[-1]
-    scale = d**-0.5
+    scale = scale if scale is not None else d**-0.5
     if sinks is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
     lead = q.shape[:-2]

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention.flex_attention import BlockMask
 
-from titanlab.models.common.attention import compiled_flex_attention
+from titanlab.models.common import flex_kernel
 from titanlab.models.common.init import trunc_normal_
 from titanlab.models.common.logit_max import max_logits
 from titanlab.models.common.kv_cache import LayerCache
@@ -153,7 +153,7 @@ class MLAttention(nn.Module):
         if hasattr(mask, "attend"):  # an attention built outside (context parallel's)
             out = mask.attend(q, k, v, scale)
         elif isinstance(mask, BlockMask):
-            out = compiled_flex_attention()(q, k, v, block_mask=mask, scale=scale)
+            out = flex_kernel.flex_attend(q, k, v, mask, scale=scale)
         elif mask is None:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
         else:

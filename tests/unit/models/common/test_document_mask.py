@@ -93,22 +93,28 @@ def test_without_masking_the_documents_see_each_other():
     assert (masked[:, first:] - plain[:, first:]).abs().max() > 1e-3
 
 
-def test_flex_block_mask_equals_the_dense_mask():
-    """The CUDA path's BlockMask against the dense SDPA mask: element for element at a length
-    that is not a multiple of flex attention's block, and the attention's output (forward; flex
-    attention has no CPU backward, and its CPU forward runs compiled) at 32 tokens. The output
-    is compared at a multiple of the CPU kernel's 32-token block: torch 2.13's CPU kernel
-    returns wrong rows when the sequence ends inside a block on AVX2 machines (24 tokens:
-    |diff| 2.0, NaN in 6 of 48 rows on an AMD EPYC; exact on AVX-512 Xeons), the defect of
-    pytorch/pytorch#159247."""
-    from torch.nn.attention.flex_attention import create_mask
+def test_the_cuda_paths_block_mask_equals_the_dense_mask():
+    """On the CUDA code path `attention_masks` gives each window a FlexAttention BlockMask
+    whose element rule is the dense SDPA mask's, at a length that is not a multiple of the
+    tile, and the attention's output through it (forward, compiled; FlexAttention has no CPU
+    backward) equals SDPA's with the dense mask, at a multiple of the CPU kernel's 32-token
+    block: torch 2.13's CPU kernel returns wrong rows when the sequence ends inside a block on
+    AVX2 machines (24 tokens: |diff| 2.0, NaN in 6 of 48 rows on an AMD EPYC; exact on AVX-512
+    Xeons), the defect of pytorch/pytorch#159247. On the CPU path the mask is the dense one."""
+    from torch.nn.attention.flex_attention import BlockMask, create_mask
 
-    from titanlab.models.common.document_mask import flex_block_mask
+    from titanlab.config.device_path import Target, code_path_of
+    from titanlab.models.common.document_mask import attention_masks
 
     stream = [t for d in three_documents() for t in d] * 2  # 6 documents over 60 tokens
+    cpu = torch.device("cpu")
     for seq in (24, 32):
         seg = document_ids(torch.tensor([stream[:seq], stream[5 : 5 + seq]]), EOS)
-        block = flex_block_mask(seg)
+        dense = attention_masks(seg, None, [None], False, seq, cpu)
+        assert torch.equal(dense[None], block_causal_mask(seg))
+        with code_path_of(Target("cuda", (9, 0))):
+            block = attention_masks(seg, None, [None], False, seq, cpu)[None]
+        assert isinstance(block, BlockMask)
         elements = create_mask(block.mask_mod, 2, 1, seq, seq, device="cpu")
         assert torch.equal(elements, block_causal_mask(seg)), seq
     model = model_of(LLAMA)
@@ -117,8 +123,24 @@ def test_flex_block_mask_equals_the_dense_mask():
     cos, sin = model.rope_cos, model.rope_sin
     with torch.no_grad():
         dense = attn(x, cos, sin, mask=block_causal_mask(seg))
-        try:
-            flex = attn(x, cos, sin, mask=flex_block_mask(seg))
-        except Exception as e:  # no CPU flex kernel in this build
-            pytest.skip(f"flex attention does not run on this CPU build: {type(e).__name__}")
+        flex = attn(x, cos, sin, mask=block)
     torch.testing.assert_close(flex, dense, atol=1e-5, rtol=0)
+
+
+def test_the_kernel_is_chosen_by_the_code_path():
+    """CPU: no mask without documents (causal SDPA, or the local path); CUDA: a BlockMask per
+    window for local attention even without documents, none for plain causal attention."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    from titanlab.config.device_path import Target, code_path_of
+    from titanlab.models.common.document_mask import attention_masks
+    from titanlab.models.common.flex_masks import computed_fraction
+
+    cpu = torch.device("cpu")
+    assert attention_masks(None, None, [None, 128], True, 1024, cpu) is None
+    with code_path_of(Target("cuda", (9, 0))):
+        assert attention_masks(None, None, [None], False, 1024, cpu) is None
+        masks = attention_masks(None, None, [None, 128, None], True, 1024, cpu)
+    assert set(masks) == {None, 128} and all(isinstance(m, BlockMask) for m in masks.values())
+    assert computed_fraction(masks[None]) == 36 / 64  # causal: n(n + 1)/2 of n² tiles, n = 8
+    assert computed_fraction(masks[128]) == 15 / 64  # the diagonal and the tile before it

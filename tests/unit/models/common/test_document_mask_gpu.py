@@ -1,4 +1,4 @@
-"""On a CUDA GPU, document masking runs through flex attention's block mask (compiled), and its
+"""On a CUDA GPU, document masking runs through FlexAttention's block mask (compiled), and its
 forward and backward equal SDPA with the dense boolean mask (skipped without CUDA; the CPU tests
 in test_document_mask.py check the same mask against documents run alone)."""
 
@@ -7,7 +7,7 @@ import torch
 
 from titanlab.models.common.attention import Attention
 from titanlab.data.segments import document_ids
-from titanlab.models.common.document_mask import block_causal_mask, flex_block_mask
+from titanlab.models.common.document_mask import attention_masks, block_causal_mask
 from titanlab.models.common.rope import precompute_rope_cos_sin
 
 pytestmark = [
@@ -25,7 +25,8 @@ def test_flex_block_mask_forward_and_backward_equal_the_dense_mask():
     tokens[:, ::97] = 0  # EOS every 97 tokens
     seg = document_ids(tokens, 0)
     x = torch.randn(2, 512, 256, device="cuda", requires_grad=True)
-    flex = attn(x, cos, sin, mask=flex_block_mask(seg))
+    block = attention_masks(seg, None, [None], False, 512, seg.device)[None]
+    flex = attn(x, cos, sin, mask=block)
     (gx_flex,) = torch.autograd.grad(flex.square().sum(), x)
     dense = attn(x, cos, sin, mask=block_causal_mask(seg))
     (gx_dense,) = torch.autograd.grad(dense.square().sum(), x)
