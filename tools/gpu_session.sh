@@ -6,7 +6,7 @@
 # the JSON of ab, rows and ab-rest (their tables are merged into docs/ by hand, so a partial
 # stage never overwrites a fuller block).
 #
-#   OUT=dir DEADLINE_S=540 STAGES="ab rows finetune plain ab-rest" bash tools/gpu_session.sh
+#   OUT=dir DEADLINE_S=540 STAGES="ab rows finetune plain flex ab-rest" bash tools/gpu_session.sh
 #
 # Stages (each starts only with at least its minimum seconds left before DEADLINE_S):
 #   ab        titanlab against torchtitan (tools/benchmark_torchtitan.py): bf16 compile,
@@ -18,6 +18,9 @@
 #   rows      the trainer's rows beside bf16 compile: the fused loss in chunks of 2048, Muon,
 #             document masks (FlexAttention)
 #             (tools/gpu_check.py --skip-tests --skip-torchtitan)
+#   flex      masked attention: the FlexAttention GPU tests (pytest -m gpu, the flex files),
+#             then FlexAttention against the SDPA path at seq 8192 and 32768
+#             (tools/benchmark_flex.py: documents, gpt-oss window + sinks, sinks)
 #   ab-rest   the A/B's remaining rows: bf16 eager, float8 rowwise
 #
 # Wheels in .whl/ (`make peer-wheels`: torchtitan, torchdata, torchao, tomli, liger-kernel) are
@@ -26,7 +29,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu_session}
 DEADLINE_S=${DEADLINE_S:-540}
-STAGES=${STAGES:-"ab rows finetune plain ab-rest"}
+STAGES=${STAGES:-"ab rows finetune plain flex ab-rest"}
 LAYERS=${LAYERS:-11}
 PY=${GPU_PYTHON:-python3}
 mkdir -p "$OUT"
@@ -71,13 +74,21 @@ for s in $STAGES; do
             --rows "loss chunk,Muon,document mask" --out /tmp/gpu_rows.md --perf /tmp/perf_rows.md \
             --json "$OUT/rows.json" 2>&1 | tee -a "$OUT/session.log" | tail -25
         save ;;
+    flex)
+        stage flex 90 && timeout $(($(left) - 5)) "$PY" -m pytest -q -p no:cacheprovider -m gpu \
+            tests/unit/models/common/test_flex_attention_gpu.py \
+            tests/unit/models/common/test_document_mask_gpu.py 2>&1 | tee -a "$OUT/session.log" \
+            | tail -5
+        stage flex-bench 60 && timeout $(($(left) - 5)) "$PY" tools/benchmark_flex.py --write \
+            --json "$OUT/flex.json" 2>&1 | tee -a "$OUT/session.log" | tail -10
+        save ;;
     ab-rest)
         stage ab-rest 150 && "$PY" tools/benchmark_torchtitan.py --layers "$LAYERS" --steps 9 \
             --warmup 4 --rows "bf16 · eager,float8 rowwise" --budget-s $(($(left) - 60)) \
             --timeout-s 200 --out /tmp/torchtitan_ab_rest.md --perf /tmp/perf_rest.md \
             --json "$OUT/ab_rest.json" 2>&1 | tee -a "$OUT/session.log" | tail -15
         save ;;
-    *) log "unknown stage $s (valid: ab finetune plain rows ab-rest)"; exit 2 ;;
+    *) log "unknown stage $s (valid: ab finetune plain rows flex ab-rest)"; exit 2 ;;
     esac
 done
 log "done"

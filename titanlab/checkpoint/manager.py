@@ -35,7 +35,6 @@ from titanlab.peft.qlora import dequantized, is_quantized
 from titanlab.peft.stored import write_peft_config
 
 
-
 def unwrapped(v: torch.Tensor) -> torch.Tensor:
     """`v` (a tensor or a DTensor) with its values in a plain tensor where a training-time
     wrapper subclass holds them: torchao's float8 FSDP weight (`WeightWithDynamicFloat8CastTensor`)

@@ -62,7 +62,7 @@ from titanlab.distributed.cp_collectives import (
 from titanlab.distributed.cp_ring import flex_ring_attention, ring_attention
 from titanlab.models.common.document_mask import mask_builder
 from titanlab.models.common.flex_kernel import flex_attend, with_sinks
-from titanlab.models.common.flex_masks import band_fraction, document_block_mask
+from titanlab.models.common.flex_masks import TILES, band_fraction, document_block_mask, kind_of
 from titanlab.models.common.local_attention import attend as attend_with_sinks
 from titanlab.models.common.local_attention import band_mask
 
@@ -108,7 +108,9 @@ class ContextParallelAttention:
         documents or window, causal SDPA)."""
         key = (window, flex)
         if key not in self._masks:
-            self._masks[key] = self._build(window, flex)
+            self._masks[key] = built = self._build(window, flex)
+            for mask in built if isinstance(built, list) else [built] if flex else []:
+                TILES.add(kind_of(window), mask)
         return self._masks[key]
 
     def _build(self, window: int | None, flex: bool) -> Any:

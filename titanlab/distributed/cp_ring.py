@@ -112,9 +112,10 @@ class _FlexRing(torch.autograd.Function):
                 kj, vj = shift(kj, 1, group), shift(vj, 1, group)
             o_j, lse_j = _shard(q, kj, vj, masks[(rank - step) % world], scale, fraction)
             merged = torch.logaddexp(lse, lse_j)
-            out = out * torch.exp(lse - merged)[..., None] + o_j.float() * torch.exp(
-                lse_j - merged
-            )[..., None]
+            out = (
+                out * torch.exp(lse - merged)[..., None]
+                + o_j.float() * torch.exp(lse_j - merged)[..., None]
+            )
             lse = merged
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.masks, ctx.scale, ctx.group, ctx.fraction = masks, scale, group, fraction

@@ -12,7 +12,6 @@ from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sd
 import titanlab.models.common.flex_stand_in  # noqa: F401  (defines the titanlab:: ops)
 
 
-
 def _grouped_mm_flops(a, b, *args, out_val=None, **kwargs) -> int:
     """`torch._grouped_mm(a (tokens, k), b (groups, k, n), offs)`: each token row meets one
     group's (k, n) matrix, 2·tokens·k·n FLOPs (2D × 3D, the MoE experts' form)."""

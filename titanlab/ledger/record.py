@@ -125,6 +125,9 @@ class OpRecord:
     outputs: tuple[int, ...] = ()
     rowwise: bool = False
     """A float8 GEMM (`_scaled_mm`) scaled per row rather than per tensor."""
+    tiles: float | None = None
+    """FlexAttention (its stand-in, `titanlab::flex_attention`): the share of its (128 × 128)
+    tiles the block mask computes."""
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -331,6 +334,8 @@ class Recorder(TorchDispatchMode):
             rec.flops = int(FLOPS[func.overloadpacket](*args, **kwargs, out_val=out))
         if name.startswith("aten._scaled_mm"):
             rec.rowwise = args[2].numel() > 1  # scale_a: one per tensor, or one per row
+        if name == "titanlab.flex_attention.default":
+            rec.tiles = float(args[3])
         if kind == "attention" and argument(func, args, kwargs, "is_causal"):
             rec.flops = int(rec.flops * causal_fraction(ins[0].shape[-2]))
         if kind == "collective":

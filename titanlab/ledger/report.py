@@ -46,9 +46,21 @@ def gemm_flops_by_dtype(ledger: Ledger) -> dict[str, int]:
     return dict(out)
 
 
+def flex_tiles(ledger: Ledger) -> dict[str, float]:
+    """{attention module: the share of its (128 × 128) tiles FlexAttention computes} for each
+    module whose forward runs FlexAttention (a window's band, a causal or document mask's half;
+    under the alltoall ring, the mean of its shards)."""
+    shares: dict[str, list[float]] = defaultdict(list)
+    for op in ledger.ops:
+        if op.tiles is not None and op.phase == "forward":
+            shares[op.module].append(op.tiles)
+    return {m: sum(v) / len(v) for m, v in sorted(shares.items())}
+
+
 def summary(ledger: Ledger) -> dict:
     """The ledger's figures: step seconds, tokens/s, MFU against the dense bf16 peak, memory
-    peak (GiB), FLOPs by dtype, seconds by phase, the collectives' seconds."""
+    peak (GiB), FLOPs by dtype, seconds by phase, the collectives' seconds, FlexAttention's
+    computed tiles by module."""
     p = ledger.priced
     phases: dict[str, float] = defaultdict(float)
     for op, s in zip(ledger.ops, p.seconds):
@@ -68,6 +80,7 @@ def summary(ledger: Ledger) -> dict:
         "gemm_flops_by_dtype": gemm_flops_by_dtype(ledger),
         "seconds_by_phase": dict(phases),
         "host_syncs": sum(op.kind == "sync" for op in ledger.ops),
+        "flex_tiles": flex_tiles(ledger),
     }
 
 
@@ -83,6 +96,7 @@ def render(ledger: Ledger, top: int = 20) -> str:
         f"exposed); {s['tokens_per_s']:,.0f} tokens/s per rank; MFU {100 * s['mfu']:.1f}%; "
         f"memory peak (estimate) {s['memory_peak_gib']:.1f} GiB",
         f"GEMM TFLOP by dtype: {flops}; ms by phase: {phases}; host syncs: {s['host_syncs']}",
+        *_tiles_line(s["flex_tiles"]),
         "",
         "| ms | share | calls | op | module | phase | dtype | TFLOP | GB |",
         "|---:|---:|---:|---|---|---|---|---:|---:|",
@@ -94,6 +108,17 @@ def render(ledger: Ledger, top: int = 20) -> str:
             f"{r['flops'] / 1e12:.3f} | {r['bytes'] / 1e9:.2f} |"
         )
     return "\n".join(lines)
+
+
+def _tiles_line(tiles: dict[str, float]) -> list[str]:
+    """One line: the layers by the share of FlexAttention tiles they compute (none: no line)."""
+    if not tiles:
+        return []
+    groups: dict[str, int] = defaultdict(int)
+    for share in tiles.values():
+        groups[f"{100 * share:.1f}%"] += 1
+    kinds = ", ".join(f"{share} in {n} layer{'s' if n > 1 else ''}" for share, n in groups.items())
+    return [f"FlexAttention tiles computed (of 128×128): {kinds}"]
 
 
 def to_json(ledger: Ledger) -> str:

@@ -27,10 +27,13 @@ def format_summary(
     plot: str,
     traces: str | None,
     adapters_only: bool = False,
+    attention_tiles: dict[str, float] | None = None,
 ) -> str:
     """The summary lines. `checkpoint`: the newest complete checkpoint folder (None: none;
     `adapters_only`: it holds LoRA adapters);
-    `plot`: the PNG written, or the reason there is none; `traces`: the profiler's folder."""
+    `plot`: the PNG written, or the reason there is none; `traces`: the profiler's folder;
+    `attention_tiles`: the share of (128 × 128) tiles FlexAttention computed, by layer kind
+    (`flex_masks.TILES`; empty where no FlexAttention ran)."""
     rec = metrics.last
     loss = rec.get("loss", math.nan)
     lines = [
@@ -66,6 +69,9 @@ def format_summary(
         f"MFU {mfu}",
         f"  peak memory: {metrics.peak_memory_gib:.2f} GiB ({memory_kind}, rank 0)",
     ]
+    if attention_tiles:
+        tiles = ", ".join(f"{kind} {100 * share:.1f}%" for kind, share in attention_tiles.items())
+        lines.append(f"  attention:   FlexAttention computed {tiles} of its 128×128 tiles (rank 0)")
     if checkpoint:
         root = os.path.dirname(os.path.dirname(checkpoint.rstrip("/")))  # the dump folder
         out = os.path.join(root, "hf", os.path.basename(checkpoint.rstrip("/")))
@@ -94,10 +100,12 @@ def end_of_run(
     first_step: int,
     last_step: int,
     wall_s: float,
+    attention_tiles: dict[str, float] | None = None,
 ) -> str:
     """Draw `<dump_folder>/loss.png` (when `metrics.save_plot`; a missing matplotlib is named in
     the summary instead) and return the summary of the run. `checkpointer`: the run's
-    `Checkpointer` (its newest complete checkpoint is named)."""
+    `Checkpointer` (its newest complete checkpoint is named); `attention_tiles`: FlexAttention's
+    computed tiles by layer kind (`titanlab.models.common.flex_masks.TILES`)."""
     dump = config.job.dump_folder
     plot = "off (metrics.save_plot=false)"
     if config.metrics.save_plot:
@@ -120,4 +128,5 @@ def end_of_run(
         adapters_only=config.peft.method == "lora",
         plot=plot,
         traces=os.path.join(dump, prof.save_traces_folder) if prof.enable_profiling else None,
+        attention_tiles=attention_tiles,
     )

@@ -133,7 +133,10 @@ def estimate_memory(
         modes=traced_modes(mode, option),
     )
     block = {mode: traced.block_bytes(mode, tp) for mode in traced.per_block}
-    cp_mask, cp_block = cp_attention_bytes(config, model_args, mb, s, cp, tp, elem)
+    on_gpu = torch.cuda.is_available() if device_type is None else device_type == "cuda"
+    cp_mask, cp_block = cp_attention_bytes(
+        config, model_args, mb, s, cp, tp, elem, "cuda" if on_gpu else "cpu"
+    )
     for kept in ("none", "op"):  # what blocks that keep their activations add under CP
         if kept in block:
             block[kept] += cp_block
@@ -189,7 +192,6 @@ def estimate_memory(
     # so does FSDP under a pipeline schedule (each stage's gradients reduce-scattered once, after
     # its last microbatch's backward: `PipelineStage.perform_reduce_grad`).
     whole_grads = (stage == 1 and accumulating) or (pp > 1 and dp_shard * cp > 1)
-    on_gpu = torch.cuda.is_available() if device_type is None else device_type == "cuda"
     offloaded = config.activation_checkpoint.offload and on_gpu
     if offloaded:  # in host memory but for the block in use (on CPU: a no-op)
         acts = max(block.values())

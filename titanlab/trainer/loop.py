@@ -16,6 +16,7 @@ from titanlab.config.job_config import ConfigError
 from titanlab.distributed.comm_counter import count_step_comms
 from titanlab.distributed.init import set_train_timeout
 from titanlab.metrics import MetricsLogger
+from titanlab.models.common.flex_masks import TILES
 from titanlab.observability.profiling import StepProfiler
 from titanlab.observability.run_summary import end_of_run
 from titanlab.resilience.failures import OutOfMemory, TrainingDiverged, is_out_of_memory, oom_line
@@ -129,7 +130,7 @@ class TrainLoop(TrainStep):
         plot, and print the summary."""
         self.checkpointer.wait()
         summary = end_of_run(self.config, self.metrics, self.checkpointer, self.device, first,
-                             self.step, wall_s)  # fmt: skip
+                             self.step, wall_s, TILES.fractions())  # fmt: skip
         self.metrics.artifacts(summary, [os.path.join(self.config.job.dump_folder, "loss.png")])
         self.metrics.close()  # trackers flush and finish before the summary is printed
         logger.info("%s", summary)

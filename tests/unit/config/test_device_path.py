@@ -70,6 +70,7 @@ _LISTED = {
     "planning/calibrate_tp.py": dict.fromkeys(
         ("tp_block_seconds", "tp_block_seconds.timed"), THIS_MACHINE),
     "planning/cluster.py": {"profile_of_this_machine": THIS_MACHINE},
+    "planning/cp_memory.py": {"cp_attention_bytes": PLANNED},
     "planning/memory.py": {"available_bytes_per_rank": THIS_MACHINE, "estimate_memory": PLANNED},
     "planning/perf_model.py": {"_set_exposed": PLANNED},
     "planning/planner.py": {"run_of": PLANNED},

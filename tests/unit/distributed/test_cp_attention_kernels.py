@@ -128,7 +128,7 @@ def test_every_rotation_and_mask_equals_one_process(world, tmp_path):
     order = shard_order(segments, SEQ, 2, world, "work")
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
     for key in ranks[0]:
-        window, with_sinks, mode, rotate, kernel = key
+        window, with_sinks, _mode, _rotate, kernel = key
         for rank in range(world):
             got = ranks[rank][key]
             torch.testing.assert_close(got["out"], got["want"], atol=1e-5, rtol=0, msg=str(key))

@@ -29,6 +29,16 @@ def test_max_logits_equal_the_masked_scores_max(chunk, monkeypatch):
     docs = torch.rand(2, 1, 5, 5, generator=g) > 0.3
     docs |= torch.eye(5, dtype=torch.bool)  # each query sees at least itself
     torch.testing.assert_close(max_logits(q, k, docs), _brute(q, k, docs), rtol=0, atol=1e-6)
+    # FlexAttention's block masks (the CUDA path): documents and a window, row chunk by chunk
+    from titanlab.models.common.flex_masks import document_block_mask
+
+    seg = torch.tensor([[0, 0, 1, 1, 1], [0, 0, 0, 0, 1]])
+    pos = torch.arange(5).expand(2, 5)
+    block = document_block_mask(seg, pos, seg, pos, window=2)
+    rule = (seg[:, :, None] == seg[:, None, :]) & (pos[:, None, :] <= pos[:, :, None])
+    rule &= pos[:, :, None] - pos[:, None, :] < 2
+    torch.testing.assert_close(max_logits(q, k, block), _brute(q, k, rule[:, None]), rtol=0,
+                               atol=1e-6)  # fmt: skip
 
 
 def _model(kv_heads: int) -> torch.nn.Module:

@@ -25,7 +25,12 @@ from typing import Any
 import torch
 
 from titanlab.config.device_path import device_type
-from titanlab.models.common.flex_masks import band_block_mask, document_block_mask
+from titanlab.models.common.flex_masks import (
+    TILES,
+    band_block_mask,
+    document_block_mask,
+    kind_of,
+)
 
 # A builder that replaces the masks below for one context (context parallel's attention,
 # `titanlab.distributed.cp_documents`): called with (segments, positions) of the tokens the
@@ -87,13 +92,16 @@ def attention_masks(
     if segments is not None and build is not None:
         return dict.fromkeys(windows, build(segments, positions))
     if device_type(device) == "cuda" and (segments is not None or local):
-        if segments is None:
-            return {w: band_block_mask(seq, seq, w, device) for w in windows}
-        if positions is None:
-            positions = torch.arange(seq, device=device).expand_as(segments)
-        return {
-            w: document_block_mask(segments, positions, segments, positions, w) for w in windows
-        }
+        masks = {}
+        for w in windows:
+            if segments is None:
+                masks[w] = band_block_mask(seq, seq, w, device)
+            else:
+                pos = positions if positions is not None else torch.arange(seq, device=device)
+                pos = pos.expand_as(segments)
+                masks[w] = document_block_mask(segments, pos, segments, pos, w)
+            TILES.add(kind_of(w), masks[w])
+        return masks
     if segments is not None:
         return dict.fromkeys(windows, block_causal_mask(segments))
     return None

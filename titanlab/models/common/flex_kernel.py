@@ -50,8 +50,8 @@ def flex_call(
     knows better than the band of the last q_len of kv_len positions (context parallel's
     balanced ranks): the stand-in prices from them; the kernel reads the block mask."""
     if q.device.type != "cuda" and device_type(q) == "cuda":  # a GPU step priced on the CPU
-        computed = fraction if fraction is not None else band_fraction(
-            q.shape[-2], k.shape[-2], window
+        computed = (
+            fraction if fraction is not None else band_fraction(q.shape[-2], k.shape[-2], window)
         )
         priced = flex_attention_priced(
             q, k, v, computed, scale if scale is not None else q.shape[-1] ** -0.5

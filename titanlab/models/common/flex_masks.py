@@ -95,7 +95,9 @@ def document_mask_mod(
     """The element-wise rule (module docstring) as a FlexAttention `mask_mod(b, h, q, kv)`."""
 
     def mask_mod(b, h, q, kv):
-        allowed = (q_segments[b, q] == k_segments[b, kv]) & (k_positions[b, kv] <= q_positions[b, q])
+        allowed = (q_segments[b, q] == k_segments[b, kv]) & (
+            k_positions[b, kv] <= q_positions[b, q]
+        )
         if window is not None:
             allowed = allowed & (q_positions[b, q] - k_positions[b, kv] < window)
         return allowed
@@ -184,3 +186,42 @@ def band_fraction(q_len: int, kv_len: int, window: int | None, block: int = BLOC
         lo = 0 if window is None else max(0, (first_q - window + 1) // block)
         computed += max(0, hi - lo + 1)
     return computed / (nq * nk)
+
+
+def kind_of(window: int | None) -> str:
+    """The layer kind a mask serves, as the run summary names it: "full" or "window W"."""
+    return "full" if window is None else f"window {window}"
+
+
+class TileCounter:
+    """The tiles FlexAttention computed, by layer kind, over the masks a run built: the run
+    summary's block sparsity. Counts stay on the device (adding one costs no host sync);
+    `fractions` reads them once. Masks of fake tensors (the ledger, the memory estimator) are
+    not counted."""
+
+    def __init__(self) -> None:
+        self.computed: dict[str, torch.Tensor] = {}
+        self.total: dict[str, int] = {}
+
+    def add(self, kind: str, mask: BlockMask) -> None:
+        """Count `mask`'s computed tiles (full and partial) under `kind` (`kind_of`)."""
+        from torch._subclasses.fake_tensor import is_fake
+
+        if is_fake(mask.kv_num_blocks):
+            return
+        computed = mask.kv_num_blocks.sum(dtype=torch.int64)
+        if mask.full_kv_num_blocks is not None:
+            computed = computed + mask.full_kv_num_blocks.sum(dtype=torch.int64)
+        bs, heads, nq = mask.kv_num_blocks.shape
+        before = self.computed.get(kind)
+        self.computed[kind] = computed if before is None else before + computed
+        self.total[kind] = self.total.get(kind, 0) + bs * heads * nq * mask.kv_indices.shape[-1]
+
+    def fractions(self) -> dict[str, float]:
+        """{kind: share of its tiles computed} (one host sync per kind)."""
+        return {k: float(self.computed[k]) / self.total[k] for k in sorted(self.total)}
+
+
+TILES = TileCounter()
+"""The process's counter: the Decoder's masks (`document_mask.attention_masks`) and context
+parallel's (`titanlab.distributed.cp_documents`) are added as they are built."""

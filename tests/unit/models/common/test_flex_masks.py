@@ -83,7 +83,9 @@ def check(mask, pairs: torch.Tensor) -> None:
 @pytest.mark.parametrize("seed", range(12))
 def test_document_tiles_hold_exactly_the_allowed_pairs(seed):
     gen = torch.Generator().manual_seed(seed)
-    seq = int(torch.randint(1, 4, (), generator=gen)) * 128 + int(torch.randint(0, 128, (), generator=gen))
+    seq = int(torch.randint(1, 4, (), generator=gen)) * 128 + int(
+        torch.randint(0, 128, (), generator=gen)
+    )
     window = [None, 64, 100, 128, 200, 1][seed % 6]
     segments = random_documents(gen, 2, seq)
     positions = restarted(segments) if seed % 2 else torch.arange(seq).expand(2, seq)
