@@ -1,0 +1,158 @@
+"""The gated delta rule, the recurrence of Gated DeltaNet's linear-attention layers (Yang, Kautz
+and Hatamizadeh 2024, "Gated Delta Networks: Improving Mamba2 with Delta Rule",
+arXiv:2412.06464; Qwen3-Next and Qwen3.5), in PyTorch: token by token (`recurrent`, the
+definition, and decoding) and in chunks (`chunked`, training and prefill).
+
+Per head, a state M (d_k × d_v) starts at M_0 (zeros, or a cache's). Token t, with key k_t,
+value v_t, query q_t, decay α_t = exp(g_t) ∈ (0, 1] and write strength β_t ∈ (0, 1), updates
+and reads it:
+
+    M̃ = α_t M_{t−1}                      (the gate forgets)
+    u_t = β_t (v_t − M̃ᵀ k_t)             (the delta rule: write what M̃ mispredicts for k_t)
+    M_t = M̃ + k_t u_tᵀ
+    o_t = M_tᵀ q_t
+
+**Chunks** (the WY/UT form of Yang et al. 2024, "Parallelizing Linear Transformers with the
+Delta Rule over Sequence Length", arXiv:2406.06484, §3, with the gate of the Gated DeltaNet
+paper, §3.3). Within a chunk of C tokens, let c_i = Σ_{j≤i} g_j (the decay's log summed from
+the chunk's start) and Γ_ij = exp(c_i − c_j) for j ≤ i. Unrolling the update,
+
+    M_i = e^{c_i} M_0 + Σ_{j≤i} Γ_ij k_j u_jᵀ,
+
+and putting it into u_i gives the C × C lower-triangular system (I + A) U = β V − (β e^{c} K) M_0
+with A_ij = β_i Γ_ij k_iᵀk_j for j < i. Its solution is U = W_v − W_k M_0, where
+W_v = (I + A)⁻¹ diag(β) V and W_k = (I + A)⁻¹ diag(β e^{c}) K: two triangular solves. Then
+
+    O = diag(e^{c}) Q M_0 + ((Q Kᵀ) ⊙ Γ ⊙ [j ≤ i]) U,
+    M_C = e^{c_C} M_0 + (diag(e^{c_C − c}) K)ᵀ U,
+
+so a chunk costs O(C² (d_k + d_v) + C d_k d_v) and the chunks run in sequence, carrying M. The
+chunk's step is affine in the state it starts from: M_C = T M_0 + B with
+T = e^{c_C} I − K̃ᵀ W_k and B = K̃ᵀ W_v (K̃ = diag(e^{c_C − c}) K), which context parallel uses
+to hand each rank its true starting state (`chunk_transition`).
+
+Every exponent above is ≤ 0 (g ≤ 0), so nothing overflows; the arithmetic is fp32 whatever the
+inputs' dtype, and the output comes back in it. q and k arrive L2-normalized and q scaled by
+1/√d_k (the layer's job, `titanlab.models.common.linear_attention`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+CHUNK = 64
+"""Tokens per chunk (flash-linear-attention's and Hugging Face's default)."""
+
+
+def _heads_first(q, k, v, g, beta):
+    """(bs, S, H, ·) inputs → (bs, H, S, ·) float32, key heads repeated to the value heads
+    (each key head serves H_v / H_k consecutive value heads, Hugging Face's grouping)."""
+    rep = v.shape[2] // k.shape[2]
+    if rep > 1:
+        q, k = q.repeat_interleave(rep, dim=2), k.repeat_interleave(rep, dim=2)
+    return [t.transpose(1, 2).float() for t in (q, k, v, g, beta)]
+
+
+def recurrent(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rule token by token.
+
+    Args:
+        q, k: (bs, S, H_k, d_k); v: (bs, S, H_v, d_v), H_v a multiple of H_k.
+        g: (bs, S, H_v) log decay (≤ 0); beta: (bs, S, H_v) write strength.
+        state: (bs, H_v, d_k, d_v) float32 starting state, or None (zeros).
+    Returns:
+        (out (bs, S, H_v, d_v) in v's dtype, the final state (bs, H_v, d_k, d_v) float32).
+    """
+    qf, kf, vf, gf, bf = _heads_first(q, k, v, g, beta)
+    bs, heads, seq, dk = kf.shape
+    m = state.float() if state is not None else kf.new_zeros(bs, heads, dk, vf.shape[-1])
+    outs = []
+    for t in range(seq):
+        m = m * gf[:, :, t, None, None].exp()
+        u = bf[:, :, t, None] * (vf[:, :, t] - (m * kf[:, :, t, :, None]).sum(-2))
+        m = m + kf[:, :, t, :, None] * u[:, :, None, :]
+        outs.append((m * qf[:, :, t, :, None]).sum(-2))
+    out = torch.stack(outs, dim=2) if outs else vf.new_zeros(bs, heads, 0, vf.shape[-1])
+    return out.transpose(1, 2).to(v.dtype), m
+
+
+def _chunks(t: torch.Tensor, chunk: int) -> torch.Tensor:
+    """(bs, H, S, ·) or (bs, H, S) padded at the end to whole chunks → (bs, H, n, C, ·)."""
+    pad = -t.shape[2] % chunk
+    if t.dim() == 4:
+        t = F.pad(t, (0, 0, 0, pad))
+        return t.view(t.shape[0], t.shape[1], -1, chunk, t.shape[-1])
+    t = F.pad(t, (0, pad))
+    return t.view(t.shape[0], t.shape[1], -1, chunk)
+
+
+def _chunk_terms(kc, vc, gc, bc):
+    """Per chunk: (c, e^{c}, Γ masked to j ≤ i, W_v, W_k, K̃) of the module docstring, each
+    (bs, H, n, C, ·); padded tokens have g = 0 and β = 0, so they write nothing."""
+    chunk = kc.shape[3]
+    c = gc.cumsum(-1)  # (bs, H, n, C)
+    lower = torch.ones(chunk, chunk, dtype=torch.bool, device=kc.device).tril()
+    gamma = (c[..., :, None] - c[..., None, :]).masked_fill(~lower, float("-inf")).exp()
+    a = (bc[..., :, None] * (kc @ kc.transpose(-1, -2)) * gamma).tril(-1)
+    eye = torch.eye(chunk, dtype=kc.dtype, device=kc.device)
+    system = eye + a  # unit lower-triangular
+    w_v = torch.linalg.solve_triangular(system, bc[..., None] * vc, upper=False, unitriangular=True)
+    decay = c.exp()
+    w_k = torch.linalg.solve_triangular(
+        system, (bc * decay)[..., None] * kc, upper=False, unitriangular=True
+    )
+    k_tail = (c[..., -1:] - c).exp()[..., None] * kc  # K̃: each key decayed to the chunk's end
+    return c, decay, gamma, w_v, w_k, k_tail
+
+
+def chunked(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor | None = None,
+    chunk: int = CHUNK,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rule in chunks of `chunk` tokens (module docstring); the same arguments and returns
+    as `recurrent`, equal to it within fp32 rounding. Any S (the last chunk is padded with
+    tokens that neither decay nor write)."""
+    qf, kf, vf, gf, bf = _heads_first(q, k, v, g, beta)
+    bs, heads, seq, dk = kf.shape
+    dv = vf.shape[-1]
+    qc, kc, vc, gc, bc = (_chunks(t, chunk) for t in (qf, kf, vf, gf, bf))
+    c, decay, gamma, w_v, w_k, k_tail = _chunk_terms(kc, vc, gc, bc)
+    scores = (qc @ kc.transpose(-1, -2)) * gamma  # (bs, H, n, C, C), zero above the diagonal
+    q_decayed = decay[..., None] * qc
+    m = state.float() if state is not None else kf.new_zeros(bs, heads, dk, dv)
+    outs = []
+    for i in range(qc.shape[2]):
+        u = w_v[:, :, i] - w_k[:, :, i] @ m
+        outs.append(q_decayed[:, :, i] @ m + scores[:, :, i] @ u)
+        m = c[:, :, i, -1, None, None].exp() * m + k_tail[:, :, i].transpose(-1, -2) @ u
+    out = torch.cat(outs, dim=2)[:, :, :seq] if outs else vf.new_zeros(bs, heads, 0, dv)
+    return out.transpose(1, 2).to(v.dtype), m
+
+
+def chunk_transition(
+    k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The affine map a whole sequence applies to the state it starts from: (T (bs, H_v, d_k,
+    d_k), B (bs, H_v, d_k, d_v)) float32 with final state = T @ M_0 + B, for k (bs, S, H_k,
+    d_k), v (bs, S, H_v, d_v), g and beta (bs, S, H_v); the sequence taken as one chunk
+    (module docstring: T = e^{c_S} I − K̃ᵀ W_k, B = K̃ᵀ W_v)."""
+    _, kf, vf, gf, bf = _heads_first(k, k, v, g, beta)
+    kc, vc, gc, bc = (t[:, :, None] for t in (kf, vf, gf, bf))  # one chunk of S tokens
+    c, _, _, w_v, w_k, k_tail = _chunk_terms(kc, vc, gc, bc)
+    eye = torch.eye(kf.shape[-1], dtype=kf.dtype, device=kf.device)
+    kt = k_tail[:, :, 0].transpose(-1, -2)
+    t = c[:, :, 0, -1, None, None].exp() * eye - kt @ w_k[:, :, 0]
+    return t, kt @ w_v[:, :, 0]
