@@ -35,6 +35,14 @@ class Attention(nn.Module):
         bias: wq, wk, wv and wo carry biases (gpt-oss, Qwen2).
         sinks: one learned sink logit per head in every softmax (`sinks.weight`, (n_heads,)).
         window: attend only the last `window` tokens (itself included); None: all before.
+        output_gate: wq also gives each head a gate (its rows: the head's query, then its gate)
+            and the attention output is multiplied by σ(gate) before wo (Qwen3.5's gated
+            attention: Qiu et al. 2025, "Gated Attention for Large Language Models",
+            arXiv:2505.06708).
+        rotary_dim: RoPE on the first `rotary_dim` dims of each q and k head (the cos and sin
+            tables then (·, rotary_dim // 2)); None: all of head_dim.
+        norm_class: the q/k norms' class, called (head_dim, eps=qk_norm_eps): `nn.RMSNorm`, or
+            `norms.ZeroCenteredRMSNorm` (Qwen3.5).
 
     With `record_max_logit` set, each training forward keeps the largest pre-softmax logit of
     each (local) head so far in `max_logit` ((heads,) float32; `titanlab.distributed.qk_clip`
@@ -52,20 +60,25 @@ class Attention(nn.Module):
         bias: bool = False,
         sinks: bool = False,
         window: int | None = None,
+        output_gate: bool = False,
+        rotary_dim: int | None = None,
+        norm_class: type[nn.Module] = nn.RMSNorm,
     ):
         super().__init__()
         self.head_dim = head_dim
-        self.wq = nn.Linear(dim, n_heads * head_dim, bias=bias)
+        self.output_gate = output_gate
+        self.rotary_dim = rotary_dim if rotary_dim is not None else head_dim
+        self.wq = nn.Linear(dim, n_heads * head_dim * (2 if output_gate else 1), bias=bias)
         self.wk = nn.Linear(dim, kv_heads * head_dim, bias=bias)
         self.wv = nn.Linear(dim, kv_heads * head_dim, bias=bias)
         self.wo = nn.Linear(n_heads * head_dim, dim, bias=bias)
         self.sinks = AttentionSinks(n_heads) if sinks else None
         self.window = window
-        self.q_norm: nn.RMSNorm | None = None
-        self.k_norm: nn.RMSNorm | None = None
+        self.q_norm: nn.Module | None = None
+        self.k_norm: nn.Module | None = None
         if qk_norm_eps is not None:
-            self.q_norm = nn.RMSNorm(head_dim, eps=qk_norm_eps)
-            self.k_norm = nn.RMSNorm(head_dim, eps=qk_norm_eps)
+            self.q_norm = norm_class(head_dim, eps=qk_norm_eps)
+            self.k_norm = norm_class(head_dim, eps=qk_norm_eps)
         self.record_max_logit = False
         self.max_logit: torch.Tensor | None = None
 
@@ -80,7 +93,7 @@ class Attention(nn.Module):
             self.sinks.init_weights()
         for norm in (self.q_norm, self.k_norm):
             if norm is not None:
-                norm.reset_parameters()
+                norm.reset_parameters()  # type: ignore[operator]
 
     def forward(
         self,
@@ -108,18 +121,19 @@ class Attention(nn.Module):
         `document_mask.mask_builder`).
         """
         bs, seq, _ = x_bsd.shape
-        q = self.wq(x_bsd).view(bs, seq, -1, self.head_dim)  # (bs, seq, heads, head_dim)
+        gate = None
+        if self.output_gate:  # each head's rows: its query, then its gate (Qwen3.5's layout)
+            q, gate = self.wq(x_bsd).view(bs, seq, -1, 2 * self.head_dim).chunk(2, dim=-1)
+        else:
+            q = self.wq(x_bsd).view(bs, seq, -1, self.head_dim)  # (bs, seq, heads, head_dim)
         k = self.wk(x_bsd).view(bs, seq, -1, self.head_dim)  # (bs, seq, kv_heads, head_dim)
         v = self.wv(x_bsd).view(bs, seq, -1, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        if kv is None:
-            per_token = cos.dim() == 3  # (bs, seq, hd/2): positions given per token
-            q, k = apply_rotary_emb(
-                q, k, cos if per_token else cos[:seq], sin if per_token else sin[:seq]
-            )
-        else:
-            q, k = apply_rotary_emb(q, k, cos, sin)
+        if kv is None and cos.dim() != 3:  # one table for all rows: slice it to the sequence
+            cos, sin = cos[:seq], sin[:seq]
+        q, k = self._rotated(q, k, cos, sin)
+        if kv is not None:
             # (bs, kv_len, kv_heads, head_dim), (bs, 1, seq, kv_len); a sliding layer's cache
             # holds its last `window` slots only, the mask saying which it may see.
             k, v, mask = kv.update(k, v, self.window)
@@ -149,7 +163,19 @@ class Attention(nn.Module):
             out = F.scaled_dot_product_attention(
                 q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask
             )
-        return self.wo(out.transpose(1, 2).reshape(bs, seq, -1))
+        out = out.transpose(1, 2).reshape(bs, seq, -1)
+        if gate is not None:  # gated attention (Qiu et al. 2025, arXiv:2505.06708): σ(gate)
+            out = out * torch.sigmoid(gate.reshape(bs, seq, -1))
+        return self.wo(out)
+
+    def _rotated(self, q, k, cos, sin):
+        """RoPE on the first `rotary_dim` dims of each q and k head (all of them by default;
+        Qwen3.5 rotates a quarter), the rest passed through."""
+        if self.rotary_dim == self.head_dim:
+            return apply_rotary_emb(q, k, cos, sin)
+        r = self.rotary_dim
+        q_rot, k_rot = apply_rotary_emb(q[..., :r], k[..., :r], cos, sin)
+        return torch.cat([q_rot, q[..., r:]], dim=-1), torch.cat([k_rot, k[..., r:]], dim=-1)
 
     def _local(
         self,
