@@ -27,6 +27,17 @@ def mask_bytes(q_len: int, kv_len: int, mb: int, flex: bool) -> int:
     return 4 * 4 * mb * nq * nk
 
 
+def _chat(config: JobConfig) -> bool:
+    """`validate.packed_chat_data`, False where the data cannot be read: the loader names that
+    with its own line when the run starts."""
+    from titanlab.planning.validate import packed_chat_data
+
+    try:
+        return packed_chat_data(config)
+    except ValueError:
+        return False
+
+
 def cp_attention_bytes(
     config: JobConfig, model_args, mb: int, s: int, cp: int, tp: int, elem: int,
     device_type: str = "cpu",
@@ -51,8 +62,8 @@ def cp_attention_bytes(
     flex = device_type == "cuda"
     local = has_local_attention(model_args)
     kinds = len({layer_window(model_args, i) for i in range(model_args.n_layers)})  # of windows
-    if cp == 1:  # packing counts as documents without reading the data (chat data pack so)
-        documents = config.data.document_mask or config.data.packing
+    if cp == 1:
+        documents = config.data.document_mask or (config.data.packing and _chat(config))
         if documents:  # the Decoder's: flex per window kind on CUDA, one dense mask else
             return (kinds * mask_bytes(s, s, mb, True) if flex else mask_bytes(s, s, mb, False)), 0
         return (kinds * mask_bytes(s, s, mb, True) if flex and local else 0), 0
