@@ -66,32 +66,46 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, mask, out, lse, sinks = ctx.saved_tensors
-        group, scale = ctx.group, ctx.scale
-        world, rank = dist.get_world_size(group), dist.get_rank(group)
-        local = k.shape[2]
+        scale, local = ctx.scale, k.shape[2]
         do = grad_out.float()
         delta = (do * out).sum(-1, keepdim=True)  # (bs, H, Sq, 1)
-        dq = torch.zeros_like(q, dtype=torch.float32)
-        kj, vj = k, v
-        dkj = torch.zeros_like(k, dtype=torch.float32)
-        dvj = torch.zeros_like(v, dtype=torch.float32)
-        for step in range(world):
-            if step:
-                kj, vj = shift(kj, 1, group), shift(vj, 1, group)
-                dkj, dvj = shift(dkj, 1, group), shift(dvj, 1, group)
-            src = (rank - step) % world
+
+        def shard(src: int, kj: torch.Tensor, vj: torch.Tensor):
             p = torch.exp(_scores(q, kj, mask[..., src * local : (src + 1) * local], scale)
                           - lse[..., None])  # fmt: skip
-            dvj = dvj + p.transpose(-1, -2) @ do
             ds = p * (do @ vj.float().transpose(-1, -2) - delta)
-            dq = dq + ds @ kj.float() * scale
-            dkj = dkj + ds.transpose(-1, -2) @ q.float() * scale
-        dk, dv = shift(dkj, 1, group), shift(dvj, 1, group)  # home: one more step
+            return (
+                ds @ kj.float() * scale,
+                ds.transpose(-1, -2) @ q.float() * scale,
+                p.transpose(-1, -2) @ do,
+            )
+
+        dq, dk, dv = _ring_backward(k, v, ctx.group, shard)
         dsinks = None
         if sinks is not None:
             p_sink = torch.exp(sinks.float()[None, :, None] - lse)  # (bs, H, Sq)
             dsinks = -(p_sink * delta[..., 0]).sum(dim=(0, 2)).to(sinks.dtype)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, dsinks
+
+
+def _ring_backward(k: torch.Tensor, v: torch.Tensor, group, shard) -> tuple[torch.Tensor, ...]:
+    """Backward's trip round the ring: `shard(src, k_src, v_src)` gives (dq, dk_src, dv_src)
+    float32 of the key/value shard of rank `src`; the shards' key and value gradients travel
+    with them and come home after one more step. Returns (dq, dk, dv) float32."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    kj, vj = k, v
+    dq: torch.Tensor | None = None
+    dkj = torch.zeros_like(k, dtype=torch.float32)
+    dvj = torch.zeros_like(v, dtype=torch.float32)
+    for step in range(world):
+        if step:
+            kj, vj = shift(kj, 1, group), shift(vj, 1, group)
+            dkj, dvj = shift(dkj, 1, group), shift(dvj, 1, group)
+        gq, gk, gv = shard((rank - step) % world, kj, vj)
+        dq = gq if dq is None else dq + gq
+        dkj, dvj = dkj + gk, dvj + gv
+    assert dq is not None
+    return dq, shift(dkj, 1, group), shift(dvj, 1, group)  # home: one more step
 
 
 def ring_attention(q, k, v, mask, scale: float, group, sinks=None) -> torch.Tensor:
@@ -124,29 +138,21 @@ class _FlexRing(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out, grad_lse):
         q, k, v, out, lse = ctx.saved_tensors
-        group, world = ctx.group, dist.get_world_size(ctx.group)
-        rank = dist.get_rank(group)
         g = grad_out.float()
         g_lse = grad_lse.float() if grad_lse is not None else torch.zeros_like(lse)
         g_out_dot = (g * out).sum(-1)  # g·O, (bs, H, Sq)
-        dq = torch.zeros_like(q, dtype=torch.float32)
-        kj, vj = k, v
-        dkj = torch.zeros_like(k, dtype=torch.float32)
-        dvj = torch.zeros_like(v, dtype=torch.float32)
-        for step in range(world):
-            if step:
-                kj, vj = shift(kj, 1, group), shift(vj, 1, group)
-                dkj, dvj = shift(dkj, 1, group), shift(dvj, 1, group)
-            mask = ctx.masks[(rank - step) % world]
+
+        def shard(src: int, kj: torch.Tensor, vj: torch.Tensor):
             with torch.enable_grad():
                 qi, ki, vi = (t.detach().requires_grad_() for t in (q, kj, vj))
-                o_j, lse_j = _shard(qi, ki, vi, mask, ctx.scale, ctx.fraction)
+                o_j, lse_j = _shard(qi, ki, vi, ctx.masks[src], ctx.scale, ctx.fraction)
                 w = torch.exp(lse_j.detach() - lse)  # (bs, H, Sq)
                 d_o = (w[..., None] * g).to(o_j.dtype)
                 d_lse = w * ((g * o_j.detach().float()).sum(-1) - g_out_dot + g_lse)
-                gq, gk, gv = torch.autograd.grad((o_j, lse_j), (qi, ki, vi), (d_o, d_lse))
-            dq, dkj, dvj = dq + gq.float(), dkj + gk.float(), dvj + gv.float()
-        dk, dv = shift(dkj, 1, group), shift(dvj, 1, group)  # home: one more step
+                grads = torch.autograd.grad((o_j, lse_j), (qi, ki, vi), (d_o, d_lse))
+            return tuple(t.float() for t in grads)
+
+        dq, dk, dv = _ring_backward(k, v, ctx.group, shard)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
 
 
