@@ -29,7 +29,8 @@ W_v = (I + A)⁻¹ diag(β) V and W_k = (I + A)⁻¹ diag(β e^{c}) K: two trian
 so a chunk costs O(C² (d_k + d_v) + C d_k d_v) and the chunks run in sequence, carrying M. The
 chunk's step is affine in the state it starts from: M_C = T M_0 + B with
 T = e^{c_C} I − K̃ᵀ W_k and B = K̃ᵀ W_v (K̃ = diag(e^{c_C − c}) K), which context parallel uses
-to hand each rank its true starting state (`chunk_transition`).
+to hand each rank its true starting state (`sequence_transition` composes them over a
+rank's tokens).
 
 Every exponent above is ≤ 0 (g ≤ 0), so nothing overflows; the arithmetic is fp32 whatever the
 inputs' dtype, and the output comes back in it. q and k arrive L2-normalized and q scaled by
@@ -142,17 +143,23 @@ def chunked(
     return out.transpose(1, 2).to(v.dtype), m
 
 
-def chunk_transition(
-    k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor
+def sequence_transition(
+    k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, chunk: int = CHUNK
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The affine map a whole sequence applies to the state it starts from: (T (bs, H_v, d_k,
     d_k), B (bs, H_v, d_k, d_v)) float32 with final state = T @ M_0 + B, for k (bs, S, H_k,
-    d_k), v (bs, S, H_v, d_v), g and beta (bs, S, H_v); the sequence taken as one chunk
-    (module docstring: T = e^{c_S} I − K̃ᵀ W_k, B = K̃ᵀ W_v)."""
+    d_k), v (bs, S, H_v, d_v), g and beta (bs, S, H_v). Each chunk's map (module docstring:
+    T_i = e^{c_C} I − K̃ᵀ W_k, B_i = K̃ᵀ W_v) composed in order, (T, B) ← (T_i T, T_i B + B_i),
+    so memory stays O(C²) per chunk whatever S."""
     _, kf, vf, gf, bf = _heads_first(k, k, v, g, beta)
-    kc, vc, gc, bc = (t[:, :, None] for t in (kf, vf, gf, bf))  # one chunk of S tokens
+    kc, vc, gc, bc = (_chunks(t, chunk) for t in (kf, vf, gf, bf))
     c, _, _, w_v, w_k, k_tail = _chunk_terms(kc, vc, gc, bc)
-    eye = torch.eye(kf.shape[-1], dtype=kf.dtype, device=kf.device)
-    kt = k_tail[:, :, 0].transpose(-1, -2)
-    t = c[:, :, 0, -1, None, None].exp() * eye - kt @ w_k[:, :, 0]
-    return t, kt @ w_v[:, :, 0]
+    bs, heads, dk, dv = kf.shape[0], kf.shape[1], kf.shape[-1], vf.shape[-1]
+    eye = torch.eye(dk, dtype=kf.dtype, device=kf.device)
+    t = eye.expand(bs, heads, dk, dk)
+    b = kf.new_zeros(bs, heads, dk, dv)
+    for i in range(kc.shape[2]):
+        kt = k_tail[:, :, i].transpose(-1, -2)
+        t_i = c[:, :, i, -1, None, None].exp() * eye - kt @ w_k[:, :, i]
+        t, b = t_i @ t, t_i @ b + kt @ w_v[:, :, i]
+    return t, b

@@ -1,7 +1,7 @@
 """The gated delta rule (`common/delta_rule.py`): in chunks (of 64, 16 and 7 tokens, the
 sequence not a multiple of them) equal to token by token from a random starting state, output
 and final state within 1e-5; and the final state affine in the starting one
-(`chunk_transition`, what context parallel hands from rank to rank)."""
+(`sequence_transition`, what context parallel hands from rank to rank)."""
 
 from __future__ import annotations
 
@@ -24,5 +24,5 @@ def test_chunks_equal_the_recurrence_and_carry_the_state(chunk):
     got, state = delta_rule.chunked(q, k, v, g, beta, start, chunk=chunk)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(state, want_state, atol=1e-5, rtol=1e-5)
-    t, b = delta_rule.chunk_transition(k, v, g, beta)  # the state is affine in the start
+    t, b = delta_rule.sequence_transition(k, v, g, beta, chunk=chunk)  # the state is affine in the start
     torch.testing.assert_close(t @ start + b, want_state, atol=1e-5, rtol=1e-5)
