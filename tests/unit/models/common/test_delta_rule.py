@@ -24,5 +24,7 @@ def test_chunks_equal_the_recurrence_and_carry_the_state(chunk):
     got, state = delta_rule.chunked(q, k, v, g, beta, start, chunk=chunk)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(state, want_state, atol=1e-5, rtol=1e-5)
-    t, b = delta_rule.sequence_transition(k, v, g, beta, chunk=chunk)  # the state is affine in the start
+    t, b = delta_rule.sequence_transition(
+        k, v, g, beta, chunk=chunk
+    )  # the state is affine in the start
     torch.testing.assert_close(t @ start + b, want_state, atol=1e-5, rtol=1e-5)
