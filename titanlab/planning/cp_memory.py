@@ -56,7 +56,6 @@ def cp_attention_bytes(
     (H/cp heads over the whole sequence). (0, 0) when PyTorch's causal ring runs or nothing is
     masked."""
     from titanlab.models.common.decoder import has_local_attention, layer_window
-    from titanlab.planning.validate import packed_chat_data
 
     p = config.parallelism
     flex = device_type == "cuda"
@@ -67,7 +66,7 @@ def cp_attention_bytes(
         if documents:  # the Decoder's: flex per window kind on CUDA, one dense mask else
             return (kinds * mask_bytes(s, s, mb, True) if flex else mask_bytes(s, s, mb, False)), 0
         return (kinds * mask_bytes(s, s, mb, True) if flex and local else 0), 0
-    documents = config.data.document_mask or (config.data.packing and packed_chat_data(config))
+    documents = config.data.document_mask or (config.data.packing and _chat(config))
     ulysses = p.context_parallel_mode == "ulysses"
     if not (documents or ulysses or local):
         return 0, 0

@@ -117,8 +117,9 @@ class Attention(nn.Module):
         With `mask` (document masking, training): cos and sin are (bs, seq, head_dim // 2), each
         token's own position, and `mask` is a (bs, 1, seq, seq) bool SDPA mask or a
         FlexAttention `BlockMask` (`titanlab.models.common.document_mask.attention_masks`: on
-        CUDA, also for windows and sinks without documents) replacing the causal mask, or an object whose `attend(q, k, v)` computes the attention (context parallel's,
-        `document_mask.mask_builder`).
+        CUDA, also for windows and sinks without documents) replacing the causal mask, or an
+        object whose `attend(q, k, v, window=, sinks=)` computes the attention (context
+        parallel's, `document_mask.mask_builder`).
         """
         bs, seq, _ = x_bsd.shape
         gate = None
