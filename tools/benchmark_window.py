@@ -18,9 +18,7 @@ import dataclasses
 import datetime
 import os
 import platform
-import statistics
 import sys
-import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
@@ -46,29 +44,25 @@ def step_seconds(args, batch: int, seq: int, repeats: int) -> tuple[float, int]:
 
     from titanlab.components.loss import cross_entropy_sum
     from titanlab.models.registry import build_model
+    from tools.lib.bench import median_step_seconds
 
     torch.manual_seed(0)
     model = build_model(args)
     model.init_weights()
     tokens = torch.randint(0, args.vocab_size, (batch, seq + 1))
+    seconds = median_step_seconds(model, tokens, repeats)
 
     def step() -> None:
         cross_entropy_sum(model(tokens[:, :-1]), tokens[:, 1:]).backward()
         model.zero_grad(set_to_none=True)
 
-    step()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - start)
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True,
                  with_stack=True) as prof:  # fmt: skip
         step()
     _, sizes = MemoryProfileTimeline(prof._memory_profile())._coalesce_timeline("cpu")
     import numpy as np
 
-    return statistics.median(times), int(np.asarray(sizes).sum(axis=1).max())
+    return seconds, int(np.asarray(sizes).sum(axis=1).max())
 
 
 def measure(window: int, per_seq: int, batch: int, repeats: int) -> list[dict]:

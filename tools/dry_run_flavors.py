@@ -2,8 +2,8 @@
 
     python tools/dry_run_flavors.py [--only "llama3 8B" ...]
 
-For each family's published flavors (Llama 3, Qwen3 dense and MoE, DeepSeek-V3, gpt-oss; not the debug
-ones) on the H100 cluster of `FLAVORS` (the world size such a model is trained on), with the
+For each family's published flavors (Llama 3, Qwen3 dense and MoE, DeepSeek-V3, gpt-oss, Qwen3.5
+dense and MoE; not the debug ones) on the H100 cluster of `FLAVORS` (the world size such a model is trained on), with the
 family's shipped config (seq_len, precision, optimizer) and a global batch of 2 sequences per
 GPU: `titanlab.planning.planner.plan`'s first pick (its compute priced by the per-op ledger) becomes the options of a dry run
 (`comm.mode = "fake_backend"`, `titanlab.trainer.dry_run`), which must build and fit. The picks
@@ -42,6 +42,14 @@ FLAVORS: dict[str, tuple[str, int]] = {
     "deepseek_v3 671B": ("deepseek_v3_671b.toml", 512),
     "gpt_oss 20b": ("gpt_oss_20b.toml", 8),
     "gpt_oss 120b": ("gpt_oss_20b.toml", 64),
+    "qwen3_5 0.8B": ("qwen3_5_27b.toml", 8),
+    "qwen3_5 2B": ("qwen3_5_27b.toml", 8),
+    "qwen3_5 4B": ("qwen3_5_27b.toml", 8),
+    "qwen3_5 9B": ("qwen3_5_27b.toml", 8),
+    "qwen3_5 27B": ("qwen3_5_27b.toml", 16),
+    "qwen3_5_moe 35B-A3B": ("qwen3_5_35b_a3b.toml", 16),
+    "qwen3_5_moe 122B-A10B": ("qwen3_5_35b_a3b.toml", 64),
+    "qwen3_5_moe 397B-A17B": ("qwen3_5_35b_a3b.toml", 256),
 }
 """Family and flavor → (the shipped config it is planned with, H100s)."""
 

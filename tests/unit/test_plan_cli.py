@@ -109,13 +109,16 @@ def test_the_documented_first_example_plans_at_the_batch_its_config_runs(capsys)
 # needs the base checkpoint).
 NOT_HERE = {"llama3_8b_lora", "llama3_8b_qlora", "qlora_debug"}
 SMALL = ["debug_model", "deepseek_v3_debug", "distill_debug", "qwen3_debug", "qwen3_moe_debug",
-         "sft_lora_debug", "dpo_debug", "grpo_debug", "ppo_debug", "gpt_oss_debug"]  # fmt: skip
+         "sft_lora_debug", "dpo_debug", "grpo_debug", "ppo_debug", "gpt_oss_debug",
+         "qwen3_5_debug", "qwen3_5_moe_debug"]  # fmt: skip
 LARGE = {
     "llama3_3b_distill_8b": (1, 64, 64),
     "llama_70b": (1, 64, 64),
     "qwen3_8b": (2, 64, 64),
     "qwen3_30b_a3b": (1, 64, 64),
     "gpt_oss_20b": (1, 64, 64),
+    "qwen3_5_27b": (1, 64, 64),
+    "qwen3_5_35b_a3b": (1, 64, 64),
     "deepseek_v3_671b": (8, 512, 64),  # pp 8: dp 64 of its 512 devices, 512 sequences
 }
 """(local_batch_size, devices, dp of the config's own layout on them). Planning each takes

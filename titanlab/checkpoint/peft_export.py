@@ -27,28 +27,22 @@ from titanlab.models.stored_args import read_model_args
 from titanlab.peft.lora import is_adapter
 from titanlab.peft.stored import PEFT_FILE, read_peft_config
 
-HF_MODULE = {
-    "wq": "self_attn.q_proj",
-    "wk": "self_attn.k_proj",
-    "wv": "self_attn.v_proj",
-    "wo": "self_attn.o_proj",
-    "w1": "mlp.gate_proj",
-    "w2": "mlp.down_proj",
-    "w3": "mlp.up_proj",
-}
+EXPORTABLE = ("wq", "wk", "wv", "wo", "w1", "w2", "w3", "wqkv", "wz", "wb", "wa")
+"""The adapted Linears an export names: attention, dense MLP, and Qwen3.5's linear-attention
+projections (their Hugging Face names from `HFStateDictAdapter`, by layer type)."""
 _ADAPTER = re.compile(
     r"^(layers\.\d+\.(?:attention|feed_forward)\.(w\w+)|output)\.lora_([ab])\.weight$"
 )
 
 
-def hf_module(base: str) -> str:
-    """The Hugging Face module path of adapted base weight `base` (titanlab name):
-    `layers.3.attention.wq.weight` → `model.layers.3.self_attn.q_proj`, `output.weight` →
-    `lm_head`. Raises KeyError for a layer Hugging Face has no name for."""
+def hf_module(base: str, adapter: HFStateDictAdapter) -> str:
+    """The Hugging Face module path of adapted base weight `base` (titanlab name) in the model
+    `adapter` maps: `layers.3.attention.wq.weight` → `model.layers.3.self_attn.q_proj` (in a
+    Qwen3.5 linear layer, `layers.0.attention.wo.weight` → `model.layers.0.linear_attn.out_proj`),
+    `output.weight` → `lm_head`. Raises ValueError for a layer Hugging Face has no name for."""
     if base == "output.weight":
         return "lm_head"
-    parts = base.split(".")
-    return f"model.layers.{parts[1]}.{HF_MODULE[parts[-2]]}"
+    return adapter.hf_parts(base, ())[0][0].removesuffix(".weight")
 
 
 def adapter_pairs(names) -> dict[str, tuple[str, str]]:
@@ -63,10 +57,11 @@ def adapter_pairs(names) -> dict[str, tuple[str, str]]:
         if not is_adapter(name):
             continue
         m = _ADAPTER.match(name)
-        if m is None or (m.group(2) is not None and m.group(2) not in HF_MODULE):
+        if m is None or (m.group(2) is not None and m.group(2) not in EXPORTABLE):
             raise ConversionError(
                 f"adapter {name}: titanlab exports adapters of attention (wq, wk, wv, wo), "
-                "dense MLP (w1, w2, w3) and output layers only"
+                "linear attention (wqkv, wz, wb, wa, wo), dense MLP (w1, w2, w3) and output "
+                "layers only"
             )
         found.setdefault(f"{m.group(1)}.weight", {})[m.group(3)] = name
     for base, pair in found.items():
@@ -136,7 +131,7 @@ def dcp_to_peft(dcp_dir: str, out_dir: str, *, overwrite: bool = False) -> int:
     tensors: dict[str, torch.Tensor] = {}
     modules: set[str] = set()
     for base, (a_name, b_name) in pairs.items():
-        module = hf_module(base)
+        module = hf_module(base, adapter)
         prefix = f"base_model.model.{module}"
         b = reader.load(b_name).float()
         if adapter.needs_permutation(base):  # q / k: B's rows follow the base's reordering

@@ -11,15 +11,17 @@ from titanlab.config.errors import _require
 class Model:
     name: str = "llama3"
     """Model family, from the model registry: `llama3` (Llama 3 / 3.1 / 3.2), `qwen3` (Qwen3
-    dense), `qwen3_moe` (Qwen3-MoE), `deepseek_v3` (DeepSeek-V3, Moonlight) or `gpt_oss`
-    (gpt-oss).
+    dense), `qwen3_moe` (Qwen3-MoE), `deepseek_v3` (DeepSeek-V3, Moonlight), `gpt_oss`
+    (gpt-oss), `qwen3_5` (Qwen3.5 dense hybrid) or `qwen3_5_moe` (Qwen3.5-MoE hybrid).
     `python -m titanlab.train --help` lists each family's flavors."""
 
     flavor: str = "debugmodel"
     """A published size of the family (llama3: debugmodel, debugmodel_deep, debugmodel_tiny, 1B, 3B, 8B, 70B,
     405B; qwen3: debugmodel, debugmodel_deep, 0.6B, 1.7B, 4B, 8B, 14B, 32B; qwen3_moe:
     debugmodel, debugmodel_deep, debugmodel_2_experts, 30B-A3B, 235B-A22B; deepseek_v3: debugmodel, debugmodel_deep,
-    16B, 671B; gpt_oss: debugmodel, debugmodel_deep, 20b, 120b), or `hf`: the
+    16B, 671B; gpt_oss: debugmodel, debugmodel_deep, 20b, 120b; qwen3_5: debugmodel,
+    debugmodel_deep, 0.8B, 2B, 4B, 9B, 27B; qwen3_5_moe: debugmodel, debugmodel_deep, 35B-A3B,
+    122B-A10B, 397B-A17B), or `hf`: the
     architecture of `model.hf_config`, or of the `model_args.json` stored in
     `checkpoint.initial_load_path` (any shape of the family, e.g. an imported checkpoint)."""
 

@@ -59,6 +59,7 @@ from titanlab.distributed.cp_collectives import (
     heads_to_sequence,
     sequence_to_heads,
 )
+from titanlab.distributed.cp_linear import SequenceCarry
 from titanlab.distributed.cp_ring import flex_ring_attention, ring_attention
 from titanlab.models.common.document_mask import mask_builder
 from titanlab.models.common.flex_kernel import flex_attend, with_sinks
@@ -97,6 +98,8 @@ class ContextParallelAttention:
         self.mine = (segments, positions)
         self.all = (gather_values(segments, 1, group), gather_values(positions, 1, group))
         self._masks: dict[tuple[int | None, bool], Any] = {}
+        # what linear-attention layers run through (`titanlab.distributed.cp_linear`)
+        self.recurrent_carry = SequenceCarry(positions, self.all[1], group)
 
     def _queries(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self.mine if self.mode == "ring" else self.all

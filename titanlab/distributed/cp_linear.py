@@ -12,10 +12,21 @@ The rank then runs its piece from M_start. Backward carries the state's dependen
 earlier ranks' keys, values and gates back to them (one all-reduce of every rank's (dT, dB):
 `_Prefix`), so it trains.
 
-Bytes a rank sends per layer and microbatch: its T and B, bs · H_v · d_k · (d_k + d_v) fp32
-values, to each of the cp − 1 others (an all-gather) forward, and an all-reduce of cp of them
-backward; independent of the sequence length. Contiguous pieces only (no load balancing: the recurrence's work is
-linear in the tokens, equal per rank).
+**The trainer's pieces** (`SequenceCarry`). Under context parallel a rank holds the tokens
+its load balancer chose (head-tail, `work`), not a contiguous piece, while the attention layers
+stay balanced. So a linear layer moves its projected inputs to contiguous pieces (rank r:
+tokens r·S/cp … (r+1)·S/cp − 1), runs there, and moves its output back: each an all-gather
+along the sequence whose backward is a reduce-scatter (`cp_collectives.gather_sequence`), then
+a gather by the tokens' positions (the index in the window: document masks, where positions
+restart, are refused for these layers). The causal convolution's first K − 1 outputs need the
+previous piece's last K − 1 inputs: an all-gather of every rank's last K − 1 rows.
+
+Bytes a rank sends per linear layer and microbatch (bs sequences, b bytes per value, C the
+convolution's channels, tp ranks splitting the heads), each to the cp − 1 others: forward,
+its projected inputs bs · S/cp · (C + 2 H_v) / tp · b and its output bs · S/cp · H_v · d_v / tp
+· b (the gathers), the convolution's halo bs · (K − 1) · C / tp · b, and T and B,
+bs · H_v / tp · d_k · (d_k + d_v) fp32 values, independent of the sequence length; backward,
+the same again (reduce-scatters, the all-reduce of (dT, dB)).
 """
 
 from __future__ import annotations
@@ -23,8 +34,57 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from titanlab.distributed.cp_collectives import gather_values
+from titanlab.distributed.cp_collectives import gather_sequence, gather_values
 from titanlab.models.common.delta_rule import sequence_transition
+
+
+class SequenceCarry:
+    """What a Gated DeltaNet layer (`GatedDeltaNet.step(..., carry=)`) asks of context parallel
+    (module docstring, "The trainer's pieces"): built once per forward by
+    `cp_documents.ContextParallelAttention` from this rank's and all ranks' token positions
+    (bs, S/cp) and (bs, S) int64, the latter in rank order.
+
+    Every method is a collective of the cp group, called in the same order on every rank."""
+
+    def __init__(self, mine: torch.Tensor, all_positions: torch.Tensor, group) -> None:
+        self.mine, self.group = mine, group
+        self.order = all_positions.argsort(dim=1)  # (bs, S): gathered index of each position
+        self.rank = dist.get_rank(group)
+
+    @torch.compiler.disable
+    def to_contiguous(self, *tensors: torch.Tensor) -> list[torch.Tensor]:
+        """Tensors (bs, S/cp, ·) of this rank's tokens → the same of this rank's contiguous
+        piece, in sequence order (differentiable)."""
+        widths = [t.shape[-1] for t in tensors]
+        both = torch.cat(tensors, dim=-1)
+        gathered = gather_sequence(both, 1, self.group)  # (bs, S, ·) in rank order
+        ordered = gathered.gather(1, self.order[..., None].expand(-1, -1, both.shape[-1]))
+        n = both.shape[1]
+        piece = ordered[:, self.rank * n : (self.rank + 1) * n]
+        return list(piece.split(widths, dim=-1))
+
+    @torch.compiler.disable
+    def from_contiguous(self, x: torch.Tensor) -> torch.Tensor:
+        """(bs, S/cp, ...) of this rank's contiguous piece → the same of its own tokens."""
+        whole = gather_sequence(x, 1, self.group)  # (bs, S, ...) in sequence order
+        index = self.mine.view(*self.mine.shape, *([1] * (x.dim() - 2)))
+        return whole.gather(1, index.expand(-1, -1, *x.shape[2:]))
+
+    @torch.compiler.disable
+    def history(self, mixed: torch.Tensor, taps: int) -> torch.Tensor:
+        """The K − 1 = `taps` − 1 projected inputs (bs, K − 1, C) before this rank's piece (the
+        previous rank's last ones; zeros on rank 0), for the causal convolution."""
+        tail = mixed[:, mixed.shape[1] - (taps - 1) :]
+        tails = gather_sequence(tail, 1, self.group)  # (bs, cp · (K − 1), C)
+        # Rank 0 reads the zeros in front: its result still comes from the gather, so its
+        # backward joins the gather's reduce-scatter like every other rank's.
+        padded = torch.cat([torch.zeros_like(tail), tails], dim=1)
+        return padded[:, self.rank * (taps - 1) : (self.rank + 1) * (taps - 1)]
+
+    @torch.compiler.disable
+    def initial_state(self, k, v, g, beta) -> torch.Tensor:
+        """The delta rule's state this rank's piece starts from (`starting_state`)."""
+        return starting_state(k, v, g, beta, self.group)
 
 
 def starting_state(

@@ -40,7 +40,8 @@ from titanlab.distributed.expert_sharding import (
 )
 from titanlab.distributed.parallel_dims import ParallelDims
 from titanlab.distributed.tensor_parallel import apply_tp
-from titanlab.models.common.decoder import has_local_attention, moe_layers
+from titanlab.models.common.decoder import moe_layers
+from titanlab.models.common.token_mixer import own_cp_layers
 from titanlab.models.common.moe import MoE
 from titanlab.config.device_path import device_type
 
@@ -133,7 +134,7 @@ def parallelize_model(
         # tensor and context parallel put collectives inside the compiled blocks
         in_graph = parallel_dims.tp_enabled or parallel_dims.cp > 1
         apply_compile(model, config.compile.backend, collectives_in_graph=in_graph,
-                      fullgraph=not own_cp_attention(config, has_local_attention(model.args)),
+                      fullgraph=not own_cp_attention(config, own_cp_layers(model.args)),
                       inside_checkpoint=parallel_dims.tp_enabled
                       and config.activation_checkpoint.mode == "full")  # fmt: skip
     if parallel_dims.dp_replicate_enabled and not parallel_dims.fsdp_enabled:

@@ -188,6 +188,22 @@ def split_counts(model: Decoder, config, n_stages: int) -> list[int] | None:
     return counts
 
 
+def all_stage_fqns(model: Decoder, config, pp: int) -> list[list[str]]:
+    """Module names of every stage of `model` (meta device is enough) over `pp` pipeline ranks:
+    the schedule's stages per rank, split as the config says (manual, by layers or by cost)."""
+    p = config.parallelism
+    n_stages = pp * stages_per_rank(
+        p.pipeline_parallel_schedule, p.pipeline_parallel_stages_per_rank
+    )
+    return stage_fqns(
+        len(model.layers),
+        n_stages,
+        p.pipeline_parallel_layers_per_stage,
+        p.pipeline_parallel_module_fqns_per_stage,
+        split_counts(model, config, n_stages),
+    )
+
+
 def build_stage_module(model: Decoder, fqns: list[str]) -> Decoder:
     """A copy of `model` (on the meta device) keeping only the modules named in `fqns`; the
     multi-token prediction depths (DeepSeek-V3's `mtp`) go with the output head, whose input
@@ -233,14 +249,7 @@ def pipeline_model(model: Decoder, parallel_dims, config, device, parallelize_fn
     pp, pp_rank = pp_mesh.size(), pp_mesh.get_local_rank()
     per_rank = stages_per_rank(p.pipeline_parallel_schedule, p.pipeline_parallel_stages_per_rank)
     n_stages = pp * per_rank
-    counts = split_counts(model, config, n_stages)
-    all_fqns = stage_fqns(
-        len(model.layers),
-        n_stages,
-        p.pipeline_parallel_layers_per_stage,
-        p.pipeline_parallel_module_fqns_per_stage,
-        counts,
-    )
+    all_fqns = all_stage_fqns(model, config, pp)
     ids = stage_ids(p.pipeline_parallel_schedule, pp_rank, pp, per_rank)
     parts: list = []
     stages: list[PipelineStage] = []

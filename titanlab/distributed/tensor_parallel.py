@@ -44,6 +44,7 @@ from torch.distributed.tensor.parallel import (
 
 from titanlab.distributed.tp_mla import mla_attention_plan
 from titanlab.distributed.tp_plan import SequenceParallel, decoder_block_plan
+from titanlab.models.common.linear_attention import GatedDeltaNet
 from titanlab.models.common.decoder import moe_layers
 from titanlab.models.common.mla import MLAttention
 
@@ -218,6 +219,8 @@ def _block_plan(
         shared_experts=bool(moes) and moes[0].shared_experts is not None,
         mla=mla,
         sinks=getattr(attention, "sinks", None) is not None,
+        linear=isinstance(attention, GatedDeltaNet),
+        shared_gate=bool(moes) and moes[0].shared_gate is not None,
     )
 
 

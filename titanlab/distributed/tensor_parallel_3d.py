@@ -124,7 +124,7 @@ def apply_tp_3d(model: Decoder, mesh: DeviceMesh, params: DeviceMesh | None = No
     if model.tok_embeddings is not None:  # rows over x then y, features over z
         _grid_embedding(model.tok_embeddings, mesh, params)
     if model.norm is not None:
-        _grid_norm(model.norm, mesh, params)
+        _grid_norm(cast(nn.RMSNorm, model.norm), mesh, params)
     if model.output is not None:
         head = cast(nn.Module, model.output)
         _cube_linear(head, mesh, params, "A", NORMED)

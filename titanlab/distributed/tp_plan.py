@@ -43,19 +43,43 @@ class SequenceParallel(_TorchSequenceParallel):
 
 
 class ShardHeads(ParallelStyle):
-    """A module holding one value per attention head (gpt-oss's sinks, `weight` (n_heads,)):
-    each tp rank keeps the block of heads its column-split wq computes (`Shard(0)`), and the
-    module returns that local block as a plain tensor. The heads are disjoint across the ranks,
-    so each rank's gradient is its heads' own (nothing to reduce over tp)."""
+    """A module holding parameters with one row per attention head or channel, which its
+    `forward()` returns (gpt-oss's sinks, `weight` (n_heads,); a linear-attention layer's
+    convolution (C, 1, K) and decay parameters (H_v,)): each tp rank keeps the block of rows its
+    column-split projections compute (`Shard(0)`), and the module returns those local rows as
+    plain tensors. The rows are disjoint across the ranks, so each rank's gradient is its own
+    (nothing to reduce over tp)."""
 
     def _apply(self, module, device_mesh):
         for name, param in list(module.named_parameters(recurse=False)):
             sharded = distribute_tensor(param, device_mesh, [Shard(0)])
             module.register_parameter(name, torch.nn.Parameter(sharded, param.requires_grad))
-        module.register_forward_hook(
-            lambda _m, _inputs, out: out.to_local() if isinstance(out, DTensor) else out
-        )
+        module.register_forward_hook(lambda _m, _inputs, out: _local(out))
         return module
+
+
+def _local(out):
+    if isinstance(out, tuple):
+        return tuple(_local(t) for t in out)
+    return out.to_local() if isinstance(out, DTensor) else out
+
+
+def linear_attention_plan(colwise: type, rowwise: type) -> dict[str, ParallelStyle]:
+    """A Gated DeltaNet block's token mixer (`titanlab.models.common.linear_attention`): its
+    projections column-wise (`wqkv`'s rows grouped by key head, so each rank holds whole key
+    heads with their value heads; `wz`, `wb`, `wa` by value head), the convolution's channels
+    and the decay's heads split alike, the per-head gated norm's weight replicated (its gradient
+    summed over tp, like the q/k norms'), `wo` row-wise onto sequence shards."""
+    return {
+        "attention.wqkv": colwise(),
+        "attention.wz": colwise(),
+        "attention.wb": colwise(),
+        "attention.wa": colwise(),
+        "attention.conv": ShardHeads(),
+        "attention.decay": ShardHeads(),
+        "attention.norm": SequenceParallel(sequence_dim=2, use_local_output=True),
+        "attention.wo": rowwise(output_layouts=Shard(1), use_local_output=False),
+    }
 
 
 def decoder_block_plan(
@@ -68,6 +92,8 @@ def decoder_block_plan(
     shared_experts: bool = False,
     mla: dict[str, ParallelStyle] | None = None,
     sinks: bool = False,
+    linear: bool = False,
+    shared_gate: bool = False,
 ) -> dict[str, ParallelStyle]:
     """Module path within a block → parallel style.
 
@@ -80,6 +106,9 @@ def decoder_block_plan(
         sinks: the attention has per-head sinks (`attention.sinks`), split with their heads.
             Biases of the projections need nothing more: torch's column-wise style splits a
             bias with its rows, the row-wise one replicates it.
+        linear: the block's token mixer is linear attention (`linear_attention_plan`).
+        shared_gate: the MoE layer's shared experts have a per-token gate (`shared_gate`),
+            replicated over tp like them.
     """
     plan: dict[str, ParallelStyle] = {
         "attention_norm": SequenceParallel(),
@@ -99,10 +128,10 @@ def decoder_block_plan(
         "feed_forward.w3": colwise(),
         "feed_forward.w2": rowwise(output_layouts=Shard(1), use_local_output=False),
     }
-    if mla is not None:
+    if mla is not None or linear:
         for name in ("attention.wq", "attention.wk", "attention.wv", "attention.wo"):
             del plan[name]
-        plan.update(mla)
+        plan.update(mla if mla is not None else linear_attention_plan(colwise, rowwise))
     if moe:
         for name in ("feed_forward", "feed_forward.w1", "feed_forward.w3", "feed_forward.w2"):
             del plan[name]
@@ -119,9 +148,13 @@ def decoder_block_plan(
             plan["feed_forward.shared_experts"] = SequenceParallel(
                 sequence_dim=0, use_local_output=True
             )
+        if shared_gate:
+            plan["feed_forward.shared_gate"] = SequenceParallel(
+                sequence_dim=0, use_local_output=True
+            )
     if sinks:
         plan["attention.sinks"] = ShardHeads()
-    if qk_norm:
+    if qk_norm and not linear:
         for name in ("attention.q_norm", "attention.k_norm"):
             plan[name] = SequenceParallel(sequence_dim=2, use_local_output=True)
     return plan

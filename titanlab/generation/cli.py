@@ -28,6 +28,7 @@ from titanlab.generation import DraftStats, SamplingParams, generate
 from titanlab.distributed.init import destroy_distributed, init_distributed
 from titanlab.generation.loading import load_model
 from titanlab.generation.tensor_parallel import apply_generation_tp
+from titanlab.models.common.kv_cache import KVCache
 
 PROG = "python -m titanlab.generate"
 
@@ -119,10 +120,11 @@ def run(argv: list[str], prog: str = PROG) -> int:
     if stream:
         print(prompts[0], end="", flush=True)
     draft = DraftStats() if args.mtp_draft else None
+    caches: list[KVCache] = []
     begin = time.perf_counter()
     out = generate(
         model, ids, args.max_new_tokens, params=params, eos_ids=eos_ids,
-        seed=args.seed, on_step=on_step, mtp_draft=draft,
+        seed=args.seed, on_step=on_step, mtp_draft=draft, cache_out=caches,
     )  # fmt: skip
     seconds = time.perf_counter() - begin
     if rank != 0:
@@ -141,12 +143,26 @@ def run(argv: list[str], prog: str = PROG) -> int:
             f"{draft.forwards + 1} forwards",
             file=sys.stderr,
         )
+    if caches:
+        print(cache_line(caches[0], len(prompts)), file=sys.stderr)
     print(
         f"generated {total} tokens for {len(prompts)} prompt(s) in {seconds:.2f}s: "
         f"{total / seconds:.1f} tokens/s ({device.type}, {args.dtype})",
         file=sys.stderr,
     )
     return 0
+
+
+def cache_line(cache: KVCache, sequences: int) -> str:
+    """The cache's memory per sequence: keys and values (grow with the context: allocated for
+    `max_seq_len` slots) and linear-attention states (constant in it); this rank's share under
+    tensor parallel."""
+    kib = 1024 * sequences
+    return (
+        f"cache per sequence: {cache.kv_bytes() / kib:.1f} KiB keys/values for "
+        f"{cache.max_seq_len} slots, {cache.recurrent_bytes() / kib:.1f} KiB linear-attention "
+        "state (constant in the context)"
+    )
 
 
 def main(argv: list[str] | None = None, prog: str = PROG) -> int:

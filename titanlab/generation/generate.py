@@ -28,6 +28,7 @@ def generate(
     on_step: Callable[[list[int | None]], None] | None = None,
     step_logits: list[torch.Tensor] | None = None,
     mtp_draft: DraftStats | None = None,
+    cache_out: list[KVCache] | None = None,
 ) -> list[list[int]]:
     """Continue each prompt by up to `max_new_tokens` tokens; returns the new tokens per prompt
     (ending with the EOS token when one was produced).
@@ -45,6 +46,8 @@ def generate(
         mtp_draft: when given, decode self-speculatively with the model's first multi-token
             prediction depth (DeepSeek-V3; `titanlab.generation.mtp_draft`), counting its drafts
             into this `DraftStats`: the same output in fewer main-model forwards.
+        cache_out: when given, receives the decode's `KVCache` (its `kv_bytes` and
+            `recurrent_bytes` after the last step).
 
     Raises:
         ValueError: an empty prompt, `max_new_tokens < 1`, bad sampling parameters, a prompt
@@ -98,6 +101,8 @@ def generate(
         draft_decode(model, tokens, pad, max_new_tokens, params, generator, emit, done, mtp_draft)
         return out
     cache = KVCache(pad, longest + max_new_tokens)
+    if cache_out is not None:
+        cache_out.append(cache)
     logits = model(tokens, cache)[:, -1].float()  # (bs, vocab)
     for step in range(max_new_tokens):
         nxt = sample_next(logits, params, generator)  # (bs,)

@@ -55,13 +55,21 @@ def ac_options(ac_mode: str) -> list[str]:
 
 
 def costs_of(
-    ledger: Ledger, n_layers: int, dense_first: int, params: int, world: int = MIN_RANKS
+    ledger: Ledger,
+    n_layers: int,
+    dense_first: int,
+    params: int,
+    world: int = MIN_RANKS,
+    kinds: list | None = None,
 ) -> ComputeCosts:
     """`ComputeCosts` of a ledger of a model shortened to `ledger`'s blocks, FSDP's copies
     apart (priced per byte its all-gathers and reduce-scatters move): its first block
     stands for the model's `dense_first` leading dense blocks (DeepSeek-V3's; 0: none), the
     mean of the others for the rest of its `n_layers`; `params` is the shortened model's
-    parameter count (the update's cost is per parameter)."""
+    parameter count (the update's cost is per parameter). With `kinds` (each of the model's
+    blocks' kind, `token_mixer.block_kinds`; the shortened model's blocks are its first ones),
+    each kind's mean cost in the ledger weighs by its share of the model's blocks (Qwen3.5:
+    three linear-attention layers per full one)."""  # fmt: skip
     blocks: dict[int, float] = defaultdict(float)
     head = embedding = update = copies = moved = 0.0
     for op, s in zip(ledger.ops, ledger.priced.seconds):
@@ -81,7 +89,12 @@ def costs_of(
         else:  # the final norm, the output head, the loss, MTP depths
             head += s
     costs = [blocks[i] for i in sorted(blocks)]
-    if dense_first and len(costs) > 1:
+    if kinds is not None and not dense_first:
+        by_kind: dict = defaultdict(list)
+        for i, cost in zip(sorted(blocks), costs, strict=True):
+            by_kind[kinds[i]].append(cost)
+        block = sum(sum(by_kind[k]) / len(by_kind[k]) for k in kinds) / len(kinds)
+    elif dense_first and len(costs) > 1:
         rest = sum(costs[1:]) / (len(costs) - 1)
         block = (dense_first * costs[0] + (n_layers - dense_first) * rest) / n_layers
     else:
@@ -111,9 +124,14 @@ def ledger_costs(argv: list[str], device: str) -> Callable[[str, int], ComputeCo
     from titanlab.planning.model_shape import ModelShape
     from titanlab.planning.planner import model_args_of
 
+    from titanlab.models.common.token_mixer import block_kinds
+
     args = model_args_of(build_config([*argv, "--comm.mode", "fake_backend"]))
     dense_first = getattr(args, "n_dense_layers", 0)
-    n = min(args.n_layers, 3 if dense_first else 2)
+    kinds = block_kinds(args)
+    # enough blocks for every kind the model has (Qwen3.5: its first full-attention layer)
+    every_kind = 1 + max(kinds.index(k) for k in set(kinds))
+    n = min(args.n_layers, max(3 if dense_first else 2, every_kind))
     params = ModelShape.of(shortened(args, n)).total_params
     found: dict[tuple[str, int], ComputeCosts] = {}
 
@@ -121,7 +139,9 @@ def ledger_costs(argv: list[str], device: str) -> Callable[[str, int], ComputeCo
         if (ac_mode, ep) not in found:
             run = [*argv, *fsdp_run(ep), "--model.n_layers", str(n), *ac_options(ac_mode)]
             ledger = build_ledger(run, device)
-            found[ac_mode, ep] = costs_of(ledger, args.n_layers, dense_first, params, ranks(ep))
+            found[ac_mode, ep] = costs_of(
+                ledger, args.n_layers, dense_first, params, ranks(ep), kinds
+            )
         return found[ac_mode, ep]
 
     return costs

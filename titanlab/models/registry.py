@@ -23,6 +23,8 @@ FAMILIES: dict[str, str] = {
     "qwen3_moe": "titanlab.models.qwen3_moe.family",
     "deepseek_v3": "titanlab.models.deepseek_v3.family",
     "gpt_oss": "titanlab.models.gpt_oss.family",
+    "qwen3_5": "titanlab.models.qwen3_5.family",
+    "qwen3_5_moe": "titanlab.models.qwen3_5.moe_family",
 }
 """Family name → module defining `FAMILY`. Imported on first use."""
 
@@ -77,7 +79,8 @@ def family_of_hf_config(cfg: Mapping[str, Any]) -> ModelFamily:
     types = {}
     for name in FAMILIES:
         family = get_family(name)
-        types[family.hf.model_type] = family
+        for model_type_ in (family.hf.model_type, *family.hf.aliases):
+            types[model_type_] = family
     if model_type not in types:
         raise ValueError(f"config.json model_type={model_type!r}; valid: {', '.join(types)}")
     return types[model_type]

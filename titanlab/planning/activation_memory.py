@@ -129,13 +129,18 @@ def _experts_static_shapes(self, x_td: torch.Tensor, counts: torch.Tensor) -> to
 
 
 def unit_blocks(model_args) -> int:
-    """Blocks in the repeating unit of the model: 2 when its first two blocks differ in their
-    attention window (gpt-oss alternates sliding and full), else 1."""
-    from titanlab.models.common.decoder import layer_window
+    """Blocks in the repeating unit of the model: the shortest period of its blocks' kinds
+    (`token_mixer.block_kinds`: attention window, linear or full attention) that repeats at
+    least twice; gpt-oss alternates sliding and full (2), Qwen3.5 has three linear layers per
+    full one (4). 1 when every block is alike or no period repeats twice."""
+    from titanlab.models.common.token_mixer import block_kinds
 
-    if model_args.n_layers < 4:
-        return 1
-    return 2 if layer_window(model_args, 0) != layer_window(model_args, 1) else 1
+    kinds = block_kinds(model_args)
+    n = len(kinds)
+    for period in range(1, n // 2 + 1):
+        if all(kinds[i] == kinds[i % period] for i in range(n)):
+            return period
+    return 1
 
 
 def trace_activation_bytes(

@@ -83,6 +83,8 @@ def check(
     check_offload(config.activation_checkpoint.offload, device)
     check_mlflow(config.metrics.enable_mlflow, config.metrics.mlflow_tracking_uri)
     parallel_dims = check_parallel_layout(config, world_size, model_args, device.type)
+    if targets and parallel_dims.pp > 1:
+        check_stage_targets(meta, config, parallel_dims.pp, targets)
     if config.peft.quantize_base == "nf4":  # each NF4 weight must split into whole blocks
         shards, tp = parallel_dims.dp_shard * parallel_dims.cp, parallel_dims.tp
         split = linear_split_dims(meta) if tp > 1 else {}
@@ -106,6 +108,22 @@ def check(
         estimate = check_memory(model_args, config, world_size, local_world_size, dtype, target)
     check_files(config, tokenizer)
     return Plan(parallel_dims, batch, tokenizer, family, model_args, estimate)
+
+
+def check_stage_targets(meta, config: JobConfig, pp: int, targets: dict) -> None:
+    """Every pipeline stage must hold a LoRA target (a stage with nothing to train has no
+    optimizer to build): Qwen3.5's first stage may hold only linear-attention layers, without
+    `wq`. Raises ConfigError naming the stage, its modules and the targets."""
+    from titanlab.distributed.pipeline import all_stage_fqns
+
+    for sid, fqns in enumerate(all_stage_fqns(meta, config, pp)):
+        if not any(name == f or name.startswith(f + ".") for name in targets for f in fqns):
+            raise ConfigError(
+                f"peft.target_modules {list(config.peft.target_modules)} adapt no Linear of "
+                f"pipeline stage {sid} ({' '.join(fqns)}) of model.name={config.model.name}: "
+                "a stage needs a target to train; add targets every stage holds (e.g. wo, w2) "
+                "or change parallelism.pipeline_parallel_degree"
+            )
 
 
 def check_files(config: JobConfig, tokenizer: AnyTokenizer) -> None:

@@ -10,6 +10,7 @@ from titanlab.config.job_config import ConfigError, JobConfig
 from titanlab.distributed import pipeline
 from titanlab.distributed.parallel_dims import ParallelDims
 from titanlab.models.common.decoder import has_local_attention, moe_layer_args
+from titanlab.models.common.token_mixer import has_linear_layers
 
 
 def validate_layout(config: JobConfig, dims: ParallelDims, model_args, device_type: str) -> None:
@@ -93,6 +94,8 @@ def validate_layout(config: JobConfig, dims: ParallelDims, model_args, device_ty
                 f"{dims.tp * dims.cp}; use ring, or tp × cp dividing {heads}"
             )
     _validate_mtp(config, dims, model_args)
+    if has_linear_layers(model_args):
+        _validate_linear_layers(config, dims, model_args)
     if (
         dims.cp > 1
         and getattr(model_args, "attention_type", "gqa") == "mla"
@@ -137,6 +140,27 @@ def _validate_mtp(config: JobConfig, dims: ParallelDims, model_args) -> None:
                 f"{config.model.name} (mtp_layers={model_args.mtp_layers}) is not supported yet; "
                 "set model.mtp_loss_weight=0 to train without them"
             )
+
+
+def _validate_linear_layers(config: JobConfig, dims: ParallelDims, model_args) -> None:
+    """Linear-attention layers (Qwen3.5's Gated DeltaNet): tensor parallel splits their key
+    heads (each with its value heads); their recurrence runs over the whole sequence in order,
+    so it does not stop at document boundaries (refused for document masks); context parallel
+    runs it on contiguous pieces (`titanlab.distributed.cp_linear`)."""
+    name = config.model.name
+    keys = model_args.linear_key_heads
+    if dims.tp > 1 and keys % dims.tp:
+        raise ConfigError(
+            f"parallelism.tensor_parallel_degree={dims.tp} must divide the linear-attention "
+            f"layers' key heads ({keys}) of model.name={name} {config.model.flavor}"
+        )
+    documents = config.data.document_mask or (config.data.packing and packed_chat_data(config))
+    if documents:
+        raise ConfigError(
+            f"document masks (data.document_mask, or packed chat data) with model.name={name}: "
+            "the linear-attention layers' recurrence would carry state across documents; set "
+            "data.document_mask=false (and data.packing=false for chat data)"
+        )
 
 
 def packed_chat_data(config: JobConfig) -> bool:
@@ -244,6 +268,7 @@ def validate_tp_mode(config: JobConfig, model_args) -> None:
         "routed experts": bool(moe_layer_args(model_args)),
         "multi-head latent attention": getattr(model_args, "attention_type", "gqa") == "mla",
         "attention sinks or sliding windows": has_local_attention(model_args),
+        "linear attention": has_linear_layers(model_args),
     }
     lacking = [part for part, on in parts.items() if on]
     if lacking:

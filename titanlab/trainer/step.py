@@ -30,7 +30,7 @@ from titanlab.data.labels import IGNORE_INDEX
 from titanlab.distributed import moe_stats, qk_clip
 from titanlab.distributed.context_parallel import cp_context
 from titanlab.distributed.cp_documents import cp_attention, needs_own_cp, shard_batch
-from titanlab.models.common.decoder import has_local_attention
+from titanlab.models.common.token_mixer import own_cp_layers
 from titanlab.distributed.parallel_dims import ParallelDims
 from titanlab.distributed.utils import clip_grad_norm_, global_sum
 from titanlab.models.common.mtp import mtp_targets, trains_mtp
@@ -252,7 +252,7 @@ class TrainStep:
         (`titanlab.distributed.cp_documents`). Without
         cp: the batch as given and a no-op context."""
         mesh, par = self.parallel_dims.mesh("cp"), self.config.parallelism
-        local = has_local_attention(self.model_args)
+        local = own_cp_layers(self.model_args)
         if mesh is None or not needs_own_cp(par.context_parallel_mode, kwargs, local):
             rotate = par.context_parallel_rotate_method
             return (

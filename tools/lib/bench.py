@@ -297,3 +297,24 @@ def publish(path: str, tag: str, table: str) -> None:
     print(table, flush=True)
     write_block(path, tag, table)
     print(f"written to the {tag} block of {path}")
+
+
+def median_step_seconds(model, tokens, repeats: int) -> float:
+    """Median seconds of a forward + backward of the summed next-token loss of `model` on
+    `tokens` (bs, seq + 1), over `repeats` steps after one warm-up step."""
+    import statistics
+    import time
+
+    from titanlab.components.loss import cross_entropy_sum
+
+    def step() -> None:
+        cross_entropy_sum(model(tokens[:, :-1]), tokens[:, 1:]).backward()
+        model.zero_grad(set_to_none=True)
+
+    step()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)

@@ -67,6 +67,7 @@ FACTORS: dict[str, tuple[Level, ...]] = {
         Level("model", "dense", ("--model.name", "llama3")),
         Level("model", "moe", ("--model.name", "qwen3_moe")),
         Level("model", "local_attention", ("--model.name", "gpt_oss")),
+        Level("model", "linear_attention", ("--model.name", "qwen3_5")),
     ),
     "layout": (
         _layout("fsdp2", Layout(1, 2, 1, 1, None, 1)),

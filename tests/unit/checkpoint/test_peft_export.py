@@ -127,9 +127,9 @@ def test_an_adapter_no_exporter_knows_fails_the_export(tmp_path):
     model = build_model(ARGS)
     apply_lora(model, PEFT)
     sd = {k: torch.zeros_like(v) for k, v in model.state_dict().items()}
-    sd["layers.0.attention.wz.lora_a.weight"] = sd.pop("layers.0.attention.wq.lora_a.weight")
+    sd["layers.0.attention.wx.lora_a.weight"] = sd.pop("layers.0.attention.wq.lora_a.weight")
     save(tmp_path / "odd", sd)
-    message = "adapter layers.0.attention.wz.lora_a.weight: titanlab exports adapters of"
+    message = "adapter layers.0.attention.wx.lora_a.weight: titanlab exports adapters of"
     with pytest.raises(ConversionError, match=message):
         dcp_to_peft(str(tmp_path / "odd"), str(tmp_path / "adapter"))
     with pytest.raises(ConversionError, match=message):

@@ -33,6 +33,11 @@ FLEX = (
     "to run FlexAttention's priced stand-in; the kernel choice is `attention_masks`', through "
     "the switch"
 )
+FLA = (
+    "flash-linear-attention's Triton kernel runs on real GPU tensors only: a GPU step priced "
+    "on CPU tensors runs (and the ledger prices) PyTorch's chunked delta rule; docs/ledger.md, "
+    "limits"
+)
 FLOAT8 = "names the device in a refusal (`float8_supported` decides)"
 AUTOCAST = (
     "asks whether autocast is on for the device it was entered for (the trainer's, the same "
@@ -57,6 +62,7 @@ _LISTED = {
     "metrics/system.py": dict.fromkeys(("memory_fields", "memory_kind", "reset_peaks"),
                                        THIS_MACHINE),
     "models/common/flex_kernel.py": {"flex_call": FLEX},
+    "models/common/delta_rule_kernel.py": {"chunked_rule": FLA},
     "models/common/experts.py": {"matmul_dtype": AUTOCAST},
     "models/common/moe.py": {"Router.forward": NOT_BRANCHING},
     "observability/profiling.py": dict.fromkeys(

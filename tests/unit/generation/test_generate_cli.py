@@ -56,6 +56,7 @@ def test_cli_continues_each_prompt_as_generate_does(folders, capsys, which):
     texts = [p + TOKENIZER.decode(w) for p, w in zip(prompts, want)]
     assert captured.out == "".join(t + "\n---\n" for t in texts)
     assert "tokens/s" in captured.err.strip().splitlines()[-1]
+    assert "KiB keys/values for" in captured.err.strip().splitlines()[-2]
 
 
 def test_single_prompt_streams_the_same_text(folders, capsys):

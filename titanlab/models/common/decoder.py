@@ -22,12 +22,10 @@ from typing import Any, Protocol, cast
 import torch
 from torch import nn
 
-from titanlab.models.common.attention import Attention
 from titanlab.models.common.feed_forward import FeedForward
 from titanlab.models.common.document_mask import attention_masks
 from titanlab.models.common.init import normal_, trunc_normal_
 from titanlab.models.common.kv_cache import KVCache, LayerCache
-from titanlab.models.common.mla import MLAttention
 from titanlab.models.common.aux_loss import add_loss_grad
 from titanlab.models.common.mtp import (
     MTPModule,
@@ -39,6 +37,16 @@ from titanlab.models.common.mtp import (
 )
 from titanlab.models.common.moe import MoE, MoEArgs
 from titanlab.models.common.rope import RopeScaling, YarnScaling, precompute_rope_cos_sin
+from titanlab.models.common.token_mixer import (
+    TokenMixer,
+    build_token_mixer,
+    has_local_attention,
+    layer_window,
+    norm_class,
+    rope_dim,
+)
+
+__all__ = ["Decoder", "DecoderArgs", "TransformerBlock", "has_local_attention", "layer_window"]
 
 
 class DecoderArgs(Protocol):
@@ -75,57 +83,15 @@ class DecoderArgs(Protocol):
     def validate(self) -> None: ...
 
 
-def mla_attention(args: Any) -> MLAttention:
-    """The multi-head latent attention of a family whose args say `attention_type == "mla"`
-    (they carry q_lora_rank, kv_lora_rank, qk_nope/rope_head_dim, v_head_dim, softmax_scale)."""
-    return MLAttention(
-        args.dim,
-        args.n_heads,
-        args.q_lora_rank,
-        args.kv_lora_rank,
-        args.qk_nope_head_dim,
-        args.qk_rope_head_dim,
-        args.v_head_dim,
-        args.softmax_scale,
-    )
-
-
-def layer_window(args: Any, layer_id: int) -> int | None:
-    """The sliding window of block `layer_id` (args with a `layer_window(layer_id)` method,
-    gpt-oss), or None: full causal attention."""
-    window = getattr(args, "layer_window", None)
-    return window(layer_id) if window is not None else None
-
-
-def has_local_attention(args: Any) -> bool:
-    """Whether any block has attention sinks or a sliding window (`local_attention`): on CUDA
-    they run FlexAttention with or without documents (`document_mask.attention_masks`)."""
-    return getattr(args, "attention_sinks", False) or any(
-        layer_window(args, i) is not None for i in range(args.n_layers)
-    )
-
-
 class TransformerBlock(nn.Module):
     """Pre-norm block: h = x + attn(norm(x)); out = h + ffn(norm(h))."""
 
     def __init__(self, layer_id: int, args: DecoderArgs):
         super().__init__()
-        self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
-        self.attention: Attention | MLAttention = (
-            mla_attention(args)
-            if getattr(args, "attention_type", "gqa") == "mla"
-            else Attention(
-                args.dim,
-                args.n_heads,
-                args.kv_heads,
-                args.head_dim,
-                args.norm_eps if args.qk_norm else None,
-                bias=getattr(args, "attention_bias", False),
-                sinks=getattr(args, "attention_sinks", False),
-                window=layer_window(args, layer_id),
-            )
-        )
-        self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        norm = norm_class(args)
+        self.attention_norm = norm(args.dim, eps=args.norm_eps)
+        self.attention: TokenMixer = build_token_mixer(args, layer_id)
+        self.ffn_norm = norm(args.dim, eps=args.norm_eps)
         moe_layer = getattr(args, "moe_layer", None)
         moe_args = moe_layer(layer_id) if moe_layer is not None else None
         self.feed_forward: FeedForward | MoE = (
@@ -137,9 +103,9 @@ class TransformerBlock(nn.Module):
         self.out_init_std = 0.02 / math.sqrt(2 * depth)
 
     def init_weights(self) -> None:
-        self.attention_norm.reset_parameters()
+        self.attention_norm.reset_parameters()  # type: ignore[operator]
         self.attention.init_weights(self.out_init_std)
-        self.ffn_norm.reset_parameters()
+        self.ffn_norm.reset_parameters()  # type: ignore[operator]
         self.feed_forward.init_weights(self.out_init_std)
 
     def forward(
@@ -181,7 +147,7 @@ class Decoder(nn.Module):
     args: DecoderArgs
     tok_embeddings: nn.Embedding | None
     layers: nn.ModuleDict
-    norm: nn.RMSNorm | None
+    norm: nn.Module | None
     output: nn.Linear | None
     rope_cos: torch.Tensor
     rope_sin: torch.Tensor
@@ -194,7 +160,7 @@ class Decoder(nn.Module):
         self.layers = nn.ModuleDict(
             {str(i): TransformerBlock(i, args) for i in range(args.n_layers)}
         )
-        self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.norm = norm_class(args)(args.dim, eps=args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         # Multi-token prediction depths (DeepSeek-V3; `common/mtp.py`), each with the block of
         # layer id n_layers + k; computed only inside `mtp_targets` (training).
@@ -217,9 +183,9 @@ class Decoder(nn.Module):
         if args.tie_word_embeddings:
             self.output.weight = self.tok_embeddings.weight
         cos, sin = precompute_rope_cos_sin(
-            args.head_dim, args.max_seq_len, args.rope_theta, args.rope_scaling
+            rope_dim(args), args.max_seq_len, args.rope_theta, args.rope_scaling
         )
-        self.register_buffer("rope_cos", cos, persistent=False)  # (max_seq_len, head_dim/2)
+        self.register_buffer("rope_cos", cos, persistent=False)  # (max_seq_len, rope_dim/2)
         self.register_buffer("rope_sin", sin, persistent=False)
 
     def _apply(self, fn, recurse=True):
@@ -238,7 +204,7 @@ class Decoder(nn.Module):
         (default: the tables' current device)."""
         device = self.rope_cos.device if device is None else device
         self.rope_cos, self.rope_sin = precompute_rope_cos_sin(
-            self.args.head_dim,
+            rope_dim(self.args),
             self.args.max_seq_len,
             self.args.rope_theta,
             self.args.rope_scaling,
@@ -270,7 +236,7 @@ class Decoder(nn.Module):
         for layer_id in sorted(self.layers.keys(), key=int):
             cast(TransformerBlock, self.layers[layer_id]).init_weights()
         if self.norm is not None:
-            self.norm.reset_parameters()
+            self.norm.reset_parameters()  # type: ignore[operator]
         if self.output is not None:
             trunc_normal_(self.output.weight, self.args.dim**-0.5)
         elif self.args.tie_word_embeddings and self.tok_embeddings is not None:

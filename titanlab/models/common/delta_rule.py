@@ -32,8 +32,9 @@ T = e^{c_C} I − K̃ᵀ W_k and B = K̃ᵀ W_v (K̃ = diag(e^{c_C − c}) K), w
 to hand each rank its true starting state (`sequence_transition` composes them over a
 rank's tokens).
 
-Every exponent above is ≤ 0 (g ≤ 0), so nothing overflows; the arithmetic is fp32 whatever the
-inputs' dtype, and the output comes back in it. q and k arrive L2-normalized and q scaled by
+Every exponent above is ≤ 0 (g ≤ 0), so nothing overflows; the arithmetic is fp32 for bf16,
+fp16 and fp32 inputs (fp64 for fp64 ones: `wide`), and the output comes back in the inputs'
+dtype. q and k arrive L2-normalized and q scaled by
 1/√d_k (the layer's job, `titanlab.models.common.linear_attention`).
 """
 
@@ -50,9 +51,17 @@ def _heads_first(q, k, v, g, beta):
     """(bs, S, H, ·) inputs → (bs, H, S, ·) float32, key heads repeated to the value heads
     (each key head serves H_v / H_k consecutive value heads, Hugging Face's grouping)."""
     rep = v.shape[2] // k.shape[2]
-    if rep > 1:
-        q, k = q.repeat_interleave(rep, dim=2), k.repeat_interleave(rep, dim=2)
-    return [t.transpose(1, 2).float() for t in (q, k, v, g, beta)]
+    if rep > 1:  # by index: repeat_interleave's backward breaks under AOTAutograd (a view)
+        heads = torch.arange(k.shape[2], device=k.device).repeat_interleave(rep)
+        q, k = q.index_select(2, heads), k.index_select(2, heads)
+    dtype = wide(v.dtype)
+    return [t.transpose(1, 2).to(dtype) for t in (q, k, v, g, beta)]
+
+
+def wide(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the rule computes in: float32 for bf16/fp16/fp32 inputs, float64 for float64
+    ones (the exactness tests)."""
+    return torch.promote_types(dtype, torch.float32)
 
 
 def recurrent(
@@ -74,7 +83,7 @@ def recurrent(
     """
     qf, kf, vf, gf, bf = _heads_first(q, k, v, g, beta)
     bs, heads, seq, dk = kf.shape
-    m = state.float() if state is not None else kf.new_zeros(bs, heads, dk, vf.shape[-1])
+    m = state.to(kf.dtype) if state is not None else kf.new_zeros(bs, heads, dk, vf.shape[-1])
     outs = []
     for t in range(seq):
         m = m * gf[:, :, t, None, None].exp()
@@ -90,9 +99,9 @@ def _chunks(t: torch.Tensor, chunk: int) -> torch.Tensor:
     pad = -t.shape[2] % chunk
     if t.dim() == 4:
         t = F.pad(t, (0, 0, 0, pad))
-        return t.view(t.shape[0], t.shape[1], -1, chunk, t.shape[-1])
+        return t.reshape(t.shape[0], t.shape[1], -1, chunk, t.shape[-1])
     t = F.pad(t, (0, pad))
-    return t.view(t.shape[0], t.shape[1], -1, chunk)
+    return t.reshape(t.shape[0], t.shape[1], -1, chunk)
 
 
 def _chunk_terms(kc, vc, gc, bc):
@@ -133,12 +142,17 @@ def chunked(
     c, decay, gamma, w_v, w_k, k_tail = _chunk_terms(kc, vc, gc, bc)
     scores = (qc @ kc.transpose(-1, -2)) * gamma  # (bs, H, n, C, C), zero above the diagonal
     q_decayed = decay[..., None] * qc
-    m = state.float() if state is not None else kf.new_zeros(bs, heads, dk, dv)
+    m = state.to(kf.dtype) if state is not None else kf.new_zeros(bs, heads, dk, dv)
     outs = []
-    for i in range(qc.shape[2]):
-        u = w_v[:, :, i] - w_k[:, :, i] @ m
-        outs.append(q_decayed[:, :, i] @ m + scores[:, :, i] @ u)
-        m = c[:, :, i, -1, None, None].exp() * m + k_tail[:, :, i].transpose(-1, -2) @ u
+    # One unbind per tensor, not an index per chunk: an index's backward writes its chunk into a
+    # zero tensor of the whole sequence, which made the step quadratic in the chunks.
+    ends = c[..., -1, None, None].exp().unbind(2)  # e^{c_C} per chunk, (bs, H, 1, 1)
+    parts = zip(w_v.unbind(2), w_k.unbind(2), q_decayed.unbind(2), scores.unbind(2),
+                k_tail.transpose(-1, -2).unbind(2), ends, strict=True)  # fmt: skip
+    for wv_i, wk_i, qd_i, scores_i, kt_i, end_i in parts:
+        u = wv_i - wk_i @ m
+        outs.append(qd_i @ m + scores_i @ u)
+        m = end_i * m + kt_i @ u
     out = torch.cat(outs, dim=2)[:, :, :seq] if outs else vf.new_zeros(bs, heads, 0, dv)
     return out.transpose(1, 2).to(v.dtype), m
 
@@ -158,8 +172,10 @@ def sequence_transition(
     eye = torch.eye(dk, dtype=kf.dtype, device=kf.device)
     t = eye.expand(bs, heads, dk, dk)
     b = kf.new_zeros(bs, heads, dk, dv)
-    for i in range(kc.shape[2]):
-        kt = k_tail[:, :, i].transpose(-1, -2)
-        t_i = c[:, :, i, -1, None, None].exp() * eye - kt @ w_k[:, :, i]
-        t, b = t_i @ t, t_i @ b + kt @ w_v[:, :, i]
+    ends = c[..., -1, None, None].exp().unbind(2)  # one unbind each: see `chunked`
+    parts = zip(k_tail.transpose(-1, -2).unbind(2), w_k.unbind(2), w_v.unbind(2), ends,
+                strict=True)  # fmt: skip
+    for kt, wk_i, wv_i, end_i in parts:
+        t_i = end_i * eye - kt @ wk_i
+        t, b = t_i @ t, t_i @ b + kt @ wv_i
     return t, b

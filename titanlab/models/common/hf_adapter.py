@@ -27,6 +27,7 @@ without the `model.` prefix that a titanlab DCP checkpoint puts in front of them
 | `layers.{i}.feed_forward.experts.gate_up_proj / gate_up_proj_bias / down_proj / down_proj_bias` (gpt-oss, stacked in HF's own layout) | `model.layers.{i}.mlp.experts.gate_up_proj / ...` (the same four names; MXFP4 `*_blocks` / `*_scales` on import) |
 | `norm.weight` | `model.norm.weight` |
 | `output.weight` | `lm_head.weight` (absent from HF files when the embeddings are tied) |
+| Qwen3.5's linear-attention layers and gated shared expert | `common/hf_hybrid.py` |
 
 **RoPE layout.** titanlab (like Meta's reference) rotates the interleaved pairs (2i, 2i+1) of each
 head; Hugging Face's `rotate_half` rotates the pairs (i, i + head_dim/2). Both rotate pair i by
@@ -51,6 +52,8 @@ import re
 import torch
 
 from titanlab.models.common.decoder import DecoderArgs, moe_layer_args
+from titanlab.models.common.hf_hybrid import FROM_HF as _HYBRID_FROM_HF
+from titanlab.models.common.hf_hybrid import HybridLayout, text_weight_name
 from titanlab.models.common.hf_mtp import MTPNames
 
 _GLOBAL_TO_HF = {
@@ -107,7 +110,10 @@ _EXPERT_TO_HF = {
 _EXPERT_FROM_HF = {v: k for k, v in _EXPERT_TO_HF.items()}
 _HF_EXPERT = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(\w+)\.weight$")
 _GLOBAL_FROM_HF = {v: k for k, v in _GLOBAL_TO_HF.items()}
-_LAYER_FROM_HF = {v: k for k, v in [*_LAYER_TO_HF.items(), *_ROUTER_TO_HF.items()]}
+_LAYER_FROM_HF = {
+    **{v: k for k, v in [*_LAYER_TO_HF.items(), *_ROUTER_TO_HF.items()]},
+    **_HYBRID_FROM_HF,  # Qwen3.5's linear layers and gated shared expert (`hf_hybrid.py`)
+}
 _OURS_LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
 _HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 
@@ -218,8 +224,16 @@ class HFStateDictAdapter:
         self._route_bias = any(m.route_bias for m in moe_layer_args(args))
         self._router_names = any(m.gate_bias for m in moe_layer_args(args))
         self._mtp = MTPNames(args.n_layers, getattr(args, "mtp_layers", 0))
+        self._hybrid = HybridLayout.of(args)
+
+    def _layer_rest(self, name: str) -> tuple[int, str] | None:
+        m = _OURS_LAYER.match(self._mtp.block_as_layer(name) or name)
+        return (int(m.group(1)), m.group(2)) if m else None
 
     def _heads(self, name: str) -> int | None:
+        if self._hybrid is not None:  # Qwen3.5: `hf_hybrid.HybridLayout.permute`
+            where = self._layer_rest(name)
+            return 0 if where and self._hybrid.permutes(*where) else None
         if self._mla:
             return None  # DeepSeek's interleaved RoPE layout: no reordering
         if name.endswith(("attention.wq.weight", "attention.wq.bias")):
@@ -239,6 +253,9 @@ class HFStateDictAdapter:
         heads = self._heads(name)
         if heads is None:
             return tensor
+        where = self._layer_rest(name)
+        if self._hybrid is not None and where is not None:
+            return self._hybrid.permute(where[0], where[1], tensor, to_hf)
         fn = permute_to_hf if to_hf else permute_from_hf
         if tensor.dim() == 1:  # a q/k norm weight (head_dim,), or a bias (heads · head_dim,)
             return fn(tensor.view(-1, 1), heads).view(-1)
@@ -284,6 +301,11 @@ class HFStateDictAdapter:
 
     def _hf_name(self, name: str) -> str:
         m = _OURS_LAYER.match(name)
+        where = self._layer_rest(name)
+        if self._hybrid is not None and where is not None:
+            block_name = self._hybrid.block_hf_name(*where)
+            if block_name is not None:
+                return f"model.layers.{where[0]}.{block_name}"
         if self._router_names and m and m.group(2) in _ROUTER_TO_HF:
             return f"model.layers.{m.group(1)}.{_ROUTER_TO_HF[m.group(2)]}"
         own = self._mtp.own_hf_name(name)
@@ -297,6 +319,11 @@ class HFStateDictAdapter:
         Raises:
             ValueError: `hf_name` is not a weight of a registered family.
         """
+        if self._hybrid is not None:  # published Qwen3.5 files: the multimodal model's names
+            text_name = text_weight_name(hf_name)
+            if text_name is None:
+                return None, None
+            hf_name = text_name
         depth = self._mtp.depth_of_hf(hf_name)
         if depth is None:
             return split_hf_name(hf_name)

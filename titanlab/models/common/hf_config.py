@@ -32,12 +32,15 @@ class HFMapping:
         to_config: (args, dtype, max_position_embeddings, bos, eos) → config dict.
         from_config: config dict → args (vocab_size from the config). Raises ValueError with one
             line naming the first field it cannot honour.
+        aliases: other `model_type`s `from_config` reads (Qwen3.5's multimodal "qwen3_5",
+            whose `text_config` it takes).
     """
 
     model_type: str
     architecture: str
     to_config: Callable[[Any, torch.dtype, int, int | None, int | None], dict[str, Any]]
     from_config: Callable[[dict[str, Any]], Any]
+    aliases: tuple[str, ...] = ()
 
 
 def special_token_ids(vocab_size: int) -> tuple[int, int]:

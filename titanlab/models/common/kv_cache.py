@@ -34,6 +34,7 @@ class KVCache:
         self._mask: torch.Tensor | None = None
         self._seq = 0
         self._ring_slot: dict[int, torch.Tensor] = {}  # sliding layers: slot of each entry
+        self._recurrent: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # linear layers
 
     def begin(self, seq: int) -> torch.Tensor:
         """Start a forward of `seq` new slots; returns their RoPE positions, (bs, seq) int64.
@@ -102,9 +103,34 @@ class KVCache:
         ring_slot[entry] = keep
         return keys_k, keys_v, mask[:, None]
 
-    def cache_bytes(self) -> int:
-        """Bytes the cached keys and values take (every layer)."""
+    def real_tokens(self, seq: int) -> torch.Tensor:
+        """(bs, seq) bool: which of this forward's `seq` slots hold a real token (not left
+        padding)."""
+        slots = torch.arange(self.length, self.length + seq, device=self.pad.device)
+        return slots[None, :] >= self.pad[:, None]
+
+    def recurrent(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """A linear-attention layer's state after the slots so far (its convolution history
+        and delta-rule state, `common.linear_attention.RecurrentState`), None before the
+        first forward."""
+        return self._recurrent.get(layer)
+
+    def keep_recurrent(self, layer: int, state: tuple[torch.Tensor, torch.Tensor]) -> None:
+        """Store a linear-attention layer's state after this forward's slots."""
+        self._recurrent[layer] = state
+
+    def kv_bytes(self) -> int:
+        """Bytes of every layer's cached keys and values (allocated for `max_seq_len` slots)."""
         return sum(t.numel() * t.element_size() for d in (self._k, self._v) for t in d.values())
+
+    def recurrent_bytes(self) -> int:
+        """Bytes of every linear-attention layer's state (its convolution history and delta-rule
+        state: constant in the sequence length)."""
+        return sum(t.numel() * t.element_size() for s in self._recurrent.values() for t in s)
+
+    def cache_bytes(self) -> int:
+        """Bytes the whole cache takes (`kv_bytes` + `recurrent_bytes`)."""
+        return self.kv_bytes() + self.recurrent_bytes()
 
     def end(self) -> None:
         """Finish the forward started by `begin`: its slots are now part of the cache."""
@@ -115,6 +141,11 @@ class KVCache:
         """Forget every slot from `length` on (speculative decoding drops a rejected draft's);
         the next forward overwrites them."""
         assert 0 <= length <= self.length and self._mask is None, "between forwards only"
+        if self._recurrent and length < self.length:
+            raise ValueError(
+                "a linear-attention layer's cache holds only its state after the last token "
+                "and cannot take back a draft; speculative decoding needs softmax attention"
+            )
         if self._ring_slot and length < self.length:
             raise ValueError(
                 "a sliding-window layer's cache keeps only its last window slots and cannot "
@@ -136,3 +167,12 @@ class LayerCache:
         self, k: torch.Tensor, v: torch.Tensor, window: int | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return self.cache.update(self.index, k, v, window)
+
+    def real_tokens(self, seq: int) -> torch.Tensor:
+        return self.cache.real_tokens(seq)
+
+    def recurrent(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        return self.cache.recurrent(self.index)
+
+    def keep_recurrent(self, state: tuple[torch.Tensor, torch.Tensor]) -> None:
+        self.cache.keep_recurrent(self.index, state)

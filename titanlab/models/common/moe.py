@@ -70,7 +70,14 @@ class MoEArgs:
     route_scale: float = 1.0
     """Multiplier on the routing weights (DeepSeek-V3: 2.5)."""
     num_shared_experts: int = 0
-    """Dense SwiGLU experts every token also goes through (width num_shared × hidden_dim)."""
+    """Dense SwiGLU experts every token also goes through (width num_shared × hidden_dim, or
+    `shared_hidden_dim`)."""
+    shared_hidden_dim: int = 0
+    """SwiGLU width of the shared experts together (HF `shared_expert_intermediate_size`);
+    0: num_shared_experts × hidden_dim."""
+    shared_gate: bool = False
+    """A per-token gate σ(x · w_g) scales the shared experts' output (Qwen2-MoE and Qwen3.5-MoE's
+    `shared_expert_gate`; `shared_gate.weight` (1, dim))."""
     load_balance_coeff: float = 0.0
     """Weight of the auxiliary load-balance loss (0: off; Qwen3-MoE trains with 0.001,
     DeepSeek-V3 with 0.0001 sequence-wise)."""
@@ -222,10 +229,10 @@ class MoE(nn.Module):
                 dim, args.hidden_dim, args.num_experts, args.swiglu_alpha, args.swiglu_limit
             )
         )
-        self.shared_experts = (
-            FeedForward(dim, args.hidden_dim * args.num_shared_experts)
-            if args.num_shared_experts > 0
-            else None
+        shared_width = args.shared_hidden_dim or args.hidden_dim * args.num_shared_experts
+        self.shared_experts = FeedForward(dim, shared_width) if args.num_shared_experts else None
+        self.shared_gate = (
+            nn.Linear(dim, 1, bias=False) if args.shared_gate and self.shared_experts else None
         )
         # Always a checkpointed buffer (zeros unless auxiliary-loss-free balancing is on or a
         # bias was imported), so checkpoints and imports have the same keys whichever balancing
@@ -247,6 +254,8 @@ class MoE(nn.Module):
         self.experts.init_weights(out_std)
         if self.shared_experts is not None:
             self.shared_experts.init_weights(out_std)
+        if self.shared_gate is not None:
+            trunc_normal_(self.shared_gate.weight, 0.02)
         self.expert_bias.zero_()
         self.tokens_per_expert.zero_()
         self.step_aux.zero_()
@@ -277,7 +286,10 @@ class MoE(nn.Module):
         out.index_add_(0, order // k, routed)
         out = out.to(x.dtype)
         if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
+            shared = self.shared_experts(x)
+            if self.shared_gate is not None:
+                shared = torch.sigmoid(self.shared_gate(x)) * shared
+            out = out + shared
         if self.record_stats:  # the recomputation reruns it too: the same saved tensors
             if self.args.load_balance_type == "sequence":
                 out = self._load_balance(out, counts, scores, count, experts.view(bs, seq, -1))

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from titanlab.models.common.hf_hybrid import _grouped_rows
 from titanlab.models.common.linear_attention import GatedDeltaNet
 
 SHAPES = [  # (dim, key heads, value heads, key dim, value dim, taps, seq)
@@ -37,10 +38,13 @@ def theirs_and_ours(dim, hk, hv, dk, dv, taps, seed=0):
     ours = GatedDeltaNet(dim, hk, hv, dk, dv, taps, config.rms_norm_eps)
     names = {"wqkv.weight": "in_proj_qkv.weight", "wz.weight": "in_proj_z.weight",
              "wb.weight": "in_proj_b.weight", "wa.weight": "in_proj_a.weight",
-             "conv": "conv1d.weight", "dt_bias": "dt_bias", "A_log": "A_log",
+             "conv.weight": "conv1d.weight", "decay.dt_bias": "dt_bias", "decay.A_log": "A_log",
              "norm.weight": "norm.weight", "wo.weight": "out_proj.weight"}  # fmt: skip
     state = theirs.state_dict()
-    ours.load_state_dict({mine: state[hf] for mine, hf in names.items()})
+    mine = {ours_name: state[hf] for ours_name, hf in names.items()}
+    for name in ("wqkv.weight", "conv.weight"):  # HF's [q; k; v] rows → grouped by key head
+        mine[name] = _grouped_rows(mine[name], hk, dk, hv // hk * dv, to_hf=False)
+    ours.load_state_dict(mine)
     return theirs, ours
 
 
@@ -51,7 +55,7 @@ def test_the_layer_equals_transformers(shape):
     x = torch.randn(2, seq, dims[0])
     with torch.no_grad():
         want = theirs(x)
-        got, _ = ours(x)
+        got, _ = ours.step(x)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
@@ -59,11 +63,11 @@ def test_a_prefix_state_then_one_token_at_a_time_equals_the_whole_sequence():
     _, ours = theirs_and_ours(64, 2, 4, 16, 8, 4, seed=1)
     x = torch.randn(2, 90, 64)
     with torch.no_grad():
-        whole, _ = ours(x)
-        head, state = ours(x[:, :70])
+        whole, _ = ours.step(x)
+        head, state = ours.step(x[:, :70])
         parts = [head]
         for t in range(70, 90):
-            out, state = ours(x[:, t : t + 1], state)
+            out, state = ours.step(x[:, t : t + 1], state)
             parts.append(out)
     torch.testing.assert_close(torch.cat(parts, dim=1), whole, atol=1e-5, rtol=1e-5)
 
@@ -72,6 +76,6 @@ def test_a_mutant_decay_is_caught():
     """The comparison can fail: dt_bias shifted by one (a different decay) fails it."""
     theirs, ours = theirs_and_ours(64, 2, 4, 16, 8, 4)
     with torch.no_grad():
-        ours.dt_bias.add_(1.0)
+        ours.decay.dt_bias.add_(1.0)
         x = torch.randn(2, 40, 64)
-        assert (ours(x)[0] - theirs(x)).abs().max() > 1e-3
+        assert (ours(x) - theirs(x)).abs().max() > 1e-3
