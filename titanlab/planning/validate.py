@@ -144,9 +144,9 @@ def _validate_mtp(config: JobConfig, dims: ParallelDims, model_args) -> None:
 
 def _validate_linear_layers(config: JobConfig, dims: ParallelDims, model_args) -> None:
     """Linear-attention layers (Qwen3.5's Gated DeltaNet): tensor parallel splits their key
-    heads (each with its value heads); their recurrence runs over the whole sequence in order,
-    so it does not stop at document boundaries (refused for document masks); context parallel
-    runs it on contiguous pieces (`titanlab.distributed.cp_linear`)."""
+    heads (each with its value heads); their recurrence runs over the whole sequence in order:
+    context parallel runs it on contiguous pieces (`titanlab.distributed.cp_linear`), and it
+    restarts at each packed document's start on one rank, not yet across those pieces."""
     name = config.model.name
     keys = model_args.linear_key_heads
     if dims.tp > 1 and keys % dims.tp:
@@ -155,11 +155,13 @@ def _validate_linear_layers(config: JobConfig, dims: ParallelDims, model_args) -
             f"layers' key heads ({keys}) of model.name={name} {config.model.flavor}"
         )
     documents = config.data.document_mask or (config.data.packing and packed_chat_data(config))
-    if documents:
+    if documents and dims.cp > 1:
         raise ConfigError(
-            f"document masks (data.document_mask, or packed chat data) with model.name={name}: "
-            "the linear-attention layers' recurrence would carry state across documents; set "
-            "data.document_mask=false (and data.packing=false for chat data)"
+            f"document masks (data.document_mask, or packed chat data) with "
+            f"parallelism.context_parallel_degree={dims.cp} and model.name={name}: the "
+            "linear-attention layers restart per document on one rank but not yet across "
+            "context-parallel pieces; use context_parallel_degree=1 (or data.document_mask="
+            "false, data.packing=false for chat data)"
         )
 
 

@@ -1,5 +1,7 @@
 """Greedy generation under tensor parallel 2 (2 gloo ranks) equals 1 process, token for token,
-for Llama 3 and Qwen3 (q/k norms on the local heads); sampling with a seed agrees across ranks."""
+for Llama 3, Qwen3 (q/k norms on the local heads) and Qwen3.5 (linear-attention layers on their
+local key and value heads, the recurrent state of those heads cached); sampling with a seed
+agrees across ranks."""
 
 from __future__ import annotations
 
@@ -22,9 +24,12 @@ PROMPTS = [[5, 17, 3], [9, 2, 44, 61, 7, 8, 30], [1], [12, 13, 14, 15, 16]]
 
 
 def tiny(family: str):
+    hybrid = {"full_attention_interval": 2, "linear_key_heads": 2, "linear_value_heads": 4,
+              "linear_key_dim": 8, "linear_value_dim": 12}  # fmt: skip
     args = dataclasses.replace(
-        get_flavor(get_family(family), "debugmodel"), dim=64, n_layers=2, n_heads=4,
-        n_kv_heads=2, vocab_size=97, max_seq_len=64,
+        get_flavor(get_family(family), "debugmodel"), dim=64, n_heads=4, n_kv_heads=2,
+        vocab_size=97, max_seq_len=64, n_layers=4 if family == "qwen3_5" else 2,
+        **(hybrid if family == "qwen3_5" else {}),
     )  # fmt: skip
     torch.manual_seed(0)
     model = build_model(args)
@@ -45,8 +50,9 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str, family: str) ->
             "single": single,
             "tp": generate(model, PROMPTS, 20),
             "sampled": generate(model, PROMPTS, 20, params=SamplingParams(0.8, 30, 0.9), seed=4),
-            "local_heads": model.layers["0"].attention.wq.weight.to_local().shape[0]
-            // model.layers["0"].attention.head_dim,
+            "local_heads": model.layers["1"].attention.wq.weight.to_local().shape[0]
+            // model.layers["1"].attention.head_dim
+            // (2 if family == "qwen3_5" else 1),  # Qwen3.5's wq: each head's query and gate
         }
         with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
             json.dump(result, f)
@@ -55,7 +61,7 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str, family: str) ->
         destroy_distributed(barrier=ok)
 
 
-@pytest.mark.parametrize("family", ["llama3", "qwen3"])
+@pytest.mark.parametrize("family", ["llama3", "qwen3", "qwen3_5"])
 def test_tp2_greedy_equals_one_process(tmp_path, family):
     spawn(_worker, (2, str(tmp_path / "init"), str(tmp_path), family), 2)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]

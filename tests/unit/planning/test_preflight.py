@@ -78,3 +78,21 @@ def test_memory_false_judges_the_rules_without_the_memory_estimate(tmp_path, mon
         preflight.check(
             build_config([*argv, "--parallelism.tensor_parallel_degree", "3"]), 2, 2, memory=False
         )
+
+
+def test_a_pipeline_stage_without_a_lora_target_is_one_line(tmp_path):
+    """Qwen3.5's debug model on 2 pipeline stages: the first holds layers 0-2, all linear
+    attention, so LoRA on `wq` and `output` would leave it nothing to train; `wo` adapts every
+    stage and passes."""
+    argv = ["--job.config_file", os.path.join(REPO, "train_configs", "qwen3_5_debug.toml"),
+            "--job.dump_folder", str(tmp_path / "out"),
+            "--parallelism.data_parallel_shard_degree", "1",
+            "--parallelism.pipeline_parallel_degree", "2", "--peft.method", "lora"]  # fmt: skip
+    with pytest.raises(ConfigError) as e:
+        preflight.check(build_config([*argv, "--peft.target_modules", "wq,output"]), 2, 2,
+                        memory=False)  # fmt: skip
+    assert str(e.value).startswith(
+        "peft.target_modules ['wq', 'output'] adapt no Linear of pipeline stage 0 "
+        "(tok_embeddings layers.0 layers.1 layers.2) of model.name=qwen3_5"
+    )
+    preflight.check(build_config([*argv, "--peft.target_modules", "wo,output"]), 2, 2, memory=False)

@@ -41,6 +41,7 @@ from titanlab.models.common.token_mixer import (
     TokenMixer,
     build_token_mixer,
     has_local_attention,
+    is_linear_layer,
     layer_window,
     norm_class,
     rope_dim,
@@ -115,9 +116,11 @@ class TransformerBlock(nn.Module):
         sin: torch.Tensor,
         kv: LayerCache | None = None,
         mask: Any = None,
+        segments: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """(bs, seq, dim) -> (bs, seq, dim); `kv` only when generating, `mask` only with
-        document masking (see `Attention`)."""
+        document masking (see `Attention`), `segments` only for a linear-attention block with
+        packed documents (see `GatedDeltaNet`)."""
         x = self.attention_norm(x_bsd)
         # Attention gets exactly (x, cos, sin) positionally: the tensor-parallel plan prepares
         # those three inputs; the cache and the document mask go as keywords, which it leaves
@@ -127,6 +130,8 @@ class TransformerBlock(nn.Module):
             extra["kv"] = kv
         if mask is not None:
             extra["mask"] = mask
+        if segments is not None:
+            extra["segments"] = segments
         h = x_bsd + self.attention(x, cos, sin, **extra)
         return h + self.feed_forward(self.ffn_norm(h))
 
@@ -297,6 +302,8 @@ class Decoder(nn.Module):
             for key, layer in self.layers.items():
                 window = layer_window(self.args, int(key))
                 extra = {"mask": masks[window]} if masks is not None else {}
+                if segments is not None and is_linear_layer(self.args, int(key)):
+                    extra["segments"] = segments  # the recurrence restarts per document
                 h = layer(h, cos, sin, **extra)
         elif cache is None:
             for layer in self.layers.values():

@@ -104,23 +104,44 @@ def _chunks(t: torch.Tensor, chunk: int) -> torch.Tensor:
     return t.reshape(t.shape[0], t.shape[1], -1, chunk)
 
 
-def _chunk_terms(kc, vc, gc, bc):
-    """Per chunk: (c, e^{c}, Γ masked to j ≤ i, W_v, W_k, K̃) of the module docstring, each
-    (bs, H, n, C, ·); padded tokens have g = 0 and β = 0, so they write nothing."""
+def _chunk_terms(kc, vc, gc, bc, starts=None):
+    """Per chunk: (e^{c}, Γ masked to j ≤ i, W_v, W_k, K̃, e^{c_C}) of the module docstring,
+    each (bs, H, n, C, ·) (the last (bs, H, n)); padded tokens have g = 0 and β = 0, so they
+    write nothing. `starts` (bs, 1, n, C) bool marks the tokens where a document starts: the
+    state is forgotten there (α = 0), so every term that carries a token's write, or the
+    chunk's starting state, past a start is zero (`documents`)."""
     chunk = kc.shape[3]
     c = gc.cumsum(-1)  # (bs, H, n, C)
     lower = torch.ones(chunk, chunk, dtype=torch.bool, device=kc.device).tril()
     gamma = (c[..., :, None] - c[..., None, :]).masked_fill(~lower, float("-inf")).exp()
+    decay, tail, end = c.exp(), (c[..., -1:] - c).exp(), c[..., -1].exp()
+    if starts is not None:
+        gamma, decay, tail, end = documents(starts, gamma, decay, tail, end)
     a = (bc[..., :, None] * (kc @ kc.transpose(-1, -2)) * gamma).tril(-1)
     eye = torch.eye(chunk, dtype=kc.dtype, device=kc.device)
     system = eye + a  # unit lower-triangular
     w_v = torch.linalg.solve_triangular(system, bc[..., None] * vc, upper=False, unitriangular=True)
-    decay = c.exp()
     w_k = torch.linalg.solve_triangular(
         system, (bc * decay)[..., None] * kc, upper=False, unitriangular=True
     )
-    k_tail = (c[..., -1:] - c).exp()[..., None] * kc  # K̃: each key decayed to the chunk's end
-    return c, decay, gamma, w_v, w_k, k_tail
+    k_tail = tail[..., None] * kc  # K̃: each key decayed to the chunk's end
+    return decay, gamma, w_v, w_k, k_tail, end
+
+
+def documents(starts, gamma, decay, tail, end):
+    """The chunk terms of packed documents. A start at token r sets α_r = 0: M_r = k_r u_rᵀ,
+    nothing of M_{r−1} survives. With s_i the number of starts at tokens ≤ i of the chunk,
+    token j's write reaches token i (j ≤ i) iff s_i = s_j (Γ_ij), the chunk's starting state
+    reaches token i iff s_i = 0 (e^{c_i}), and token j's write reaches the chunk's end iff
+    s_j = s_C (K̃), its starting state iff s_C = 0 (e^{c_C}): each term times that 0/1."""
+    s = starts.cumsum(-1)  # (bs, 1, n, C)
+    gamma = gamma * (s[..., :, None] == s[..., None, :])
+    return gamma, decay * (s == 0), tail * (s == s[..., -1:]), end * (s[..., -1] == 0)
+
+
+def _starts(starts: torch.Tensor | None, chunk: int) -> torch.Tensor | None:
+    """(bs, S) bool document starts → (bs, 1, n, C), padding no start."""
+    return None if starts is None else _chunks(starts[:, None].to(torch.int64), chunk).bool()
 
 
 def chunked(
@@ -131,22 +152,25 @@ def chunked(
     beta: torch.Tensor,
     state: torch.Tensor | None = None,
     chunk: int = CHUNK,
+    starts: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The rule in chunks of `chunk` tokens (module docstring); the same arguments and returns
     as `recurrent`, equal to it within fp32 rounding. Any S (the last chunk is padded with
-    tokens that neither decay nor write)."""
+    tokens that neither decay nor write). `starts` (bs, S) bool: packed documents, each token
+    marked True where a document starts, the state forgotten there (`documents`): each
+    document runs as if alone."""
     qf, kf, vf, gf, bf = _heads_first(q, k, v, g, beta)
     bs, heads, seq, dk = kf.shape
     dv = vf.shape[-1]
     qc, kc, vc, gc, bc = (_chunks(t, chunk) for t in (qf, kf, vf, gf, bf))
-    c, decay, gamma, w_v, w_k, k_tail = _chunk_terms(kc, vc, gc, bc)
+    decay, gamma, w_v, w_k, k_tail, end = _chunk_terms(kc, vc, gc, bc, _starts(starts, chunk))
     scores = (qc @ kc.transpose(-1, -2)) * gamma  # (bs, H, n, C, C), zero above the diagonal
     q_decayed = decay[..., None] * qc
     m = state.to(kf.dtype) if state is not None else kf.new_zeros(bs, heads, dk, dv)
     outs = []
     # One unbind per tensor, not an index per chunk: an index's backward writes its chunk into a
     # zero tensor of the whole sequence, which made the step quadratic in the chunks.
-    ends = c[..., -1, None, None].exp().unbind(2)  # e^{c_C} per chunk, (bs, H, 1, 1)
+    ends = end[..., None, None].unbind(2)  # e^{c_C} per chunk, (bs, H, 1, 1)
     parts = zip(w_v.unbind(2), w_k.unbind(2), q_decayed.unbind(2), scores.unbind(2),
                 k_tail.transpose(-1, -2).unbind(2), ends, strict=True)  # fmt: skip
     for wv_i, wk_i, qd_i, scores_i, kt_i, end_i in parts:
@@ -158,8 +182,9 @@ def chunked(
 
 
 def sequence_transition(
-    k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, chunk: int = CHUNK
-) -> tuple[torch.Tensor, torch.Tensor]:
+    k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, chunk: int = CHUNK,
+    starts: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """The affine map a whole sequence applies to the state it starts from: (T (bs, H_v, d_k,
     d_k), B (bs, H_v, d_k, d_v)) float32 with final state = T @ M_0 + B, for k (bs, S, H_k,
     d_k), v (bs, S, H_v, d_v), g and beta (bs, S, H_v). Each chunk's map (module docstring:
@@ -167,12 +192,12 @@ def sequence_transition(
     so memory stays O(C²) per chunk whatever S."""
     _, kf, vf, gf, bf = _heads_first(k, k, v, g, beta)
     kc, vc, gc, bc = (_chunks(t, chunk) for t in (kf, vf, gf, bf))
-    c, _, _, w_v, w_k, k_tail = _chunk_terms(kc, vc, gc, bc)
+    _, _, w_v, w_k, k_tail, end = _chunk_terms(kc, vc, gc, bc, _starts(starts, chunk))
     bs, heads, dk, dv = kf.shape[0], kf.shape[1], kf.shape[-1], vf.shape[-1]
     eye = torch.eye(dk, dtype=kf.dtype, device=kf.device)
     t = eye.expand(bs, heads, dk, dk)
     b = kf.new_zeros(bs, heads, dk, dv)
-    ends = c[..., -1, None, None].exp().unbind(2)  # one unbind each: see `chunked`
+    ends = end[..., None, None].unbind(2)  # one unbind each: see `chunked`
     parts = zip(k_tail.transpose(-1, -2).unbind(2), w_k.unbind(2), w_v.unbind(2), ends,
                 strict=True)  # fmt: skip
     for kt, wk_i, wv_i, end_i in parts:

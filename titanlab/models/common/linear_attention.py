@@ -153,19 +153,36 @@ class GatedDeltaNet(nn.Module):
         self.norm.reset_parameters()
 
     def _convolved(
-        self, mixed: torch.Tensor, weight: torch.Tensor, history: torch.Tensor | None
+        self,
+        mixed: torch.Tensor,
+        weight: torch.Tensor,
+        history: torch.Tensor | None,
+        segments: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """SiLU of the causal depthwise convolution of `mixed` (bs, S, C) whose K − 1 inputs
-        before it are `history` (bs, K − 1, C) or zeros. Returns (bs, S, C)."""
+        before it are `history` (bs, K − 1, C) or zeros. With `segments` (bs, S) int64 document
+        ids, each tap reads only inputs of the output token's own document (the others count as
+        zeros, as before a sequence's start). Returns (bs, S, C)."""
         x = mixed.transpose(1, 2)  # (bs, C, S)
         if history is None:
             x = F.pad(x, (self.taps - 1, 0))
         else:
             x = torch.cat([history.transpose(1, 2).to(x.dtype), x], dim=-1)
-        return F.silu(F.conv1d(x, weight.to(x.dtype), groups=x.shape[1])).transpose(1, 2)
+        w = weight.to(x.dtype)
+        if segments is None:
+            return F.silu(F.conv1d(x, w, groups=x.shape[1])).transpose(1, 2)
+        windows = x.unfold(2, self.taps, 1)  # (bs, C, S, K): tap j reads token t − K + 1 + j
+        ids = F.pad(segments, (self.taps - 1, 0), value=-1).unfold(1, self.taps, 1)  # (bs, S, K)
+        same = (ids == segments[..., None]).to(x.dtype)[:, None]  # (bs, 1, S, K)
+        out = (windows * same * w[:, 0][None, :, None, :]).sum(-1)  # (bs, C, S)
+        return F.silu(out).transpose(1, 2)
 
     def step(
-        self, x: torch.Tensor, state: RecurrentState | None = None, carry: Any = None
+        self,
+        x: torch.Tensor,
+        state: RecurrentState | None = None,
+        carry: Any = None,
+        segments: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, RecurrentState]:
         """x: (bs, S, dim); `state`: the `RecurrentState` of the tokens before x, or None (a
         sequence's start). Returns ((bs, S, dim) in x's dtype, the state after x).
@@ -173,7 +190,11 @@ class GatedDeltaNet(nn.Module):
         `carry` (context parallel, `titanlab.distributed.cp_linear.SequenceCarry`): x holds
         this rank's tokens in its load balancer's order; the convolution and the rule run on
         the rank's contiguous piece, from the earlier pieces' inputs and state, and the output
-        comes back in x's order (the returned state is then the piece's own)."""
+        comes back in x's order (the returned state is then the piece's own).
+
+        `segments` (training with packed documents): (bs, S) int64 document ids; the convolution
+        and the rule restart at each document's first token, so each document runs as if alone
+        (`delta_rule.documents`)."""
         bs, seq, _ = x.shape
         mixed, b, a = self.wqkv(x), self.wb(x), self.wa(x)  # (bs, S, C / H_v / H_v local)
         history, memory = state if state is not None else (None, None)
@@ -181,7 +202,7 @@ class GatedDeltaNet(nn.Module):
             mixed, b, a = carry.to_contiguous(mixed, b, a)
             history = carry.history(mixed, self.taps)
         (weight,) = self.conv()
-        conv = self._convolved(mixed, weight, history)
+        conv = self._convolved(mixed, weight, history, segments)
         dk, dv, group = self.key_dim, self.value_dim, self.group
         grouped = conv.reshape(bs, seq, -1, 2 * dk + group * dv)  # (bs, S, H_k local, ·)
         q, k, v = grouped.split([dk, dk, group * dv], dim=-1)
@@ -194,8 +215,12 @@ class GatedDeltaNet(nn.Module):
         g = -a_log.to(f).exp() * softplus(a.to(f) + dt_bias.to(f))
         if carry is not None:
             memory = carry.initial_state(k, v, g, beta)
-        rule = delta_rule.recurrent if seq == 1 and memory is not None else chunked_rule(v)
-        out, memory = rule(q, k, v, g, beta, memory)
+        if segments is not None:  # PyTorch's rule: documents are not wired to fla's kernel
+            starts = F.pad(segments[:, 1:] != segments[:, :-1], (1, 0), value=False)
+            out, memory = delta_rule.chunked(q, k, v, g, beta, memory, starts=starts)
+        else:
+            rule = delta_rule.recurrent if seq == 1 and memory is not None else chunked_rule(v)
+            out, memory = rule(q, k, v, g, beta, memory)
         if carry is not None:
             out = carry.from_contiguous(out)
         z = self.wz(x).reshape(bs, seq, -1, dv)
@@ -215,17 +240,18 @@ class GatedDeltaNet(nn.Module):
         sin: Any = None,
         kv: Any = None,
         mask: Any = None,
+        segments: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The block's call, `Attention`'s signature: x (bs, S, dim) → (bs, S, dim). cos and sin
         are the full-attention layers' and unused here. `mask`: under context parallel,
         titanlab's CP attention object, whose `recurrent_carry` this layer runs through (see
-        `step`); any other mask is unused (the layout validator refuses document masks for
-        these layers). `kv` (generation) is a `titanlab.models.common.kv_cache.LayerCache`:
+        `step`); any other mask is unused: documents come as `segments` (see `step`; the
+        layout validator refuses them under context parallel). `kv` (generation) is a `titanlab.models.common.kv_cache.LayerCache`:
         the layer starts from the state it holds, left padding is zeroed first (a zero input
         leaves a zero state zero: its k and v are 0), and the state after x goes back into it."""
         carry = getattr(mask, "recurrent_carry", None)
         if kv is None:
-            return self.step(x, carry=carry)[0]
+            return self.step(x, carry=carry, segments=segments)[0]
         x = x * kv.real_tokens(x.shape[1])[..., None].to(x.dtype)
         out, state = self.step(x, kv.recurrent())
         kv.keep_recurrent(state)

@@ -79,3 +79,39 @@ def test_a_mutant_decay_is_caught():
         ours.decay.dt_bias.add_(1.0)
         x = torch.randn(2, 40, 64)
         assert (ours(x) - theirs(x)).abs().max() > 1e-3
+
+
+def test_packed_documents_run_as_if_alone():
+    """Documents packed in a row (lengths not multiples of the 64-token chunk, a start inside a
+    chunk and one on a chunk's first token) give each document's outputs and input gradients as
+    when it runs alone (fp64)."""
+    _, ours = theirs_and_ours(64, 2, 4, 16, 8, 4, seed=2)
+    ours = ours.double()
+    lengths = [[50, 14, 86], [64, 86]]
+    x = torch.randn(2, 150, 64, dtype=torch.float64, requires_grad=True)
+    segments = torch.tensor([[i for i, n in enumerate(row) for _ in range(n)] for row in lengths])
+    packed, _ = ours.step(x, segments=segments)
+    weights = torch.randn_like(packed)
+    (packed * weights).sum().backward()
+    for b, row in enumerate(lengths):
+        start = 0
+        for n in row:
+            alone = x[b : b + 1, start : start + n].detach().requires_grad_()
+            out, _ = ours.step(alone)
+            (out * weights[b : b + 1, start : start + n]).sum().backward()
+            torch.testing.assert_close(packed[b, start : start + n], out[0], atol=1e-10, rtol=0)
+            torch.testing.assert_close(x.grad[b, start : start + n], alone.grad[0], atol=1e-10,
+                                       rtol=0)  # fmt: skip
+            start += n
+
+
+def test_a_mutant_without_resets_is_caught():
+    _, ours = theirs_and_ours(64, 2, 4, 16, 8, 4, seed=2)
+    x = torch.randn(1, 100, 64)
+    segments = torch.tensor([[0] * 40 + [1] * 60])
+    with torch.no_grad():
+        packed, _ = ours.step(x, segments=segments)
+        alone, _ = ours.step(x[:, 40:])
+        run_on, _ = ours.step(x)
+    assert (packed[:, 40:] - alone).abs().max() < 1e-5
+    assert (run_on[:, 40:] - alone).abs().max() > 1e-3
