@@ -98,8 +98,15 @@ class ContextParallelAttention:
         self.mine = (segments, positions)
         self.all = (gather_values(segments, 1, group), gather_values(positions, 1, group))
         self._masks: dict[tuple[int | None, bool], Any] = {}
-        # what linear-attention layers run through (`titanlab.distributed.cp_linear`)
-        self.recurrent_carry = SequenceCarry(positions, self.all[1], group)
+        self._carry: SequenceCarry | None = None
+
+    @property
+    def recurrent_carry(self) -> SequenceCarry:
+        """What linear-attention layers run through (`titanlab.distributed.cp_linear`), built on
+        first use: models without them never sort the positions."""
+        if self._carry is None:
+            self._carry = SequenceCarry(self.mine[1], self.all[1], self.group)
+        return self._carry
 
     def _queries(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self.mine if self.mode == "ring" else self.all

@@ -10,10 +10,11 @@ pinned in `tests/unit/models/qwen3_5/test_qwen3_5_moe_args.py`.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from titanlab.models.common.moe import MoEArgs
-from titanlab.models.qwen3_5.args import QWEN3_5_VOCAB_SIZE, Qwen35ModelArgs
+from titanlab.models.qwen3_5.args import QWEN3_5_VOCAB_SIZE, Qwen35ModelArgs, qwen3_5_flavors
 
 
 @dataclass
@@ -50,6 +51,12 @@ def qwen3_5_moe(num_experts: int, top_k: int, hidden_dim: int, shared_dim: int) 
     )
 
 
+def _with_moe(dense: Qwen35ModelArgs, moe: MoEArgs) -> Qwen35MoEModelArgs:
+    """`dense`'s shape with `moe` in every block."""
+    fields = {f.name: getattr(dense, f.name) for f in dataclasses.fields(Qwen35ModelArgs)}
+    return Qwen35MoEModelArgs(**fields, moe=moe)
+
+
 def _published(**kwargs) -> Qwen35MoEModelArgs:
     return Qwen35MoEModelArgs(vocab_size=QWEN3_5_VOCAB_SIZE, head_dim=256, max_seq_len=262144,
                               n_kv_heads=2, linear_key_heads=16, linear_key_dim=128,
@@ -58,34 +65,9 @@ def _published(**kwargs) -> Qwen35MoEModelArgs:
 
 # Shared instances: copy with `dataclasses.replace` before changing one.
 qwen3_5_moe_flavors: dict[str, Qwen35MoEModelArgs] = {
-    # Tiny hybrid MoE that trains on CPU: 8 experts, top-2, a gated shared expert.
-    "debugmodel": Qwen35MoEModelArgs(
-        dim=256,
-        n_layers=6,
-        n_heads=8,
-        n_kv_heads=4,
-        head_dim=48,
-        hidden_dim=640,
-        linear_key_heads=4,
-        linear_value_heads=8,
-        linear_key_dim=32,
-        linear_value_dim=24,
-        moe=qwen3_5_moe(8, 2, 128, 128),
-    ),
-    # 8 thin layers: enough stages for 4-rank pipelines.
-    "debugmodel_deep": Qwen35MoEModelArgs(
-        dim=64,
-        n_layers=8,
-        n_heads=4,
-        n_kv_heads=2,
-        head_dim=24,
-        hidden_dim=160,
-        linear_key_heads=2,
-        linear_value_heads=4,
-        linear_key_dim=16,
-        linear_value_dim=16,
-        moe=qwen3_5_moe(8, 2, 32, 48),
-    ),
+    # The dense debug models' shapes with MoE blocks: 8 experts, top-2, a gated shared expert.
+    "debugmodel": _with_moe(qwen3_5_flavors["debugmodel"], qwen3_5_moe(8, 2, 128, 128)),
+    "debugmodel_deep": _with_moe(qwen3_5_flavors["debugmodel_deep"], qwen3_5_moe(8, 2, 32, 48)),
     "35B-A3B": _published(
         dim=2048,
         n_layers=40,
