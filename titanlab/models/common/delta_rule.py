@@ -167,18 +167,33 @@ def chunked(
     scores = (qc @ kc.transpose(-1, -2)) * gamma  # (bs, H, n, C, C), zero above the diagonal
     q_decayed = decay[..., None] * qc
     m = state.to(kf.dtype) if state is not None else kf.new_zeros(bs, heads, dk, dv)
+    m = m.reshape(bs * heads, dk, dv)
     outs = []
-    # One unbind per tensor, not an index per chunk: an index's backward writes its chunk into a
-    # zero tensor of the whole sequence, which made the step quadratic in the chunks.
-    ends = end[..., None, None].unbind(2)  # e^{c_C} per chunk, (bs, H, 1, 1)
-    parts = zip(w_v.unbind(2), w_k.unbind(2), q_decayed.unbind(2), scores.unbind(2),
-                k_tail.transpose(-1, -2).unbind(2), ends, strict=True)  # fmt: skip
-    for wv_i, wk_i, qd_i, scores_i, kt_i, end_i in parts:
-        u = wv_i - wk_i @ m
-        outs.append(qd_i @ m + scores_i @ u)
-        m = end_i * m + kt_i @ u
-    out = torch.cat(outs, dim=2)[:, :, :seq] if outs else vf.new_zeros(bs, heads, 0, dv)
+    # The loop runs on (bs·H, ·, ·) matrices with fused multiply-adds (baddbmm): five kernels a
+    # chunk, where 4-D matmuls and separate adds dispatched about a hundred (the dry run's fake
+    # tensors paid for each). One unbind per tensor, not an index per chunk: an index's
+    # backward writes its chunk into a zero tensor of the whole sequence, which made the step
+    # quadratic in the chunks.
+    ends, w_v, w_k, q_decayed, scores, k_tail = (
+        _per_chunk(t) for t in (end[..., None, None], w_v, w_k, q_decayed, scores,
+                                 k_tail.transpose(-1, -2))
+    )  # fmt: skip
+    for wv_i, wk_i, qd_i, scores_i, kt_i, end_i in zip(
+        w_v, w_k, q_decayed, scores, k_tail, ends, strict=True
+    ):
+        u = torch.baddbmm(wv_i, wk_i, m, alpha=-1)  # U = W_v − W_k M_0
+        outs.append(torch.baddbmm(torch.bmm(scores_i, u), qd_i, m))
+        m = torch.baddbmm(end_i * m, kt_i, u)
+    m = m.reshape(bs, heads, dk, dv)
+    if not outs:
+        return vf.new_zeros(bs, 0, heads, dv).to(v.dtype), m
+    out = torch.stack(outs, dim=1).reshape(bs, heads, -1, dv)[:, :, :seq]
     return out.transpose(1, 2).to(v.dtype), m
+
+
+def _per_chunk(t: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """(bs, H, n, ·, ·) → n tensors (bs·H, ·, ·), one per chunk (views)."""
+    return t.flatten(0, 1).unbind(1)
 
 
 def sequence_transition(
@@ -195,12 +210,12 @@ def sequence_transition(
     _, _, w_v, w_k, k_tail, end = _chunk_terms(kc, vc, gc, bc, _starts(starts, chunk))
     bs, heads, dk, dv = kf.shape[0], kf.shape[1], kf.shape[-1], vf.shape[-1]
     eye = torch.eye(dk, dtype=kf.dtype, device=kf.device)
-    t = eye.expand(bs, heads, dk, dk)
-    b = kf.new_zeros(bs, heads, dk, dv)
-    ends = end[..., None, None].unbind(2)  # one unbind each: see `chunked`
-    parts = zip(k_tail.transpose(-1, -2).unbind(2), w_k.unbind(2), w_v.unbind(2), ends,
-                strict=True)  # fmt: skip
-    for kt, wk_i, wv_i, end_i in parts:
-        t_i = end_i * eye - kt @ wk_i
-        t, b = t_i @ t, t_i @ b + kt @ wv_i
+    t = eye.expand(bs * heads, dk, dk)
+    b = kf.new_zeros(bs * heads, dk, dv)
+    parts = zip(*(_per_chunk(x) for x in (k_tail.transpose(-1, -2), w_k, w_v,
+                                          end[..., None, None])), strict=True)  # fmt: skip
+    for kt, wk_i, wv_i, end_i in parts:  # (bs·H, ·, ·) matrices, as in `chunked`
+        t_i = torch.baddbmm(end_i * eye, kt, wk_i, alpha=-1)
+        t, b = torch.bmm(t_i, t), torch.baddbmm(torch.bmm(kt, wv_i), t_i, b)
+    t, b = t.reshape(bs, heads, dk, dk), b.reshape(bs, heads, dk, dv)
     return t, b
