@@ -14,7 +14,7 @@ import pytest
 
 from titanlab.config.manager import build_config
 from titanlab.distributed.init import destroy_distributed
-from titanlab.models.registry import get_family
+from titanlab.models.registry import FAMILIES, get_family
 from titanlab.planning.cluster import PROFILES
 from titanlab.trainer import Trainer, dry_run
 
@@ -116,12 +116,12 @@ def recorded_picks() -> list[tuple[str, dict]]:
 
 
 def test_every_published_flavor_has_a_recorded_pick():
-    """`tools/dry_run_flavors.py` planned each family's published flavors (not the debug
-    ones) and recorded the planner's first pick in docs/dry_run_picks.json."""
+    """`tools/dry_run_flavors.py` planned every registered family's published flavors (not
+    the debug ones) and recorded the planner's first pick in docs/dry_run_picks.json."""
     recorded = {name for name, _ in recorded_picks()}
     published = {
         f"{family} {flavor}"
-        for family in ("llama3", "qwen3", "qwen3_moe", "deepseek_v3")
+        for family in FAMILIES  # every registered family
         for flavor in get_family(family).flavors
         if not flavor.startswith("debugmodel")
     }
