@@ -1,8 +1,8 @@
 """Qwen3.5 (dense and MoE hybrids: Gated DeltaNet linear-attention layers with gated full
 attention) under data, tensor, pipeline and expert parallelism equals one process, from one seed
-checkpoint, fp32, 3 steps, within 1e-5 (MoE with the load-balance loss on); a rank killed with
-kill -9 resumes bit for bit; and the debug config trains on 2 CPU ranks with falling loss and its
-export loads in transformers with equal logits.
+checkpoint, fp32, within 1e-5 over 3 steps in CI and 5 in `make test-parity-full` (MoE with
+the load-balance loss on); a rank killed with kill -9 resumes bit for bit; and the debug config
+trains on 2 CPU ranks with falling loss and its export loads in transformers with equal logits.
 
 The cases are generated from the layouts the trainer's validator accepts for each model (2 and 4
 ranks; the linear layers' key heads split with their value heads under TP, their recurrence
@@ -20,6 +20,8 @@ from conftest import run_config
 from tools import parity_matrix
 
 FULL = os.environ.get("TITANLAB_PARITY_FULL") == "1"
+STEPS = parity_matrix.STEPS if FULL else parity_matrix.LAYOUT_STEPS
+"""Steps compared with the 1-process reference: all of its 5 in the full run, CI's 3."""
 OPTIONS = {
     "qwen3_5": ["--model.name", "qwen3_5"],
     "qwen3_5_moe": [
@@ -84,7 +86,9 @@ def reference(tiny_dataset, tmp_path_factory):
 @pytest.mark.parametrize(("family", "layout"), CASES, ids=[f"{f}-{lay.name}" for f, lay in CASES])
 def test_layout_matches_single_process(family, layout, reference):
     dataset, seed, losses, root = reference(family, parity_matrix.global_microbatches(layout))
-    outcome = parity_matrix.run_layout(layout, dataset, seed, losses, root, extra=OPTIONS[family])
+    outcome = parity_matrix.run_layout(
+        layout, dataset, seed, losses, root, extra=OPTIONS[family], steps=STEPS
+    )
     assert outcome.error is None, outcome.report()
     print(f"{family} {layout.name}: worst |Δloss| {outcome.max_abs_diff:.3g}")
     assert outcome.max_abs_diff <= parity_matrix.TOLERANCE, (layout.name, outcome.max_abs_diff)
@@ -98,7 +102,9 @@ def test_ulysses_cp2_matches_single_process(reference):
     layout = next(lay for lay in CASES_POOL["qwen3_5"] if lay.name == "ws2-cp2")
     dataset, seed, losses, root = reference("qwen3_5", 1)
     ulysses = [*OPTIONS["qwen3_5"], "--parallelism.context_parallel_mode", "ulysses"]
-    outcome = parity_matrix.run_layout(layout, dataset, seed, losses, root, extra=ulysses)
+    outcome = parity_matrix.run_layout(
+        layout, dataset, seed, losses, root, extra=ulysses, steps=STEPS
+    )
     assert outcome.error is None, outcome.report()
     print(f"qwen3_5 ws2-cp2 ulysses: worst |Δloss| {outcome.max_abs_diff:.3g}")
     assert outcome.max_abs_diff <= parity_matrix.TOLERANCE

@@ -149,14 +149,15 @@ def run_layout(
     reference: dict[int, float],
     root: str,
     extra: list[str] | tuple[str, ...] = (),
+    steps: int = LAYOUT_STEPS,
 ) -> Outcome:
-    """Train `layout` (plus `extra` options) from `seed` and compare its losses with
-    `reference`."""
+    """Train `layout` (plus `extra` options) from `seed` for `steps` (at most the reference's
+    `STEPS`) and compare its losses with `reference`'s first `steps`."""
     dump = os.path.join(root, "runs", layout.name)
     start = time.time()
     args = BASE_ARGS + layout.overrides(GLOBAL_BATCH) + [
         "--data.dataset_path", dataset, "--job.dump_folder", dump,
-        "--checkpoint.initial_load_path", seed, "--training.steps", str(LAYOUT_STEPS), *extra,
+        "--checkpoint.initial_load_path", seed, "--training.steps", str(steps), *extra,
     ]  # fmt: skip
     proc = launch(layout.world_size, args)
     if proc.returncode != 0 and NATIVE_CRASH.search(proc.stdout + proc.stderr):
@@ -186,13 +187,13 @@ def run_layout(
             log=log,
         )
     losses = read_losses(dump)
-    if sorted(losses) != list(range(1, LAYOUT_STEPS + 1)):
+    if sorted(losses) != list(range(1, steps + 1)):
         return Outcome(
             layout.name,
             layout.world_size,
             None,
             seconds=seconds,
-            error=f"logged steps {sorted(losses)}, expected 1..{LAYOUT_STEPS}",
+            error=f"logged steps {sorted(losses)}, expected 1..{steps}",
         )
-    worst = max(abs(losses[s] - reference[s]) for s in range(1, LAYOUT_STEPS + 1))
+    worst = max(abs(losses[s] - reference[s]) for s in range(1, steps + 1))
     return Outcome(layout.name, layout.world_size, worst, seconds=seconds)
