@@ -4,13 +4,14 @@ activation checkpointing, and Qwen3-MoE (dense parts compiled, experts eager) un
 with selective AC, DeepSeek-V3 (multi-head latent attention) under TP 2 × EP 2 with full AC, and
 gpt-oss (sinks, sliding windows) under TP 2 × EP 2 with selective AC.
 CI leaves out the Llama FSDP 2 × TP 2, PP 2 × FSDP 2 and both MoE cases (compile meets FSDP in the
-first case and TP in the Qwen3 one; `make test-parity-full`, TITANLAB_PARITY_FULL=1, runs it)."""
+first case and TP in the Qwen3 one; `make test-parity-full`, TITANLAB_PARITY_FULL=1, runs it),
+and captures the Llama TP 2 × full AC case with aot_eager (Inductor in the full run)."""
 
 import os
 
 import pytest
 
-from conftest import read_metrics
+from conftest import CI_COMPILE_BACKEND, read_metrics
 
 COMMON = ["--training.steps", "5", "--checkpoint.enable", "false"]
 
@@ -50,11 +51,19 @@ COMMON = ["--training.steps", "5", "--checkpoint.enable", "false"]
             ],
         ),
         # Dense TP × full AC: the checkpoint around the compiled inner block (`apply_compile`'s
-        # inside_checkpoint; compiled around the checkpoint it stopped on a DeviceMesh).
+        # inside_checkpoint; compiled around the checkpoint it stopped on a DeviceMesh, in
+        # Dynamo's capture). CI captures with aot_eager (Inductor's numerics are the FSDP and the
+        # Qwen3 TP cases'); Inductor under TITANLAB_PARITY_FULL=1.
         (
             2,
             4,
-            ["--parallelism.tensor_parallel_degree", "2", "--activation_checkpoint.mode", "full"],
+            [
+                "--parallelism.tensor_parallel_degree",
+                "2",
+                "--activation_checkpoint.mode",
+                "full",
+                *CI_COMPILE_BACKEND,
+            ],
         ),
         # MoE blocks: the norms and attention compiled, the experts eager (issue 29). CI meets
         # MoE × compile in the feature-pair matrix's covering rows.
