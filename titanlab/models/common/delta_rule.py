@@ -197,9 +197,8 @@ def _per_chunk(t: torch.Tensor) -> tuple[torch.Tensor, ...]:
 
 
 def sequence_transition(
-    k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, chunk: int = CHUNK,
-    starts: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, chunk: int = CHUNK
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The affine map a whole sequence applies to the state it starts from: (T (bs, H_v, d_k,
     d_k), B (bs, H_v, d_k, d_v)) float32 with final state = T @ M_0 + B, for k (bs, S, H_k,
     d_k), v (bs, S, H_v, d_v), g and beta (bs, S, H_v). Each chunk's map (module docstring:
@@ -207,7 +206,7 @@ def sequence_transition(
     so memory stays O(C²) per chunk whatever S."""
     _, kf, vf, gf, bf = _heads_first(k, k, v, g, beta)
     kc, vc, gc, bc = (_chunks(t, chunk) for t in (kf, vf, gf, bf))
-    _, _, w_v, w_k, k_tail, end = _chunk_terms(kc, vc, gc, bc, _starts(starts, chunk))
+    _, _, w_v, w_k, k_tail, end = _chunk_terms(kc, vc, gc, bc)
     bs, heads, dk, dv = kf.shape[0], kf.shape[1], kf.shape[-1], vf.shape[-1]
     eye = torch.eye(dk, dtype=kf.dtype, device=kf.device)
     t = eye.expand(bs * heads, dk, dk)

@@ -246,9 +246,10 @@ class GatedDeltaNet(nn.Module):
         are the full-attention layers' and unused here. `mask`: under context parallel,
         titanlab's CP attention object, whose `recurrent_carry` this layer runs through (see
         `step`); any other mask is unused: documents come as `segments` (see `step`; the
-        layout validator refuses them under context parallel). `kv` (generation) is a `titanlab.models.common.kv_cache.LayerCache`:
-        the layer starts from the state it holds, left padding is zeroed first (a zero input
-        leaves a zero state zero: its k and v are 0), and the state after x goes back into it."""
+        layout validator refuses them under context parallel). `kv` (generation) is a
+        `titanlab.models.common.kv_cache.LayerCache`: the layer starts from the state it holds,
+        left padding is zeroed first (a zero input leaves a zero state zero: its k and v are 0),
+        and the state after x goes back into it."""
         carry = getattr(mask, "recurrent_carry", None)
         if carry is not None:  # context parallel shards one document per row (the validator
             # refuses packed documents there): its `segments` are the shard's, all one id
