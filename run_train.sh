@@ -27,19 +27,32 @@ fi
 # cores are many times slower.
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 
+# The value of SECTION.KEY: the last --SECTION.KEY on the command line, else the config file's.
+config_value() {
+    local option="--$1.$2" value previous="" arg
+    value=$(awk -v section="[$1]" -v key="$2" '/^\[/ { current = $0 }
+        current == section && $0 ~ "^[[:space:]]*" key "[[:space:]]*=" {
+        sub(/#.*/, ""); sub(/^[^=]*=/, ""); gsub(/["'"'"'[:space:]]/, ""); print }' "$CONFIG_FILE" 2>/dev/null)
+    shift 2
+    for arg in "$@"; do
+        [[ "$previous" == "$option" ]] && value=$arg
+        [[ "$arg" == "$option="* ]] && value=${arg#"$option"=}
+        previous=$arg
+    done
+    echo "$value"
+}
+
 # comm.mode "fake_backend" (a dry run at the real world size: NGPU, else the config's
 # comm.fake_world_size) and "local_tensor" (a small world simulated with real numerics) run in
 # this one process, without torchrun; the mode comes from the command line or the config file.
-COMM_MODE=$(awk '/^\[/ { section = $0 } section == "[comm]" && /^[[:space:]]*mode[[:space:]]*=/ {
-    gsub(/["'"'"'[:space:]]/, ""); sub(/#.*/, ""); sub(/^mode=/, ""); print }' "$CONFIG_FILE" 2>/dev/null)
-PREVIOUS=""
-for ARG in "$@"; do
-    [[ "$PREVIOUS" == "--comm.mode" ]] && COMM_MODE=$ARG
-    [[ "$ARG" == --comm.mode=* ]] && COMM_MODE=${ARG#--comm.mode=}
-    PREVIOUS=$ARG
-done
+COMM_MODE=$(config_value comm mode "$@")
 if [[ "$COMM_MODE" == fake_backend || "$COMM_MODE" == local_tensor ]]; then
     exec "$PYTHON" -m titanlab.train --job.config_file "$CONFIG_FILE" "$@"
+fi
+# fault_tolerance.enable: `titanlab train` starts torchft's lighthouse and one torchrun per
+# replica group (titanlab/resilience/ft_launch.py), or, given a lighthouse, this one group.
+if [[ "$(config_value fault_tolerance enable "$@")" == true ]]; then
+    exec "$PYTHON" -m titanlab.cli train "$CONFIG_FILE" "$@"
 fi
 
 if [[ -z "${NGPU:-}" ]]; then

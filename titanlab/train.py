@@ -63,6 +63,8 @@ def main(argv: list[str] | None = None) -> int:
         return f.fail(f"titanlab: error: {e}", f.DIVERGED_EXIT_CODE)
     except f.OutOfMemory as e:
         return f.fail(str(e), f.OOM_EXIT_CODE)
+    except f.QuorumTimeout as e:
+        return f.fail(f"titanlab: error: {e}", f.HANG_EXIT_CODE)
     except Exception as e:
         if trainer is None or not f.is_collective_timeout(e):
             raise

@@ -17,60 +17,19 @@ tokens and against seconds) beside it as docs/quality.png.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
 import tempfile
-from dataclasses import dataclass, field
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from tools.lib.bench import cpu_model, write_block
+from tools.lib.quality_curves import Curve, read_curve, to_target
 from tools.lib.runs import DEBUG_CONFIG, launch
 
 OPTIMIZERS = ("AdamW", "Muon")
-
-
-@dataclass
-class Curve:
-    """One run: validation losses by step, cumulative training seconds by step, tokens/step."""
-
-    optimizer: str
-    lr: float
-    tokens_per_step: int
-    val: dict[int, float] = field(default_factory=dict)
-    seconds: dict[int, float] = field(default_factory=dict)
-    step_ms: list[float] = field(default_factory=list)
-
-    @property
-    def final(self) -> float:
-        return self.val[max(self.val)]
-
-
-def read_curve(dump: str, optimizer: str, lr: float) -> Curve:
-    """The curve of a run from its `metrics.jsonl` (a record per logged window: the window's
-    steps × its mean step time add to the training seconds)."""
-    with open(os.path.join(dump, "metrics.jsonl"), encoding="utf-8") as f:
-        records = [json.loads(line) for line in f]
-    curve = Curve(optimizer, lr, records[0]["tokens_per_step"])
-    total = 0.0
-    for rec in records:
-        total += rec["steps_in_window"] * rec["step_time_ms"] / 1000
-        curve.seconds[rec["step"]] = total
-        curve.step_ms.append(rec["step_time_ms"])
-        if "val_loss" in rec:
-            curve.val[rec["step"]] = rec["val_loss"]
-    return curve
-
-
-def to_target(curve: Curve, target: float) -> tuple[int, float] | None:
-    """(tokens, training seconds) at the first validation at or below `target`; None if never."""
-    for step in sorted(curve.val):
-        if curve.val[step] <= target:
-            return step * curve.tokens_per_step, curve.seconds[step]
-    return None
 
 
 def best(curves: list[Curve], optimizer: str) -> Curve:

@@ -66,8 +66,9 @@ def overrides(tiny_dataset, dump, steps):
     ]
 
 
-def submit(slurm, dump, args, nodes=2, ntasks_per_node=1):
-    """sbatch the project's script; returns the job id and the path of its log."""
+def submit(slurm, dump, args, nodes=2, ntasks_per_node=1, env=None):
+    """sbatch the project's script (`env`: more of its variables); returns the job id and the
+    path of its log."""
     log = os.path.join(dump, "slurm-%j.out")
     os.makedirs(dump, exist_ok=True)
     env = {
@@ -75,6 +76,7 @@ def submit(slurm, dump, args, nodes=2, ntasks_per_node=1):
         "PYTHON": sys.executable,
         "MAX_RESTARTS": "0",
         "PYTHONUNBUFFERED": "1",
+        **(env or {}),
     }
     job = slurm.submit(
         SCRIPT,
@@ -150,3 +152,25 @@ def test_preempted_job_checkpoints_requeues_itself_and_resumes_exactly(
 
 def requeued(info):
     return info.get("Restarts") == "1" and info.get("JobState") == "PENDING"
+
+
+@pytest.mark.skipif(
+    os.environ.get("TITANLAB_PARITY_FULL") != "1", reason="make test-full: a third sbatch job"
+)
+def test_ft_groups_split_the_nodes_into_replica_groups_that_train_like_one_run(
+    slurm, tiny_dataset, straight, tmp_path
+):
+    """FT_GROUPS=2 on 2 nodes: the lighthouse on the first node and one srun per node's replica
+    group (torchft, titanlab[ft]); both groups train every step together and their losses equal
+    the 2-rank run on one host within 1e-5."""
+    pytest.importorskip("torchft")
+    dump = str(tmp_path / "ft_groups")
+    job, log = submit(slurm, dump, overrides(tiny_dataset, dump, 4), env={"FT_GROUPS": "2"})
+    info = slurm.wait(job, timeout=300)
+    text = read(log)
+    assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), text[-4000:]
+    assert "2 replica groups of 1 node(s), lighthouse http://n1:29510" in text, text[-4000:]
+    for group in (0, 1):
+        got = read_metrics(os.path.join(dump, f"replica_{group}"))
+        assert sorted(got) == [1, 2, 3, 4]
+        assert max(abs(got[s] - straight[s]) for s in got) <= 1e-5, (got, straight)

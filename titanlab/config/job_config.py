@@ -18,6 +18,7 @@ from titanlab.config.checkpointing import Checkpoint
 from titanlab.config.data import Data, DataSource, SchedulePoint
 from titanlab.config.distill import Distill
 from titanlab.config.errors import ConfigError, _require
+from titanlab.config.fault_tolerance import FaultTolerance, validate_fault_tolerance
 from titanlab.config.metrics import Metrics
 from titanlab.config.model import Model
 from titanlab.config.optimizer import Optimizer
@@ -47,6 +48,7 @@ __all__ = [
     "DataSource",
     "Debug",
     "Distill",
+    "FaultTolerance",
     "Float8",
     "Job",
     "JobConfig",
@@ -219,8 +221,8 @@ class Debug:
 
     record_batches: bool = False
     """Write the token ids every step trains on to `<dump_folder>/batches/rank<N>.jsonl` (one
-    line per step: step, dp_rank, the rank's input ids), to check that two runs saw the same
-    data. For debugging: it reads every batch back to the host."""
+    line per step: step, dp_rank, the rank's input and label ids), to check that two runs saw
+    the same data. For debugging: it reads every batch back to the host."""
 
     def validate(self) -> None:
         _require(self.seed >= 0, f"debug.seed={self.seed} must be >= 0")
@@ -318,6 +320,7 @@ class JobConfig:
     validation: Validation = field(default_factory=Validation)
     debug: Debug = field(default_factory=Debug)
     comm: Comm = field(default_factory=Comm)
+    fault_tolerance: FaultTolerance = field(default_factory=FaultTolerance)
 
     def validate(self) -> None:
         """Validate every section, then the cross-section rules. Raises ConfigError."""
@@ -337,3 +340,5 @@ class JobConfig:
         validate_kernels(self)
         if self.rl.algorithm != "none":
             validate_rl_combinations(self)
+        if self.fault_tolerance.enable:
+            validate_fault_tolerance(self)

@@ -41,13 +41,14 @@ class BatchPreparer:
         self._seq_len = config.training.seq_len
 
     def record(self, step: int, batches: list[Batch]) -> None:
-        """debug.record_batches: append `step`'s input ids (this rank's microbatches, as the
-        loader gave them) to `batches/rank<N>.jsonl`. A no-op otherwise."""
+        """debug.record_batches: append `step`'s input and label ids (this rank's microbatches,
+        as the loader gave them) to `batches/rank<N>.jsonl`. A no-op otherwise."""
         if not self.record_dir:
             return
         os.makedirs(self.record_dir, exist_ok=True)
         ids = [row for inputs, _ in batches for row in inputs.tolist()]
-        line = {"step": step, "dp_rank": self.dp_rank, "inputs": ids}
+        labels = [row for _, targets in batches for row in targets.tolist()]
+        line = {"step": step, "dp_rank": self.dp_rank, "inputs": ids, "labels": labels}
         with open(os.path.join(self.record_dir, f"rank{self.rank}.jsonl"), "a") as f:
             f.write(json.dumps(line) + "\n")
 

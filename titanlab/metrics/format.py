@@ -38,6 +38,8 @@ def format_line(rec: dict[str, Any], memory_kind: str) -> str:
         line += f"  muon_ns_gflop: {rec['muon/ns_gflop']:.2f}"
     if rec.get("alloc_retries"):
         line += f"  alloc_retries: {rec['alloc_retries']:.0f}"
+    if "ft/groups" in rec:  # fault tolerance: the replica groups in this step's quorum
+        line += f"  groups: {rec['ft/groups']:.0f}"
     return line
 
 

@@ -32,6 +32,11 @@ def is_collective_timeout(e: BaseException) -> bool:
     )
 
 
+class QuorumTimeout(RuntimeError):
+    """Fault tolerance: no quorum of enough replica groups formed in time; the message is one
+    line."""
+
+
 class OutOfMemory(RuntimeError):
     """A rank ran out of device or host memory; the message is the whole error line."""
 

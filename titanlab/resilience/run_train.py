@@ -40,7 +40,8 @@ from dataclasses import dataclass, field
 from titanlab.config.errors import ConfigError
 from titanlab.config.manager import load_toml
 from titanlab.config.shipped import DEFAULT_CONFIG, resolve_config_file
-from titanlab.resilience import launcher
+from titanlab.config.fault_tolerance import LIGHTHOUSE_ENV
+from titanlab.resilience import ft_launch, launcher
 
 PROG = "titanlab train"
 SINGLE_PROCESS_MODES = ("fake_backend", "local_tensor")
@@ -54,6 +55,8 @@ class Launch:
     overrides: list[str]
     comm_mode: str
     nproc: str = ""  # NGPU, as given (the pre-flight check validates it)
+    replica_groups: int = 0  # fault tolerance: groups started here with a lighthouse
+    min_replicas: int = 1
     torchrun: list[str] = field(default_factory=list)  # titanlab.launcher's arguments
 
     def trainer_args(self) -> list[str]:
@@ -85,21 +88,46 @@ def split_config(argv: list[str]) -> tuple[str, list[str]]:
     return resolve_config_file(config or DEFAULT_CONFIG), rest
 
 
-def comm_mode(config_file: str, overrides: list[str]) -> str:
-    """comm.mode of the run: the last `--comm.mode` on the command line, else the config file's
-    (empty when neither sets it, or the file cannot be read: the pre-flight check reports it)."""
-    mode = ""
+def config_value(config_file: str, overrides: list[str], section: str, key: str) -> str:
+    """`section.key` of the run as a string: the last `--section.key` on the command line, else
+    the config file's (empty when neither sets it, or the file cannot be read: the pre-flight
+    check reports it)."""
+    value = ""
     try:
-        comm = load_toml(config_file).get("comm", {})
-        mode = str(comm.get("mode", "")) if isinstance(comm, dict) else ""
+        table = load_toml(config_file).get(section, {})
+        found = table.get(key, "") if isinstance(table, dict) else ""
+        value = str(found).lower() if isinstance(found, bool) else str(found)
     except ConfigError:
         pass
+    option = f"--{section}.{key}"
     for i, arg in enumerate(overrides):
-        if arg == "--comm.mode" and i + 1 < len(overrides):
-            mode = overrides[i + 1]
-        elif arg.startswith("--comm.mode="):
-            mode = arg.split("=", 1)[1]
-    return mode
+        if arg == option and i + 1 < len(overrides):
+            value = overrides[i + 1]
+        elif arg.startswith(option + "="):
+            value = arg.split("=", 1)[1]
+    return value
+
+
+def comm_mode(config_file: str, overrides: list[str]) -> str:
+    """comm.mode of the run (`config_value`)."""
+    return config_value(config_file, overrides, "comm", "mode")
+
+
+def local_replica_groups(config_file: str, overrides: list[str], env: dict[str, str]) -> int:
+    """Replica groups this machine starts itself with a lighthouse (`ft_launch`): the
+    fault_tolerance.replica_count of a fault-tolerant run given no lighthouse (neither
+    fault_tolerance.lighthouse nor $TORCHFT_LIGHTHOUSE); 0 otherwise (one launch: a plain run,
+    or one group of a job whose lighthouse runs elsewhere)."""
+
+    def value(key: str) -> str:
+        return config_value(config_file, overrides, "fault_tolerance", key)
+
+    if value("enable") not in ("true", "1") or value("lighthouse") or env.get(LIGHTHOUSE_ENV):
+        return 0
+    count = value("replica_count") or "1"
+    if not count.isdigit() or int(count) < 1:
+        raise ConfigError(f"fault_tolerance.replica_count={count} must be an integer >= 1")
+    return int(count)
 
 
 def gpu_count() -> int:
@@ -126,6 +154,9 @@ def plan_launch(argv: list[str], env: dict[str, str]) -> Launch:
     if launch.comm_mode in SINGLE_PROCESS_MODES:
         return launch
     launch.nproc = env.get("NGPU") or str(gpu_count() or 2)
+    launch.replica_groups = local_replica_groups(config_file, overrides, env)
+    minimum = config_value(config_file, overrides, "fault_tolerance", "min_replicas")
+    launch.min_replicas = int(minimum) if minimum.isdigit() else 1
     launch.torchrun = [
         "--preflight",
         f"--nproc_per_node={launch.nproc}",
@@ -156,7 +187,13 @@ def run(launch: Launch, prog: str = PROG) -> int:
         os.execv(python, [python, "-m", "titanlab.train", *launch.trainer_args()])
     marker = os.path.join(tempfile.gettempdir(), f"titanlab-preempt.{uuid.uuid4().hex[:12]}")
     os.environ[launcher.MARKER_ENV] = marker
-    code = launcher.main(launch.torchrun)
+    if launch.replica_groups:
+        if not launch.nproc.isdigit():
+            raise ConfigError(f"NGPU={launch.nproc} must be a positive integer")
+        code = ft_launch.run_groups(launch.torchrun, int(launch.nproc), launch.replica_groups,
+                                    launch.min_replicas, gpu_count())  # fmt: skip
+    else:
+        code = launcher.main(launch.torchrun)
     if os.path.isfile(marker):
         with open(marker, encoding="utf-8") as f:
             step = f.read().strip()
@@ -183,7 +220,7 @@ def main(argv: list[str] | None = None, prog: str = PROG) -> int:
         return options.returncode
     try:
         launch = plan_launch(argv, dict(os.environ))
+        return run(launch, prog)
     except ConfigError as e:
         print(f"titanlab: error: {e}", file=sys.stderr)
         return 2
-    return run(launch, prog)

@@ -11,6 +11,8 @@ import logging
 import time
 from typing import Any
 
+import torch
+
 from titanlab.checkpoint import Checkpointer, store
 from titanlab.config.job_config import ConfigError
 from titanlab.distributed.comm_counter import count_step_comms
@@ -36,6 +38,7 @@ class TrainLoop(TrainStep):
     metrics: MetricsLogger
     checkpointer: Checkpointer
     batch: Any
+    _retry: Any = None  # the batches of a step to run again (fault tolerance)
 
     def train(self) -> None:
         cfg = self.config
@@ -66,6 +69,10 @@ class TrainLoop(TrainStep):
     def _loop_step(self, data, last: int, preemption: PreemptionHandler) -> None:
         """One iteration of the loop: train, log, validate, checkpoint, maybe stop."""
         cfg = self.config
+        if self.ft is not None:
+            self.ft.start_step()  # this step's quorum; behind the others, their state
+            if self.step >= last:  # recovered a peer's state of the last step
+                return
         self.step += 1
         self.metrics.begin_step()
         lr = self.lr_scheduler.get_last_lr()[0]  # the lr this step uses
@@ -74,12 +81,23 @@ class TrainLoop(TrainStep):
             self.metrics.data_ready()
             loss, grad_norm, extra, evaluate = rl_steps.step(self.rl, cfg, self.step, last)
         else:
-            batches = [next(data) for _ in range(self.batch.grad_accum_steps)]
+            batches = self._retry or [next(data) for _ in range(self.batch.grad_accum_steps)]
+            self._retry = None
             self.metrics.data_ready()
             self.batches.record(self.step, batches)
             with count_step_comms(self.step):  # only when TITANLAB_COMM_COUNT is set
                 loss, grad_norm = self.train_step(batches)
             extra = self.moe_metrics
+            if self.ft is not None:
+                if not self.committed:  # a replica group failed during it: run it again
+                    logger.warning(
+                        "fault tolerance: step %d not committed (a replica group failed "
+                        "during it); running it again",
+                        self.step,
+                    )
+                    self._retry, self.step = batches, self.step - 1
+                    return
+                extra = {**extra, "ft/groups": torch.tensor(float(self.ft.groups()))}
         if self.step == 1:
             set_train_timeout(cfg.comm.train_timeout_seconds)
         validate = (

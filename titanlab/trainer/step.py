@@ -68,6 +68,7 @@ class TrainStep:
     batches: BatchPreparer
     val_set: Any
     data_schedule: Any
+    ft: Any  # a `titanlab.resilience.replica_group.ReplicaGroup` under fault tolerance, or None
 
     def init_step_state(self, compute_dtype: torch.dtype) -> None:
         """Autocast, the float16 grad scaler, the loss and MoE-statistics meshes."""
@@ -140,14 +141,19 @@ class TrainStep:
         if self.scaler is not None:
             for opt in self.optimizer.optimizers:
                 self.scaler.unscale_(opt)
-        grad_norm = clip_grad_norm_(
-            [p for part in self.model_parts for p in part.parameters()],
-            self.config.training.max_norm,
-            pp_mesh=self.parallel_dims.mesh("pp"),
-        )
+        params = [p for part in self.model_parts for p in part.parameters()]
         total = global_sum(global_sum(loss_sum, self._loss_mesh), self.parallel_dims.mesh("pp"))
+        if self.ft is not None and self.ft.diloco is None:  # the groups' token-weighted mean
+            total, global_tokens = self.ft.average_gradients(params, total, global_tokens)
+        grad_norm = clip_grad_norm_(
+            params, self.config.training.max_norm, pp_mesh=self.parallel_dims.mesh("pp")
+        )
         loss = total / global_tokens
-        if self.scaler is not None:
+        # Fault tolerance: a step some replica group failed in is not taken (and runs again).
+        self.committed = self.ft is None or self.ft.commit()
+        if not self.committed:
+            stepped = False
+        elif self.scaler is not None:
             stepped = self._scaled_step()
         else:
             start = time.perf_counter()
@@ -155,8 +161,9 @@ class TrainStep:
             record_times(self.rank, self.step, self.optimizer.optimizers,
                          time.perf_counter() - start)  # fmt: skip
             stepped = True
-        precompute_scales(self.model_parts, self.config.float8, self.parallel_dims.fsdp_enabled)
-        self.lr_scheduler.step()
+        if self.committed:
+            precompute_scales(self.model_parts, self.config.float8, self.parallel_dims.fsdp_enabled)
+            self.lr_scheduler.step()
         self.moe_metrics = moe_stats.end_step(
             self.model_parts, self._moe_stats_mesh, microbatches, stepped
         )

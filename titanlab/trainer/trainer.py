@@ -49,6 +49,7 @@ from titanlab.posttrain.teacher import build_teacher, join_teacher_load, teacher
 from titanlab.precision.float8 import apply_float8
 from titanlab.trainer import dry_run, peft_steps, rl_steps
 from titanlab.trainer.host_allocator import fix_malloc_thresholds
+from titanlab.resilience.replica_group import ReplicaGroup, group_dump_folder
 from titanlab.trainer.loop import TrainLoop
 
 logger = logging.getLogger("titanlab")
@@ -64,6 +65,10 @@ class Trainer(TrainLoop):
     def __init__(self, config: JobConfig) -> None:
         warning_filters.install()
         self.config = config
+        ft = config.fault_tolerance
+        if ft.enable:  # each replica group writes its own config, metrics and checkpoints
+            config.job.dump_folder = group_dump_folder(config.job.dump_folder, ft.replica_id)
+        self.ft: ReplicaGroup | None = None
         # A dry run (comm.mode "fake_backend"): one process plays rank 0 of the whole world on
         # fake process groups, the model on the meta device, planned for comm.dry_run_device.
         self.dry_run = dry_run.target(config)
@@ -115,6 +120,9 @@ class Trainer(TrainLoop):
         self.step = 0 if config.checkpoint.create_seed_checkpoint else self.checkpointer.load()
         self._build_metrics(world_size, flops_per_token)
         self.init_step_state(compute_dtype)
+        if ft.enable:
+            self.ft = ReplicaGroup(ft, self.checkpointer, self.lr_scheduler, self.device,
+                                   self.step, self._recovered)  # fmt: skip
         self.rl = rl_steps.recipe(self)
 
     # --- the recipe's parts, in order ---------------------------------------------------
@@ -141,6 +149,11 @@ class Trainer(TrainLoop):
         """The train and held-out splits, the batch preparer and the train loader."""
         config, dims = self.config, self.parallel_dims
         dp_rank, dp = dims.dp_rank(), dims.dp_degree
+        samples = self.batch.global_batch_size
+        ft = config.fault_tolerance
+        if ft.enable:  # the groups read the data as HSDP's replicas would
+            dp_rank, dp = ft.replica_id * dp + dp_rank, ft.replica_count * dp
+            samples *= ft.replica_count
         if config.rl.algorithm != "none":  # prompts instead of token windows
             self.val_set = self.data_schedule = None
             self.loader = rl_steps.data_stream(self)
@@ -149,9 +162,7 @@ class Trainer(TrainLoop):
         train_set, self.val_set = data.train, data.val
         self.batches = BatchPreparer(config, data.masking, self.rank, dp_rank)
         self.data_schedule = data.schedule
-        self.loader = build_loader(
-            train_set, config, dp_rank, dp, self.batch.global_batch_size, data.schedule
-        )
+        self.loader = build_loader(train_set, config, dp_rank, dp, samples, data.schedule)
         if self.val_set is not None and (len(self.val_set) < dp or dims.pp_enabled):
             logger.warning(
                 "validation: off (%s)",
@@ -290,6 +301,12 @@ class Trainer(TrainLoop):
             torch.backends.cudnn.deterministic = True
             torch.backends.cudnn.benchmark = False
 
+    def _recovered(self, step: int) -> None:
+        """Fault tolerance: this group took a live peer's state of `step`."""
+        self.step = step
+
     def close(self) -> None:
+        if self.ft is not None:
+            self.ft.shutdown()
         self.checkpointer.close()
         self.metrics.close()

@@ -1,0 +1,314 @@
+"""Fault-tolerant HSDP and DiLoCo on torchft (`[fault_tolerance]`), launched as a user does:
+`titanlab train` starts the lighthouse and one torchrun per replica group (FSDP 2 inside each).
+
+- Without a fault, 2 groups train like plain HSDP (dp_replicate 2 × dp_shard 2), also when the
+  whole job is stopped and launched again (each group from its own checkpoint).
+- kill -9 of every rank of one group mid-run: the survivor never goes back (the longest
+  wall-clock gap between its steps is printed), torchrun restarts the killed group, which
+  recovers the weights, optimizer state and step from the live peer (its data position from
+  its own checkpoint); the groups end on bitwise-equal weights, and every step's loss equals a
+  single-process reference trained on the batches of the groups in that step's quorum
+  (`ft_reference.py`). `make test-full` adds the 3-group, 30-step test where two groups step on
+  alone.
+- DiLoCo: 2 groups syncing every 4 steps equal the single-process algorithm over 12 steps.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+from datetime import datetime
+
+import pytest
+import torch
+
+from tests.integration.conftest import (
+    CONSTANT_LR,
+    PARITY_FULL,
+    REPO,
+    TINY,
+    launch,
+    read_metrics,
+    wait_for,
+)
+
+pytest.importorskip("torchft")
+
+GROUP_RANKS = 2
+
+
+def ft_args(dataset: str, dump: str, steps: int, *extra: str) -> list[str]:
+    return [*TINY, "--data.dataset_path", dataset, "--job.dump_folder", dump,
+            "--training.steps", str(steps), "--parallelism.data_parallel_shard_degree",
+            str(GROUP_RANKS), *extra]  # fmt: skip
+
+
+def titanlab_train(args: list[str], env: dict | None = None) -> subprocess.Popen:
+    """`titanlab train` with fault tolerance on: the lighthouse and the groups, 2 ranks each."""
+    env = dict(os.environ, NGPU=str(GROUP_RANKS), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+               **(env or {}))  # fmt: skip
+    env.pop("TORCHFT_LIGHTHOUSE", None)
+    cmd = [sys.executable, "-m", "titanlab.cli", "train", *args]
+    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)  # fmt: skip
+
+
+def finish(run: subprocess.Popen, dump: str) -> str:
+    out, _ = run.communicate(timeout=600)
+    os.makedirs(dump, exist_ok=True)
+    with open(os.path.join(dump, "titanlab_train.log"), "w", encoding="utf-8") as f:
+        f.write(out)  # kept for diagnosis
+    assert run.returncode == 0, out[-6000:]
+    return out
+
+
+def group_metrics(dump: str, group: int) -> dict[int, dict]:
+    with open(os.path.join(dump, f"replica_{group}", "metrics.jsonl"), encoding="utf-8") as f:
+        return {rec["step"]: rec for rec in map(json.loads, f)}
+
+
+def test_without_a_fault_two_groups_train_like_plain_hsdp_and_resume_exactly(
+    tiny_dataset, tmp_path
+):
+    """2 groups × FSDP 2 against plain HSDP (dp_replicate 2 × dp_shard 2): 5 steps, then the
+    whole job stopped and launched again to step 8, each group from its own checkpoint; every
+    step's loss equal within 1e-5 (a constant learning rate, so that the schedule does not
+    depend on training.steps)."""
+    dump = str(tmp_path / "ft")
+    ft = ["--fault_tolerance.enable", "true", "--fault_tolerance.replica_count", "2",
+          "--fault_tolerance.min_replicas", "2", *CONSTANT_LR, "--checkpoint.interval", "5"]  # fmt: skip
+    out = finish(titanlab_train(ft_args(tiny_dataset, dump, 5, *ft)), dump)
+    assert "[g0rank0]:" in out and "[g1rank0]:" in out
+    out = finish(titanlab_train(ft_args(tiny_dataset, dump, 8, *ft)), dump)
+    assert "resumed" in out or "loaded" in out, out[-3000:]
+    hsdp = str(tmp_path / "hsdp")
+    launch(4, ft_args(tiny_dataset, hsdp, 8, *CONSTANT_LR,
+                      "--parallelism.data_parallel_replicate_degree", "2")).check()  # fmt: skip
+    want = read_metrics(hsdp)
+    for group in (0, 1):
+        got = group_metrics(dump, group)
+        assert sorted(got) == list(range(1, 9))
+        assert all(rec["ft/groups"] == 2 for rec in got.values())
+        worst = max(abs(got[s]["loss"] - want[s]) for s in want)
+        assert worst <= 1e-5, (group, {s: got[s]["loss"] for s in got}, want)
+
+
+def trainer_pids(dump: str, group: int) -> list[int]:
+    """The trainer processes (not torchrun's agent) of replica group `group` of the run in
+    `dump`."""
+    pids = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read().decode(errors="replace").split("\0")
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                env = f.read().decode(errors="replace").split("\0")
+        except OSError:
+            continue
+        rank = any(v.startswith("LOCAL_RANK=") for v in env)  # a rank, not a launcher or agent
+        option = "--fault_tolerance.replica_id"
+        if rank and dump in cmd and option in cmd and cmd[cmd.index(option) + 1] == str(group):
+            pids.append(int(pid))
+    return pids
+
+
+STEP_LINE = re.compile(r"^\[g0rank0\]:\[titanlab\] (\S+ \S+) INFO step: (\d+)  loss")
+
+
+def step_times(out: str) -> list[tuple[int, datetime]]:
+    """(step, when logged) of group 0's log lines, in order."""
+    found = []
+    for line in out.splitlines():
+        m = STEP_LINE.match(line)
+        if m:
+            found.append((int(m.group(2)), datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S,%f")))
+    return found
+
+
+def joint_steps(dump: str, group: int) -> list[int]:
+    """Steps group `group` logged with both groups in the quorum."""
+    path = os.path.join(dump, f"replica_{group}", "metrics.jsonl")
+    if not os.path.exists(path):
+        return []
+    return [s for s, rec in group_metrics(dump, group).items() if rec.get("ft/groups") == 2]
+
+
+def complete_checkpoint(dump: str, group: int, after: int) -> bool:
+    folder = os.path.join(dump, f"replica_{group}", "checkpoint")
+    if not os.path.isdir(folder):
+        return False
+    steps = [int(d[5:]) for d in os.listdir(folder) if re.fullmatch(r"step-\d+", d)]
+    return any(s > after and os.path.exists(os.path.join(folder, f"step-{s}", ".metadata"))
+               for s in steps)  # fmt: skip
+
+
+def test_a_killed_group_is_restarted_and_recovers_from_the_live_peer(tiny_dataset, tmp_path):
+    """CI's short kill test: 2 groups with min_replicas 2, so the survivor waits for the
+    quorum while torchrun (MAX_RESTARTS=1) restarts the killed group; make test-full's
+    3-group test has the survivors step on alone."""
+    dump = str(tmp_path / "ft")
+    steps = 10
+    run = titanlab_train(
+        ft_args(tiny_dataset, dump, steps, "--fault_tolerance.enable", "true",
+                "--fault_tolerance.replica_count", "2", "--fault_tolerance.min_replicas", "2",
+                "--fault_tolerance.timeout_seconds", "10", "--checkpoint.interval", "3",
+                "--checkpoint.keep_latest_k", "0", "--debug.record_batches", "true"),
+        env={"MAX_RESTARTS": "1"},
+    )  # fmt: skip
+    # killed two steps after its step-3 checkpoint: restarted, it is behind the survivor
+    wait_for(lambda: max(joint_steps(dump, 1), default=0) >= 5)
+    assert complete_checkpoint(dump, 1, 2)
+    killed = trainer_pids(dump, 1)
+    assert len(killed) == GROUP_RANKS
+    for pid in killed:
+        os.kill(pid, signal.SIGKILL)
+    out = finish(run, dump)
+    assert "replica group 1 recovered step" in out, out[-4000:]
+    # group 0 never went back, and finished
+    times = step_times(out)
+    logged = [s for s, _ in times]
+    assert logged == sorted(set(logged)) and logged[-1] == steps, logged
+    gap = max((b - a).total_seconds() for (_, a), (_, b) in zip(times, times[1:]))
+    print(f"\nlongest wall-clock gap between group 0's steps (the restart): {gap:.1f} s")
+    assert_same_final_weights(dump, steps, groups=2)
+    assert_losses_follow_the_quorum(tmp_path, tiny_dataset, dump, groups=2, killed=1)
+
+
+def recorded(dump: str, group: int) -> dict[int, list]:
+    """{step: [inputs, labels]}: the rows group `group` trained on at each step (its ranks in
+    order; a step run again: the last record)."""
+    by_rank: list[dict[int, tuple]] = []
+    for rank in range(GROUP_RANKS):
+        path = os.path.join(dump, f"replica_{group}", "batches", f"rank{rank}.jsonl")
+        with open(path, encoding="utf-8") as f:
+            by_rank.append({r["step"]: (r["inputs"], r["labels"]) for r in map(json.loads, f)})
+    return {s: [[row for r in by_rank for row in r[s][0]], [row for r in by_rank for row in r[s][1]]]
+            for s in by_rank[0] if all(s in r for r in by_rank)}  # fmt: skip
+
+
+def reference_losses(
+    tmp_path, dataset: str, spec: dict, rows: int, steps: int, options: tuple[str, ...] = ()
+) -> dict[str, dict[int, float]]:
+    """`ft_reference.py`'s losses for `spec`, on one warm rank (the run's options and
+    `options`, `steps` steps, one process of `rows` rows)."""
+    from tools.lib.rank_pool import default_pool
+
+    spec_path, out = str(tmp_path / "spec.json"), str(tmp_path / "reference.json")
+    with open(spec_path, "w", encoding="utf-8") as f:
+        json.dump(spec, f)
+    args = [spec_path, out, *TINY, "--data.dataset_path", dataset, "--job.dump_folder",
+            str(tmp_path / "reference"), "--training.local_batch_size", str(rows),
+            "--training.steps", str(steps), *options,
+            "--checkpoint.enable", "false"]  # fmt: skip
+    here = os.path.dirname(os.path.abspath(__file__))
+    proc = default_pool().run(1, args, target="ft_reference:pool_main", paths=[here])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    with open(out, encoding="utf-8") as f:
+        return {g: {int(s): v for s, v in by.items()} for g, by in json.load(f)["losses"].items()}
+
+
+def assert_losses_follow_the_quorum(
+    tmp_path, dataset, dump, groups: int, killed: int, options: tuple[str, ...] = ()
+) -> None:
+    """Every step's loss equals one process training, at each step, on the batches
+    of the groups in that step's quorum, within 1e-5. The groups present: the others where
+    their metrics hold the step (a group that joined late recovered a later step), the killed
+    one where the quorum counted one more (its restart kept only its checkpoint's records)."""
+    metrics = {g: group_metrics(dump, g) for g in range(groups)}
+    batches = {g: recorded(dump, g) for g in range(groups)}
+    steps, losses, counts = {}, {}, set()
+    for s in sorted({s for g in range(groups) if g != killed for s in metrics[g]}):
+        present = [g for g in range(groups) if g != killed and s in metrics[g]]
+        rec = metrics[present[0]][s]  # every group of the quorum logged the same loss
+        if rec["ft/groups"] > len(present):
+            present.append(killed)
+        assert len(present) == rec["ft/groups"], (s, rec["ft/groups"], present)
+        steps[s] = [batches[g][s] for g in present]
+        losses[s], counts = rec["loss"], counts | {len(present)}
+    rows = max(sum(len(b[0]) for b in group) for group in steps.values())
+    spec = {"mode": "quorum", "steps": steps}
+    want = reference_losses(tmp_path, dataset, spec, rows, max(steps), options)["all"]
+    worst = max(abs(losses[s] - want[s]) for s in want)
+    print(f"|Δloss| against the one-process quorum reference ({sorted(counts)} groups): "
+          f"{worst:.2e}")  # fmt: skip
+    assert worst <= 1e-5, (losses, want)
+
+
+def assert_same_final_weights(dump: str, steps: int, groups: int) -> None:
+    """Every group's export of the last step holds the same weights, bit for bit."""
+    from titanlab.generation.loading import load_model
+
+    finals = [
+        load_model(os.path.join(dump, f"replica_{g}", "checkpoint", f"export-step-{steps}"),
+                   torch.device("cpu"))[0].state_dict()
+        for g in range(groups)
+    ]  # fmt: skip
+    for other in finals[1:]:
+        assert other.keys() == finals[0].keys()
+        assert all(torch.equal(other[k], finals[0][k]) for k in finals[0])
+
+
+@pytest.mark.skipif(not PARITY_FULL, reason="make test-full: 3 groups × 2 ranks, 30 steps")
+def test_two_groups_keep_stepping_while_the_third_is_killed_and_rejoins(tiny_dataset, tmp_path):
+    """The issue's long test: 3 groups × 2 ranks, min_replicas 2, 30 steps; kill -9 of a whole
+    group at a random step: the other two step on (their counters never go back), torchrun
+    restarts the killed one, which recovers from a live peer, and all three end on the same
+    weights, and every step's loss follows the one-process quorum reference (at the debug
+    config's learning rate, 4e-3, a loss spike around step 13 amplifies fp32 rounding past
+    1e-5 over 30 steps; 1e-3 keeps the comparison about the algorithm)."""
+    import random
+
+    dump = str(tmp_path / "ft")
+    steps, kill_at = 30, random.randint(4, 8)
+    run = titanlab_train(
+        ft_args(tiny_dataset, dump, steps, "--fault_tolerance.enable", "true",
+                "--fault_tolerance.replica_count", "3", "--fault_tolerance.min_replicas", "2",
+                "--fault_tolerance.timeout_seconds", "10", "--checkpoint.interval", "2",
+                "--checkpoint.keep_latest_k", "0", "--debug.record_batches", "true",
+                "--optimizer.lr", "1e-3"),
+        env={"MAX_RESTARTS": "1"},
+    )  # fmt: skip
+    path = os.path.join(dump, "replica_2", "metrics.jsonl")
+    wait_for(lambda: os.path.exists(path) and max(group_metrics(dump, 2), default=0) >= kill_at)
+    for pid in trainer_pids(dump, 2):
+        os.kill(pid, signal.SIGKILL)
+    out = finish(run, dump)
+    print(f"\nkilled group 2 at step {kill_at}")
+    assert "replica group 2 recovered step" in out, out[-4000:]
+    times = step_times(out)
+    logged = [s for s, _ in times]
+    assert logged == sorted(set(logged)) and logged[-1] == steps, logged
+    gap = max((b - a).total_seconds() for (_, a), (_, b) in zip(times, times[1:]))
+    print(f"longest wall-clock gap between group 0's steps: {gap:.1f} s")
+    two = [s for s, rec in group_metrics(dump, 0).items() if rec["ft/groups"] == 2]
+    assert two, "groups 0 and 1 never stepped without group 2"
+    assert_same_final_weights(dump, steps, groups=3)
+    assert_losses_follow_the_quorum(tmp_path, tiny_dataset, dump, 3, 2, ("--optimizer.lr", "1e-3"))
+
+
+def test_diloco_equals_a_one_process_reference_of_the_algorithm(tiny_dataset, tmp_path):
+    """DiLoCo (`semi_sync_method = "diloco"`): 2 groups × FSDP 2, AdamW inside each group, the
+    outer Nesterov SGD every 4 steps; 12 steps equal `ft_reference.py`'s single-process
+    algorithm on the batches each group recorded, within 1e-5, and both groups end on the same
+    weights."""
+    dump, steps = str(tmp_path / "diloco"), 12
+    run = titanlab_train(ft_args(
+        tiny_dataset, dump, steps, "--fault_tolerance.enable", "true",
+        "--fault_tolerance.replica_count", "2", "--fault_tolerance.min_replicas", "2",
+        "--fault_tolerance.semi_sync_method", "diloco", "--fault_tolerance.sync_steps", "4",
+        "--debug.record_batches", "true", "--checkpoint.interval", str(steps)))  # fmt: skip
+    finish(run, dump)
+    batches = [recorded(dump, g) for g in (0, 1)]
+    spec = {"mode": "diloco", "sync_steps": 4, "outer_lr": 0.7, "outer_momentum": 0.9,
+            "steps": {s: [batches[0][s], batches[1][s]] for s in range(1, steps + 1)}}  # fmt: skip
+    want = reference_losses(tmp_path, tiny_dataset, spec, 2 * GROUP_RANKS, steps)
+    for g in (0, 1):
+        got = group_metrics(dump, g)
+        worst = max(abs(got[s]["loss"] - want[str(g)][s]) for s in range(1, steps + 1))
+        print(f"group {g}: |Δloss| against the one-process DiLoCo reference {worst:.2e}")
+        assert worst <= 1e-5, (g, {s: got[s]["loss"] for s in got}, want[str(g)])
+    assert_same_final_weights(dump, steps, groups=2)

@@ -1,0 +1,295 @@
+"""One rank's side of fault-tolerant HSDP across replica groups (`[fault_tolerance]`, torchft).
+
+Each replica group is its own launch: its ranks shard the model (FSDP, TP, CP, EP) as any
+run does, and across groups torchft's `Manager` (one per rank, its managed process group
+configured anew for every quorum the lighthouse forms) stands where HSDP's dp_replicate
+all-reduce was. One step:
+
+1. `start_step`: the quorum of the groups alive now. A group behind the others (relaunched
+   after a failure) first receives their state from a live peer (`state_dict` /
+   `load_state_dict`: this rank's shards of the weights and optimizer state, the LR schedule,
+   the step), rank by rank.
+2. forward and backward inside the group, as without fault tolerance.
+3. `average_gradients`: the gradient of the mean token loss over the groups in the quorum:
+   each group's gradient (of its own token mean) weighted by its token count, all-reduced in
+   one flat buffer with the loss and the count.
+4. `commit`: every group steps its optimizer only when the step succeeded everywhere in the
+   quorum (torchft's should_commit); a step that failed (a peer died during it) is not
+   committed and the trainer runs it again on the same batches.
+
+Source: torchft (https://github.com/pytorch/torchft, `Manager`: quorum, managed allreduce,
+should_commit, recovery by HTTP transfer) and torchtitan's fault-tolerance experiment, which
+wires the same steps into its trainer.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+from collections.abc import Callable, Iterable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.tensor import DTensor
+
+from titanlab.config.device_path import device_type
+from titanlab.config.errors import ConfigError
+from titanlab.config.fault_tolerance import FaultTolerance
+from titanlab.resilience.failures import QuorumTimeout
+
+logger = logging.getLogger("titanlab")
+_FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
+"""The checkpointer's optimizer state dict: keyed by parameter name (`Checkpointer._optim_sd`)."""
+
+
+def replica_name(replica_id: int) -> str:
+    """The id a group gives the lighthouse (torchft reads its trailing digits as the index)."""
+    return f"titanlab_replica_{replica_id}"
+
+
+def group_dump_folder(dump_folder: str, replica_id: int) -> str:
+    """Where a group writes its config, metrics and checkpoints: `<dump>/replica_<id>`."""
+    return os.path.join(dump_folder, f"replica_{replica_id}")
+
+
+def _local(value: Any) -> Any:
+    """A DTensor's local shard; anything else as it is."""
+    return value.to_local() if isinstance(value, DTensor) else value
+
+
+class ReplicaGroup:
+    """This rank's torchft `Manager` and the state a recovering peer receives from it.
+
+    Args:
+        cfg: the `[fault_tolerance]` section (enabled).
+        checkpointer: the run's `Checkpointer` (its model and optimizer state dicts, in the
+            layout every group shares, are what a recovery transfers).
+        lr_scheduler: the run's LR schedule (state_dict / load_state_dict).
+        device: this rank's device: gloo groups on CPU, NCCL on CUDA.
+        step: the step this rank resumes after (its own checkpoint's, or 0).
+        on_recovered: called with the step received when this group recovered from a peer.
+    Raises:
+        ConfigError: torchft is not installed, or the lighthouse does not answer within
+            `quorum_timeout_seconds` (one line naming its address).
+    """
+
+    def __init__(
+        self,
+        cfg: FaultTolerance,
+        checkpointer,
+        lr_scheduler,
+        device: torch.device,
+        step: int,
+        on_recovered: Callable[[int], None],
+    ) -> None:
+        os.environ.setdefault("RUST_LOG", "warn")  # torchft's Rust side logs every quorum
+        for name in ("torchft", "torchft_quorums", "torchft_commits", "torchft_errors"):
+            logging.getLogger(name).setLevel(logging.ERROR)  # torchft reports each step
+        # a recovery's received tensors are read-only views of the transfer buffer, copied
+        # into the model at once (`_load_state_dict`)
+        warnings.filterwarnings("ignore", message="The given buffer is not writable")
+        try:
+            from torchft.manager import Manager
+            from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
+        except ImportError:
+            raise ConfigError(
+                "fault_tolerance.enable=true needs torchft: pip install 'titanlab[ft]'"
+            ) from None
+        self.cfg = cfg
+        self.checkpointer = checkpointer
+        self.lr_scheduler = lr_scheduler
+        self.on_recovered = on_recovered
+        self.step = step
+        address = cfg.lighthouse_address()
+        if not address:
+            raise ConfigError(
+                "fault_tolerance.enable=true needs a lighthouse: set fault_tolerance.lighthouse "
+                "or $TORCHFT_LIGHTHOUSE (run_train.sh and titanlab train start one)"
+            )
+        self.address = address
+        timeout = timedelta(seconds=cfg.timeout_seconds)
+        store_port = self._fresh_store()
+        pg_class = ProcessGroupNCCL if device_type(device) == "cuda" else ProcessGroupGloo
+        try:
+            self.manager = Manager(
+                pg=pg_class(timeout=timeout),
+                load_state_dict=self._load_state_dict,
+                state_dict=self._state_dict,
+                min_replica_size=cfg.min_replicas,
+                use_async_quorum=False,  # a recovery completes before the step's forward
+                timeout=timeout,
+                quorum_timeout=timedelta(seconds=cfg.quorum_timeout_seconds),
+                connect_timeout=timedelta(seconds=cfg.quorum_timeout_seconds),
+                replica_id=replica_name(cfg.replica_id),
+                lighthouse_addr=address,
+                store_addr=os.environ["MASTER_ADDR"],
+                store_port=store_port,
+                # every group draws the same initial weights (debug.seed) or loads the same
+                # initial checkpoint: nothing to send at step 0
+                init_sync=False,
+            )
+        except Exception as e:  # the Rust client's connection error, e.g. a timeout
+            raise ConfigError(self._unreachable(e)) from None
+        self.diloco = None
+        if cfg.semi_sync_method == "diloco":  # the manager counts outer steps
+            self.manager.load_state_dict({"step": step // cfg.sync_steps, "batches_committed": 0})
+            self.diloco = _diloco(self.manager, cfg, checkpointer, device)
+        else:
+            self.manager.load_state_dict({"step": step, "batches_committed": step})
+
+    def _fresh_store(self) -> int:
+        """A store for this launch's managers (rank 0 serves it; its port reaches the other
+        ranks by broadcast). Not the launcher's: torchrun keeps that one across the restarts
+        of a group, where a restarted rank could read the dead manager's address."""
+        port = [0]
+        if dist.get_rank() == 0:
+            self._store = dist.TCPStore(
+                os.environ["MASTER_ADDR"], 0, is_master=True, wait_for_workers=False
+            )
+            port = [self._store.port]
+        dist.broadcast_object_list(port, src=0)
+        return int(port[0])
+
+    def _unreachable(self, e: Exception) -> str:
+        lines = str(e).strip().splitlines()
+        first = lines[0].rsplit(": ", 1)[-1] if lines else type(e).__name__  # the root cause
+        return (
+            f"fault_tolerance: the lighthouse at {self.address} did not answer within "
+            f"{self.cfg.quorum_timeout_seconds:g} s ({first}); start it (torchft_lighthouse "
+            "--min_replicas N) or let run_train.sh / titanlab train start it"
+        )
+
+    # --- the step --------------------------------------------------------------------------
+    def start_step(self) -> None:
+        """Join this step's quorum (and recover from a peer when this group is behind); under
+        DiLoCo nothing (the quorum is formed at each outer step, in the optimizer's hook).
+
+        Raises:
+            QuorumTimeout: fewer than min_replicas groups for `quorum_timeout_seconds`.
+        """
+        if self.diloco is not None:
+            return
+        try:
+            self.manager.start_quorum()
+        except TimeoutError:
+            raise QuorumTimeout(
+                f"fault_tolerance: replica group {self.cfg.replica_id} found no quorum of "
+                f"min_replicas={self.cfg.min_replicas} groups within quorum_timeout_seconds="
+                f"{self.cfg.quorum_timeout_seconds:g} after step {self.step} (lighthouse "
+                f"{self.address}); the other groups have stopped or cannot be reached"
+            ) from None
+
+    def groups(self) -> int:
+        """Replica groups in this step's quorum (DiLoCo: in the last outer step's; 1 before
+        the first)."""
+        return self.manager.num_participants() or 1
+
+    def average_gradients(
+        self, params: Iterable[torch.nn.Parameter], loss_sum: torch.Tensor, tokens: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Replace each gradient by the token-weighted mean over the groups of the quorum.
+
+        Args:
+            params: this rank's parameters; the `.grad` of each trained one (a DTensor shard or
+                a tensor; zeros where none) is the gradient of this group's mean token loss.
+            loss_sum: 0-d, this group's summed token loss (equal on its ranks).
+            tokens: 0-d, this group's token count (equal on its ranks).
+        Returns:
+            (loss_sum, tokens) summed over the groups of the quorum (float32, 0-d).
+        A collective that fails (a peer died) leaves the step uncommitted (`commit`).
+        """
+        trained = [p for p in params if p.requires_grad]
+        for p in trained:  # the same buffer layout in every group, used or not this step
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        grads = [_local(p.grad) for p in trained]
+        count = tokens.float().reshape(1)
+        flat = torch.cat(
+            [g.detach().reshape(-1).float() * count for g in grads]
+            + [loss_sum.detach().float().reshape(1), count]
+        )
+        self.manager.allreduce(flat).wait()  # the mean over the groups of the quorum
+        groups = max(self.groups(), 1)
+        mean_count = flat[-1]
+        offset = 0
+        for g in grads:
+            n = g.numel()
+            g.copy_((flat[offset : offset + n] / mean_count).view_as(g))
+            offset += n
+        return flat[-2] * groups, mean_count * groups
+
+    def commit(self) -> bool:
+        """Whether every group of the quorum finished the step (then step the optimizer);
+        always under DiLoCo, whose inner steps are each group's own."""
+        if self.diloco is not None:
+            return True
+        committed = self.manager.should_commit()
+        if committed:
+            self.step = self.manager.current_step()
+        return committed
+
+    def shutdown(self) -> None:
+        if self.diloco is not None:
+            self.diloco.__exit__(None, None, None)
+        self.manager.shutdown(wait=False)
+
+    # --- recovery --------------------------------------------------------------------------
+    def _state_dict(self) -> dict[str, Any]:
+        """What a recovering peer's rank of the same index receives: this rank's shards."""
+        return {
+            "model": {k: _local(v) for k, v in self.checkpointer._model_sd().items()},
+            "optimizer": {k: _local(v) for k, v in self.checkpointer._optim_sd().items()},
+            "lr_scheduler": self.lr_scheduler.state_dict(),
+            "step": self.manager.current_step(),
+        }
+
+    def _load_state_dict(self, received: dict[str, Any]) -> None:
+        """Take a live peer's state (its shards of the same layout), in place."""
+        ckpt = self.checkpointer
+        model = ckpt._model_sd()
+        optim = ckpt._optim_sd()  # creates the optimizer's state when it has none yet
+        with torch.no_grad():
+            for ours, theirs in ((model, received["model"]), (optim, received["optimizer"])):
+                for key, value in ours.items():
+                    if isinstance(value, torch.Tensor):
+                        _local(value).copy_(theirs[key])
+                    else:
+                        ours[key] = theirs[key]
+        (part,), (opt,) = ckpt.model_parts, ckpt.optimizer.optimizers  # no pipeline stages
+        set_model_state_dict(part, model)
+        set_optimizer_state_dict(part, opt, optim, options=_FLAT)
+        self.lr_scheduler.load_state_dict(received["lr_scheduler"])
+        self.step = int(received["step"])
+        logger.warning(
+            "fault tolerance: replica group %d recovered step %d from a live peer",
+            self.cfg.replica_id,
+            self.step,
+        )
+        self.on_recovered(self.step)
+
+
+def _diloco(manager, cfg: FaultTolerance, checkpointer, device: torch.device):
+    """torchft's DiLoCo over the model (one fragment), entered: after every `sync_steps`-th
+    step of the inner optimizer its hook averages the pseudo-gradients (the weights of the last
+    sync minus this group's) over the quorum and steps the outer Nesterov SGD on the weights of
+    the last sync, which every group then holds."""
+    from torchft.local_sgd import DiLoCo
+
+    (model,) = checkpointer.model_parts  # fault tolerance refuses pipeline stages
+    (inner,) = checkpointer.optimizer.optimizers
+    outer = torch.optim.SGD(
+        model.parameters(), lr=cfg.outer_lr, momentum=cfg.outer_momentum, nesterov=True
+    )
+    diloco = DiLoCo(
+        manager, [model], inner, outer, sync_every=cfg.sync_steps,
+        pin_memory=device_type(device) == "cuda",
+    )  # fmt: skip
+    return diloco.__enter__()
