@@ -40,10 +40,10 @@ from tools.lib.runs import (  # noqa: F401 (re-exported)
 # together.
 LONGEST_FIRST = (
     "test_feature_pairs.py",  # ~470 s
-    "test_fault_tolerance.py",  # ~230 s
     "test_parallel_parity.py",  # ~285 s
     "test_deepseek_v3.py",  # ~250 s
     "test_faults.py",  # ~235 s
+    "test_fault_tolerance.py",  # ~230 s
     "test_rl.py",  # ~230 s
     "test_muon.py",  # ~160 s
     "test_qwen3_moe.py",  # ~155 s

@@ -165,7 +165,8 @@ def test_ft_groups_split_the_nodes_into_replica_groups_that_train_like_one_run(
     the 2-rank run on one host within 1e-5."""
     pytest.importorskip("torchft")
     dump = str(tmp_path / "ft_groups")
-    job, log = submit(slurm, dump, overrides(tiny_dataset, dump, 4), env={"FT_GROUPS": "2"})
+    env = {"FT_GROUPS": "2", "FT_MIN_REPLICAS": "2"}  # both groups in every step
+    job, log = submit(slurm, dump, overrides(tiny_dataset, dump, 4), env=env)
     info = slurm.wait(job, timeout=300)
     text = read(log)
     assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), text[-4000:]
@@ -173,4 +174,5 @@ def test_ft_groups_split_the_nodes_into_replica_groups_that_train_like_one_run(
     for group in (0, 1):
         got = read_metrics(os.path.join(dump, f"replica_{group}"))
         assert sorted(got) == [1, 2, 3, 4]
+        assert "groups: 2" in text
         assert max(abs(got[s] - straight[s]) for s in got) <= 1e-5, (got, straight)
