@@ -66,9 +66,14 @@ def finish(run: subprocess.Popen, dump: str) -> str:
     return out
 
 
-def group_metrics(dump: str, group: int) -> dict[int, dict]:
-    with open(os.path.join(dump, f"replica_{group}", "metrics.jsonl"), encoding="utf-8") as f:
+def group_metrics_of(folder: str) -> dict[int, dict]:
+    """The records of `<folder>/metrics.jsonl` by step (the last of a step)."""
+    with open(os.path.join(folder, "metrics.jsonl"), encoding="utf-8") as f:
         return {rec["step"]: rec for rec in map(json.loads, f)}
+
+
+def group_metrics(dump: str, group: int) -> dict[int, dict]:
+    return group_metrics_of(os.path.join(dump, f"replica_{group}"))
 
 
 def test_without_a_fault_two_groups_train_like_plain_hsdp_and_resume_exactly(
@@ -79,22 +84,30 @@ def test_without_a_fault_two_groups_train_like_plain_hsdp_and_resume_exactly(
     step's loss equal within 1e-5 (a constant learning rate, so that the schedule does not
     depend on training.steps)."""
     dump = str(tmp_path / "ft")
+    val = ["--validation.enable", "true", "--validation.freq", "4", "--validation.steps", "1"]
     ft = ["--fault_tolerance.enable", "true", "--fault_tolerance.replica_count", "2",
-          "--fault_tolerance.min_replicas", "2", *CONSTANT_LR, "--checkpoint.interval", "5"]  # fmt: skip
+          "--fault_tolerance.min_replicas", "2", *CONSTANT_LR, "--checkpoint.interval", "5",
+          *val]  # fmt: skip
     out = finish(titanlab_train(ft_args(tiny_dataset, dump, 5, *ft)), dump)
     assert "[g0rank0]:" in out and "[g1rank0]:" in out
     out = finish(titanlab_train(ft_args(tiny_dataset, dump, 8, *ft)), dump)
     assert "resumed" in out or "loaded" in out, out[-3000:]
     hsdp = str(tmp_path / "hsdp")
-    launch(4, ft_args(tiny_dataset, hsdp, 8, *CONSTANT_LR,
+    launch(4, ft_args(tiny_dataset, hsdp, 8, *CONSTANT_LR, *val,
                       "--parallelism.data_parallel_replicate_degree", "2")).check()  # fmt: skip
     want = read_metrics(hsdp)
+    want_val = {
+        s: rec["val_loss"] for s, rec in group_metrics_of(hsdp).items() if "val_loss" in rec
+    }
+    assert sorted(want_val) == [4, 8]
     for group in (0, 1):
         got = group_metrics(dump, group)
         assert sorted(got) == list(range(1, 9))
         assert all(rec["ft/groups"] == 2 for rec in got.values())
         worst = max(abs(got[s]["loss"] - want[s]) for s in want)
         assert worst <= 1e-5, (group, {s: got[s]["loss"] for s in got}, want)
+        # validation: every group's share of the held-out split, summed over the groups
+        assert all(abs(got[s]["val_loss"] - want_val[s]) <= 1e-5 for s in want_val), (got, want_val)
 
 
 def trainer_pids(dump: str, group: int) -> list[int]:
@@ -312,3 +325,24 @@ def test_diloco_equals_a_one_process_reference_of_the_algorithm(tiny_dataset, tm
         print(f"group {g}: |Δloss| against the one-process DiLoCo reference {worst:.2e}")
         assert worst <= 1e-5, (g, {s: got[s]["loss"] for s in got}, want[str(g)])
     assert_same_final_weights(dump, steps, groups=2)
+
+
+def test_an_unreachable_lighthouse_is_the_last_line_from_inside_the_ranks(tiny_dataset, tmp_path):
+    """run_train.sh given a lighthouse that is not there: one group is launched, its ranks fail
+    to reach the lighthouse, and the user sees one line naming the address, last, exit 2."""
+    dump = str(tmp_path / "unreachable")
+    env = dict(os.environ, NGPU=str(GROUP_RANKS), OMP_NUM_THREADS="1")
+    env.pop("TORCHFT_LIGHTHOUSE", None)
+    proc = subprocess.run(
+        [os.path.join(REPO, "run_train.sh"),
+         *ft_args(tiny_dataset, dump, 2, "--fault_tolerance.enable", "true",
+                  "--fault_tolerance.replica_count", "2", "--fault_tolerance.lighthouse",
+                  "http://localhost:9", "--fault_tolerance.quorum_timeout_seconds", "2")],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert lines[-1].startswith("titanlab: error: fault_tolerance: the lighthouse at "
+                                "http://localhost:9 did not answer within 2 s"), lines[-5:]  # fmt: skip
+    assert sum(line.startswith("titanlab: error:") for line in lines) == 1, lines
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]

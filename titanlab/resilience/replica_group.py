@@ -226,6 +226,20 @@ class ReplicaGroup:
             offset += n
         return flat[-2] * groups, mean_count * groups
 
+    def data_rank(self, dp_rank: int, dp: int) -> tuple[int, int]:
+        """(data-parallel rank, degree) of this rank among every group's: the groups read the
+        data as HSDP's replicas would."""
+        return self.cfg.replica_id * dp + dp_rank, self.cfg.replica_count * dp
+
+    def sum_over_groups(self, *values: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """0-d `values` summed over the groups of the last quorum (as they are before the
+        first: DiLoCo's first outer step forms it)."""
+        if self.manager.num_participants() == 0:  # no quorum yet
+            return values
+        flat = torch.stack([v.detach().float().reshape(()) for v in values])
+        self.manager.allreduce(flat).wait()
+        return tuple(flat * max(self.groups(), 1))
+
     def commit(self) -> bool:
         """Whether every group of the quorum finished the step (then step the optimizer);
         always under DiLoCo, whose inner steps are each group's own."""

@@ -324,12 +324,16 @@ class TrainStep:
 
     @torch.no_grad()
     def validate(self) -> float:
-        """Mean token loss over `validation.steps` batches of the held-out split."""
+        """Mean token loss over `validation.steps` batches of the held-out split (under fault
+        tolerance, of every replica group's share: `ReplicaGroup.sum_over_groups`)."""
+        dp_rank, dp = self.parallel_dims.dp_rank(), self.parallel_dims.dp_degree
+        if self.ft is not None:  # the groups read the held-out split as HSDP's replicas would
+            dp_rank, dp = self.ft.data_rank(dp_rank, dp)
         loader = build_loader(
             self.val_set,
             self.config,
-            self.parallel_dims.dp_rank(),
-            self.parallel_dims.dp_degree,
+            dp_rank,
+            dp,
             schedule=self.data_schedule,  # the mixture of step 1 at every validation
         )
         total = torch.zeros((), device=self.device)
@@ -349,4 +353,7 @@ class TrainStep:
                             total += local_value(model(inputs, **kwargs))
                     else:
                         total += local_value(self.loss_fn(model(inputs, **kwargs), labels))
-        return (global_sum(total, self._loss_mesh) / global_sum(tokens, self._loss_mesh)).item()
+        total, tokens = global_sum(total, self._loss_mesh), global_sum(tokens, self._loss_mesh)
+        if self.ft is not None:
+            total, tokens = self.ft.sum_over_groups(total, tokens)
+        return (total / tokens).item()

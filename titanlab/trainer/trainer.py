@@ -153,7 +153,7 @@ class Trainer(TrainLoop):
         ft = config.fault_tolerance
         if ft.enable:  # the groups read the data as HSDP's replicas would
             dp_rank, dp = ft.replica_id * dp + dp_rank, ft.replica_count * dp
-            samples *= ft.replica_count
+            samples *= ft.replica_count  # (`ReplicaGroup.data_rank`, built later)
         if config.rl.algorithm != "none":  # prompts instead of token windows
             self.val_set = self.data_schedule = None
             self.loader = rl_steps.data_stream(self)
