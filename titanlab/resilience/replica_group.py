@@ -142,6 +142,14 @@ class ReplicaGroup:
         if cfg.semi_sync_method == "diloco":  # the manager counts outer steps
             self.manager.load_state_dict({"step": step // cfg.sync_steps, "batches_committed": 0})
             self.diloco = _diloco(self.manager, cfg, checkpointer, device)
+            if step:
+                logger.warning(
+                    "fault tolerance: DiLoCo resumes at step %d from the checkpoint's weights "
+                    "with a fresh outer momentum (the checkpoints do not hold DiLoCo's outer "
+                    "state yet); the next outer step is %d steps on",
+                    step,
+                    cfg.sync_steps,
+                )
         else:
             self.manager.load_state_dict({"step": step, "batches_committed": step})
 

@@ -93,7 +93,40 @@ def covering_rows(
         rows.append(full)
         uncovered -= subsets(list(full.values()))
         uncovered.discard(seed)
-    return rows
+    return prune(rows, supported, fixtures if check_rows else None)
+
+
+def _compiles(row: Row) -> bool:
+    return row["compile"].name == "on"
+
+
+def prune(rows: list[Row], wanted: set, fixtures: Fixtures | None = None) -> list[Row]:
+    """`rows` less what the others already cover, compiled rows first (each costs 2-5 rows
+    without compile on 2 cores: Dynamo traces every rank): a compiled row whose compile pairs
+    (and triples) all appear in other rows is run eagerly instead (when the pre-flight accepts
+    it, or `fixtures` is None), then a row whose every wanted pair and triple appears in another
+    row is dropped."""
+
+    def covered(row: Row) -> set[frozenset[Level]]:
+        levels = list(row.values())
+        return {frozenset(c) for n in (2, 3) for c in itertools.combinations(levels, n)} & wanted
+
+    rows = list(rows)
+    order = sorted(range(len(rows)), key=lambda i: not _compiles(rows[i]))  # stable
+    for i in order:
+        if not _compiles(rows[i]):
+            continue
+        elsewhere = set().union(*(covered(r) for j, r in enumerate(rows) if j != i))
+        if {t for t in covered(rows[i]) if FACTORS["compile"][1] in t} <= elsewhere:
+            eager = {**rows[i], "compile": FIRST["compile"]}
+            if fixtures is None or verdict(eager, fixtures) is None:
+                rows[i] = eager
+    kept = list(rows)
+    for row in sorted(rows, key=lambda r: not _compiles(r)):
+        others = [r for r in kept if r is not row]
+        if covered(row) <= set().union(*(covered(r) for r in others)):
+            kept = others
+    return kept
 
 
 def pair_rows(
