@@ -60,6 +60,12 @@ def group_dump_folder(dump_folder: str, replica_id: int) -> str:
     return os.path.join(dump_folder, f"replica_{replica_id}")
 
 
+def data_rank(cfg: FaultTolerance, dp_rank: int, dp: int) -> tuple[int, int]:
+    """(data-parallel rank, degree) of a rank of group `cfg.replica_id` with in-group
+    `dp_rank` of `dp`: the groups read the data as HSDP's replicas would."""
+    return cfg.replica_id * dp + dp_rank, cfg.replica_count * dp
+
+
 def _local(value: Any) -> Any:
     """A DTensor's local shard; anything else as it is."""
     return value.to_local() if isinstance(value, DTensor) else value
@@ -233,11 +239,6 @@ class ReplicaGroup:
             g.copy_((flat[offset : offset + n] / mean_count).view_as(g))
             offset += n
         return flat[-2] * groups, mean_count * groups
-
-    def data_rank(self, dp_rank: int, dp: int) -> tuple[int, int]:
-        """(data-parallel rank, degree) of this rank among every group's: the groups read the
-        data as HSDP's replicas would."""
-        return self.cfg.replica_id * dp + dp_rank, self.cfg.replica_count * dp
 
     def sum_over_groups(self, *values: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """0-d `values` summed over the groups of the last quorum (as they are before the

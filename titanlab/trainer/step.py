@@ -38,6 +38,7 @@ from titanlab.posttrain.distill import PipelineDistillLoss, distillation_loss_su
 from titanlab.components.fused_head import fused_distillation, fused_targets, teacher_hidden
 from titanlab.components.fused_pipeline import LABELS
 from titanlab.precision.float8 import precompute_scales
+from titanlab.resilience.replica_group import data_rank
 from titanlab.precision.mixed import autocast_context, build_grad_scaler
 
 logger = logging.getLogger("titanlab")
@@ -328,7 +329,7 @@ class TrainStep:
         tolerance, of every replica group's share: `ReplicaGroup.sum_over_groups`)."""
         dp_rank, dp = self.parallel_dims.dp_rank(), self.parallel_dims.dp_degree
         if self.ft is not None:  # the groups read the held-out split as HSDP's replicas would
-            dp_rank, dp = self.ft.data_rank(dp_rank, dp)
+            dp_rank, dp = data_rank(self.config.fault_tolerance, dp_rank, dp)
         loader = build_loader(
             self.val_set,
             self.config,

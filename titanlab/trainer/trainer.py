@@ -49,7 +49,7 @@ from titanlab.posttrain.teacher import build_teacher, join_teacher_load, teacher
 from titanlab.precision.float8 import apply_float8
 from titanlab.trainer import dry_run, peft_steps, rl_steps
 from titanlab.trainer.host_allocator import fix_malloc_thresholds
-from titanlab.resilience.replica_group import ReplicaGroup, group_dump_folder
+from titanlab.resilience.replica_group import ReplicaGroup, data_rank, group_dump_folder
 from titanlab.trainer.loop import TrainLoop
 
 logger = logging.getLogger("titanlab")
@@ -152,8 +152,8 @@ class Trainer(TrainLoop):
         samples = self.batch.global_batch_size
         ft = config.fault_tolerance
         if ft.enable:  # the groups read the data as HSDP's replicas would
-            dp_rank, dp = ft.replica_id * dp + dp_rank, ft.replica_count * dp
-            samples *= ft.replica_count  # (`ReplicaGroup.data_rank`, built later)
+            dp_rank, dp = data_rank(ft, dp_rank, dp)
+            samples *= ft.replica_count
         if config.rl.algorithm != "none":  # prompts instead of token windows
             self.val_set = self.data_schedule = None
             self.loader = rl_steps.data_stream(self)
