@@ -1,13 +1,14 @@
 """DiLoCo against plain HSDP on `make train`'s job: validation loss, and tokens and seconds to the
 same validation loss.
 
-    python tools/benchmark_diloco.py [--sync-steps 5 20] [--steps 150] [--out docs/performance.md]
+    python tools/benchmark_diloco.py [--diloco H:OUTER_LR:OUTER_MOMENTUM ...] [--steps 150]
+        [--out docs/performance.md]
 
 Trains `make train`'s job (the debug model, `train_configs/debug_model.toml`, the default corpus)
 on 2 CPU ranks as plain HSDP (dp_replicate 2, one rank each: the gradients all-reduced every
 step), then as 2 replica groups of 1 rank on torchft (`titanlab train` with the lighthouse)
-training with DiLoCo, syncing every H steps of `--sync-steps` (AdamW inside each group, the
-outer Nesterov SGD at the paper's 0.7 / 0.9). Fault-tolerant HSDP itself trains exactly like
+training with DiLoCo, once per `--diloco` setting: syncing every H steps, the outer Nesterov
+SGD at that learning rate and momentum (AdamW inside each group). Fault-tolerant HSDP itself trains exactly like
 HSDP (tests/integration/test_fault_tolerance.py). The validation loss of the groups is the
 job's: every group's share of the held-out split, summed over the groups (between two syncs,
 each group on its own weights), so `--val-freq` should be a multiple of each H. The target is HSDP's final validation loss; the table gives each run's
@@ -68,7 +69,8 @@ def table(runs: list[tuple[str, str, Curve]], command: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--sync-steps", type=int, nargs="+", default=[5, 30])
+    p.add_argument("--diloco", nargs="+", default=["5:0.7:0.9", "30:0.7:0.9"],
+                   help="H:OUTER_LR:OUTER_MOMENTUM of each DiLoCo run")  # fmt: skip
     p.add_argument("--steps", type=int, default=150)
     p.add_argument("--val-freq", type=int, default=30)
     p.add_argument("--out", default=os.path.join(REPO, "docs", "performance.md"))
@@ -90,9 +92,14 @@ def main(argv: list[str] | None = None) -> int:
             print(f"HSDP: exit {proc.returncode}\n{proc.stderr[-2000:]}", file=sys.stderr)
             return 1
         runs.append(("plain HSDP", "gradients, every step", read_curve(dump, "", 0.0)))
-        variants = [(f"DiLoCo H = {h}", f"pseudo-gradients, every {h} steps",
-                      ["--fault_tolerance.semi_sync_method", "diloco",
-                       "--fault_tolerance.sync_steps", str(h)]) for h in a.sync_steps]  # fmt: skip
+        variants = []
+        for setting in a.diloco:
+            h, lr, momentum = setting.split(":")
+            variants.append((f"DiLoCo H = {h}, outer lr {lr}, momentum {momentum}",
+                             f"pseudo-gradients, every {h} steps",
+                             ["--fault_tolerance.semi_sync_method", "diloco",
+                              "--fault_tolerance.sync_steps", h, "--fault_tolerance.outer_lr", lr,
+                              "--fault_tolerance.outer_momentum", momentum]))  # fmt: skip
         for i, (name, exchanges, extra) in enumerate(variants):
             got = replica_groups(base, os.path.join(work, f"groups_{i}"), extra)
             if isinstance(got, str):

@@ -43,12 +43,13 @@ LONGEST_FIRST = (
     "test_parallel_parity.py",  # ~285 s
     "test_deepseek_v3.py",  # ~250 s
     "test_faults.py",  # ~235 s
-    "test_fault_tolerance.py",  # ~230 s
     "test_rl.py",  # ~230 s
+    "test_fault_tolerance.py",  # ~175 s
     "test_muon.py",  # ~160 s
     "test_qwen3_moe.py",  # ~155 s
     "test_comm_bytes.py",  # ~120 s
     "test_generation_exports.py",  # ~95 s
+    "test_fault_tolerance_layouts.py",  # ~90 s
     "test_cp_documents.py",  # ~85 s
     "test_observability.py",  # ~75 s
 )

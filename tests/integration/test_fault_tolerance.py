@@ -1,8 +1,7 @@
 """Fault-tolerant HSDP and DiLoCo on torchft (`[fault_tolerance]`), launched as a user does:
 `titanlab train` starts the lighthouse and one torchrun per replica group (FSDP 2 inside each).
+Without a fault, against plain HSDP: test_fault_tolerance_layouts.py.
 
-- Without a fault, 2 groups train like plain HSDP (dp_replicate 2 × dp_shard 2), also when the
-  whole job is stopped and launched again (each group from its own checkpoint).
 - kill -9 of every rank of one group mid-run: the survivor never goes back (the longest
   wall-clock gap between its steps is printed), torchrun restarts the killed group, which
   recovers the weights, optimizer state and step from the live peer (its data position from
@@ -10,7 +9,9 @@
   single-process reference trained on the batches of the groups in that step's quorum
   (`ft_reference.py`). `make test-full` adds the 3-group, 30-step test where two groups step on
   alone.
-- DiLoCo: 2 groups syncing every 4 steps equal the single-process algorithm over 12 steps.
+- DiLoCo: 2 groups syncing every 4 steps equal the single-process algorithm over 12 steps,
+  across a stop and relaunch of the whole job between two syncs; `make test-full` adds a group
+  killed and recovering from the live peer at the next sync.
 """
 
 from __future__ import annotations
@@ -20,94 +21,21 @@ import os
 import re
 import signal
 import subprocess
-import sys
 from datetime import datetime
 
 import pytest
 import torch
 
-from tests.integration.conftest import (
-    CONSTANT_LR,
-    PARITY_FULL,
-    REPO,
-    TINY,
-    launch,
-    read_metrics,
-    wait_for,
+from tests.integration.conftest import CONSTANT_LR, PARITY_FULL, REPO, TINY, wait_for
+from tests.integration.ft_runs import (
+    GROUP_RANKS,
+    finish,
+    ft_args,
+    group_metrics,
+    titanlab_train,
 )
 
 pytest.importorskip("torchft")
-
-GROUP_RANKS = 2
-
-
-def ft_args(dataset: str, dump: str, steps: int, *extra: str) -> list[str]:
-    return [*TINY, "--data.dataset_path", dataset, "--job.dump_folder", dump,
-            "--training.steps", str(steps), "--parallelism.data_parallel_shard_degree",
-            str(GROUP_RANKS), *extra]  # fmt: skip
-
-
-def titanlab_train(args: list[str], env: dict | None = None) -> subprocess.Popen:
-    """`titanlab train` with fault tolerance on: the lighthouse and the groups, 2 ranks each."""
-    env = dict(os.environ, NGPU=str(GROUP_RANKS), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
-               **(env or {}))  # fmt: skip
-    env.pop("TORCHFT_LIGHTHOUSE", None)
-    cmd = [sys.executable, "-m", "titanlab.cli", "train", *args]
-    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)  # fmt: skip
-
-
-def finish(run: subprocess.Popen, dump: str) -> str:
-    out, _ = run.communicate(timeout=600)
-    os.makedirs(dump, exist_ok=True)
-    with open(os.path.join(dump, "titanlab_train.log"), "w", encoding="utf-8") as f:
-        f.write(out)  # kept for diagnosis
-    assert run.returncode == 0, out[-6000:]
-    return out
-
-
-def group_metrics_of(folder: str) -> dict[int, dict]:
-    """The records of `<folder>/metrics.jsonl` by step (the last of a step)."""
-    with open(os.path.join(folder, "metrics.jsonl"), encoding="utf-8") as f:
-        return {rec["step"]: rec for rec in map(json.loads, f)}
-
-
-def group_metrics(dump: str, group: int) -> dict[int, dict]:
-    return group_metrics_of(os.path.join(dump, f"replica_{group}"))
-
-
-def test_without_a_fault_two_groups_train_like_plain_hsdp_and_resume_exactly(
-    tiny_dataset, tmp_path
-):
-    """2 groups × FSDP 2 against plain HSDP (dp_replicate 2 × dp_shard 2): 5 steps, then the
-    whole job stopped and launched again to step 8, each group from its own checkpoint; every
-    step's loss equal within 1e-5 (a constant learning rate, so that the schedule does not
-    depend on training.steps)."""
-    dump = str(tmp_path / "ft")
-    val = ["--validation.enable", "true", "--validation.freq", "4", "--validation.steps", "1"]
-    ft = ["--fault_tolerance.enable", "true", "--fault_tolerance.replica_count", "2",
-          "--fault_tolerance.min_replicas", "2", *CONSTANT_LR, "--checkpoint.interval", "5",
-          *val]  # fmt: skip
-    out = finish(titanlab_train(ft_args(tiny_dataset, dump, 5, *ft)), dump)
-    assert "[g0rank0]:" in out and "[g1rank0]:" in out
-    out = finish(titanlab_train(ft_args(tiny_dataset, dump, 8, *ft)), dump)
-    assert "resumed" in out or "loaded" in out, out[-3000:]
-    hsdp = str(tmp_path / "hsdp")
-    launch(4, ft_args(tiny_dataset, hsdp, 8, *CONSTANT_LR, *val,
-                      "--parallelism.data_parallel_replicate_degree", "2")).check()  # fmt: skip
-    want = read_metrics(hsdp)
-    want_val = {
-        s: rec["val_loss"] for s, rec in group_metrics_of(hsdp).items() if "val_loss" in rec
-    }
-    assert sorted(want_val) == [4, 8]
-    for group in (0, 1):
-        got = group_metrics(dump, group)
-        assert sorted(got) == list(range(1, 9))
-        assert all(rec["ft/groups"] == 2 for rec in got.values())
-        worst = max(abs(got[s]["loss"] - want[s]) for s in want)
-        assert worst <= 1e-5, (group, {s: got[s]["loss"] for s in got}, want)
-        # validation: every group's share of the held-out split, summed over the groups
-        assert all(abs(got[s]["val_loss"] - want_val[s]) <= 1e-5 for s in want_val), (got, want_val)
 
 
 def trainer_pids(dump: str, group: int) -> list[int]:
@@ -303,28 +231,99 @@ def test_two_groups_keep_stepping_while_the_third_is_killed_and_rejoins(tiny_dat
     assert_losses_follow_the_quorum(tmp_path, tiny_dataset, dump, 3, 2, ("--optimizer.lr", "1e-3"))
 
 
-def test_diloco_equals_a_one_process_reference_of_the_algorithm(tiny_dataset, tmp_path):
+STREAMING = {"fragments": 2, "fragment_update_alpha": 0.5}
+SLOW_LR = (*CONSTANT_LR, "--optimizer.lr", "1e-3")
+
+
+@pytest.mark.parametrize(
+    "streaming",
+    [
+        pytest.param(STREAMING, id="streaming"),
+        pytest.param({}, id="plain", marks=pytest.mark.skipif(
+            not PARITY_FULL, reason="make test-full (CI: streaming, whose 2 fragments run "
+            "the same code)")),
+    ],
+)  # fmt: skip
+def test_diloco_equals_a_one_process_reference_of_the_algorithm_across_a_resume(
+    streaming, tiny_dataset, tmp_path
+):
     """DiLoCo (`semi_sync_method = "diloco"`): 2 groups × FSDP 2, AdamW inside each group, the
-    outer Nesterov SGD every 4 steps; 12 steps equal `ft_reference.py`'s single-process
-    algorithm on the batches each group recorded, within 1e-5, and both groups end on the same
-    weights."""
+    outer Nesterov SGD every 4 steps (streaming: 2 fragments, one synced every 2 steps in turn,
+    α 0.5). The job stops after step 6 (between syncs of the plain run, mid-window for each
+    fragment: the weights of the last syncs and the outer momentum are in the checkpoint, not
+    in the weights) and is launched again to step 12; the 12 steps equal `ft_reference.py`'s
+    uninterrupted single-process algorithm on the batches each group recorded, within 1e-5,
+    and both groups end on the same weights (α 0: plain). At the debug config's learning rate,
+    4e-3, the loss turns around step 11 and amplifies fp32 rounding (summed in another order
+    by FSDP than by one process) past 1e-5; 1e-3 keeps the comparison about the algorithm."""
     dump, steps = str(tmp_path / "diloco"), 12
-    run = titanlab_train(ft_args(
-        tiny_dataset, dump, steps, "--fault_tolerance.enable", "true",
-        "--fault_tolerance.replica_count", "2", "--fault_tolerance.min_replicas", "2",
-        "--fault_tolerance.semi_sync_method", "diloco", "--fault_tolerance.sync_steps", "4",
-        "--debug.record_batches", "true", "--checkpoint.interval", str(steps)))  # fmt: skip
-    finish(run, dump)
+    options = [f"--fault_tolerance.{k}={v}" for k, v in streaming.items()]
+    for stop in (6, steps):
+        run = titanlab_train(ft_args(
+            tiny_dataset, dump, stop, "--fault_tolerance.enable", "true",
+            "--fault_tolerance.replica_count", "2", "--fault_tolerance.min_replicas", "2",
+            "--fault_tolerance.semi_sync_method", "diloco", "--fault_tolerance.sync_steps", "4",
+            "--debug.record_batches", "true", "--checkpoint.interval", "6", *options,
+            *SLOW_LR))  # fmt: skip
+        out = finish(run, dump)
+    assert "loaded diloco of" in out, out[-3000:]
     batches = [recorded(dump, g) for g in (0, 1)]
     spec = {"mode": "diloco", "sync_steps": 4, "outer_lr": 0.7, "outer_momentum": 0.9,
-            "steps": {s: [batches[0][s], batches[1][s]] for s in range(1, steps + 1)}}  # fmt: skip
-    want = reference_losses(tmp_path, tiny_dataset, spec, 2 * GROUP_RANKS, steps)
+            "steps": {s: [batches[0][s], batches[1][s]] for s in range(1, steps + 1)},
+            **streaming}  # fmt: skip
+    want = reference_losses(tmp_path, tiny_dataset, spec, 2 * GROUP_RANKS, steps, SLOW_LR)
     for g in (0, 1):
         got = group_metrics(dump, g)
         worst = max(abs(got[s]["loss"] - want[str(g)][s]) for s in range(1, steps + 1))
         print(f"group {g}: |Δloss| against the one-process DiLoCo reference {worst:.2e}")
         assert worst <= 1e-5, (g, {s: got[s]["loss"] for s in got}, want[str(g)])
+    if not streaming:
+        assert_same_final_weights(dump, steps, groups=2)
+
+
+@pytest.mark.skipif(not PARITY_FULL, reason="make test-full: DiLoCo with a group killed")
+def test_a_killed_diloco_group_recovers_from_the_live_peer_at_the_next_sync(tiny_dataset, tmp_path):
+    """DiLoCo, 2 groups × 2 ranks, sync every 4 steps, min_replicas 2, 16 steps; kill -9 of
+    group 1 after step 5, before any checkpoint of its own: the survivor steps on to its sync
+    at step 8 and waits there; torchrun restarts group 1 from step 0, which trains to its first
+    sync, is behind the survivor's quorum, and receives the survivor's state (weights, inner
+    and outer optimizer state, the weights of the last sync, the step). Both end on the same
+    weights, and every loss equals the one-process algorithm in which group 1 holds group 0's
+    state at the sync of step 8, within 1e-5."""
+    dump, steps = str(tmp_path / "diloco"), 16
+    run = titanlab_train(
+        ft_args(tiny_dataset, dump, steps, "--fault_tolerance.enable", "true",
+                "--fault_tolerance.replica_count", "2", "--fault_tolerance.min_replicas", "2",
+                "--fault_tolerance.semi_sync_method", "diloco", "--fault_tolerance.sync_steps",
+                "4", "--fault_tolerance.timeout_seconds", "10", "--checkpoint.interval",
+                str(steps), "--debug.record_batches", "true", *CONSTANT_LR),
+        env={"MAX_RESTARTS": "1"},
+    )  # fmt: skip
+    wait_for(lambda: max(joint_steps(dump, 1), default=0) >= 5)
+    for pid in trainer_pids(dump, 1):
+        os.kill(pid, signal.SIGKILL)
+    out = finish(run, dump)
+    assert "replica group 1 recovered step 8" in out, out[-4000:]
+    times = step_times(out)
+    logged = [s for s, _ in times]
+    assert logged == sorted(set(logged)) and logged[-1] == steps, logged
+    gap = max((b - a).total_seconds() for (_, a), (_, b) in zip(times, times[1:]))
+    print(f"\nlongest wall-clock gap between group 0's steps (the restart): {gap:.1f} s")
     assert_same_final_weights(dump, steps, groups=2)
+    batches = [recorded(dump, g) for g in (0, 1)]
+    spec = {"mode": "diloco", "sync_steps": 4, "outer_lr": 0.7, "outer_momentum": 0.9,
+            "recoveries": {8: [1, 0]},
+            "steps": {s: [batches[0][s], batches[1].get(s, batches[0][s])]
+                      for s in range(1, steps + 1)}}  # fmt: skip
+    want = reference_losses(tmp_path, tiny_dataset, spec, 2 * GROUP_RANKS, steps, CONSTANT_LR)
+    # group 1 logs its step-4 loss (the step it recovered in) as step 8, the peer's step
+    ours = {0: {s: s for s in range(1, steps + 1)},
+            1: {**{s: s for s in (1, 2, 3, *range(9, steps + 1))}, 8: 4}}  # fmt: skip
+    for g, compared in ours.items():
+        got = group_metrics(dump, g)
+        worst = max(abs(got[s]["loss"] - want[str(g)][r]) for s, r in compared.items())
+        print(f"group {g}: |Δloss| against the one-process DiLoCo reference {worst:.2e}")
+        assert worst <= 1e-5, (g, {s: got[s]["loss"] for s in got}, want[str(g)])
 
 
 def test_an_unreachable_lighthouse_is_the_last_line_from_inside_the_ranks(tiny_dataset, tmp_path):

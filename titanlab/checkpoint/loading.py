@@ -44,6 +44,8 @@ class CheckpointLoading:
     _model_sd: Callable[[], dict]
     _optim_sd: Callable[[], dict]
     _has_quantized: Callable[[], bool]
+    extra: dict[str, Any]
+    resumed_from: str | None
 
     def _choose(self, warn: bool = True) -> str | None:
         if self.cfg.load_step >= 0:
@@ -153,10 +155,25 @@ class CheckpointLoading:
             if "rng" in state:
                 torch.set_rng_state(state["rng"][f"rank_{self.rank}"])
         step = int(state["train_state"]["step"]) if has_optim else 0
+        self.resumed_from = path if has_optim else None
         logger.info(
             "checkpoint: loaded %s (step %d%s)", path, step, "" if has_optim else ", model only"
         )
         return step
+
+    def add_state(self, name: str, obj: Any) -> bool:
+        """Save `obj.state_dict()` (tensors and DTensors, as DCP takes them) under `name` in
+        every checkpoint from now on, and load it into `obj` (`obj.load_state_dict`) now when
+        the checkpoint `load` resumed holds it. Returns whether it was loaded."""
+        self.extra[name] = obj
+        path = self.resumed_from
+        if path is None or not any(k.startswith(f"{name}.") for k in store.saved_keys(path)):
+            return False
+        state = {name: obj.state_dict()}
+        dcp.load(state, checkpoint_id=path)
+        obj.load_state_dict(state[name])
+        logger.info("checkpoint: loaded %s of %s", name, path)
+        return True
 
     def _load_base(self, path: str) -> None:
         """Load the non-adapter model weights of `path` (a LoRA run's frozen base)."""

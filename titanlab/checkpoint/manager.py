@@ -112,6 +112,8 @@ class Checkpointer(CheckpointLoading):
         self.dp_rank = dp_rank
         self.rank = dist.get_rank()
         self._pending: tuple[int, Future] | None = None
+        self.extra: dict[str, Any] = {}  # `add_state`: more state every checkpoint holds
+        self.resumed_from: str | None = None  # the checkpoint `load` resumed
         self._async_pg = None
         if cfg.async_mode == "async":
             # The background write runs its own collectives; keep them off the training groups.
@@ -150,6 +152,7 @@ class Checkpointer(CheckpointLoading):
             },
             "rng": {f"rank_{self.rank}": torch.get_rng_state()},
             "train_state": {"step": step},
+            **{name: obj.state_dict() for name, obj in self.extra.items()},
         }
 
     # --- saving --------------------------------------------------------------------------

@@ -60,6 +60,17 @@ class FaultTolerance:
     outer_momentum: float = 0.9
     """DiLoCo's outer Nesterov momentum (the paper's 0.9)."""
 
+    fragments: int = 1
+    """Streaming DiLoCo (Douillard et al. 2025, arXiv:2501.18512): the model split into this
+    many fragments of consecutive blocks (the embedding with the first, the final norm and
+    output with the last), synced in turn, one every sync_steps / fragments inner steps, so an
+    exchange carries 1/fragments of the weights and each fragment still syncs every sync_steps.
+    1: plain DiLoCo. Must divide sync_steps."""
+
+    fragment_update_alpha: float = 0.0
+    """Streaming DiLoCo's α: after a fragment's outer step its weights are (1 - α) × the outer
+    result + α × this group's own; 0 takes the outer result."""
+
     def lighthouse_address(self) -> str:
         """`lighthouse`, else $TORCHFT_LIGHTHOUSE, else ""."""
         return self.lighthouse or os.environ.get(LIGHTHOUSE_ENV, "")
@@ -84,6 +95,15 @@ class FaultTolerance:
             self.outer_lr > 0 and 0 <= self.outer_momentum < 1,
             f"fault_tolerance.outer_lr={self.outer_lr} must be > 0 and outer_momentum="
             f"{self.outer_momentum} in [0, 1)",
+        )
+        _require(
+            self.fragments >= 1 and self.sync_steps % self.fragments == 0,
+            f"fault_tolerance.fragments={self.fragments} must be >= 1 and divide "
+            f"sync_steps={self.sync_steps}",
+        )
+        _require(
+            0 <= self.fragment_update_alpha <= 1,
+            f"fault_tolerance.fragment_update_alpha={self.fragment_update_alpha} must be in [0, 1]",
         )
         _require(
             self.quorum_timeout_seconds > 0 and self.timeout_seconds > 0,

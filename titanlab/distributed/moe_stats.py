@@ -7,7 +7,7 @@ PyTorch; these helpers install and drive them from outside.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -19,15 +19,20 @@ from titanlab.models.common.decoder import moe_layer_args, moe_layers
 from titanlab.models.common.moe import MoE
 
 
-def _all_reduce_sum(mesh: DeviceMesh | None):
+Across = Callable[[torch.Tensor], torch.Tensor]
+"""A sum beyond the mesh: fault tolerance's over the replica groups of a step's quorum
+(`ReplicaGroup.step_sum`), which stand where HSDP's dp_replicate ranks do."""
+
+
+def _all_reduce_sum(mesh: DeviceMesh | None, across: Across | None = None):
     group = mesh.get_group() if mesh is not None else None
 
     def reduce(t: torch.Tensor) -> torch.Tensor:
-        if group is None:
-            return t
-        out = t.detach().clone()
-        dist.all_reduce(out, group=group)
-        return out
+        out = t
+        if group is not None:
+            out = t.detach().clone()
+            dist.all_reduce(out, group=group)
+        return across(out) if across is not None else out
 
     return reduce
 
@@ -46,12 +51,14 @@ def stats_paused(module: nn.Module) -> Iterator[None]:
             moe.record_stats = True
 
 
-def install_stats_reduction(model_parts: list[nn.Module], mesh: DeviceMesh | None) -> None:
+def install_stats_reduction(
+    model_parts: list[nn.Module], mesh: DeviceMesh | None, across: Across | None = None
+) -> None:
     """Make every MoE layer sum its load-balance statistics over `mesh` (the data-parallel
-    ranks that share a global microbatch; None: this rank alone)."""
+    ranks that share a global microbatch; None: this rank alone), then `across` it."""
     for part in model_parts:
         for moe in moe_layers(part):
-            moe.reduce_stats = _all_reduce_sum(mesh)
+            moe.reduce_stats = _all_reduce_sum(mesh, across)
 
 
 def set_aux_grad_scale(model_parts: list[nn.Module], microbatches: int, avg_ranks: float) -> None:
@@ -75,9 +82,10 @@ def end_step(
     mesh: DeviceMesh | None,
     microbatches: int,
     stepped: bool = True,
+    across: Across | None = None,
 ) -> dict[str, torch.Tensor]:
     """After the optimizer step: sum the step's expert loads and aux shares over `mesh` (one
-    all-reduce for every layer), update the expert biases, and return the metrics of the MoE
+    all-reduce for every layer; then `across` it), update the expert biases, and return the metrics of the MoE
     layers this rank holds as 0-d device tensors (the host fetches them on logging steps only):
     for each layer `moe/<layer>/max_load`, `mean_load` (token slots per expert), `aux_loss`
     (mean over the microbatches) and `bias_norm`; plus `moe/aux_loss`, the mean over those
@@ -92,7 +100,7 @@ def end_step(
     if not named:
         return {}
     stats = torch.cat([torch.cat([m.tokens_per_expert, m.step_aux.reshape(1)]) for _, m in named])
-    stats = _all_reduce_sum(mesh)(stats)
+    stats = _all_reduce_sum(mesh, across)(stats)
     out: dict[str, torch.Tensor] = {}
     offset, auxes = 0, []
     for layer, moe in named:

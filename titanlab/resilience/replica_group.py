@@ -9,10 +9,11 @@ all-reduce was. One step:
    after a failure) first receives their state from a live peer (`state_dict` /
    `load_state_dict`: this rank's shards of the weights and optimizer state, the LR schedule,
    the step), rank by rank.
-2. forward and backward inside the group, as without fault tolerance.
-3. `average_gradients`: the gradient of the mean token loss over the groups in the quorum:
-   each group's gradient (of its own token mean) weighted by its token count, all-reduced in
-   one flat buffer with the loss and the count.
+2. forward and backward inside the group, as without fault tolerance, except that what HSDP
+   sums over dp_replicate is summed over the groups of the quorum too (`step_sum`): the step's
+   token count, and MoE's load statistics.
+3. `sum_gradients`: each group's gradient is its share of the mean token loss over the groups
+   in the quorum; summed in one flat all-reduce with the loss, it is that loss's gradient.
 4. `commit`: every group steps its optimizer only when the step succeeded everywhere in the
    quorum (torchft's should_commit); a step that failed (a peer died during it) is not
    committed and the trainer runs it again on the same batches.
@@ -33,6 +34,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed import ReduceOp
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     set_model_state_dict,
@@ -43,6 +45,7 @@ from torch.distributed.tensor import DTensor
 from titanlab.config.device_path import device_type
 from titanlab.config.errors import ConfigError
 from titanlab.config.fault_tolerance import FaultTolerance
+from titanlab.resilience.diloco import DiLoCoState
 from titanlab.resilience.failures import QuorumTimeout
 
 logger = logging.getLogger("titanlab")
@@ -80,7 +83,8 @@ class ReplicaGroup:
             layout every group shares, are what a recovery transfers).
         lr_scheduler: the run's LR schedule (state_dict / load_state_dict).
         device: this rank's device: gloo groups on CPU, NCCL on CUDA.
-        step: the step this rank resumes after (its own checkpoint's, or 0).
+        trainer_step: the trainer's step (the last one completed; at first, the step this rank
+            resumes after: its own checkpoint's, or 0).
         on_recovered: called with the step received when this group recovered from a peer.
     Raises:
         ConfigError: torchft is not installed, or the lighthouse does not answer within
@@ -93,7 +97,7 @@ class ReplicaGroup:
         checkpointer,
         lr_scheduler,
         device: torch.device,
-        step: int,
+        trainer_step: Callable[[], int],
         on_recovered: Callable[[int], None],
     ) -> None:
         os.environ.setdefault("RUST_LOG", "warn")  # torchft's Rust side logs every quorum
@@ -113,7 +117,8 @@ class ReplicaGroup:
         self.checkpointer = checkpointer
         self.lr_scheduler = lr_scheduler
         self.on_recovered = on_recovered
-        self.step = step
+        self.trainer_step = trainer_step
+        step = trainer_step()
         address = cfg.lighthouse_address()
         if not address:
             raise ConfigError(
@@ -144,17 +149,19 @@ class ReplicaGroup:
             )
         except Exception as e:  # the Rust client's connection error, e.g. a timeout
             raise ConfigError(self._unreachable(e)) from None
-        self.diloco = None
-        if cfg.semi_sync_method == "diloco":  # the manager counts outer steps
-            self.manager.load_state_dict({"step": step // cfg.sync_steps, "batches_committed": 0})
-            self.diloco = _diloco(self.manager, cfg, checkpointer, device)
-            if step:
+        self._start_quorum = self.manager.start_quorum
+        self.manager.start_quorum = self._quorum  # type: ignore[method-assign]
+        self.diloco: DiLoCoState | None = None
+        if cfg.semi_sync_method == "diloco":  # the manager counts fragment syncs
+            (model,), (inner,) = checkpointer.model_parts, checkpointer.optimizer.optimizers
+            self.diloco = DiLoCoState(self.manager, cfg, model, inner, device)
+            self.diloco.resume(step)
+            if not checkpointer.add_state("diloco", self.diloco) and step:
                 logger.warning(
-                    "fault tolerance: DiLoCo resumes at step %d from the checkpoint's weights "
-                    "with a fresh outer momentum (the checkpoints do not hold DiLoCo's outer "
-                    "state yet); the next outer step is %d steps on",
+                    "fault tolerance: the checkpoint of step %d holds no DiLoCo state; DiLoCo "
+                    "starts from its weights with no outer momentum, the next sync %d steps on",
                     step,
-                    cfg.sync_steps,
+                    self.diloco.every - step % self.diloco.every,
                 )
         else:
             self.manager.load_state_dict({"step": step, "batches_committed": step})
@@ -189,15 +196,19 @@ class ReplicaGroup:
         Raises:
             QuorumTimeout: fewer than min_replicas groups for `quorum_timeout_seconds`.
         """
-        if self.diloco is not None:
-            return
-        try:
+        if self.diloco is None:
             self.manager.start_quorum()
+
+    def _quorum(self, *args, **kwargs) -> None:
+        """torchft's `Manager.start_quorum` (this instance's: DiLoCo's hook calls it too), with
+        a quorum not formed in time as `QuorumTimeout`."""
+        try:
+            self._start_quorum(*args, **kwargs)
         except TimeoutError:
             raise QuorumTimeout(
                 f"fault_tolerance: replica group {self.cfg.replica_id} found no quorum of "
                 f"min_replicas={self.cfg.min_replicas} groups within quorum_timeout_seconds="
-                f"{self.cfg.quorum_timeout_seconds:g} after step {self.step} (lighthouse "
+                f"{self.cfg.quorum_timeout_seconds:g} after step {self.trainer_step()} (lighthouse "
                 f"{self.address}); the other groups have stopped or cannot be reached"
             ) from None
 
@@ -206,18 +217,19 @@ class ReplicaGroup:
         the first)."""
         return self.manager.num_participants() or 1
 
-    def average_gradients(
-        self, params: Iterable[torch.nn.Parameter], loss_sum: torch.Tensor, tokens: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Replace each gradient by the token-weighted mean over the groups of the quorum.
+    def sum_gradients(
+        self, params: Iterable[torch.nn.Parameter], loss_sum: torch.Tensor
+    ) -> torch.Tensor:
+        """Sum each gradient over the groups of the quorum: each group's is its share of the
+        job's mean token loss (its token losses over the job's token count, `step_sum`), as
+        each dp_replicate rank's is under HSDP, so the sum is the gradient of the job's loss.
 
         Args:
             params: this rank's parameters; the `.grad` of each trained one (a DTensor shard or
-                a tensor; zeros where none) is the gradient of this group's mean token loss.
+                a tensor; zeros where none) is this group's share.
             loss_sum: 0-d, this group's summed token loss (equal on its ranks).
-            tokens: 0-d, this group's token count (equal on its ranks).
         Returns:
-            (loss_sum, tokens) summed over the groups of the quorum (float32, 0-d).
+            loss_sum summed over the groups of the quorum (float32, 0-d).
         A collective that fails (a peer died) leaves the step uncommitted (`commit`).
         """
         trained = [p for p in params if p.requires_grad]
@@ -225,20 +237,16 @@ class ReplicaGroup:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
         grads = [_local(p.grad) for p in trained]
-        count = tokens.float().reshape(1)
         flat = torch.cat(
-            [g.detach().reshape(-1).float() * count for g in grads]
-            + [loss_sum.detach().float().reshape(1), count]
+            [g.detach().reshape(-1).float() for g in grads] + [loss_sum.detach().float().reshape(1)]
         )
-        self.manager.allreduce(flat).wait()  # the mean over the groups of the quorum
-        groups = max(self.groups(), 1)
-        mean_count = flat[-1]
+        self.manager.allreduce(flat, reduce_op=ReduceOp.SUM).wait()
         offset = 0
         for g in grads:
             n = g.numel()
-            g.copy_((flat[offset : offset + n] / mean_count).view_as(g))
+            g.copy_(flat[offset : offset + n].view_as(g))
             offset += n
-        return flat[-2] * groups, mean_count * groups
+        return flat[-1]
 
     def sum_over_groups(self, *values: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """0-d `values` summed over the groups of the last quorum (as they are before the
@@ -246,22 +254,30 @@ class ReplicaGroup:
         if self.manager.num_participants() == 0:  # no quorum yet
             return values
         flat = torch.stack([v.detach().float().reshape(()) for v in values])
-        self.manager.allreduce(flat).wait()
-        return tuple(flat * max(self.groups(), 1))
+        self.manager.allreduce(flat, reduce_op=ReduceOp.SUM).wait()
+        return tuple(flat)
+
+    def step_sum(self, t: torch.Tensor) -> torch.Tensor:
+        """`t` summed over the groups of this step's quorum, as HSDP sums over dp_replicate
+        what the ranks of a global batch share (MoE's load-balance statistics: the expert
+        loads and the balance loss's token fractions); `t` itself under DiLoCo, whose groups
+        train on their own between syncs."""
+        if self.diloco is not None:
+            return t
+        out = t.detach().clone()
+        self.manager.allreduce(out, reduce_op=ReduceOp.SUM).wait()
+        return out
 
     def commit(self) -> bool:
         """Whether every group of the quorum finished the step (then step the optimizer);
         always under DiLoCo, whose inner steps are each group's own."""
         if self.diloco is not None:
             return True
-        committed = self.manager.should_commit()
-        if committed:
-            self.step = self.manager.current_step()
-        return committed
+        return self.manager.should_commit()
 
     def shutdown(self) -> None:
         if self.diloco is not None:
-            self.diloco.__exit__(None, None, None)
+            self.diloco.close()
         self.manager.shutdown(wait=False)
 
     # --- recovery --------------------------------------------------------------------------
@@ -271,7 +287,7 @@ class ReplicaGroup:
             "model": {k: _local(v) for k, v in self.checkpointer._model_sd().items()},
             "optimizer": {k: _local(v) for k, v in self.checkpointer._optim_sd().items()},
             "lr_scheduler": self.lr_scheduler.state_dict(),
-            "step": self.manager.current_step(),
+            "step": self.trainer_step(),  # under DiLoCo the manager counts outer steps
         }
 
     def _load_state_dict(self, received: dict[str, Any]) -> None:
@@ -290,29 +306,10 @@ class ReplicaGroup:
         set_model_state_dict(part, model)
         set_optimizer_state_dict(part, opt, optim, options=_FLAT)
         self.lr_scheduler.load_state_dict(received["lr_scheduler"])
-        self.step = int(received["step"])
+        step = int(received["step"])
         logger.warning(
             "fault tolerance: replica group %d recovered step %d from a live peer",
             self.cfg.replica_id,
-            self.step,
+            step,
         )
-        self.on_recovered(self.step)
-
-
-def _diloco(manager, cfg: FaultTolerance, checkpointer, device: torch.device):
-    """torchft's DiLoCo over the model (one fragment), entered: after every `sync_steps`-th
-    step of the inner optimizer its hook averages the pseudo-gradients (the weights of the last
-    sync minus this group's) over the quorum and steps the outer Nesterov SGD on the weights of
-    the last sync, which every group then holds."""
-    from torchft.local_sgd import DiLoCo
-
-    (model,) = checkpointer.model_parts  # fault tolerance refuses pipeline stages
-    (inner,) = checkpointer.optimizer.optimizers
-    outer = torch.optim.SGD(
-        model.parameters(), lr=cfg.outer_lr, momentum=cfg.outer_momentum, nesterov=True
-    )
-    diloco = DiLoCo(
-        manager, [model], inner, outer, sync_every=cfg.sync_steps,
-        pin_memory=device_type(device) == "cuda",
-    )  # fmt: skip
-    return diloco.__enter__()
+        self.on_recovered(step)

@@ -123,6 +123,8 @@ class TrainStep:
         # Every cp rank counts the full sequence, hence the division by cp.
         local_tokens = torch.stack([(labels != IGNORE_INDEX).sum() for _, labels in batches]).sum()
         global_tokens = global_sum(local_tokens.float(), self._loss_mesh) / self.parallel_dims.cp
+        if self.ft is not None:  # the tokens of every replica group in the step's quorum
+            global_tokens = self.ft.step_sum(global_tokens)
         scale = self._grad_avg_ranks / global_tokens
         if self.scaler is not None:  # float16: backward on a dynamically scaled loss
             scale = self.scaler.scale(scale).reshape(())
@@ -144,8 +146,8 @@ class TrainStep:
                 self.scaler.unscale_(opt)
         params = [p for part in self.model_parts for p in part.parameters()]
         total = global_sum(global_sum(loss_sum, self._loss_mesh), self.parallel_dims.mesh("pp"))
-        if self.ft is not None and self.ft.diloco is None:  # the groups' token-weighted mean
-            total, global_tokens = self.ft.average_gradients(params, total, global_tokens)
+        if self.ft is not None and self.ft.diloco is None:  # the groups' shares, summed
+            total = self.ft.sum_gradients(params, total)
         grad_norm = clip_grad_norm_(
             params, self.config.training.max_norm, pp_mesh=self.parallel_dims.mesh("pp")
         )
@@ -166,8 +168,9 @@ class TrainStep:
             precompute_scales(self.model_parts, self.config.float8, self.parallel_dims.fsdp_enabled)
             self.lr_scheduler.step()
         self.moe_metrics = moe_stats.end_step(
-            self.model_parts, self._moe_stats_mesh, microbatches, stepped
-        )
+            self.model_parts, self._moe_stats_mesh, microbatches, stepped,
+            across=self.ft.step_sum if self.ft is not None else None,
+        )  # fmt: skip
         if self.trains_mtp:
             # the depths' summed cross-entropy over the main loss's token count (the last
             # pipeline stage's ranks hold it; the others add 0)

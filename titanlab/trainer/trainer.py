@@ -27,6 +27,7 @@ from titanlab.config.dump import compact_config, write_config_toml
 from titanlab.config.job_config import JobConfig
 from titanlab.data.batches import BatchPreparer
 from titanlab.data.build import build_data, build_loader
+from titanlab.distributed import moe_stats
 from titanlab.distributed.init import init_distributed, init_fake_world
 from titanlab.distributed.parallelize import loss_parallel_enabled, param_dtype, parallelize_model
 from titanlab.distributed.parallelize import tp_grid_loss
@@ -122,7 +123,10 @@ class Trainer(TrainLoop):
         self.init_step_state(compute_dtype)
         if ft.enable:
             self.ft = ReplicaGroup(ft, self.checkpointer, self.lr_scheduler, self.device,
-                                   self.step, self._recovered)  # fmt: skip
+                                   lambda: self.step, self._recovered)  # fmt: skip
+            # MoE's load statistics span the groups, as HSDP's span dp_replicate
+            moe_stats.install_stats_reduction(self.model_parts, self._moe_stats_mesh,
+                                              across=self.ft.step_sum)  # fmt: skip
         self.rl = rl_steps.recipe(self)
 
     # --- the recipe's parts, in order ---------------------------------------------------
