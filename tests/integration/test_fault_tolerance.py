@@ -200,7 +200,9 @@ def test_two_groups_keep_stepping_while_the_third_is_killed_and_rejoins(tiny_dat
     restarts the killed one, which recovers from a live peer, and all three end on the same
     weights, and every step's loss follows the one-process quorum reference (at the debug
     config's learning rate, 4e-3, a loss spike around step 13 amplifies fp32 rounding past
-    1e-5 over 30 steps; 1e-3 keeps the comparison about the algorithm)."""
+    1e-5 over 30 steps; 1e-3 keeps the comparison about the algorithm). 6 rows per rank make
+    a step ~2 s: the survivors' remaining steps outlast the killed group's restart (~25 s on
+    2 busy cores), which a group with no peer left would wait for in vain."""
     import random
 
     dump = str(tmp_path / "ft")
@@ -210,7 +212,7 @@ def test_two_groups_keep_stepping_while_the_third_is_killed_and_rejoins(tiny_dat
                 "--fault_tolerance.replica_count", "3", "--fault_tolerance.min_replicas", "2",
                 "--fault_tolerance.timeout_seconds", "10", "--checkpoint.interval", "2",
                 "--checkpoint.keep_latest_k", "0", "--debug.record_batches", "true",
-                "--optimizer.lr", "1e-3"),
+                "--optimizer.lr", "1e-3", "--training.local_batch_size", "6"),
         env={"MAX_RESTARTS": "1"},
     )  # fmt: skip
     path = os.path.join(dump, "replica_2", "metrics.jsonl")
