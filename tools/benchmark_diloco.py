@@ -69,7 +69,8 @@ def table(runs: list[tuple[str, str, Curve]], command: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--diloco", nargs="+", default=["5:0.7:0.9", "30:0.7:0.9"],
+    p.add_argument("--diloco", nargs="+",
+                   default=["5:1.0:0.0", "5:0.7:0.9", "30:1.0:0.0", "30:0.7:0.5"],
                    help="H:OUTER_LR:OUTER_MOMENTUM of each DiLoCo run")  # fmt: skip
     p.add_argument("--steps", type=int, default=150)
     p.add_argument("--val-freq", type=int, default=30)

@@ -58,7 +58,8 @@ class FaultTolerance:
     """DiLoCo's outer learning rate (the paper's 0.7)."""
 
     outer_momentum: float = 0.9
-    """DiLoCo's outer Nesterov momentum (the paper's 0.9)."""
+    """DiLoCo's outer Nesterov momentum (the paper's 0.9); 0: plain SGD, and with outer_lr 1
+    each sync averages the groups' weights (local SGD)."""
 
     fragments: int = 1
     """Streaming DiLoCo (Douillard et al. 2025, arXiv:2501.18512): the model split into this

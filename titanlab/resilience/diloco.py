@@ -122,7 +122,7 @@ class DiLoCoState:
         ]
         self.outer = [
             torch.optim.SGD(f.parameters(), lr=cfg.outer_lr, momentum=cfg.outer_momentum,
-                            nesterov=True)
+                            nesterov=cfg.outer_momentum > 0)  # momentum 0: plain SGD
             for f in self.fragments
         ]  # fmt: skip
         self._diloco = DiLoCo(
