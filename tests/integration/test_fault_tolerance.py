@@ -70,6 +70,16 @@ def step_times(out: str) -> list[tuple[int, datetime]]:
     return found
 
 
+def survivor_stepped_on(out: str, steps: int) -> None:
+    """Group 0 logged every step once, in order, never going back, up to the last; prints the
+    longest wall-clock gap between two of its steps (the killed group's restart)."""
+    times = step_times(out)
+    logged = [s for s, _ in times]
+    assert logged == sorted(set(logged)) and logged[-1] == steps, logged
+    gap = max((b - a).total_seconds() for (_, a), (_, b) in zip(times, times[1:]))
+    print(f"\nlongest wall-clock gap between group 0's steps (the restart): {gap:.1f} s")
+
+
 def joint_steps(dump: str, group: int) -> list[int]:
     """Steps group `group` logged with both groups in the quorum."""
     path = os.path.join(dump, f"replica_{group}", "metrics.jsonl")
@@ -109,12 +119,7 @@ def test_a_killed_group_is_restarted_and_recovers_from_the_live_peer(tiny_datase
         os.kill(pid, signal.SIGKILL)
     out = finish(run, dump)
     assert "replica group 1 recovered step" in out, out[-4000:]
-    # group 0 never went back, and finished
-    times = step_times(out)
-    logged = [s for s, _ in times]
-    assert logged == sorted(set(logged)) and logged[-1] == steps, logged
-    gap = max((b - a).total_seconds() for (_, a), (_, b) in zip(times, times[1:]))
-    print(f"\nlongest wall-clock gap between group 0's steps (the restart): {gap:.1f} s")
+    survivor_stepped_on(out, steps)
     assert_same_final_weights(dump, steps, groups=2)
     assert_losses_follow_the_quorum(tmp_path, tiny_dataset, dump, groups=2, killed=1)
 
@@ -222,11 +227,7 @@ def test_two_groups_keep_stepping_while_the_third_is_killed_and_rejoins(tiny_dat
     out = finish(run, dump)
     print(f"\nkilled group 2 at step {kill_at}")
     assert "replica group 2 recovered step" in out, out[-4000:]
-    times = step_times(out)
-    logged = [s for s, _ in times]
-    assert logged == sorted(set(logged)) and logged[-1] == steps, logged
-    gap = max((b - a).total_seconds() for (_, a), (_, b) in zip(times, times[1:]))
-    print(f"longest wall-clock gap between group 0's steps: {gap:.1f} s")
+    survivor_stepped_on(out, steps)
     two = [s for s, rec in group_metrics(dump, 0).items() if rec["ft/groups"] == 2]
     assert two, "groups 0 and 1 never stepped without group 2"
     assert_same_final_weights(dump, steps, groups=3)
@@ -306,11 +307,7 @@ def test_a_killed_diloco_group_recovers_from_the_live_peer_at_the_next_sync(tiny
         os.kill(pid, signal.SIGKILL)
     out = finish(run, dump)
     assert "replica group 1 recovered step 8" in out, out[-4000:]
-    times = step_times(out)
-    logged = [s for s, _ in times]
-    assert logged == sorted(set(logged)) and logged[-1] == steps, logged
-    gap = max((b - a).total_seconds() for (_, a), (_, b) in zip(times, times[1:]))
-    print(f"\nlongest wall-clock gap between group 0's steps (the restart): {gap:.1f} s")
+    survivor_stepped_on(out, steps)
     assert_same_final_weights(dump, steps, groups=2)
     batches = [recorded(dump, g) for g in (0, 1)]
     spec = {"mode": "diloco", "sync_steps": 4, "outer_lr": 0.7, "outer_momentum": 0.9,
