@@ -85,8 +85,9 @@ def end_step(
     across: Across | None = None,
 ) -> dict[str, torch.Tensor]:
     """After the optimizer step: sum the step's expert loads and aux shares over `mesh` (one
-    all-reduce for every layer; then `across` it), update the expert biases, and return the metrics of the MoE
-    layers this rank holds as 0-d device tensors (the host fetches them on logging steps only):
+    all-reduce for every layer; then `across` it), update the expert biases, and return the
+    metrics of the MoE layers this rank holds as 0-d device tensors (the host fetches them on
+    logging steps only):
     for each layer `moe/<layer>/max_load`, `mean_load` (token slots per expert), `aux_loss`
     (mean over the microbatches) and `bias_norm`; plus `moe/aux_loss`, the mean over those
     layers. Empty for a dense model. `stepped=False` (float16 skipped the optimizer step) leaves

@@ -115,7 +115,6 @@ class DiLoCoState:
 
         self.every = cfg.sync_steps // cfg.fragments  # inner steps between two fragment syncs
         params = {clean_name(n): p for n, p in model.named_parameters()}
-        self.params = params
         self.fragments = [
             _Fragment({n: params[n] for n in names})
             for names in fragment_names(model, cfg.fragments)
