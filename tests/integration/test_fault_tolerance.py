@@ -236,21 +236,26 @@ def test_two_groups_keep_stepping_while_the_third_is_killed_and_rejoins(tiny_dat
 
 STREAMING = {"fragments": 2, "fragment_update_alpha": 0.5}
 SLOW_LR = (*CONSTANT_LR, "--optimizer.lr", "1e-3")
+# Muon inside each group (float32 Newton-Schulz: tests/integration/test_muon.py's reason)
+MUON_INNER = ("--optimizer.name", "Muon", "--optimizer.muon_ns_dtype", "float32")
+FULL_RUN = pytest.mark.skipif(
+    not PARITY_FULL, reason="make test-full (CI: streaming, whose 2 fragments run the same code)"
+)
 
 
 @pytest.mark.parametrize(
-    "streaming",
+    ("streaming", "inner"),
     [
-        pytest.param(STREAMING, id="streaming"),
-        pytest.param({}, id="plain", marks=pytest.mark.skipif(
-            not PARITY_FULL, reason="make test-full (CI: streaming, whose 2 fragments run "
-            "the same code)")),
+        pytest.param(STREAMING, (), id="streaming"),
+        pytest.param({}, (), id="plain", marks=FULL_RUN),
+        pytest.param({}, MUON_INNER, id="plain-muon", marks=FULL_RUN),
     ],
-)  # fmt: skip
+)
 def test_diloco_equals_a_one_process_reference_of_the_algorithm_across_a_resume(
-    streaming, tiny_dataset, tmp_path
+    streaming, inner, tiny_dataset, tmp_path
 ):
-    """DiLoCo (`semi_sync_method = "diloco"`): 2 groups × FSDP 2, AdamW inside each group, the
+    """DiLoCo (`semi_sync_method = "diloco"`): 2 groups × FSDP 2, AdamW (or Muon: `inner`)
+    inside each group, the
     outer Nesterov SGD every 4 steps (streaming: 2 fragments, one synced every 2 steps in turn,
     α 0.5). The job stops after step 6 (between syncs of the plain run, mid-window for each
     fragment: the weights of the last syncs and the outer momentum are in the checkpoint, not
@@ -267,14 +272,16 @@ def test_diloco_equals_a_one_process_reference_of_the_algorithm_across_a_resume(
             "--fault_tolerance.replica_count", "2", "--fault_tolerance.min_replicas", "2",
             "--fault_tolerance.semi_sync_method", "diloco", "--fault_tolerance.sync_steps", "4",
             "--debug.record_batches", "true", "--checkpoint.interval", "6", *options,
-            *SLOW_LR))  # fmt: skip
+            *SLOW_LR, *inner))  # fmt: skip
         out = finish(run, dump)
     assert "loaded diloco of" in out, out[-3000:]
     batches = [recorded(dump, g) for g in (0, 1)]
     spec = {"mode": "diloco", "sync_steps": 4, "outer_lr": 0.7, "outer_momentum": 0.9,
             "steps": {s: [batches[0][s], batches[1][s]] for s in range(1, steps + 1)},
             **streaming}  # fmt: skip
-    want = reference_losses(tmp_path, tiny_dataset, spec, 2 * GROUP_RANKS, steps, SLOW_LR)
+    want = reference_losses(
+        tmp_path, tiny_dataset, spec, 2 * GROUP_RANKS, steps, (*SLOW_LR, *inner)
+    )
     for g in (0, 1):
         got = group_metrics(dump, g)
         worst = max(abs(got[s]["loss"] - want[str(g)][s]) for s in range(1, steps + 1))

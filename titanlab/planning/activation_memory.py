@@ -111,8 +111,8 @@ class _ModeTrace:
 
 
 _CACHE: dict[tuple, _ModeTrace] = {}
-"""Traces by (arguments, AC mode): a process that plans many layouts of one model traces each
-mode once."""
+"""Traces by (arguments, AC mode, whether the block was compiled): a process that plans many
+layouts of one model traces each mode once."""
 _HEAD_CACHE: dict[tuple, int] = {}
 """A compiled loss's head bytes (the eager head up to the logits, then the loss) by arguments."""
 
@@ -154,6 +154,7 @@ def trace_activation_bytes(
     float8: Any = None,
     fused_chunk: int = 0,
     modes: tuple[str, ...] = AC_MODES,
+    compiled_none: bool = True,
 ) -> ActivationBytes:
     """Trace forward + loss of 1- and 2-block versions of the model on fake tensors.
 
@@ -173,6 +174,11 @@ def trace_activation_bytes(
         modes: the AC modes to trace (of `AC_MODES`; "none" always is, for the head): a run
             needs its own, the layout planner all. Each costs two traces (three with trained
             multi-token prediction depths, a compile more with compiled blocks).
+        compiled_none: with compiled blocks, whether the block under no AC is measured compiled
+            too. A run whose blocks all checkpoint (full AC) or all save per op (selective per
+            op) keeps no block under "none", which is traced only for the head: False skips
+            that compile (at Qwen3.5 27B's seq 4096 a third of the pre-flight, ~20 s on a 2-core
+            CPU), and `per_block["none"]` is then the eager trace's.
     Returns:
         bytes per block for each traced AC mode and for the head; each mode's traces are
         cached per arguments (a trace takes about a second for the 8B shapes, whatever seq is;
@@ -276,10 +282,13 @@ def trace_activation_bytes(
     # per block, the mean of the pair; the head, what u blocks leave besides theirs.
     u = unit_blocks(model_args)
 
+    def compiles(mode: str) -> bool:
+        return compiled_blocks and (compiled_none or mode != "none")
+
     def measure(mode: str) -> _ModeTrace:
         one, two = live_after_forward(u, mode), live_after_forward(2 * u, mode)
         compiled = None
-        if compiled_blocks:
+        if compiles(mode):
             try:
                 compiled = compiled_block(mode)
             except Exception:  # a block compile cannot capture whole: estimated as eager code
@@ -290,15 +299,19 @@ def trace_activation_bytes(
         return _ModeTrace(one, two, compiled, depth)
 
     def remembered_measure(mode: str) -> _ModeTrace:  # on disk, for the other processes
-        saved = remembered(f"{key!r} mode={mode}", lambda: dataclasses.asdict(measure(mode)))
+        name = f"{key!r} mode={mode}" + ("" if compiles(mode) == compiled_blocks else " eager")
+        saved = remembered(name, lambda: dataclasses.asdict(measure(mode)))
         return _ModeTrace(tuple(saved["one"]), tuple(saved["two"]), saved["compiled"],
                           saved["depth"])  # fmt: skip
 
     traces = {}
     for mode in dict.fromkeys(("none", *modes)):  # "none" gives the head; each mode is kept
-        if (key, mode) not in _CACHE:
-            _CACHE[key, mode] = remembered_measure(mode)
-        traces[mode] = _CACHE[key, mode]
+        cached = (key, mode, compiles(mode))
+        if (key, mode, True) in _CACHE:  # its eager traces serve an uncompiled block too
+            cached = (key, mode, True)
+        if cached not in _CACHE:
+            _CACHE[cached] = remembered_measure(mode)
+        traces[mode] = _CACHE[cached]
     none = traces["none"]
     eager = {mode: (t.two[0] - t.one[0]) // u for mode, t in traces.items()}
     gathered = {mode: (t.two[1] - t.one[1]) // u for mode, t in traces.items()}
@@ -314,8 +327,12 @@ def trace_activation_bytes(
             )
         head = _HEAD_CACHE[key] - u * eager["none"]
     per_block = eager
-    if compiled_blocks and all(t.compiled is not None for t in traces.values()):
-        per_block = {mode: cast(int, t.compiled) for mode, t in traces.items()}
+    compiled = [mode for mode in traces if compiles(mode)]
+    if compiled and all(traces[mode].compiled is not None for mode in compiled):
+        per_block = {
+            mode: cast(int, t.compiled) if mode in compiled else eager[mode]
+            for mode, t in traces.items()
+        }
     depths = {}
     if trains_mtp(model_args):
         depths = {mode: cast(int, t.depth) for mode, t in traces.items()}

@@ -131,6 +131,11 @@ def estimate_memory(
         # costs a few fake ops rather than one pass per chunk (seconds at 8B, seq 8192).
         fused_chunk=mb * s_local if fused_loss(config) else 0,
         modes=traced_modes(mode, option),
+        # blocks under no AC: every block without AC, the unchecked ones of every-Nth-block
+        # selective AC, and the block in use when the others are offloaded
+        compiled_none=mode == "none"
+        or (mode == "selective" and option != "op")
+        or config.activation_checkpoint.offload,
     )
     block = {mode: traced.block_bytes(mode, tp) for mode in traced.per_block}
     on_gpu = torch.cuda.is_available() if device_type is None else device_type == "cuda"

@@ -78,7 +78,7 @@ def test_a_run_traces_only_its_ac_mode_and_gets_the_full_traces_numbers(modes):
     args = dataclasses.replace(ARGS, vocab_size=600 + len(modes) + len("".join(modes)))
     part = trace_activation_bytes(args, 2, 64, torch.float32, modes=modes)
     traced = [k for k in activation_memory._CACHE if k[0][0] == repr(args)]
-    assert sorted(mode for _, mode in traced) == sorted({"none", *modes})
+    assert sorted(mode for _, mode, _ in traced) == sorted({"none", *modes})
     whole = trace_activation_bytes(args, 2, 64, torch.float32)
     assert set(part.per_block) == {"none", *modes} and set(whole.per_block) == {
         "none",
@@ -89,3 +89,32 @@ def test_a_run_traces_only_its_ac_mode_and_gets_the_full_traces_numbers(modes):
     assert (part.head, part.gathered_head, part.weight_grads_head) == (
         whole.head, whole.gathered_head, whole.weight_grads_head)  # fmt: skip
     assert part.weight_grads_per_block == whole.weight_grads_per_block
+
+
+def test_a_run_that_keeps_no_block_unchecked_compiles_no_block_under_none(monkeypatch):
+    """Selective per-op AC with compiled blocks (`compiled_none=False`, what `estimate_memory`
+    passes for full and per-op AC): the "op" block is measured compiled, as with
+    `compiled_none`; the block under "none", which only the head's arithmetic uses, is traced
+    eagerly and never compiled."""
+    from titanlab.planning import activation_memory, compiled_saved
+
+    args = dataclasses.replace(ARGS, vocab_size=513)  # shapes of this test's own
+    both = trace_activation_bytes(args, 2, 64, torch.float32, compiled_blocks=True, modes=("op",))
+    eager = trace_activation_bytes(args, 2, 64, torch.float32, modes=("op",))
+    compiles = []
+    real = compiled_saved.saved_bytes_compiled
+
+    def counted(*a, **k):
+        compiles.append(a[0])
+        return real(*a, **k)
+
+    monkeypatch.setattr(activation_memory, "_CACHE", {})
+    monkeypatch.setattr(compiled_saved, "saved_bytes_compiled", counted)
+    monkeypatch.setenv("TITANLAB_TRACE_CACHE", "off")  # nothing from the disk either
+    one = trace_activation_bytes(
+        args, 2, 64, torch.float32, compiled_blocks=True, modes=("op",), compiled_none=False
+    )
+    assert len(compiles) == 1  # the "op" block only
+    assert one.per_block == {"op": both.per_block["op"], "none": eager.per_block["none"]}
+    assert both.per_block["none"] != eager.per_block["none"]  # compiled and eager differ
+    assert one.head == both.head
