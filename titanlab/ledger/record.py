@@ -247,7 +247,11 @@ class Recorder(TorchDispatchMode):
         self._serial: dict[int, int] = {}
         self._alive: list[torch.Tensor] = []  # keeps ids unique while recording
         self._regions = _Regions()
-        self._ranges: dict[int, str] = {}  # open profiler ranges (record_function), by handle
+        # Open profiler ranges (record_function), innermost last. A stack, not a map by handle:
+        # the exit op's handle reaches this mode as another Python object than the enter op
+        # returned, so a map by id() never closed a range, and a phase could stick to the ops
+        # after it (the optimizer's labelled as a closed range's, when an id was reused).
+        self._ranges: list[str] = []
         self._modules = ModTracker()
         self._modules.register_user_hooks(
             pre_fw_hook=lambda m, i: self._regions.enter_module(m),
@@ -291,10 +295,11 @@ class Recorder(TorchDispatchMode):
             return NotImplemented
         out = func(*args, **kwargs)
         if func is _RANGE_ENTER:
-            self._ranges[id(out)] = args[0]
+            self._ranges.append(args[0])
             return out
-        if func is _RANGE_EXIT:
-            self._ranges.pop(id(args[0]), None)
+        if func is _RANGE_EXIT:  # record_function's ranges nest: the innermost closes
+            if self._ranges:
+                self._ranges.pop()
             return out
         if _in_shape_propagation():
             return out
@@ -310,7 +315,7 @@ class Recorder(TorchDispatchMode):
         running = self._modules.parents - {"Global"}  # the innermost: the most dotted name
         in_module = bool(running)
         phase = "backward" if self._modules.is_bw else "forward" if in_module else self._phase
-        for label in self._ranges.values():  # the innermost named range that is a phase
+        for label in self._ranges:  # the innermost named range that is a phase
             phase = next((p for prefix, p in _PHASES if label.startswith(prefix)), phase)
         module = _clean(max(running, key=lambda n: (n.count("."), n))) if running else ""
         rec = OpRecord(name, module, phase, kind, shape=tuple(outs[0].shape) if outs else ())

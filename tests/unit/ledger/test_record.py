@@ -55,6 +55,29 @@ def test_matmul_flops_bytes_module_paths_and_phases():
     assert views and all(op.kind == "view" and op.bytes_read == 0 for op in views)
 
 
+def test_a_profiler_range_labels_only_the_ops_inside_it():
+    """The gradient norm's and `torch.optim`'s ranges label the ops inside them (`_PHASES`); what
+    runs after a range closes is the step's again. Before, a closed range was never forgotten
+    (the exit op's handle is another Python object than the enter op's), so the ops after the
+    norm, and after the optimizer, kept its phase, and which one won depended on id reuse."""
+    with FakeTensorMode():
+        model, x = Two(), torch.empty(8, 32)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        rec = Recorder()
+        with rec:
+            model(x).sum().backward()
+            for _ in range(2):  # reused ids, if any, meet the second round
+                with torch.profiler.record_function("titanlab::clip_grad_norm"):
+                    torch.ones(3).mul_(2)
+                torch.ones(4).add_(1)  # between the two: the step's
+                optimizer.step()
+                torch.ones(5).sub_(1)  # after: the step's
+    phases = {op.shape: op.phase for op in rec.ops if op.op.startswith("aten.")}
+    assert phases[(3,)] == "grad_norm" and phases[(4,)] == "step" and phases[(5,)] == "step"
+    stepped = [op.phase for op in rec.ops if op.op.startswith("aten.add_") and op.shape == (64, 32)]
+    assert stepped and set(stepped) == {"optimizer"}
+
+
 def test_tensor_parallel_records_the_ranks_shard_not_the_global_shape(fake_world):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
