@@ -2,8 +2,8 @@
 
 The layouts inside a group are generated: every layout of 2 ranks that the trainer's own
 checks accept with `[fault_tolerance]` on (so no dp_replicate and no pipeline), for the dense
-debug model and for the MoE one (expert parallel, with the load-balance loss and with the
-expert-bias balancing). Each case: 2 groups (`titanlab train`: the lighthouse and a torchrun
+debug model, for the MoE one (expert parallel, with the load-balance loss and with the
+expert-bias balancing) and for LoRA on the dense one. Each case: 2 groups (`titanlab train`: the lighthouse and a torchrun
 per group) train 5 steps, the whole job stops and is launched again to step 8 (each group from
 its own checkpoint), with validation every 4 steps; plain HSDP is the same layout with
 dp_replicate 2 on 4 ranks. Every step's loss and validation loss are equal within 1e-5.
@@ -41,13 +41,15 @@ FAMILIES = {
                 "0"),
     "moe-bias": (*MOE, "--model.moe_load_balance_coeff", "0", "--model.moe_bias_update_speed",
                  "0.01"),
+    # LoRA on a frozen base: only the adapters' gradients cross the groups
+    "lora": ("--peft.method", "lora"),
 }  # fmt: skip
 ROWS = 2  # per data-parallel rank
 
 
 def group_layouts(family: str) -> list[Layout]:
     """The layouts of one group's 2 ranks the trainer accepts with fault tolerance on."""
-    moe = family != "dense"
+    moe = family.startswith("moe")
     base = build_config([*TINY, *FAMILIES[family], *FT])
     accepted = []
     for layout in enumerate_layouts(GROUP_RANKS, grad_accum=(1,), with_cp=True, with_ep=moe):
