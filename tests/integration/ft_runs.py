@@ -25,13 +25,27 @@ def ft_args(
 
 
 def titanlab_train(args: list[str], env: dict | None = None) -> subprocess.Popen:
-    """`titanlab train` with fault tolerance on: the lighthouse and the groups, 2 ranks each."""
-    env = dict(os.environ, NGPU=str(GROUP_RANKS), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
-               **(env or {}))  # fmt: skip
+    """`titanlab train` with fault tolerance on: the lighthouse and the groups, 2 ranks each
+    unless `env` sets NGPU."""
+    env = {**os.environ, "NGPU": str(GROUP_RANKS), "OMP_NUM_THREADS": "1",
+           "PYTHONUNBUFFERED": "1", **(env or {})}  # fmt: skip
     env.pop("TORCHFT_LIGHTHOUSE", None)
     cmd = [sys.executable, "-m", "titanlab.cli", "train", *args]
     return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)  # fmt: skip
+
+
+def late_group(group: int, seconds: float, step: int = 0) -> dict[str, str]:
+    """The environment (for `titanlab_train`) in which the ranks of replica group `group` are
+    `seconds` late (`late_start/sitecustomize.py`): to start (without the first quorum waiting
+    for every group, the others would train their first steps alone), or, given `step`, to ask
+    for that step's quorum (longer than the lighthouse waits for a live group, the others make
+    the step without it)."""
+    here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "late_start")
+    path = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH", "")) if p)
+    return {"PYTHONPATH": path, "TITANLAB_TEST_LATE_GROUP": str(group),
+            "TITANLAB_TEST_LATE_SECONDS": str(seconds),
+            "TITANLAB_TEST_LATE_STEP": str(step)}  # fmt: skip
 
 
 def finish(run: subprocess.Popen, dump: str) -> str:

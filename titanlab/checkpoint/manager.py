@@ -192,7 +192,7 @@ class Checkpointer(CheckpointLoading):
             logger.info(
                 "checkpoint: saved step %d to %s in %.2fs", step, path, time.perf_counter() - begin
             )
-            self._after_complete()
+            self._after_complete(step)
         return path
 
     def save_model_only(
@@ -266,18 +266,28 @@ class Checkpointer(CheckpointLoading):
             future.result()
             self._pending = None
             logger.info("checkpoint: background write of step %d finished", step)
-            self._after_complete()
+            self._after_complete(step)
 
-    def _after_complete(self) -> None:
-        if self.rank != 0 or self.cfg.keep_latest_k == 0:
+    def _after_complete(self, step: int) -> None:
+        """Rank 0, once the checkpoint of `step` is complete: remove the folders of earlier
+        steps whose write never finished (a run killed while saving that then resumed, or
+        recovered a later step from a live replica group, past them: nothing will complete
+        them), then apply `keep_latest_k` to the complete ones."""
+        if self.rank != 0:
             return
-        complete = [
-            s
-            for s in store.list_steps(self.root)
-            if s > 0 and store.incomplete_reason(store.step_dir(self.root, s)) is None
-        ]
-        for s in complete[: -self.cfg.keep_latest_k]:
-            store.remove(store.step_dir(self.root, s))
+        complete = []
+        for s in store.list_steps(self.root):
+            if s <= 0:
+                continue
+            if store.incomplete_reason(store.step_dir(self.root, s)) is None:
+                complete.append(s)
+            elif s < step:
+                logger.info("checkpoint: removing %s (its write never finished)",
+                            store.step_dir(self.root, s))  # fmt: skip
+                store.remove(store.step_dir(self.root, s))
+        if self.cfg.keep_latest_k:
+            for s in complete[: -self.cfg.keep_latest_k]:
+                store.remove(store.step_dir(self.root, s))
 
     # --- loading -------------------------------------------------------------------------
     def last_complete(self) -> str | None:

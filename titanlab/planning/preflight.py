@@ -34,6 +34,7 @@ from titanlab.planning.validate import validate_tp_mode
 from titanlab.models.registry import ModelFamily
 from titanlab.peft.lora import lora_targets
 from titanlab.peft.qlora import shard_problem
+from titanlab.resilience.diloco import fragment_names
 
 
 @dataclass
@@ -100,6 +101,9 @@ def check(
                 )
     batch = components.batch_layout(config, parallel_dims.dp_degree)
     check_rl(config, batch, tokenizer)
+    ft = config.fault_tolerance
+    if ft.enable and ft.semi_sync_method == "diloco" and ft.fragments > 1:
+        fragment_names(components.build_meta_model(model_args), ft.fragments)  # enough blocks
     if config.distill.teacher_path:
         teacher_args(config, family, model_args.vocab_size)
     estimate = None

@@ -21,15 +21,18 @@ import shutil
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 
 from titanlab.config.errors import ConfigError
 from titanlab.config.fault_tolerance import LIGHTHOUSE_ENV
 
 LIGHTHOUSE_BINARY = "torchft_lighthouse"
-JOIN_TIMEOUT_MS = 2000
-"""How long the lighthouse waits for more groups to join a quorum that has min_replicas."""
+JOIN_TIMEOUT_MS = 10000
+"""How long the lighthouse waits for a live group (one whose heartbeats arrive) to ask for a
+quorum that already has min_replicas: longer than the step-to-step lag of groups that run
+without a fault (a slower validation or checkpoint write, shared cores), so that none is left
+out of a step it would have made; a group that died stops its heartbeats and is not waited for
+past HEARTBEAT_TIMEOUT_MS. torchft's default is 60 s."""
 HEARTBEAT_TIMEOUT_MS = 3000
 """A group whose heartbeats stop this long is left out of the next quorum."""
 
@@ -110,12 +113,12 @@ def visible_devices(replica_id: int, nproc: int, gpus: int) -> dict[str, str]:
 
 
 def run_groups(
-    torchrun: list[str], nproc: int, replica_count: int, min_replicas: int, gpus: int
+    torchrun: list[str], nproc: int, replica_count: int, min_replicas: int, gpus: int, log: str
 ) -> int:
-    """Start the lighthouse and `replica_count` groups of `nproc` ranks; wait for them all.
-    Returns the first nonzero exit code of the groups, else 0."""
+    """Start the lighthouse (its output to the file `log`) and `replica_count` groups of
+    `nproc` ranks (`torchrun`: the launcher's arguments, the config already checked); wait
+    for them all. Returns the first nonzero exit code of the groups, else 0."""
     envs = [visible_devices(g, nproc, gpus) for g in range(replica_count)]  # checked first
-    log = os.path.join(tempfile.gettempdir(), f"titanlab-lighthouse-{os.getpid()}.log")
     lighthouse, address = start_lighthouse(min_replicas, log)
     print(f"fault tolerance: lighthouse at {address} (log: {log}), {replica_count} replica "
           f"groups of {nproc} ranks", file=sys.stderr, flush=True)  # fmt: skip

@@ -92,9 +92,11 @@ def dump_folder(trainer_args: list[str]) -> str:
         return "outputs"
 
 
-def _log_path(folder: str) -> str:
+def log_path(folder: str, kind: str = "launcher") -> str:
+    """A new log file `<folder>/logs/<kind>-<time>-<host>-<pid>.log` (created empty; in the
+    temp dir when the dump folder cannot be written, else os.devnull)."""
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    name = f"launcher-{stamp}-{socket.gethostname()}-{os.getpid()}.log"
+    name = f"{kind}-{stamp}-{socket.gethostname()}-{os.getpid()}.log"
     for base in (os.path.join(folder, "logs"), tempfile.gettempdir()):
         try:
             os.makedirs(base, exist_ok=True)
@@ -171,7 +173,7 @@ def _supervise(command: list[str], trainer_args: list[str], errors: str, preflig
     agent checks the config first: what it prints before `PREFLIGHT_PASSED` goes to the
     terminal as it is, and the log in the dump folder is opened only after that line, so that a
     refused config writes nothing."""
-    log = None if preflight else open(_log_path(dump_folder(trainer_args)), "a", encoding="utf-8")
+    log = None if preflight else open(log_path(dump_folder(trainer_args)), "a", encoding="utf-8")
     env = dict(os.environ, **{ERROR_DIR_ENV: errors})
     proc = subprocess.Popen(
         command, env=env, stderr=subprocess.PIPE, text=True, errors="replace", bufsize=1
@@ -191,7 +193,7 @@ def _supervise(command: list[str], trainer_args: list[str], errors: str, preflig
         for line in proc.stderr:
             if log is None:  # the pre-flight check's output, its refusal the last line
                 if line.rstrip("\n") == PREFLIGHT_PASSED:
-                    log = open(_log_path(dump_folder(trainer_args)), "a", encoding="utf-8")
+                    log = open(log_path(dump_folder(trainer_args)), "a", encoding="utf-8")
                 else:
                     sys.stderr.write(line)
                     sys.stderr.flush()
@@ -214,7 +216,7 @@ def _supervise(command: list[str], trainer_args: list[str], errors: str, preflig
             log.close()
     if log is None:  # the check refused the config, or the agent died before torchrun
         return code
-    log_path = log.name
+    report = log.name
     if code == 0 or (stopped and read_error_files(errors) is None):
         return code  # success, or stopped by a signal (run_train.sh reports preemption)
     recorded = read_error_files(errors)
@@ -230,6 +232,6 @@ def _supervise(command: list[str], trainer_args: list[str], errors: str, preflig
                 " the failing rank's output is above"
             ),
         )
-    print(f"titanlab: launcher report (torchrun's traceback): {log_path}", file=sys.stderr)
+    print(f"titanlab: launcher report (torchrun's traceback): {report}", file=sys.stderr)
     print(line, file=sys.stderr, flush=True)
     return rank_code if rank_code > 0 else code

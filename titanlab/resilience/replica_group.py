@@ -8,7 +8,9 @@ all-reduce was. One step:
 1. `start_step`: the quorum of the groups alive now. A group behind the others (relaunched
    after a failure) first receives their state from a live peer (`state_dict` /
    `load_state_dict`: this rank's shards of the weights and optimizer state, the LR schedule,
-   the step), rank by rank.
+   the step), rank by rank. The first quorum of a launch waits for every group
+   (`_wait_for_every_group`), so that no group trains steps alone while another is still
+   starting.
 2. forward and backward inside the group, as without fault tolerance, except that what HSDP
    sums over dp_replicate is summed over the groups of the quorum too (`step_sum`): the step's
    token count, and MoE's load statistics.
@@ -17,6 +19,10 @@ all-reduce was. One step:
 4. `commit`: every group steps its optimizer only when the step succeeded everywhere in the
    quorum (torchft's should_commit); a step that failed (a peer died during it) is not
    committed and the trainer runs it again on the same batches.
+
+After the last step, `finish` keeps a group in the job's quorums until every group has the
+last step: a group one step behind (left out of a quorum) receives it from a live peer instead
+of waiting alone for a quorum that can no longer form.
 
 Source: torchft (https://github.com/pytorch/torchft, `Manager`: quorum, managed allreduce,
 should_commit, recovery by HTTP transfer) and torchtitan's fault-tolerance experiment, which
@@ -27,6 +33,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 import warnings
 from collections.abc import Callable, Iterable
 from datetime import timedelta
@@ -69,6 +76,15 @@ def data_rank(cfg: FaultTolerance, dp_rank: int, dp: int) -> tuple[int, int]:
     return cfg.replica_id * dp + dp_rank, cfg.replica_count * dp
 
 
+def _quiet_http_log(transport: Any) -> None:
+    """No access-log line per request from the recovery server of torchft's `HTTPTransport`
+    (http.server writes `"GET /checkpoint/1/full HTTP/1.1" 200` to stderr for each)."""
+    server = getattr(transport, "_server", None)
+    handler = getattr(server, "RequestHandlerClass", None)
+    if handler is not None:
+        handler.log_message = lambda *args, **kwargs: None
+
+
 def _local(value: Any) -> Any:
     """A DTensor's local shard; anything else as it is."""
     return value.to_local() if isinstance(value, DTensor) else value
@@ -101,12 +117,15 @@ class ReplicaGroup:
         on_recovered: Callable[[int], None],
     ) -> None:
         os.environ.setdefault("RUST_LOG", "warn")  # torchft's Rust side logs every quorum
+        # torchft reports each step, and a handled fault as a traceback of C++ frames; the
+        # trainer says in one line what it did about it (a step run again, a recovery)
         for name in ("torchft", "torchft_quorums", "torchft_commits", "torchft_errors"):
-            logging.getLogger(name).setLevel(logging.ERROR)  # torchft reports each step
+            logging.getLogger(name).setLevel(logging.CRITICAL)
         # a recovery's received tensors are read-only views of the transfer buffer, copied
         # into the model at once (`_load_state_dict`)
         warnings.filterwarnings("ignore", message="The given buffer is not writable")
         try:
+            from torchft.checkpointing.http_transport import HTTPTransport
             from torchft.manager import Manager
             from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
         except ImportError:
@@ -118,6 +137,9 @@ class ReplicaGroup:
         self.lr_scheduler = lr_scheduler
         self.on_recovered = on_recovered
         self.trainer_step = trainer_step
+        self.device = device
+        # a group torchrun restarted joins a running job: it must not wait for every group
+        self._joined = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0
         step = trainer_step()
         address = cfg.lighthouse_address()
         if not address:
@@ -129,9 +151,12 @@ class ReplicaGroup:
         timeout = timedelta(seconds=cfg.timeout_seconds)
         store_port = self._fresh_store()
         pg_class = ProcessGroupNCCL if device_type(device) == "cuda" else ProcessGroupGloo
+        transport = HTTPTransport(timeout=timeout, num_chunks=0)  # torchft's default one
+        _quiet_http_log(transport)
         try:
             self.manager = Manager(
                 pg=pg_class(timeout=timeout),
+                checkpoint_transport=transport,
                 load_state_dict=self._load_state_dict,
                 state_dict=self._state_dict,
                 min_replica_size=cfg.min_replicas,
@@ -196,8 +221,72 @@ class ReplicaGroup:
         Raises:
             QuorumTimeout: fewer than min_replicas groups for `quorum_timeout_seconds`.
         """
-        if self.diloco is None:
+        if not self._joined:  # the launch's first quorum
+            self._joined = True
+            self._wait_for_every_group()
+        elif self.diloco is None:
             self.manager.start_quorum()
+
+    def _wait_for_every_group(self) -> None:
+        """The first quorum of a launch: quorums until one holds all `replica_count` groups,
+        or until this group received a live peer's later step (the job was already running),
+        or, past `quorum_timeout_seconds`, with the groups that came (the others recover from a
+        live peer when they join). Without it, the lighthouse forms a quorum of the groups
+        already asking (min_replicas of them): the group that starts first trains steps alone
+        while another still imports torch, which then recovers a later step with its data at
+        the start, and the run is neither HSDP's nor reproducible. Under DiLoCo the inner steps
+        begin together, and the first outer step forms its own quorum."""
+        first = self.manager.current_step()
+        deadline = time.monotonic() + self.cfg.quorum_timeout_seconds
+        while True:
+            self.manager.start_quorum()
+            groups = self.manager.num_participants()
+            if groups >= self.cfg.replica_count or self.manager.current_step() != first:
+                return
+            if time.monotonic() >= deadline:
+                logger.warning(
+                    "fault tolerance: %d of %d replica groups joined within "
+                    "quorum_timeout_seconds=%g; training with them (a group that joins later "
+                    "recovers from a live peer)",
+                    groups,
+                    self.cfg.replica_count,
+                    self.cfg.quorum_timeout_seconds,
+                )
+                return
+            time.sleep(0.1)
+
+    def finish(self) -> None:
+        """After the last step (fault-tolerant HSDP): stay in the job's quorums until one holds
+        every group, each with the last step, so that a group left out of a late quorum (one
+        step behind: it waits for a quorum at its last step) receives that step from a live
+        peer and ends on the same weights, instead of waiting alone for a quorum that can no
+        longer form. Each quorum's groups meet in a one-element all-reduce, which a recovering
+        group reaches only after its transfer, so no group leaves while a peer still reads its
+        state. Gives up, with a warning, after `quorum_timeout_seconds` without such a
+        quorum (a group that died and was not restarted in time). Nothing under DiLoCo, whose
+        groups end on their own inner steps."""
+        if self.diloco is not None:
+            return
+        deadline = time.monotonic() + self.cfg.quorum_timeout_seconds
+        while True:
+            present = torch.ones((), device=self.device)
+            self.manager.allreduce(present, reduce_op=ReduceOp.SUM).wait()
+            if self.manager.errored() is None:
+                if int(present.item()) >= self.cfg.replica_count:
+                    return
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            try:
+                self._start_quorum(timeout=timedelta(seconds=left))
+            except TimeoutError:
+                break
+        logger.warning(
+            "fault tolerance: replica group %d ends at the last step without the other "
+            "groups: not every group reached it within quorum_timeout_seconds=%g",
+            self.cfg.replica_id,
+            self.cfg.quorum_timeout_seconds,
+        )
 
     def _quorum(self, *args, **kwargs) -> None:
         """torchft's `Manager.start_quorum` (this instance's: DiLoCo's hook calls it too), with

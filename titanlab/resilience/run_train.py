@@ -20,7 +20,8 @@ memory, 75 preempted: requeue):
 2. `titanlab.resilience.launcher --preflight` starts torchrun's agent, which first runs the
    pre-flight check (`titanlab.preflight` with `--nproc NGPU`, in the agent's process:
    `titanlab.planning.agent`): a hopeless config fails in seconds with one line and nothing
-   written.
+   written. Fault-tolerant replica groups started here (`ft_launch`): the check runs once,
+   before the lighthouse and the groups.
 3. Then torchrun starts the ranks; the launcher shows their output, the failing rank's one
    error line last; SIGTERM or SIGUSR1 reach the ranks as SIGTERM. When rank 0 stopped for
    preemption after saving, the exit code is 75.
@@ -190,8 +191,17 @@ def run(launch: Launch, prog: str = PROG) -> int:
     if launch.replica_groups:
         if not launch.nproc.isdigit():
             raise ConfigError(f"NGPU={launch.nproc} must be a positive integer")
-        code = ft_launch.run_groups(launch.torchrun, int(launch.nproc), launch.replica_groups,
-                                    launch.min_replicas, gpu_count())  # fmt: skip
+        # the config checked once, before the lighthouse and any group start (each group's
+        # launcher would check it again, and a refusal would come once per group, late)
+        check = [python, "-m", "titanlab.preflight", "--nproc", launch.nproc,
+                 *launch.trainer_args()]  # fmt: skip
+        code = subprocess.run(check).returncode
+        if code != 0:
+            return code
+        torchrun = [arg for arg in launch.torchrun if arg != "--preflight"]
+        log = launcher.log_path(launcher.dump_folder(launch.trainer_args()), "lighthouse")
+        code = ft_launch.run_groups(torchrun, int(launch.nproc), launch.replica_groups,
+                                    launch.min_replicas, gpu_count(), log)  # fmt: skip
     else:
         code = launcher.main(launch.torchrun)
     if os.path.isfile(marker):
