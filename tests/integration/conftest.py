@@ -45,7 +45,7 @@ LONGEST_FIRST = (
     "test_faults.py",  # ~235 s
     "test_rl.py",  # ~230 s
     "test_fault_tolerance.py",  # ~175 s
-    "test_muon.py",  # ~160 s
+    "test_muon_training.py",  # ~160 s
     "test_qwen3_moe.py",  # ~155 s
     "test_comm_bytes.py",  # ~120 s
     "test_generation_exports.py",  # ~95 s

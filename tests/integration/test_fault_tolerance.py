@@ -282,7 +282,7 @@ def test_two_groups_keep_stepping_while_the_third_is_killed_and_rejoins(tiny_dat
 
 STREAMING = {"fragments": 2, "fragment_update_alpha": 0.5}
 SLOW_LR = (*CONSTANT_LR, "--optimizer.lr", "1e-3")
-# Muon inside each group (float32 Newton-Schulz: tests/integration/test_muon.py's reason)
+# Muon inside each group (float32 Newton-Schulz: tests/integration/test_muon_training.py's reason)
 MUON_INNER = ("--optimizer.name", "Muon", "--optimizer.muon_ns_dtype", "float32")
 FULL_RUN = pytest.mark.skipif(
     not PARITY_FULL, reason="make test-full (CI: streaming, whose 2 fragments run the same code)"

@@ -239,3 +239,20 @@ def test_the_architecture_doc_draws_the_layers_and_arrows_the_code_has():
     assert in_mermaid == arrows
     for path in LONG_FILES:
         assert path in text
+
+
+def test_every_test_module_has_a_basename_of_its_own():
+    """`python -m pytest` from the root collects tests/unit and tests/integration in one run:
+    without `__init__.py` files, pytest imports each test module by its basename, and two
+    modules of the same name stop the collection (tests/unit/components/test_muon.py and
+    tests/integration/test_muon.py did)."""
+    seen: dict[str, str] = {}
+    clashes = []
+    for folder, _, files in os.walk(os.path.join(REPO, "tests")):
+        for name in files:
+            if name.startswith("test_") and name.endswith(".py"):
+                path = os.path.relpath(os.path.join(folder, name), REPO)
+                if name in seen:
+                    clashes.append((seen[name], path))
+                seen.setdefault(name, path)
+    assert not clashes, clashes

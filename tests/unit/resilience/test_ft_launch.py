@@ -49,3 +49,55 @@ def test_the_lighthouse_starts_listening_and_stops():
     finally:
         process.terminate()
         process.wait(timeout=10)
+
+
+def test_a_bad_config_is_refused_once_before_the_lighthouse_or_any_group_starts(
+    monkeypatch, capfd
+):
+    """min_replicas above the groups: the pre-flight check runs once, in front of everything;
+    its one line is the last, and no lighthouse or group was started (each group's own check
+    used to print it once per group, a minute after starting them all)."""
+    from titanlab.resilience import run_train
+
+    def started(*args, **kwargs):
+        raise AssertionError("started the lighthouse or the groups")
+
+    monkeypatch.setattr(ft_launch, "run_groups", started)
+    monkeypatch.setattr(ft_launch, "start_lighthouse", started)
+    monkeypatch.delenv("TORCHFT_LIGHTHOUSE", raising=False)
+    monkeypatch.setenv("NGPU", "2")
+    code = run_train.main([DEBUG, "--fault_tolerance.enable", "true",
+                           "--fault_tolerance.replica_count", "2",
+                           "--fault_tolerance.min_replicas", "3"])  # fmt: skip
+    lines = capfd.readouterr().err.strip().splitlines()
+    assert code == 2
+    assert lines[-1] == ("titanlab: error: fault_tolerance.min_replicas=3 must be in [1, "
+                         "replica_count=2]")  # fmt: skip
+    assert sum("titanlab: error:" in line for line in lines) == 1, lines
+
+
+@pytest.mark.parametrize(
+    "options, says",
+    [
+        (["--fault_tolerance.min_replicas", "0"], "fault_tolerance.min_replicas=0 must be in [1"),
+        (["--fault_tolerance.timeout_seconds", "0"], "timeout_seconds"),
+        (["--parallelism.pipeline_parallel_degree", "2"],
+         "fault_tolerance.enable=true with parallelism.pipeline_parallel_degree=2"),
+        (["--fault_tolerance.semi_sync_method", "diloco", "--fault_tolerance.sync_steps", "24",
+          "--fault_tolerance.fragments", "12"],
+         "fault_tolerance.fragments=12 is more than the model's 9 blocks"),
+    ],
+    ids=["min-replicas-0", "timeout-0", "pipeline", "fragments"],
+)
+def test_what_a_replica_group_cannot_run_is_refused_by_the_pre_flight_check(
+    options, says, capsys
+):
+    """The check `titanlab train` runs once before the groups: every refusal the groups
+    used to meet only after launching (DiLoCo's fragments against the model's blocks too)."""
+    from titanlab.planning import preflight_cli
+
+    code = preflight_cli.main(["--nproc", "2", "--job.config_file", DEBUG, *FT[:2],
+                               "--fault_tolerance.replica_count", "2", *options])  # fmt: skip
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2
+    assert err[-1].startswith("titanlab: error: ") and says in err[-1], err

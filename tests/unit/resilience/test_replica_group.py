@@ -104,3 +104,87 @@ def test_no_quorum_in_time_is_one_line_also_from_diloco_s_hook(one_rank_store):
             group.shutdown()
     finally:
         lighthouse.kill()
+
+
+class ScriptedQuorums:
+    """A stand-in for torchft's Manager whose successive quorums hold `sizes[i]` groups; the
+    step jumps to `healed_step` at quorum `heal_at` (this group received a peer's later
+    step); a `None` size is a quorum not formed in time. Its all-reduce sums one per group
+    of the current quorum."""
+
+    def __init__(self, sizes, heal_at=None, healed_step=0) -> None:
+        self.sizes, self.heal_at, self.healed_step = list(sizes), heal_at, healed_step
+        self.quorums, self.step = 0, 0
+
+    def start_quorum(self, timeout=None) -> None:
+        if self.sizes[self.quorums] is None:
+            raise TimeoutError("no quorum")
+        if self.quorums == self.heal_at:
+            self.step = self.healed_step
+        self.quorums += 1
+
+    def num_participants(self) -> int:
+        return self.sizes[self.quorums - 1] if self.quorums else self.sizes[0]
+
+    def current_step(self) -> int:
+        return self.step
+
+    def allreduce(self, tensor, reduce_op):
+        tensor.fill_(self.num_participants())
+        return self
+
+    def wait(self):
+        return True
+
+    def errored(self):
+        return None
+
+
+def scripted_group(manager, replica_count=3, quorum_timeout_seconds=30.0) -> ReplicaGroup:
+    group = ReplicaGroup.__new__(ReplicaGroup)
+    group.cfg = FaultTolerance(enable=True, replica_count=replica_count, min_replicas=2,
+                               quorum_timeout_seconds=quorum_timeout_seconds)  # fmt: skip
+    group.manager, group.device, group.diloco, group._joined = manager, torch.device("cpu"), None, False
+    group._start_quorum = manager.start_quorum
+    return group
+
+
+def test_the_first_quorum_waits_for_every_group():
+    """A launch's first step: quorums of 1 and 2 of the 3 groups are passed over; the step
+    runs in the first that holds all 3; the next step asks once."""
+    manager = ScriptedQuorums([1, 2, 3, 2])
+    group = scripted_group(manager)
+    group.start_step()
+    assert manager.quorums == 3
+    group.start_step()
+    assert manager.quorums == 4  # a group that falls behind later is not waited for
+
+
+def test_a_group_that_joins_a_running_job_does_not_wait_for_the_others():
+    """Its first quorum gave it a peer's later step: the job is running without a group."""
+    manager = ScriptedQuorums([2, 3], heal_at=0, healed_step=7)
+    scripted_group(manager).start_step()
+    assert manager.quorums == 1
+
+
+def test_past_the_quorum_timeout_the_first_step_runs_with_the_groups_that_came(caplog):
+    manager = ScriptedQuorums([2] * 1000)
+    scripted_group(manager, quorum_timeout_seconds=0.3).start_step()
+    assert 1 < manager.quorums < 1000
+    assert "2 of 3 replica groups joined within quorum_timeout_seconds=0.3" in caplog.text
+
+
+def test_after_the_last_step_a_group_waits_for_a_quorum_of_every_group():
+    """The last step's quorum held 2 of 3 groups (one was behind): the next quorum holds all 3
+    (the one behind received the last step in it), and the groups leave after meeting in it."""
+    manager = ScriptedQuorums([2, 2, 3])
+    manager.quorums = 1  # the last step's quorum
+    scripted_group(manager).finish()
+    assert manager.quorums == 3
+
+
+def test_a_group_whose_peers_are_gone_ends_with_a_warning(caplog):
+    manager = ScriptedQuorums([2, None])
+    manager.quorums = 1
+    scripted_group(manager).finish()
+    assert "replica group 0 ends at the last step without the other groups" in caplog.text

@@ -50,7 +50,7 @@ def stand_ins(config: str, tmp) -> list[str]:
                 "--distill.teacher_path", imported_folder(str(tmp / "8b"), llama3_8b_128k()),
                 "--model.tokenizer_path", ""]  # fmt: skip
     if config == "qlora_debug.toml":
-        # the base tests/integration/test_qlora.py imports: every weight in whole NF4 blocks
+        # the base tests/integration/test_qlora_training.py imports: every weight in whole NF4 blocks
         base = dataclasses.replace(llama["debugmodel"], n_layers=2, hidden_dim=768, vocab_size=4352)
         return ["--checkpoint.initial_load_path", imported_folder(str(tmp / "base"), base)]
     return []
