@@ -8,7 +8,6 @@ from __future__ import annotations
 import difflib
 import importlib
 import os
-import subprocess
 import sys
 
 # name: ("module:function" taking (argv, prog), default function main; what it does)
@@ -45,12 +44,12 @@ def bench(argv: list[str], prog: str = "titanlab bench") -> int:
     compares the trainer with a plain loop and rewrites tables of the checkout's docs/, and it
     shares tools/lib with the other benchmarks, so it stays there: an installed wheel gets one
     line saying so (exit 2; exit 0 for --help)."""
-    from titanlab.config.shipped import checkout_root
+    from titanlab.config.shipped import checkout_root, run_checkout_script
 
     root = checkout_root()
     script = os.path.join(root, "tools", "benchmark.py") if root else ""
     if os.path.isfile(script):
-        return subprocess.call([sys.executable, script, *argv])
+        return run_checkout_script(script, prog, argv)
     line = f"titanlab bench needs a source checkout (tools/benchmark.py); this titanlab is installed in {os.path.dirname(__file__)}: clone the repository, `pip install -e .` in it and run `{prog}` there"  # fmt: skip
     asked = "--help" in argv or "-h" in argv  # then the same line as the answer, exit 0
     print(line if asked else f"titanlab: error: {line}", file=sys.stdout if asked else sys.stderr)

@@ -24,7 +24,13 @@ from titanlab.config.job_config import ConfigError
 
 
 def _parser(prog: str) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(
+        prog=prog,
+        description="Plan the parallel layout of a training job on a cluster: rank every layout\n"
+        "the trainer accepts by predicted step time.",
+        epilog=__doc__.split("\n\n", 1)[1],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--cluster", default="h100", help="h100 | h200 | a100 | b200 | profile.json")
     p.add_argument("--nodes", type=int, default=1, help="nodes of the profile (default 1)")
     p.add_argument("--top", type=int, default=10, help="layouts to list (default 10)")
@@ -36,6 +42,12 @@ def _parser(prog: str) -> argparse.ArgumentParser:
         "--compute", choices=("ledger", "flops"), default="ledger",
         help="GPU compute priced by the per-op ledger (default) or by the FLOP model (faster)",
     )  # fmt: skip
+    # the trainer's options, left to its config parser (parse_known_args): listed, not parsed
+    p.add_argument_group(
+        "the trainer's options",
+        "--job.config_file F    the job's config file, or a shipped config by its name\n"
+        "--section.key VALUE    any other option of the trainer (`titanlab train --help`)",
+    )
     return p
 
 

@@ -221,7 +221,7 @@ gradient-accumulation steps. Choose a multiple of the number it names, or leave
 `parallelism.pipeline_parallel_microbatch_size`, and give at least as many microbatches as the
 schedule needs.
 
-**The model does not fit.** `model.flavor=8B needs about 73.1 GiB per rank (params ..., grads ...,
+**The model does not fit.** `model.flavor=8B needs about 68.9 GiB per rank (params ..., grads ...,
 optimizer ..., activations ... GiB) on 2 rank(s), but there is ...`. The pre-flight memory estimate
 (titanlab/planning/memory.py) is larger than a rank's GPU memory, or than the host's available memory
 divided by the processes on it. Use more ranks with FSDP or TP, turn on
@@ -262,6 +262,16 @@ infinite. At most `metrics.log_freq - 1` later steps have run by then, and no ch
 written after a non-finite loss. Lower `optimizer.lr`, lengthen `lr_scheduler.warmup_steps` or lower `training.max_norm`, then
 run again. With `checkpoint.enable` it resumes from the last complete checkpoint. If it diverges
 at the same step again, look at the data of that step.
+
+**Non-finite steps skipped, then stopped (exit 3).** With `training.skip_nonfinite_steps` set
+to N (not -1) every step's global loss and gradient norm are checked before the optimizer update
+(titanlab/resilience/nonfinite.py; one host sync per step): a NaN or infinite one is not applied
+and logs `step 17 skipped: loss nan, grad norm nan (non-finite step 1 in a row of at most 3:
+training.skip_nonfinite_steps); ...`, and the (N+1)-th in a row ends the run with `step 17: loss
+or grad norm non-finite for 4 consecutive steps (14-17; training.skip_nonfinite_steps=3): ...,
+stopped before its update; last complete checkpoint: ...`. Isolated skips are a bad batch; a
+stop means the run diverged (as above). Under float16 a gradient overflow is the loss scaler's
+(`skipped: float16 gradients overflowed`) and is not counted.
 
 **A collective timed out (exit 4).** `rank 0: a collective timed out at step 6
 (comm.train_timeout_seconds=100); a peer rank stopped responding. Last complete checkpoint: ...`.

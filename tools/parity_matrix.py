@@ -107,7 +107,7 @@ def ci_layouts(device_type: str = "cpu") -> list[Layout]:
     are checked in CI by tests/integration/test_comm_bytes.py) and 2D / 2.5D / 3D tensor
     parallel (DTensor runs of 30-70 s each on 2 cores; CI checks 2D's loss, gradients and
     communication against 1D in tests/unit/tooling/test_tp_mode_bench.py and 2D × FSDP in
-    tests/unit/distributed/test_tensor_parallel_grid_dp.py) run in `make test-parity-full`."""
+    tests/unit/distributed/tensor_parallel/test_grid_dp.py) run in `make test-parity-full`."""
     return pairwise_subset(
         [lay for lay, why in matrix(device_type=device_type) if why is None and in_ci(lay)],
         must=MUST,

@@ -1,7 +1,8 @@
 """Steps that do not log leave their values on the device: no `.item()`-style read (the aten op
 `_local_scalar_dense` behind `.item()`, `float()`, `int()`, `bool()` of a tensor) happens in
 titanlab's code on those steps; and a loss that goes non-finite between logging steps still stops
-the run at the next one, naming the step where it happened."""
+the run at the next one, naming the step where it happened. `training.skip_nonfinite_steps`
+(off by default) costs one read per step, its own, and nothing more."""
 
 import traceback
 
@@ -104,3 +105,17 @@ def test_a_diverged_loss_is_found_by_the_next_logging_step_and_named(
     k = named[1]
     assert 1 < k < 8 and stopped[1] == k
     assert named[4] == k and stopped[4] == -(-k // 4) * 4
+
+
+def test_the_non_finite_step_check_reads_the_loss_and_norm_once_per_step(
+    monkeypatch, tmp_path, tiny_dataset
+):
+    code, reads, ran = run(
+        monkeypatch, tmp_path / "run", tiny_dataset, "--training.steps", "8",
+        "--metrics.log_freq", "4", "--checkpoint.enable", "false",
+        "--training.skip_nonfinite_steps", "3",
+    )  # fmt: skip
+    assert code == 0 and ran == list(range(1, 9))
+    for step in (2, 3, 5, 6, 7):  # before the update: titanlab/resilience/nonfinite.py's read
+        assert len(reads[step]) == 1, (step, reads[step])
+        assert "/titanlab/resilience/nonfinite.py" in reads[step][0][-1], reads[step][0]

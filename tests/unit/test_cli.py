@@ -67,7 +67,29 @@ def test_an_unknown_command_is_one_line_with_the_closest_name(tmp_path):
     ("command", "names"),
     [
         ("preflight", ["usage: titanlab preflight", "--nproc", "--nnodes", "--job.config_file"]),
-        ("plan", ["usage: titanlab plan", "--cluster", "--nodes", "--explain", "--apply"]),
+        (
+            "plan",
+            [
+                "usage: titanlab plan",
+                "--cluster",
+                "--nodes",
+                "--explain",
+                "--apply",
+                "--job.config_file F",
+                "rank every layout the trainer accepts by",
+            ],
+        ),
+        (
+            "ledger",
+            [
+                "usage: titanlab ledger",
+                "--device",
+                "--top",
+                "--json",
+                "(default: the config's comm.dry_run_device, h100 unless it sets another)",
+                "on this machine's CPU with fake tensors",
+            ],
+        ),
         ("generate", ["usage: titanlab generate", "--prompt", "--max-new-tokens", "--top-p"]),
         ("convert", ["usage: titanlab convert", "to-hf", "from-hf", "to-peft", "to-gguf"]),
         ("prepare-data", ["usage: titanlab prepare-data", "--output", "--tokenizer", "--format"]),
@@ -76,8 +98,9 @@ def test_an_unknown_command_is_one_line_with_the_closest_name(tmp_path):
 def test_each_command_help_names_its_options(capsys, command, names):
     code, out, err = in_process(capsys, command, "--help")
     assert code == 0 and err == ""
+    flat = " ".join(out.split())  # argparse wraps the help at the terminal's width
     for name in names:
-        assert name in out, (name, out)
+        assert name in flat, (name, out)
 
 
 def test_convert_subcommand_help_and_train_and_bench_help(capsys):
@@ -90,6 +113,7 @@ def test_convert_subcommand_help_and_train_and_bench_help(capsys):
         assert name in train.stdout, name
     bench = titanlab("bench", "--help")  # this checkout's tools/benchmark.py
     assert bench.returncode == 0 and "--matrix" in bench.stdout and "--steps" in bench.stdout
+    assert bench.stdout.startswith("usage: titanlab bench "), bench.stdout[:200]
 
 
 def test_bench_without_a_checkout_is_one_line(capsys, monkeypatch):
@@ -123,6 +147,7 @@ def test_prepare_data_through_titanlab_writes_shards(capsys, tmp_path):
     assert code == 0, err
     assert out.startswith(f"{tmp_path / 'out'}: ") and "1 documents, 1 shards" in out
     assert (tmp_path / "out" / "metadata.json").is_file()
+    assert err == ""  # no tqdm bar where stderr is not a terminal (captured logs)
 
 
 def test_shipped_configs_resolve_by_name_from_any_directory(tmp_path, monkeypatch):
@@ -224,3 +249,24 @@ def test_train_bad_input_is_one_line_before_any_launch(tmp_path):
         "titanlab: error: unknown config key training.stepz; did you mean 'training.steps'?"
     )
     assert not (tmp_path / "outputs").exists()  # nothing written
+
+
+def test_a_gpu_config_refused_on_a_cpu_says_how_to_check_it_for_gpus(capsys, monkeypatch):
+    """`titanlab preflight llama_8b.toml` on a CPU machine checks this machine's host memory;
+    its one line ends by naming the dry run that checks the config against a GPU profile."""
+    import torch
+
+    from titanlab.planning import memory
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(memory, "available_bytes_per_rank",
+                        lambda n: (16 * 2**30, "16.0 GiB of available host memory"))  # fmt: skip
+    code, out, err = in_process(capsys, "preflight", "llama_8b.toml")  # the config file first
+    lines = err.strip().splitlines()
+    assert code == 2 and out == "" and len(lines) == 1, err
+    assert lines[0].startswith("titanlab: error: model.flavor=8B needs about ")
+    assert lines[0].endswith(
+        "; this checked this machine's host memory: check a GPU run against a GPU profile with "
+        "a dry run, `titanlab train CONFIG --comm.mode fake_backend --comm.dry_run_device h100` "
+        "(h100, h200, a100, b200)"
+    )

@@ -430,3 +430,129 @@ def test_convert_checkpoint_inputs_fail_with_one_line(
     assert_one_error_line(code, capsys.readouterr().err, "convert_checkpoint: error:")
     if code != 0 and out.exists():  # a failed conversion leaves nothing that looks complete
         assert not (out / "config.json").exists() and not (out / ".metadata").exists()
+
+
+# --- known bad inputs, each one line naming the value and what is valid ------------------------
+
+
+@pytest.fixture(scope="module")
+def generation_checkpoint(checkpoint, tmp_path_factory):
+    """A copy of `checkpoint`'s step-3 that `titanlab generate` loads (its model_args.json)."""
+    import dataclasses
+
+    from titanlab.models.llama3 import llama3_flavors
+    from titanlab.models.registry import get_family
+    from titanlab.models.stored_args import write_model_args
+
+    path = str(tmp_path_factory.mktemp("gen") / "step-3")
+    shutil.copytree(os.path.join(checkpoint, "checkpoint", "step-3"), path)
+    args = dataclasses.replace(llama3_flavors["debugmodel_deep"], vocab_size=4352, max_seq_len=64)
+    write_model_args(path, get_family("llama3"), args)
+    return path
+
+
+CONFIG = "debug_model.toml"  # a shipped config by its name
+PREFLIGHT = ["--job.config_file", CONFIG]
+GPT_OSS = ["--model.name", "gpt_oss", "--model.flavor", "debugmodel"]
+ULYSSES = ["--parallelism.context_parallel_mode", "ulysses"]
+# (the `titanlab` command line, with {ckpt} a checkpoint `generate` loads, {folder} a folder of
+# one text file (no checkpoint, no config.json) and {tmp} an empty work folder; a substring of
+# the one error line, the last on stderr)
+BAD_INPUTS = [
+    (["ledger", CONFIG, "--top", "-3"], "argument --top: '-3' is not a positive integer (>= 1)"),
+    (["ledger", CONFIG, "--top", "0"], "argument --top: '0' is not a positive integer (>= 1)"),
+    (["ledger", CONFIG, "--devices", "h100"], "unknown option --devices; did you mean '--device'?"),
+    (["ledger", CONFIG, "--json", "/nonexistent/dir/x.json"],
+     "--json '/nonexistent/dir/x.json': the folder '/nonexistent/dir' does not exist; give a file "
+     "in an existing folder"),
+    (["ledger", CONFIG, "--device", "h100", "--comm.dry_run_device", "a100"],
+     "--device h100 and --comm.dry_run_device a100 name different devices; give one of them"),
+    (["preflight", *PREFLIGHT, "--fault_tolerance.quorum_timeout_seconds", "-5"],
+     "fault_tolerance.quorum_timeout_seconds=-5.0 must be a number of seconds > 0"),
+    (["preflight", *PREFLIGHT, "--fault_tolerance.timeout_seconds", "0"],
+     "fault_tolerance.timeout_seconds=0.0 must be a number of seconds > 0"),
+    (["preflight", *PREFLIGHT, "--fault_tolerance.semi_sync_method", "diloco"],
+     "fault_tolerance.semi_sync_method=diloco needs fault_tolerance.enable=true"),
+    (["preflight", *PREFLIGHT, "--fault_tolerance.lighthouse", "localhost:29510"],
+     "fault_tolerance.lighthouse='localhost:29510' is not an address like http://host:port (e.g. "
+     "http://localhost:29510)"),
+    (["preflight", *PREFLIGHT, "--model.flavor", "hf", "--model.hf_config", "/no/such/dir"],
+     "model.hf_config='/no/such/dir' does not exist; give a Hugging Face config.json or the "
+     "folder holding it"),
+    (["preflight", *PREFLIGHT, "--model.flavor", "hf", "--model.hf_config", "{folder}"],
+     "model.hf_config='{folder}' is a folder without a config.json; give a Hugging Face "
+     "config.json or the folder holding it"),
+    (["preflight", *PREFLIGHT, "--model.hf_config", "/no/such/dir"],
+     "model.hf_config='/no/such/dir' is read only with model.flavor=hf"),
+    (["preflight", *PREFLIGHT, *GPT_OSS, "--model.sliding_window", "256"],
+     "unknown config key model.sliding_window: [model] takes no architecture fields (sizes, "
+     "heads, attention windows, experts); model.flavor sets them"),
+    (["preflight", *PREFLIGHT, *ULYSSES, "--parallelism.context_parallel_load_balancer", "work"],
+     "parallelism.context_parallel_load_balancer=work does not apply to "
+     "context_parallel_mode=ulysses (each rank attends the whole sequence for its heads: nothing "
+     "to balance); valid with ulysses: none or auto"),
+    (["preflight", *PREFLIGHT, *ULYSSES, "--parallelism.context_parallel_load_balancer", "head_tail"],
+     "context_parallel_load_balancer=head_tail does not apply to context_parallel_mode=ulysses"),
+    (["convert", "to-hf", "{folder}", "{tmp}/out"],
+     "'{folder}' is not a DCP checkpoint: it holds 1 file(s), none of them DCP's (a checkpoint "
+     "folder has a .metadata and *.distcp data files"),
+    (["generate", "{ckpt}", "--prompt", "hi", "--max-new-tokens", "-5"],
+     "argument --max-new-tokens: '-5' is not a positive integer (>= 1)"),
+    (["generate", "{ckpt}", "--prompt", "hi", "--max-new-tokens", "8", "--mtp-draft"],
+     "needs a model with MTP depths; Transformer (mtp_layers=0) has none: decode without the draft"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    BAD_INPUTS,
+    ids=[" ".join(a).replace(" --job.config_file", "") for a, _ in BAD_INPUTS],
+)
+def test_known_bad_inputs_end_with_one_line_naming_the_value(
+    argv, expected, generation_checkpoint, tmp_path, capsys, monkeypatch
+):
+    """Each is refused before anything runs or prints: exit 2, one `titanlab: error:` line, the
+    last one, naming the value and what is valid; no traceback and nothing on stdout."""
+    from titanlab import cli
+
+    monkeypatch.chdir(tmp_path)
+    folder = tmp_path / "not_a_checkpoint"
+    folder.mkdir()
+    (folder / "notes.txt").write_text("not a checkpoint\n")
+    names = {"ckpt": generation_checkpoint, "folder": str(folder), "tmp": str(tmp_path)}
+    try:
+        code = cli.main([a.format(**names) for a in argv])
+    except SystemExit as e:  # argparse's one-line usage errors
+        code = e.code if isinstance(e.code, int) else 1
+    out, err = capsys.readouterr()
+    lines = [ln for ln in err.strip().splitlines() if ln.strip()]
+    assert code == 2 and "Traceback" not in err, err[-3000:]
+    assert lines[-1].startswith("titanlab: error: "), lines[-3:]
+    assert sum(ln.startswith("titanlab: error:") for ln in lines) == 1, lines
+    assert expected.format(**names) in lines[-1], lines[-1]
+    assert out == "", out  # nothing printed before the refusal (the prompt included)
+
+
+def test_a_folder_that_never_was_a_checkpoint_is_told_from_a_cut_off_one(checkpoint, tmp_path):
+    """`titanlab convert to-hf` (`DcpModelReader`): a folder with no DCP file at all, an empty one
+    and one holding checkpoints get a line of their own; a write cut off before its .metadata
+    keeps "the write did not finish"."""
+    from titanlab.checkpoint.streaming import ConversionError, DcpModelReader
+
+    cut = tmp_path / "step-3"
+    shutil.copytree(os.path.join(checkpoint, "checkpoint", "step-3"), cut)
+    os.remove(cut / ".metadata")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    cases = {
+        str(cut): f"DCP checkpoint {str(cut)!r} cannot be read: no .metadata (the write did not "
+        "finish)",
+        str(empty): f"{str(empty)!r} is not a DCP checkpoint: it is empty (a checkpoint folder "
+        "has a .metadata and *.distcp data files, e.g. <dump_folder>/checkpoint/step-N)",
+        checkpoint: f"{checkpoint!r} is not a DCP checkpoint but holds some (checkpoint/step-3): "
+        "give one of those folders",
+    }
+    for path, line in cases.items():
+        with pytest.raises(ConversionError) as e:
+            DcpModelReader(path)
+        assert str(e.value) == line

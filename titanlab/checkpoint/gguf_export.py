@@ -204,7 +204,7 @@ def dcp_to_gguf(
         max_position_embeddings: context length written (`{arch}.context_length`); default:
             the model's (`max_seq_len` of its args, as `dcp_to_hf`).
         overwrite: replace an existing `out_path`.
-        progress: show a progress bar over bytes on stderr.
+        progress: show a progress bar over bytes on stderr, when it is a terminal.
     Returns:
         The model args written.
     Raises:
@@ -287,7 +287,7 @@ def dcp_to_gguf(
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
         with tqdm(
-            total=total, unit="B", unit_scale=True, desc="to-gguf", disable=not progress
+            total=total, unit="B", unit_scale=True, desc="to-gguf", disable=not progress or None
         ) as bar:
             for p in plan:
                 arr = _to_numpy(gguf, tensor_of(p), p.qtype)

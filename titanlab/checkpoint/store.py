@@ -60,8 +60,16 @@ def list_steps(root: str) -> list[int]:
 
 
 def incomplete_reason(path: str) -> str | None:
-    """Why the DCP checkpoint at `path` cannot be loaded, or None when it is complete."""
+    """Why the DCP checkpoint at `path` cannot be loaded, or None when it is complete: a
+    folder that does not exist, one that never held a checkpoint (no DCP file at all: see
+    `not_a_checkpoint`), one whose write did not finish (data files but no `.metadata`), or a
+    torn, missing or truncated file."""
     if not os.path.isfile(os.path.join(path, ".metadata")):
+        if not os.path.isdir(path):
+            return "it does not exist"
+        names = os.listdir(path)
+        if not any(n.endswith(".distcp") or n.startswith((".metadata", "__")) for n in names):
+            return not_a_checkpoint(path, names)
         return "no .metadata (the write did not finish)"
     try:
         metadata = FileSystemReader(path).read_metadata()
@@ -79,6 +87,25 @@ def incomplete_reason(path: str) -> str | None:
         if size < end:
             return f"data file {rel} is truncated ({size} of {end} bytes)"
     return None
+
+
+def not_a_checkpoint(path: str, names: list[str]) -> str:
+    """The reason for a folder holding no DCP file (`names` its entries): empty (a write that
+    never started, or a new folder), or another kind of folder; when it holds checkpoints
+    below it (a run's folder, its checkpoint/ folder), which ones to give instead."""
+    below = [
+        f"{prefix}step-{s}"
+        for prefix, root in (("", path), ("checkpoint/", os.path.join(path, "checkpoint")))
+        for s in list_steps(root)
+    ]
+    if below:
+        listed = ", ".join(below[:3]) + (", ..." if len(below) > 3 else "")
+        return f"it is not a DCP checkpoint but holds some ({listed}): give one of those folders"
+    what = "it is empty" if not names else f"it holds {len(names)} file(s), none of them DCP's"
+    return (
+        f"it is not a DCP checkpoint: {what} (a checkpoint folder has a .metadata and "
+        "*.distcp data files, e.g. <dump_folder>/checkpoint/step-N)"
+    )
 
 
 def saved_keys(path: str) -> set[str]:

@@ -101,7 +101,9 @@ class DcpModelReader:
         if not os.path.isdir(path):
             raise ConversionError(f"DCP checkpoint {path!r} is not a folder")
         reason = store.incomplete_reason(path)
-        if reason:
+        if reason and reason.startswith("it is not a DCP checkpoint"):  # never was one
+            raise ConversionError(f"{path!r}{reason[2:]}")
+        if reason:  # one that was cut off, or torn
             raise ConversionError(f"DCP checkpoint {path!r} cannot be read: {reason}")
         self.path = path
         md = FileSystemReader(path).read_metadata()

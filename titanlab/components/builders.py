@@ -67,6 +67,11 @@ def _hf_config_args(config: JobConfig, family: ModelFamily) -> Any:
     """Args of the `config.json` at `model.hf_config` (a file or the folder holding it)."""
     path = config.model.hf_config
     file = os.path.join(path, "config.json") if os.path.isdir(path) else path
+    expected = "give a Hugging Face config.json or the folder holding it"
+    if not os.path.exists(path):
+        raise ConfigError(f"model.hf_config={path!r} does not exist; {expected}")
+    if not os.path.isfile(file):
+        raise ConfigError(f"model.hf_config={path!r} is a folder without a config.json; {expected}")
     try:
         with open(file, encoding="utf-8") as f:
             cfg = json.load(f)

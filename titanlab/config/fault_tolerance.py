@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import math
 import os
+import urllib.parse
 from dataclasses import dataclass
 from typing import Literal
 
@@ -16,8 +18,9 @@ LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
 class FaultTolerance:
     enable: bool = False
     """Train as one of `replica_count` replica groups joined by torchft (`pip install
-    titanlab[ft]`): each group is its own launch (FSDP, or TP × FSDP, inside it), and across
-    groups torchft's managed process group takes the place of HSDP's dp_replicate dimension.
+    titanlab[ft]`): each group is its own launch, with any layout inside it that has no
+    dp_replicate and no pipeline (FSDP, TP, CP, EP and their products), and across groups
+    torchft's managed process group takes the place of HSDP's dp_replicate dimension.
     A group that dies is left out of the quorum while the others keep stepping; relaunched,
     it recovers the weights and optimizer state from a live peer. `run_train.sh` and `titanlab
     train` start the lighthouse and the groups (docs/multinode.md, "Fault-tolerant HSDP")."""
@@ -106,10 +109,40 @@ class FaultTolerance:
             0 <= self.fragment_update_alpha <= 1,
             f"fault_tolerance.fragment_update_alpha={self.fragment_update_alpha} must be in [0, 1]",
         )
+        for name in ("quorum_timeout_seconds", "timeout_seconds"):
+            value = getattr(self, name)
+            _require(
+                value > 0 and math.isfinite(value),
+                f"fault_tolerance.{name}={value} must be a number of seconds > 0",
+            )
         _require(
-            self.quorum_timeout_seconds > 0 and self.timeout_seconds > 0,
-            "fault_tolerance.quorum_timeout_seconds and timeout_seconds must be > 0",
+            not self.semi_sync_method or self.enable,
+            f"fault_tolerance.semi_sync_method={self.semi_sync_method} needs "
+            "fault_tolerance.enable=true (DiLoCo syncs replica groups); add it, or drop "
+            "semi_sync_method",
         )
+        if self.lighthouse:
+            _require(
+                _is_http_address(self.lighthouse),
+                f"fault_tolerance.lighthouse={self.lighthouse!r} is not an address like "
+                f"http://host:port (e.g. {_example_address(self.lighthouse)})",
+            )
+
+
+def _is_http_address(address: str) -> bool:
+    """Whether `address` reads as torchft's managers read the lighthouse's: http(s)://host:port."""
+    parsed = urllib.parse.urlsplit(address)
+    try:
+        port = parsed.port
+    except ValueError:  # a port that is not a number, or out of range
+        return False
+    return parsed.scheme in ("http", "https") and bool(parsed.hostname) and port is not None
+
+
+def _example_address(address: str) -> str:
+    """`address` as http://host:port where that is what was meant (`localhost:29510`)."""
+    fixed = f"http://{address}"
+    return fixed if "://" not in address and _is_http_address(fixed) else "http://localhost:29510"
 
 
 def validate_fault_tolerance(config) -> None:

@@ -98,6 +98,16 @@ class Training:
     max_norm: float = 1.0
     """Clip gradients to this global L2 norm (over all shards). 0 disables clipping."""
 
+    skip_nonfinite_steps: int = -1
+    """N >= 0: a step whose loss or global gradient norm is NaN or infinite is not applied (no
+    optimizer update; the learning-rate schedule still advances, as for a float16 overflow) and
+    a warning names it; the (N+1)-th such step in a row stops the run before its update (exit 3;
+    0: the first). Under float16 the loss scaler keeps handling gradient overflows and only a
+    non-finite loss counts. Costs a host sync per step (the host reads the two values before the
+    update), so -1, the default, does not check: a non-finite loss then stops the run at the
+    next logging step, after its update (never checkpointed). 3 suits long runs, where one bad
+    batch should not end the run. Not with `rl.algorithm` (its updates are its own)."""
+
     mixed_precision_param: Literal["bfloat16", "float32", "float16"] = "bfloat16"
     """Dtype of parameters during forward/backward under FSDP (master weights stay float32).
     Applied only on CUDA; CPU runs compute in float32 unless `training.mixed_precision_on_cpu`."""
@@ -160,6 +170,11 @@ class Training:
             f"training.global_batch_size={self.global_batch_size} must be -1 or >= 1",
         )
         _require(self.max_norm >= 0, f"training.max_norm={self.max_norm} must be >= 0")
+        _require(
+            self.skip_nonfinite_steps >= -1,
+            f"training.skip_nonfinite_steps={self.skip_nonfinite_steps} must be -1 (no check) "
+            "or >= 0 (the non-finite steps in a row to skip before stopping)",
+        )
         _require(self.gc_freq >= 0, f"training.gc_freq={self.gc_freq} must be >= 0")
         _require(
             self.loss_scale_init > 0, f"training.loss_scale_init={self.loss_scale_init} must be > 0"
@@ -334,6 +349,12 @@ class JobConfig:
             self.peft.quantize_base == "none" or bool(self.checkpoint.initial_load_path),
             f"peft.quantize_base={self.peft.quantize_base} needs checkpoint.initial_load_path "
             "(the base model whose weights are quantized)",
+        )
+        _require(
+            self.training.skip_nonfinite_steps == -1 or self.rl.algorithm == "none",
+            f"training.skip_nonfinite_steps={self.training.skip_nonfinite_steps} checks the "
+            f"pretraining and fine-tuning step; rl.algorithm={self.rl.algorithm} runs its own "
+            "updates (set training.skip_nonfinite_steps=-1)",
         )
         validate_loss_combinations(self)
         validate_offload(self)

@@ -39,11 +39,28 @@ def _field_type(section: str, key: str) -> Any:
     cls = _section_class(section)
     hints = field_types(cls)
     if key not in hints:
-        valid = [f"{section}.{k}" for k in hints]
-        raise ConfigError(
-            f"unknown config key {section}.{key}{_suggest(f'{section}.{key}', valid)}"
-        )
+        raise ConfigError(f"unknown config key {section}.{key}{_key_hint(section, key, hints)}")
     return hints[key]
+
+
+def _key_hint(section: str, key: str, hints: dict[str, Any]) -> str:
+    """The closest key of `section` to the unknown `key`, compared without the shared
+    `section.` prefix (which made `model.sliding_window` look like `model.flavor`), else the
+    same key in another section; in [model] without either, where a model's shape comes
+    from."""
+    close = difflib.get_close_matches(key, list(hints), n=1, cutoff=0.6)
+    if close:
+        return f"; did you mean '{section}.{close[0]}'?"
+    elsewhere = [f"{name}.{key}" for name, cls in sections() if key in field_types(cls)]
+    if elsewhere:  # the right key in another section (`training.lr`: optimizer.lr)
+        return f"; did you mean {elsewhere[0]!r}?"
+    if section == "model":
+        return (
+            ": [model] takes no architecture fields (sizes, heads, attention windows, experts); "
+            "model.flavor sets them (a published size: `titanlab train --help` lists each "
+            "family's), or model.flavor=hf with model.hf_config (a config.json's)"
+        )
+    return ""
 
 
 def _coerce(section: str, key: str, value: Any, from_cli: bool) -> Any:

@@ -77,3 +77,9 @@ class Model:
         # (`titanlab.components.builders.build_model_args`): config/ stays a leaf of the package.
         _require(bool(self.name), "model.name must not be empty")
         _require(bool(self.flavor), "model.flavor must not be empty")
+        _require(
+            not self.hf_config or self.flavor == "hf",
+            f"model.hf_config={self.hf_config!r} is read only with model.flavor=hf, not "
+            f"model.flavor={self.flavor} (a published shape); set model.flavor=hf or drop "
+            "model.hf_config",
+        )

@@ -9,7 +9,7 @@ from titanlab.config.errors import ConfigError, _require  # noqa: F401
 
 CPRotateMethod = Literal["allgather", "alltoall"]
 CPMode = Literal["ring", "ulysses"]
-CPLoadBalancer = Literal["work", "head_tail", "none"]
+CPLoadBalancer = Literal["auto", "work", "head_tail", "none"]
 TensorParallelMode = Literal["1d", "2d", "2.5d", "3d"]
 ShardingStrategy = Literal["", "FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"]
 # FSDP1's (and DeepSpeed users') names for the ZeRO stages.
@@ -61,16 +61,16 @@ class Parallelism:
     """tp: tensor parallel degree (Megatron-style, always with sequence parallel for the norms)."""
 
     tensor_parallel_mode: TensorParallelMode = "1d"
-    """How the tp ranks split each layer. 1d: Megatron's column / row split with sequence
-    parallel. 2d: the tp ranks as a q × q grid (tp = q², e.g. 4 or 9), every Linear's weight
-    split on both grid dimensions and the activations by batch rows and features (Optimus,
-    Xu et al. 2021, arXiv:2104.05343, on SUMMA products; titanlab/distributed/
-    tensor_parallel_2d.py): 1/q² of each weight per rank, heads split over q only. 2.5d:
-    `tensor_parallel_depth` = d stacked q × q grids (tp = q²·d; Tesseract, Wang et al. 2021,
-    arXiv:2105.14500), the batch split over them too, each grid's weights replicated across
-    them. 3d: a q × q × q cube (tp = q³, e.g. 8; Bian et al. 2021, arXiv:2105.14450;
-    titanlab/distributed/tensor_parallel_3d.py), 1/q³ of each weight per rank. 2d / 2.5d / 3d
-    compose with FSDP / HSDP / DDP and PP (not CP or EP yet), dense models without q/k norms."""
+    """How the tp ranks split each layer. 1d: Megatron's column / row split with sequence parallel.
+    2d: the tp ranks as a q × q grid (tp = q², e.g. 4 or 9), every Linear's weight split on both
+    grid dimensions and the activations by batch rows and features (Optimus, Xu et al. 2021,
+    arXiv:2104.05343, on SUMMA products; titanlab/distributed/tensor_parallel/two_d.py): 1/q² of
+    each weight per rank, heads split over q only. 2.5d: `tensor_parallel_depth` = d stacked q × q
+    grids (tp = q²·d; Tesseract, Wang et al. 2021, arXiv:2105.14500), the batch split over them too,
+    each grid's weights replicated across them. 3d: a q × q × q cube (tp = q³, e.g. 8; Bian et al.
+    2021, arXiv:2105.14450; titanlab/distributed/tensor_parallel/three_d.py), 1/q³ of each weight
+    per rank. 2d / 2.5d / 3d compose with FSDP / HSDP / DDP and PP (not CP or EP yet), dense models
+    without q/k norms."""
 
     tensor_parallel_depth: int = 1
     """d of 2.5D tensor parallel: tensor_parallel_degree = q² · d. 1 with 1d and 2d."""
@@ -124,12 +124,14 @@ class Parallelism:
     Jacobs et al. 2023, arXiv:2309.14509); heads must divide by tp × cp. Both take causal and
     document masks (data.document_mask, packed chat SFT); titanlab/distributed/cp_documents.py."""
 
-    context_parallel_load_balancer: CPLoadBalancer = "work"
+    context_parallel_load_balancer: CPLoadBalancer = "auto"
     """Which tokens each ring rank holds when a batch has a document mask: work (blocks of
     the window dealt by the attention work the mask gives them, heaviest first to the
     least-loaded rank), head_tail (chunks r and 2·cp−1−r of 2·cp, exact for one causal
-    document) or none (contiguous). Causal batches without documents use head_tail (PyTorch's
-    ring); Ulysses needs none. titanlab/distributed/cp_balance.py."""
+    document) or none (contiguous). auto: work under ring, none under Ulysses (each rank
+    attends the whole sequence for its heads: nothing to balance), which takes only none or
+    auto. Causal batches without documents use head_tail (PyTorch's ring).
+    titanlab/distributed/cp_balance.py."""
 
     expert_parallel_degree: int = 1
     """ep: MoE models only. The routed experts are split over ep ranks (each holds
@@ -139,7 +141,23 @@ class Parallelism:
     dp_shard ranks ep leaves (efsdp = dp_shard × cp × tp / ep); the dense weights keep the
     usual FSDP mesh."""
 
+    @property
+    def cp_load_balancer(self) -> str:
+        """The load balancer in force: `context_parallel_load_balancer`, with auto as the
+        mode's (work under ring, none under Ulysses)."""
+        if self.context_parallel_mode == "ulysses":
+            return "none"
+        balancer = self.context_parallel_load_balancer
+        return "work" if balancer == "auto" else balancer
+
     def validate(self) -> None:
+        _require(
+            self.context_parallel_mode != "ulysses"
+            or self.context_parallel_load_balancer in ("auto", "none"),
+            f"parallelism.context_parallel_load_balancer={self.context_parallel_load_balancer} "
+            "does not apply to context_parallel_mode=ulysses (each rank attends the whole "
+            "sequence for its heads: nothing to balance); valid with ulysses: none or auto",
+        )
         _require(
             self.data_parallel_replicate_degree >= 1,
             f"parallelism.data_parallel_replicate_degree={self.data_parallel_replicate_degree}"

@@ -88,3 +88,21 @@ def resolve_config_option(argv: list[str]) -> list[str]:
         elif arg.startswith("--job.config_file="):
             out[i] = "--job.config_file=" + resolve_config_file(arg.split("=", 1)[1])
     return out
+
+
+# `python SCRIPT ARGS` with sys.argv[0] = PROG (runpy.run_path would set it to the script's path)
+_AS_SCRIPT = (
+    "import __main__, os, sys; script, prog = sys.argv[1:3]; sys.argv = [prog, *sys.argv[3:]]; "
+    "sys.path.insert(0, os.path.dirname(script)); __main__.__file__ = script; "
+    "exec(compile(open(script, encoding='utf-8').read(), script, 'exec'), __main__.__dict__)"
+)
+
+
+def run_checkout_script(script: str, prog: str, argv: list[str]) -> int:
+    """Run the checkout's `script` (e.g. tools/benchmark.py) with `argv` in a Python process of
+    its own, as `python SCRIPT ARGV` runs it but named `prog` (`titanlab bench`) in its argparse
+    usage and error lines; returns its exit code."""
+    import subprocess
+    import sys
+
+    return subprocess.call([sys.executable, "-c", _AS_SCRIPT, script, prog, *argv])

@@ -171,7 +171,7 @@ def prepare_data(
         workers: parallel tokenizer processes (1 = tokenize in this process).
         shard_size_mb: target input megabytes (1e6 bytes) per shard.
         overwrite: start over when ``output_dir`` holds data of another tokenizer.
-        progress: draw a tqdm bar over input bytes.
+        progress: draw a tqdm bar over input bytes, when stderr is a terminal (none in logs).
 
     Returns:
         The content of ``metadata.json``.
@@ -219,7 +219,10 @@ def prepare_data(
             todo.append((output_dir, tok.path, spec))
 
     total_bytes = sum(e["bytes"] for _, _, s in todo for e in s["inputs"])
-    bar = tqdm(total=total_bytes, unit="B", unit_scale=True, desc="tokenize", disable=not progress)
+    # disable=None: tqdm draws only where stderr is a terminal, not into captured logs
+    bar = tqdm(
+        total=total_bytes, unit="B", unit_scale=True, desc="tokenize", disable=not progress or None
+    )
     bar.set_postfix(shards=f"{len(records)}/{len(specs)}")
     pool = None
     results: Iterator[dict]

@@ -108,7 +108,7 @@ def prepare_chat(
         ends.clear()
 
     for sample_ids, sample_mask in tqdm(_samples(conversations, tok, train_on), desc="chat", unit=" conv",
-                                        disable=not progress):  # fmt: skip
+                                        disable=not progress or None):  # fmt: skip
         ids.extend(sample_ids)
         mask.extend(sample_mask)
         ends.append(len(ids))

@@ -192,11 +192,14 @@ def shard_batch(
 ) -> tuple[torch.Tensor, torch.Tensor, dict]:  # fmt: skip
     """This cp rank's share of a (bs, S) batch: its tokens, labels, and the model keywords
     `segments` and `positions` (bs, S/cp), whatever `kwargs` held (none: one causal document
-    per row, positions the indices). Ring picks the tokens with `balancer`; Ulysses takes
-    contiguous shards (each rank attends all tokens for its heads: nothing to balance)."""
+    per row, positions the indices). Ring picks the tokens with `balancer` (auto: work);
+    Ulysses takes contiguous shards (each rank attends all tokens for its heads: nothing to
+    balance; the config refuses any balancer but none or auto with it)."""
     bs, seq = inputs.shape
     segments, positions = kwargs.get("segments"), kwargs.get("positions")
-    order = shard_order(segments, seq, bs, cp, "none" if mode == "ulysses" else balancer)
+    if mode == "ulysses" or balancer == "auto":  # `Parallelism.cp_load_balancer`'s reading
+        balancer = "none" if mode == "ulysses" else "work"
+    order = shard_order(segments, seq, bs, cp, balancer)
     mine = order[:, rank * (seq // cp) : (rank + 1) * (seq // cp)].to(inputs.device)
     if segments is None:
         segments = torch.zeros_like(inputs)

@@ -140,7 +140,7 @@ class ParallelDims:
         )
         mode = parallelism.tensor_parallel_mode
         if mode in ("2d", "2.5d"):
-            from titanlab.distributed.tensor_parallel_2d import grid_side
+            from titanlab.distributed.tensor_parallel.two_d import grid_side
 
             depth = parallelism.tensor_parallel_depth
             side = grid_side(dims.tp, depth)
@@ -152,7 +152,7 @@ class ParallelDims:
                 )
             dims.tp_grid, dims.tp_depth = side, depth
         elif mode == "3d":
-            from titanlab.distributed.tensor_parallel_3d import cube_side
+            from titanlab.distributed.tensor_parallel.three_d import cube_side
 
             cube = cube_side(dims.tp)
             if cube is None:
@@ -271,8 +271,8 @@ class ParallelDims:
         """The tp ranks as 2D / 2.5D grids (`tp_2d`) or a 3D cube (`tp_3d`); with data parallel
         also `dp_tp_grid`, the (dp..., grid...) mesh the parameters live on (FSDP2 shards them
         over its dp dims)."""
-        from titanlab.distributed.tensor_parallel_2d import GRID
-        from titanlab.distributed.tensor_parallel_3d import CUBE
+        from titanlab.distributed.tensor_parallel.two_d import GRID
+        from titanlab.distributed.tensor_parallel.three_d import CUBE
 
         if self.tp_grid > 1:
             name, sizes, dims = "tp_2d", (self.tp_depth, self.tp_grid, self.tp_grid), GRID

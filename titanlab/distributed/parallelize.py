@@ -39,7 +39,7 @@ from titanlab.distributed.expert_sharding import (
     shard_placement,
 )
 from titanlab.distributed.parallel_dims import ParallelDims
-from titanlab.distributed.tensor_parallel import apply_tp
+from titanlab.distributed.tensor_parallel.one_d import apply_tp
 from titanlab.models.common.decoder import moe_layers
 from titanlab.models.common.token_mixer import own_cp_layers
 from titanlab.models.common.moe import MoE
@@ -80,11 +80,11 @@ def tp_grid_loss(loss_fn, parallel_dims: ParallelDims):
     summed over the grid (`summa_loss`, `cube_loss`): their heads return only those rows."""
     grid, cube = parallel_dims.mesh("tp_2d"), parallel_dims.mesh("tp_3d")
     if grid is not None:
-        from titanlab.distributed.tensor_parallel_2d import summa_loss
+        from titanlab.distributed.tensor_parallel.two_d import summa_loss
 
         return summa_loss(loss_fn, grid)
     if cube is not None:
-        from titanlab.distributed.tensor_parallel_3d import cube_loss
+        from titanlab.distributed.tensor_parallel.three_d import cube_loss
 
         return cube_loss(loss_fn, cube)
     return loss_fn
@@ -97,13 +97,13 @@ def parallelize_model(
     one pipeline stage of it) in place. Returns the same model object.
     """
     if parallel_dims.tp_enabled and parallel_dims.tp_cube > 1:  # 3D
-        from titanlab.distributed.tensor_parallel_3d import apply_tp_3d
+        from titanlab.distributed.tensor_parallel.three_d import apply_tp_3d
 
         cube = parallel_dims.mesh("tp_3d")
         assert cube is not None  # built whenever tensor_parallel_mode is 3d
         apply_tp_3d(model, cube, parallel_dims.mesh("dp_tp_grid"))
     elif parallel_dims.tp_enabled and parallel_dims.tp_grid > 1:  # 2D / 2.5D
-        from titanlab.distributed.tensor_parallel_2d import apply_tp_2d
+        from titanlab.distributed.tensor_parallel.two_d import apply_tp_2d
 
         grid = parallel_dims.mesh("tp_2d")
         assert grid is not None  # built whenever tensor_parallel_mode is 2d

@@ -21,11 +21,12 @@ import time
 
 import torch
 
-from titanlab.config.cli_parser import OneLineParser
+from titanlab.config.cli_parser import OneLineParser, positive_int
 from titanlab.data.chat import read_chat_jsonl, render_chat_prompt
 from titanlab.data.tokenizer import default_tokenizer_path, load_tokenizer
 from titanlab.generation import DraftStats, SamplingParams, generate
 from titanlab.distributed.init import destroy_distributed, init_distributed
+from titanlab.generation.generate import check_request
 from titanlab.generation.loading import load_model
 from titanlab.generation.tensor_parallel import apply_generation_tp
 from titanlab.models.common.kv_cache import KVCache
@@ -41,7 +42,8 @@ def build_parser(prog: str = PROG) -> OneLineParser:
     p.add_argument("--chat", default="", help='a JSONL file, one {"messages": [...]} per line')
     p.add_argument("--tokenizer", default="", help="tokenizer.model / tokenizer.json (default: "
                    "the Hugging Face folder's, else titanlab's bundled one)")  # fmt: skip
-    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--max-new-tokens", type=positive_int, default=64,
+                   help="tokens to generate per prompt, >= 1 (default 64)")  # fmt: skip
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
     p.add_argument("--top-k", type=int, default=0, help="0: off")
     p.add_argument("--top-p", type=float, default=1.0, help="in (0, 1]; 1: off")
@@ -78,6 +80,19 @@ def _tokenizer_path(args) -> str:
     return hf if os.path.isfile(hf) else default_tokenizer_path()
 
 
+class _Stdout:
+    """Whether the last text printed to stdout left its line open (a streamed continuation
+    ends without a newline until it finishes): an error then starts on a line of its own."""
+
+    open_line = False
+
+    @classmethod
+    def write(cls, text: str) -> None:
+        print(text, end="", flush=True)
+        if text:
+            cls.open_line = not text.endswith("\n")
+
+
 def run(argv: list[str], prog: str = PROG) -> int:
     args = build_parser(prog).parse_args(argv)
     params = SamplingParams(args.temperature, args.top_k, args.top_p)
@@ -108,6 +123,8 @@ def run(argv: list[str], prog: str = PROG) -> int:
         eos_ids += [e for c in chats[:1] for e in c.stop_ids if e not in eos_ids]
     else:
         ids = [tokenizer.encode(p, bos=not args.no_bos, eos=False) for p in prompts]
+    # every refusal before the first word is printed
+    check_request(model, ids, args.max_new_tokens, params, mtp_draft=args.mtp_draft)
     stream = len(prompts) == 1 and rank == 0
     shown: list[int] = []
 
@@ -115,10 +132,10 @@ def run(argv: list[str], prog: str = PROG) -> int:
         if stream and new[0] is not None:
             before = tokenizer.decode(shown)
             shown.append(new[0])
-            print(tokenizer.decode(shown)[len(before) :], end="", flush=True)
+            _Stdout.write(tokenizer.decode(shown)[len(before) :])
 
     if stream:
-        print(prompts[0], end="", flush=True)
+        _Stdout.write(prompts[0])
     draft = DraftStats() if args.mtp_draft else None
     caches: list[KVCache] = []
     begin = time.perf_counter()
@@ -130,7 +147,7 @@ def run(argv: list[str], prog: str = PROG) -> int:
     if rank != 0:
         return 0
     if stream:
-        print()
+        _Stdout.write("\n")
     else:
         for prompt, new in zip(prompts, out):
             print(prompt + tokenizer.decode(new))
@@ -155,25 +172,27 @@ def run(argv: list[str], prog: str = PROG) -> int:
 
 def cache_line(cache: KVCache, sequences: int) -> str:
     """The cache's memory per sequence: keys and values (grow with the context: allocated for
-    `max_seq_len` slots) and linear-attention states (constant in it); this rank's share under
-    tensor parallel."""
+    `max_seq_len` slots) and, for a model that has them, linear-attention states (constant in
+    it); this rank's share under tensor parallel."""
     kib = 1024 * sequences
-    return (
-        f"cache per sequence: {cache.kv_bytes() / kib:.1f} KiB keys/values for "
-        f"{cache.max_seq_len} slots, {cache.recurrent_bytes() / kib:.1f} KiB linear-attention "
-        "state (constant in the context)"
-    )
+    line = f"cache per sequence: {cache.kv_bytes() / kib:.1f} KiB keys/values for {cache.max_seq_len} slots"
+    if cache.recurrent_bytes():  # a model with linear-attention layers (Qwen3.5's)
+        line += f", {cache.recurrent_bytes() / kib:.1f} KiB linear-attention state (constant in the context)"
+    return line
 
 
 def main(argv: list[str] | None = None, prog: str = PROG) -> int:
     """Generate (see the module); `prog` names the program in usage lines. Bad input is one
     `titanlab: error:` line (the prefix of every titanlab command), exit code 2."""
     clean = False
+    _Stdout.open_line = False
     try:
         code = run(sys.argv[1:] if argv is None else argv, prog)
         clean = True
         return code
     except (ValueError, FileNotFoundError) as e:
+        if _Stdout.open_line:  # the error begins its own line, not the streamed text's
+            _Stdout.write("\n")
         print(f"titanlab: error: {e}", file=sys.stderr)
         return 2
     finally:

@@ -15,6 +15,35 @@ from titanlab.models.common.kv_cache import KVCache
 GREEDY = SamplingParams()
 
 
+def check_request(
+    model: nn.Module,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    params: SamplingParams = GREEDY,
+    max_seq_len: int | None = None,
+    mtp_draft: bool = False,
+) -> None:
+    """What `generate` refuses, checked before it runs (a command line checks it before it
+    prints anything). Raises ValueError (one line): see `generate`."""
+    params.validate()
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("every prompt needs at least one token")
+    limit = max_seq_len or int(cast(torch.Tensor, model.rope_cos).shape[0])
+    longest = max(len(p) for p in prompts)
+    if longest + max_new_tokens > limit:
+        raise ValueError(
+            f"a prompt of {longest} tokens + max_new_tokens={max_new_tokens} exceeds "
+            f"max_seq_len={limit}; shorten the prompt or lower max_new_tokens"
+        )
+    if mtp_draft and getattr(model, "mtp", None) is None:
+        raise ValueError(
+            f"drafting with multi-token prediction needs a model with MTP depths; "
+            f"{type(model).__name__} (mtp_layers=0) has none: decode without the draft"
+        )
+
+
 @torch.no_grad()
 def generate(
     model: nn.Module,
@@ -54,30 +83,15 @@ def generate(
             longer than `max_seq_len - max_new_tokens` (one line naming the lengths), or
             `mtp_draft` for a model without MTP depths.
     """
-    params.validate()
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
-    if not prompts or any(len(p) == 0 for p in prompts):
-        raise ValueError("every prompt needs at least one token")
+    check_request(model, prompts, max_new_tokens, params, max_seq_len, mtp_draft is not None)
     rope_cos = cast(torch.Tensor, model.rope_cos)
-    limit = max_seq_len or int(rope_cos.shape[0])
     longest = max(len(p) for p in prompts)
-    if longest + max_new_tokens > limit:
-        raise ValueError(
-            f"a prompt of {longest} tokens + max_new_tokens={max_new_tokens} exceeds "
-            f"max_seq_len={limit}; shorten the prompt or lower max_new_tokens"
-        )
     device = rope_cos.device
     bs = len(prompts)
     pad = torch.tensor([longest - len(p) for p in prompts], device=device)
     tokens = torch.zeros(bs, longest, dtype=torch.long, device=device)
     for b, p in enumerate(prompts):
         tokens[b, longest - len(p) :] = torch.tensor(list(p), dtype=torch.long)
-    if mtp_draft is not None and getattr(model, "mtp", None) is None:
-        raise ValueError(
-            f"drafting with multi-token prediction needs a model with MTP depths; "
-            f"{type(model).__name__} (mtp_layers=0) has none: decode without the draft"
-        )
     generator = torch.Generator(device=device).manual_seed(seed)
     eos = set(eos_ids)
     out: list[list[int]] = [[] for _ in range(bs)]

@@ -20,7 +20,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-from titanlab.distributed.tp_plan import ShardHeads
+from titanlab.distributed.tensor_parallel.plan import ShardHeads
 from titanlab.models.common.decoder import moe_layers
 from titanlab.models.common.linear_attention import GatedDeltaNet
 

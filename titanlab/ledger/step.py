@@ -18,6 +18,9 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
+from torch.utils._pytree import tree_leaves
 
 from titanlab.components.optim import LRSchedulersContainer, OptimizersContainer
 from titanlab.config.device_path import Target, code_path_of, target
@@ -39,13 +42,43 @@ def group_dims(trainer: Any) -> dict[str, str]:
     return out
 
 
+class HostReads(TorchDispatchMode):
+    """Answers a host read of a fake tensor (`.item()`: `aten._local_scalar_dense`) with 1 of
+    its dtype instead of failing, as fake tensors hold no values; entered above the recorder,
+    it keeps the reads out of what is recorded. What reads in a step is float16's: the
+    non-fused optimizers count their steps in CPU tensors (no wait for the device on a GPU
+    run) and the loss scaler reads its scale; its overflow flag is not read here
+    (`steady_state_scaler`)."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if any(is_traceable_wrapper_subclass(a) for a in tree_leaves((args, kwargs))):
+            return NotImplemented  # DTensor & co. run their inner ops, which come here
+        if func is torch.ops.aten._local_scalar_dense.default and isinstance(args[0], FakeTensor):
+            dtype = args[0].dtype
+            return True if dtype == torch.bool else 1.0 if dtype.is_floating_point else 1
+        return func(*args, **kwargs)
+
+
+def steady_state_scaler(scaler: Any) -> None:
+    """float16's loss scaler (`torch.amp.GradScaler`, FSDP's `ShardedGradScaler`) as the
+    ledger runs it: every op of its step (the loss scaled, the gradients unscaled and checked
+    for inf/NaN, the flag all-reduced under FSDP, the scale updated), but the optimizer steps
+    without reading the overflow flag (fake tensors hold none): a step without overflow, the
+    steady state. The reads a GPU run makes (the scale, the flag: 3 host syncs a step) are not
+    counted in the ledger's host syncs."""
+
+    def step_without_reading(optimizer, optimizer_state, *args, **kwargs):
+        return optimizer.step(*args, **kwargs)
+
+    scaler._maybe_opt_step = step_without_reading
+
+
 def record_loop(build: Callable[[], Callable[[], Any]], target: Target) -> list[OpRecord]:
     """The ops of one step of a loop on `target`'s code path. `build()` runs under
     `FakeTensorMode` (the model, optimizer and batch it makes are fake tensors: build them on
     the CPU) and returns the step; the step runs twice and the second is recorded (the first
     builds the optimizer state). Compiled modules run eagerly, as in the trainer's ledger."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     attention = gpu_attention(target) if target.type == "cuda" else contextlib.nullcontext()
     recorder = Recorder()
     with (
@@ -53,10 +86,11 @@ def record_loop(build: Callable[[], Callable[[], Any]], target: Target) -> list[
         attention,
         torch.compiler.set_stance("force_eager"),
         FakeTensorMode(allow_non_fake_inputs=True),
+        HostReads(),
     ):
         step = build()
         step()
-        with recorder:
+        with recorder, HostReads():  # above the recorder: a read is not an op it records
             step()
     return recorder.ops
 
@@ -81,13 +115,15 @@ def record_step(trainer: Any) -> list[OpRecord]:
     if config.data.document_mask:
         masking = DocumentMasking(eos_id=1, reset_positions=config.data.reset_positions)
     trainer.batches = BatchPreparer(config, masking, rank=0, dp_rank=0)
-    if config.parallelism.context_parallel_load_balancer == "work":
+    if config.parallelism.cp_load_balancer == "work":
         # The work balancer reads the documents' lengths, which fake tensors do not hold; the
         # head-tail order gives each rank as many tokens, all the ledger's shapes depend on.
         config.parallelism.context_parallel_load_balancer = "head_tail"
     trainer.step = 1
     trainer.device = torch.device("cpu")  # where the fake tensors live (the meta device's stand-in)
     trainer.init_step_state(compute_dtype)
+    if trainer.scaler is not None:  # float16
+        steady_state_scaler(trainer.scaler)
     mb, seq = config.training.local_batch_size, config.training.seq_len
     accum = trainer.batch.grad_accum_steps
 

@@ -78,7 +78,7 @@ def quantize_base(
             shapes but reads no weight.
         shards: how many ranks FSDP will shard these weights over (1 without FSDP).
         tp, tp_split: the tensor-parallel degree, and the dim it splits each module's weight on
-            (`titanlab.distributed.tensor_parallel.linear_split_dims`; a module not named is
+            (`titanlab.distributed.tensor_parallel.one_d.linear_split_dims`; a module not named is
             not split). Each rank still quantizes the whole weight; the TP styles then keep
             its shard (`titanlab.peft.nf4_split.nf4_shard`).
     Returns:

@@ -74,7 +74,8 @@ class ActivationBytes:
     gathered_per_block: dict[str, int] = dataclasses.field(default_factory=dict)
     """Of `per_block[mode]`, the bytes tensor parallel holds whole on every tp rank: the inputs
     its plan all-gathers over the sequence (the attention's and the feed-forward's, kept by
-    their column-wise Linears; `titanlab.distributed.tp_plan`), where the rest is split."""
+    their column-wise Linears; `titanlab.distributed.tensor_parallel.plan`), where the rest is
+    split."""
     gathered_head: int = 0
     """Of `head`, the bytes held whole on every tp rank: the output projection's gathered input
     (or, for the fused loss's head, the gradient of that input, computed in forward)."""

@@ -1,7 +1,7 @@
 """Calibration of what tensor parallel costs beyond its FLOPs and its collectives' α–β time.
 
-A sequence-parallel TP block (`titanlab.distributed.tp_plan`) runs every op through DTensor's
-dispatch (sharding propagation, redistributions) and splits each GEMM tp ways, smaller and
+A sequence-parallel TP block (`titanlab.distributed.tensor_parallel.plan`) runs every op through
+DTensor's dispatch (sharding propagation, redistributions) and splits each GEMM tp ways, smaller and
 slower; on CPU ranks sharing cores, each blocking collective also hands the core away. None of
 that is in the FLOPs or the bytes. `tp_block_seconds` times one block's forward and backward
 under TP within a group of ranks, and the same block unsplit, with every rank of the machine
@@ -37,7 +37,7 @@ def tp_block_seconds(
         parallelize_module,
     )
 
-    from titanlab.distributed.tensor_parallel import _block_plan
+    from titanlab.distributed.tensor_parallel.one_d import _block_plan
     from titanlab.models.common.shortened import shortened
     from titanlab.models.registry import build_model
 

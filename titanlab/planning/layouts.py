@@ -186,8 +186,8 @@ class Layout:
     def grid_batch_split(self) -> int:
         """The ranks 2D / 2.5D / 3D tensor parallel splits each microbatch's samples over: q · d
         (grid rows × depth) for tp = q² · d, q² for a cube tp = q³; 1 for 1D."""
-        from titanlab.distributed.tensor_parallel_2d import grid_side
-        from titanlab.distributed.tensor_parallel_3d import cube_side
+        from titanlab.distributed.tensor_parallel.two_d import grid_side
+        from titanlab.distributed.tensor_parallel.three_d import cube_side
 
         if self.tp_mode == "3d":
             return (cube_side(self.tp) or 1) ** 2
@@ -249,12 +249,12 @@ def enumerate_layouts(
 def _grid_depths(mode: str, tp: int) -> list[int]:
     """The depths d of tensor parallel `mode` on tp ranks: [1] for 1d, [1] for 2d when tp = q²
     (q >= 2), every d >= 2 with tp = q² · d for 2.5d; [] when none."""
-    from titanlab.distributed.tensor_parallel_2d import grid_side
+    from titanlab.distributed.tensor_parallel.two_d import grid_side
 
     if mode == "1d":
         return [1]
     if mode == "3d":
-        from titanlab.distributed.tensor_parallel_3d import cube_side
+        from titanlab.distributed.tensor_parallel.three_d import cube_side
 
         return [1] if cube_side(tp) else []
     if mode == "2d":

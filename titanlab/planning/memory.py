@@ -378,17 +378,24 @@ def check_memory(
     est = estimate_memory(model_args, config, world_size, compute_dtype, device_type)
     if not config.training.memory_check:
         return est
+    gpu_check = ""
     if target is not None:
         have = int(target.memory_bytes)
         what = f"{have / GIB:.1f} GiB on each {target.name} (comm.dry_run_device)"
     else:
         have, what = available_bytes_per_rank(local_world_size)
+        if not torch.cuda.is_available():  # a GPU config checked on a CPU machine
+            gpu_check = (
+                "; this checked this machine's host memory: check a GPU run against a GPU "
+                "profile with a dry run, `titanlab train CONFIG --comm.mode fake_backend "
+                "--comm.dry_run_device h100` (h100, h200, a100, b200)"
+            )
     if est.total > have:
         raise ConfigError(
             f"model.flavor={config.model.flavor} needs about {est.total / GIB:.1f} GiB per rank "
             f"({est.summary()}) on {world_size} rank(s), but there is {what}; "
             f"{shrinking_option(est, config)}; else a smaller model.flavor (e.g. debugmodel) "
-            "(--training.memory_check false skips this check)"
+            f"(--training.memory_check false skips this check){gpu_check}"
         )
     return est
 

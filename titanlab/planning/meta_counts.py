@@ -54,7 +54,7 @@ def tp_whole_params(model: nn.Module, module: nn.Module | None = None) -> int:
     heads). The norms, MLA's `wkv_a`, the routers and the shared experts; DeepSeek-V3 16B: 0.49B
     of its 16.0B. `model` is a decoder on the meta device, remembered per model."""
     if model not in _TP_WHOLE:
-        from titanlab.distributed.tensor_parallel import linear_split_dims
+        from titanlab.distributed.tensor_parallel.one_d import linear_split_dims
 
         split = set(linear_split_dims(model)) | {"tok_embeddings"}  # type: ignore[arg-type]
         _TP_WHOLE[model] = frozenset(

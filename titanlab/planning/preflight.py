@@ -26,7 +26,7 @@ from titanlab.distributed.activation_offload import check_offload
 from titanlab.distributed.parallel_dims import ParallelDims
 from titanlab.metrics.mlflow_sink import check_mlflow
 from titanlab.distributed.parallelize import param_dtype
-from titanlab.distributed.tensor_parallel import linear_split_dims
+from titanlab.distributed.tensor_parallel.one_d import linear_split_dims
 from titanlab.planning.layouts import check_parallel_layout
 from titanlab.planning.cluster import Cluster
 from titanlab.planning.memory import MemoryEstimate, check_memory

@@ -1,4 +1,4 @@
-"""Check a config before launching: `python -m titanlab.preflight --nproc N [--nnodes M] [--job.config_file F] [--section.key V ...]`.
+"""Check a config before launching: `python -m titanlab.preflight --nproc N [--nnodes M] [CONFIG | --job.config_file F] [--section.key V ...]`.
 
 Exits 0 when the config is valid for a world of M·N ranks and should fit in memory with N
 processes per node (M defaults to 1), else prints one line to stderr and exits 2. `run_train.sh`
@@ -28,7 +28,7 @@ __all__ = ["main"]
 def main(argv: list[str], prog: str = "python -m titanlab.preflight") -> int:
     """Check the config of `argv` (see the module); 0 when it passes, 2 with one line if not."""
     if "--help" in argv or "-h" in argv:
-        print(f"usage: {prog} [--nproc N] [--nnodes M] [--job.config_file F] [--section.key V ...]"
+        print(f"usage: {prog} [--nproc N] [--nnodes M] [CONFIG | --job.config_file F] [--section.key V ...]"
               f"\n\n{__doc__.split(chr(10), 1)[1].strip()}\n\nThe options after --nproc and "
               "--nnodes are the trainer's (`titanlab train --help`).")  # fmt: skip
         return 0
@@ -41,6 +41,8 @@ def main(argv: list[str], prog: str = "python -m titanlab.preflight") -> int:
                 raise ConfigError(f"{argv[0]}={value!r} must be a whole number >= 1")
             counts[argv[0]], argv = int(value), argv[2:]
         nproc, nnodes = counts["--nproc"], counts["--nnodes"]
+        if argv[:1] and not argv[0].startswith("-"):  # `titanlab preflight CONFIG ...`
+            argv = ["--job.config_file", *argv]
         config = build_config(resolve_config_option(argv))  # a shipped config by its name too
         plan = check(config, nproc * nnodes, nproc)
         print(summary(config, plan, nproc * nnodes))

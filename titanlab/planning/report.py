@@ -5,12 +5,16 @@ Raises ConfigError (one line) for bad input."""
 from __future__ import annotations
 
 import argparse
+import logging
+import sys
 from collections.abc import Callable
 
 from titanlab.config.job_config import ConfigError
 from titanlab.planning.compute_costs import ComputeCosts
 from titanlab.planning.memory import GIB
 from titanlab.planning.planner import Candidate
+
+logger = logging.getLogger(__name__)
 
 
 def run(
@@ -33,8 +37,22 @@ def run(
         cluster = get_profile(opts.cluster).with_nodes(opts.nodes)
     global_batch, how = planner.global_batch_of(config, cluster.world_size)
     run = planner.run_of(config, cluster.device_type, global_batch)
+    ledger = priced is not None and cluster.device_type != "cpu"
+    print(  # the ledger's steps take a minute or more on a CPU: say what is under way
+        f"plan: ranking the layouts of {config.model.name} {config.model.flavor} on "
+        f"{cluster.nodes} × {cluster.devices_per_node} {cluster.name}"
+        + (
+            " (compute priced by the per-op ledger: steps recorded on fake tensors, a minute "
+            "or more on a CPU; --compute flops is faster) ..."
+            if ledger
+            else " ..."
+        ),
+        file=sys.stderr,
+        flush=True,
+    )
     costs = None
-    if priced is not None and cluster.device_type != "cpu":
+    if ledger:
+        assert priced is not None
         costs = priced(rest, opts.cluster)
     ranked = planner.plan(config, model_args, cluster, run, costs=costs)
     print(
@@ -95,10 +113,17 @@ def calibrated(config, model_args, nproc: int, path: str):
     return cluster
 
 
+_CALIBRATE = (
+    "python -m titanlab.plan --calibrate PROFILE.json, then TITANLAB_CLUSTER_PROFILE=PROFILE.json"
+)
+
+
 def preflight_summary(config, plan, world_size: int) -> str:
     """The pre-flight's line for a config that passes: its layout, the memory estimate (the
     check just made) and the planner's prediction on this machine's profile, when there is one
-    (`cluster.profile_of_this_machine`)."""
+    (`cluster.profile_of_this_machine`). Without one, a GPU machine's line says how to make
+    one; a CPU machine's says nothing (a debug log): asking for a prediction is setting
+    $TITANLAB_CLUSTER_PROFILE."""
     from titanlab.planning.cluster import profile_of_this_machine
     from titanlab.planning.perf_model import ModelShape, predict
     from titanlab.planning.planner import layout_of, run_of
@@ -108,10 +133,12 @@ def preflight_summary(config, plan, world_size: int) -> str:
     line = f"pre-flight: {lay.name} passes; memory {m.total / GIB:.2f} GiB per rank ({m.summary()})"
     cluster = profile_of_this_machine()
     if cluster is None:
-        return line + (
-            "; no profile to predict the step with (python -m titanlab.plan --calibrate "
-            "PROFILE.json, then TITANLAB_CLUSTER_PROFILE=PROFILE.json)"
-        )
+        import torch
+
+        if not torch.cuda.is_available():  # a CPU machine: no prediction unless asked for one
+            logger.debug("pre-flight: no profile to predict the step with (%s)", _CALIBRATE)
+            return line
+        return line + f"; no profile of this GPU to predict the step with ({_CALIBRATE})"
     run = run_of(config, cluster.device_type, plan.batch.global_batch_size)
     p = predict(ModelShape.of(plan.model_args), run, lay, cluster)
     return line + (

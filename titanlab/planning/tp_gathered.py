@@ -4,8 +4,8 @@ plain model (`titanlab.planning.activation_memory`).
 Under Megatron-style TP with sequence parallel (Korthikanti et al. 2022, "Reducing Activation
 Recomputation in Large Transformer Models", §4.2.2) the activations between blocks are split
 over the sequence, but each column-parallel projection needs the whole sequence: titanlab's plan
-(`titanlab.distributed.tp_plan`) all-gathers the attention's and the feed-forward's inputs, and
-the Linear layers keep that gathered tensor for their weight gradient. Megatron-LM re-gathers it
+(`titanlab.distributed.tensor_parallel.plan`) all-gathers the attention's and the feed-forward's
+inputs, and the Linear layers keep that gathered tensor for their weight gradient. Megatron-LM re-gathers it
 in backward instead; DTensor keeps it. So of a block's saved bytes, these are not divided by tp,
 and neither is the output head's gathered input (or, for the fused loss's head, the gradient of
 that input, which it computes in forward).
@@ -57,8 +57,8 @@ def gathering_inputs(style: object) -> list[int]:
 
 
 def watch_gathered(model: nn.Module, storages: Callable[[], dict]) -> Gathered:
-    """Hooks on `model` (plain, being traced) noting what `titanlab.distributed.tensor_parallel`
-    would gather: each block's plan entries that gather an input, the output head's input, and
+    """Hooks on `model` (plain, being traced) noting what
+    `titanlab.distributed.tensor_parallel.one_d` would gather: each block's plan entries that gather an input, the output head's input, and
     what the head makes during its forward of its input's size (the fused head's input
     gradient). `storages()`: the tracer's {storage id: (weak ref, bytes)} of created tensors."""
     from torch.distributed.tensor.parallel import (
@@ -67,7 +67,7 @@ def watch_gathered(model: nn.Module, storages: Callable[[], dict]) -> Gathered:
         RowwiseParallel,
     )
 
-    from titanlab.distributed.tensor_parallel import _block_plan
+    from titanlab.distributed.tensor_parallel.one_d import _block_plan
     from titanlab.models.common.decoder import TransformerBlock
 
     watch = Gathered()

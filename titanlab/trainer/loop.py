@@ -61,6 +61,8 @@ class TrainLoop(TrainStep):
                     line = oom_line(self.rank, self.step, prof.oom_snapshot())
                     raise OutOfMemory(line) from e
                 prof.step(self.step)
+        if self.ft is not None:  # a group one step behind takes the last step from a peer
+            self.ft.finish()
         preemption.restore()
         logger.info("training: done at step %d", self.step)
         if self.rank == 0:
@@ -71,7 +73,8 @@ class TrainLoop(TrainStep):
         cfg = self.config
         if self.ft is not None:
             self.ft.start_step()  # this step's quorum; behind the others, their state
-            if self.step >= last:  # recovered a peer's state of the last step
+            if self.step >= last:  # recovered a peer's state of the last step: save it
+                self.checkpointer.maybe_save(self.step, last)
                 return
         self.step += 1
         self.metrics.begin_step()
@@ -85,8 +88,11 @@ class TrainLoop(TrainStep):
             self._retry = None
             self.metrics.data_ready()
             self.batches.record(self.step, batches)
-            with count_step_comms(self.step):  # only when TITANLAB_COMM_COUNT is set
-                loss, grad_norm = self.train_step(batches)
+            try:
+                with count_step_comms(self.step):  # only when TITANLAB_COMM_COUNT is set
+                    loss, grad_norm = self.train_step(batches)
+            except TrainingDiverged as e:  # training.skip_nonfinite_steps: too many in a row
+                self._diverged(str(e))
             extra = self.moe_metrics
             if self.ft is not None:
                 if not self.committed:  # a replica group failed during it: run it again
@@ -119,8 +125,9 @@ class TrainLoop(TrainStep):
             loss_scale=self.scaler.get_scale() if self.scaler is not None and fetch else None,
             fetch=fetch,
         )
-        if diverged is not None:
-            self._diverged(diverged.step, diverged.values["loss"])
+        # (a step `train_step` skipped for its non-finite loss was not applied: not divergence)
+        if diverged is not None and diverged.step not in self.nonfinite.skipped:
+            self._diverged(f"loss is {diverged.values['loss']} at step {diverged.step}")
         if log:
             self.metrics.log(
                 self.step,
@@ -153,11 +160,12 @@ class TrainLoop(TrainStep):
         self.metrics.close()  # trackers flush and finish before the summary is printed
         logger.info("%s", summary)
 
-    def _diverged(self, step: int, loss: float) -> None:
+    def _diverged(self, what: str) -> None:
+        """Raise TrainingDiverged: `what` happened, and where the run can resume from."""
         last = self.checkpointer.last_complete()
         raise TrainingDiverged(
-            f"loss is {loss} at step {step}; last complete checkpoint: "
-            f"{last or 'none'} (lower optimizer.lr or check the data)"
+            f"{what}; last complete checkpoint: {last or 'none'} (lower optimizer.lr or check "
+            "the data)"
         )
 
     def _stop_for_preemption(self, preemption: PreemptionHandler) -> None:

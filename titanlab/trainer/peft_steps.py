@@ -14,7 +14,7 @@ from torch import nn
 from titanlab.config.job_config import JobConfig
 from titanlab.distributed.parallel_dims import ParallelDims
 from titanlab.peft.lora import apply_lora, store_frozen_in
-from titanlab.distributed.tensor_parallel import linear_split_dims
+from titanlab.distributed.tensor_parallel.one_d import linear_split_dims
 from titanlab.peft.qlora import adapted_base_bytes, quantize_base, quantized_bytes
 
 logger = logging.getLogger(__name__)

@@ -38,6 +38,7 @@ from titanlab.posttrain.distill import PipelineDistillLoss, distillation_loss_su
 from titanlab.components.fused_head import fused_distillation, fused_targets, teacher_hidden
 from titanlab.components.fused_pipeline import LABELS
 from titanlab.precision.float8 import precompute_scales
+from titanlab.resilience.nonfinite import NonFiniteSteps
 from titanlab.resilience.replica_group import data_rank
 from titanlab.precision.mixed import autocast_context, build_grad_scaler
 
@@ -48,7 +49,8 @@ class TrainStep:
     """`train_step` and `validate` over the attributes the Trainer sets (`config`,
     `parallel_dims`, `device`, `rank`, `step`, `model_parts`, `schedule`, `pp_loss`,
     `model_args`, `has_first`, `has_last`, `teacher`, `loss_fn`, `loss_parallel`, `optimizer`,
-    `lr_scheduler`, `batches`, `val_set`, `data_schedule`); `init_step_state` sets the rest."""
+    `lr_scheduler`, `batches`, `val_set`, `data_schedule`, `dry_run`); `init_step_state` sets
+    the rest."""
 
     config: JobConfig
     parallel_dims: ParallelDims
@@ -70,6 +72,7 @@ class TrainStep:
     val_set: Any
     data_schedule: Any
     ft: Any  # a `titanlab.resilience.replica_group.ReplicaGroup` under fault tolerance, or None
+    dry_run: Any  # the dry run's target (comm.mode fake_backend: fake tensors), or None
 
     def init_step_state(self, compute_dtype: torch.dtype) -> None:
         """Autocast, the float16 grad scaler, the loss and MoE-statistics meshes."""
@@ -80,6 +83,9 @@ class TrainStep:
         self.scaler = build_grad_scaler(
             self.device, compute_dtype, dims.fsdp2_managed, config.training.loss_scale_init
         )
+        # training.skip_nonfinite_steps (a dry run's fake tensors hold no values to check)
+        tolerated = -1 if self.dry_run is not None else config.training.skip_nonfinite_steps
+        self.nonfinite = NonFiniteSteps(tolerated, scaled=self.scaler is not None)
         self._loss_mesh = dims.mesh("dp_cp")
         # FSDP and DDP average gradients over these ranks; the loss is scaled up to undo it.
         self._grad_avg_ranks = self._loss_mesh.size() if self._loss_mesh is not None else 1
@@ -108,7 +114,9 @@ class TrainStep:
         of ranks FSDP/DDP average gradients over, so the gradient is that of the global mean
         whatever the layout. Returns (loss, grad_norm) as 0-d float32 device tensors, equal on
         every rank; nothing here waits for the device (no host sync), except float16's loss
-        scaler, which must read the overflow flag.
+        scaler, which must read the overflow flag, and `training.skip_nonfinite_steps` >= 0,
+        which reads the loss and the norm before the update (`titanlab.resilience.nonfinite`:
+        a non-finite step is not applied; raises TrainingDiverged after too many in a row).
         """
         self.optimizer.zero_grad()
         if self.qk_clip_tau > 0:
@@ -156,6 +164,11 @@ class TrainStep:
         self.committed = self.ft is None or self.ft.commit()
         if not self.committed:
             stepped = False
+        elif self._skip_nonfinite(loss, grad_norm):
+            stepped = False
+            self.optimizer.zero_grad()
+            if self.scaler is not None:  # unscale_ recorded the overflow flags: adapt the scale
+                self.scaler.update()
         elif self.scaler is not None:
             stepped = self._scaled_step()
         else:
@@ -200,6 +213,15 @@ class TrainStep:
                 part.set_reshard_after_backward(last)
             if stage in (0, 1):
                 part.set_requires_gradient_sync(last)
+
+    def _skip_nonfinite(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> bool:
+        """`training.skip_nonfinite_steps`: whether this step's global loss or gradient norm is
+        non-finite and the update must not be applied (the same answer on every rank: both
+        values are already reduced over every rank). Reads them on the host (one transfer)
+        when the check is on; False at once when it is off."""
+        if not self.nonfinite.enabled:
+            return False
+        return self.nonfinite.skip(self.step, *self.nonfinite.read(loss, grad_norm), self.rank)
 
     def _scaled_step(self) -> bool:
         """float16: step each optimizer unless a gradient overflowed, then adapt the scale.

@@ -104,7 +104,7 @@ def model_args():
 
 
 def _tp_local(name: str, shape: tuple[int, ...], tp: int) -> tuple[int, ...]:
-    """Shape of a parameter on one tp rank under titanlab's plan (tensor_parallel.py)."""
+    """Shape of a parameter on one tp rank under titanlab's plan (tensor_parallel/one_d.py)."""
     leaf = name.split(".")[-2]  # the module owning the parameter: "wq", "norm", ...
     if leaf in ("wq", "wk", "wv", "w1", "w3", "output", "tok_embeddings"):  # rows sharded
         return (shape[0] // tp, *shape[1:])

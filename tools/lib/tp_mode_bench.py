@@ -35,8 +35,8 @@ class Mode:
     @property
     def side(self) -> int:
         """q: the side of the grid (tp = q²·d) or of the cube (tp = q³); 1 for 1D."""
-        from titanlab.distributed.tensor_parallel_2d import grid_side
-        from titanlab.distributed.tensor_parallel_3d import cube_side
+        from titanlab.distributed.tensor_parallel.two_d import grid_side
+        from titanlab.distributed.tensor_parallel.three_d import cube_side
 
         if self.mode == "1d":
             return 1
@@ -61,9 +61,9 @@ def model_args(n_layers: int):
 
 def predicted(mode: Mode, elem: int = 4) -> dict[str, int]:
     """The closed form of one block's bytes per collective kind (forward + backward)."""
-    from titanlab.distributed.tensor_parallel import block_comm_bytes as one_d
-    from titanlab.distributed.tensor_parallel_2d import block_comm_bytes as two_d
-    from titanlab.distributed.tensor_parallel_3d import block_comm_bytes as three_d
+    from titanlab.distributed.tensor_parallel.one_d import block_comm_bytes as one_d
+    from titanlab.distributed.tensor_parallel.two_d import block_comm_bytes as two_d
+    from titanlab.distributed.tensor_parallel.three_d import block_comm_bytes as three_d
 
     a = model_args(1)
     dims = (a.dim, a.n_heads, a.kv_heads, a.head_dim, a.ffn_hidden_dim())
@@ -80,18 +80,18 @@ def _shard(model, mode: Mode):
     from torch.distributed.device_mesh import init_device_mesh
 
     if mode.mode == "1d":
-        from titanlab.distributed.tensor_parallel import apply_tp
+        from titanlab.distributed.tensor_parallel.one_d import apply_tp
 
         mesh = init_device_mesh("cpu", (mode.tp,), mesh_dim_names=("tp",))
         apply_tp(model, mesh, loss_parallel=False)
         return lambda fn: fn
     if mode.mode == "3d":
-        from titanlab.distributed.tensor_parallel_3d import CUBE, apply_tp_3d, cube_loss
+        from titanlab.distributed.tensor_parallel.three_d import CUBE, apply_tp_3d, cube_loss
 
         mesh = init_device_mesh("cpu", (mode.side,) * 3, mesh_dim_names=CUBE)
         apply_tp_3d(model, mesh)
         return lambda fn: cube_loss(fn, mesh)
-    from titanlab.distributed.tensor_parallel_2d import GRID, apply_tp_2d, summa_loss
+    from titanlab.distributed.tensor_parallel.two_d import GRID, apply_tp_2d, summa_loss
 
     mesh = init_device_mesh("cpu", (mode.depth, mode.side, mode.side), mesh_dim_names=GRID)
     apply_tp_2d(model, mesh)
@@ -170,8 +170,8 @@ DESCRIPTION = (
     f"dim {_ARGS.dim}, MLP {_ARGS.ffn_hidden_dim()}, a microbatch of {BATCH} × {SEQ} tokens, "
     "fp32), measured by the "
     "communication counter as a 2-block model's bytes less a 1-block model's; *closed form*: "
-    "`block_comm_bytes` of titanlab/distributed/tensor_parallel.py (1D, Megatron with sequence "
-    "parallel), tensor_parallel_2d.py (2D / 2.5D) and tensor_parallel_3d.py (3D), equal per "
+    "`block_comm_bytes` of titanlab/distributed/tensor_parallel/one_d.py (1D, Megatron with "
+    "sequence parallel), two_d.py (2D / 2.5D) and three_d.py (3D), equal per "
     "kind or the prediction shown; *on the wire*: what each rank sends under a ring "
     "((n-1)/n of an all-gather's output or a reduce-scatter's input, twice that for an "
     "all-reduce, n the group); the loss of the 2-block model against one process on the whole "

@@ -160,7 +160,7 @@ def test_to_hf_errors_name_the_problem(tmp_path):
     with pytest.raises(ConversionError, match="is not a folder"):
         dcp_to_hf(str(tmp_path / "missing"), str(tmp_path / "hf"))
     (tmp_path / "empty").mkdir()
-    with pytest.raises(ConversionError, match="no .metadata"):
+    with pytest.raises(ConversionError, match="is not a DCP checkpoint: it is empty"):
         dcp_to_hf(str(tmp_path / "empty"), str(tmp_path / "hf"))
     with pytest.raises(
         ConversionError,

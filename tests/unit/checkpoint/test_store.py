@@ -54,9 +54,20 @@ def test_missing_metadata(ckpt):
 
 
 def test_missing_folder(tmp_path):
-    assert (
-        store.incomplete_reason(str(tmp_path / "step-99"))
-        == "no .metadata (the write did not finish)"
+    assert store.incomplete_reason(str(tmp_path / "step-99")) == "it does not exist"
+
+
+def test_a_folder_without_dcp_files_is_not_a_checkpoint(tmp_path, ckpt):
+    """Never a checkpoint (no .metadata, no .distcp file) is not a write that did not finish;
+    a run's folder names the checkpoints below it."""
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "notes.txt").write_text("x")
+    assert store.incomplete_reason(str(tmp_path / "other")) == (
+        "it is not a DCP checkpoint: it holds 1 file(s), none of them DCP's (a checkpoint "
+        "folder has a .metadata and *.distcp data files, e.g. <dump_folder>/checkpoint/step-N)"
+    )
+    assert store.incomplete_reason(str(tmp_path)) == (
+        "it is not a DCP checkpoint but holds some (step-5, step-10): give one of those folders"
     )
 
 

@@ -270,6 +270,16 @@ def test_literal_in_toml(tmp_path):
         ),
         (["--checkpoint.load_step=-2"], "checkpoint.load_step=-2 must be -1 or >= 0"),
         (
+            ["--training.skip_nonfinite_steps=-2"],
+            "training.skip_nonfinite_steps=-2 must be -1 (no check) or >= 0 (the non-finite "
+            "steps in a row to skip before stopping)",
+        ),
+        (
+            ["--training.skip_nonfinite_steps=3", "--rl.algorithm=grpo"],
+            "training.skip_nonfinite_steps=3 checks the pretraining and fine-tuning step; "
+            "rl.algorithm=grpo runs its own updates (set training.skip_nonfinite_steps=-1)",
+        ),
+        (
             ["--activation_checkpoint.selective_ac_option=0"],
             "activation_checkpoint.selective_ac_option='0' must be 'op' or a positive integer",
         ),

@@ -17,7 +17,7 @@ FT = ["--fault_tolerance.enable", "true", "--fault_tolerance.replica_count", "3"
         (["--fault_tolerance.outer_momentum", "1.0"], "outer_momentum=1.0 in [0, 1)"),
         (["--fault_tolerance.fragments", "3"], "fault_tolerance.fragments=3 must be >= 1 and divide sync_steps=20"),
         (["--fault_tolerance.fragment_update_alpha", "1.5"], "fragment_update_alpha=1.5 must be in [0, 1]"),
-        (["--fault_tolerance.quorum_timeout_seconds", "0"], "quorum_timeout_seconds and timeout_seconds must be > 0"),
+        (["--fault_tolerance.quorum_timeout_seconds", "0"], "fault_tolerance.quorum_timeout_seconds=0.0 must be a number of seconds > 0"),
         (["--parallelism.data_parallel_replicate_degree", "2"],
          "data_parallel_replicate_degree=2: the replica groups are the replicas"),
         (["--parallelism.pipeline_parallel_degree", "2"], "pipeline_parallel_degree=2 is not supported yet"),

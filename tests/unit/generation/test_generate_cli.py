@@ -57,6 +57,7 @@ def test_cli_continues_each_prompt_as_generate_does(folders, capsys, which):
     assert captured.out == "".join(t + "\n---\n" for t in texts)
     assert "tokens/s" in captured.err.strip().splitlines()[-1]
     assert "KiB keys/values for" in captured.err.strip().splitlines()[-2]
+    assert "linear-attention" not in captured.err  # Llama has no such state to report
 
 
 def test_single_prompt_streams_the_same_text(folders, capsys):
@@ -83,6 +84,22 @@ def test_bad_input_is_one_line(folders, capsys, extra, message):
     assert cli.main([hf, *prompt, *extra]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("titanlab: error: ") and message in err[0]
+
+
+def test_an_error_after_the_stream_began_starts_on_a_line_of_its_own(folders, capsys, monkeypatch):
+    """The prompt and the first tokens are on stdout without a newline when an error comes: the
+    error line is not glued to them (`hititanlab: error: ...`)."""
+    _, hf, _ = folders
+
+    def fails_after_a_token(model, ids, max_new_tokens, *, on_step, **kwargs):
+        on_step([ids[0][-1]])
+        raise ValueError("the decode stopped")
+
+    monkeypatch.setattr(cli, "generate", fails_after_a_token)
+    assert cli.main([hf, "--prompt", "hi", "--max-new-tokens", "4"]) == 2
+    out, err = capsys.readouterr()
+    assert out.startswith("hi") and out.endswith("\n") and out.count("\n") == 1
+    assert err == "titanlab: error: the decode stopped\n"
 
 
 def test_unknown_checkpoint_folder_is_one_line(tmp_path, capsys):

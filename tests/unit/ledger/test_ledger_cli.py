@@ -57,3 +57,19 @@ def test_the_same_ledger_behind_the_trainers_dry_run(capsys):
                   "true"]) != 0  # fmt: skip
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("titanlab: error: comm.ledger=true needs comm.mode=fake_backend")
+
+
+def test_float16_is_priced_like_bfloat16(capsys):
+    """float16 (its loss scaler's host reads, the non-fused optimizer's step counts) records
+    and prices: its GEMMs at the tensor-core rate bf16 gets on an H100 (the profiles price both
+    at one peak), where it was a 56-line traceback."""
+    args = ["debug_model.toml", "--device", "h100", "--top", "3"]
+    assert main([*args, "--training.mixed_precision_param", "float16"]) == 0
+    half = capsys.readouterr().out.splitlines()
+    assert main([*args, "--training.mixed_precision_param", "bfloat16"]) == 0
+    bf16 = capsys.readouterr().out.splitlines()
+    assert half[2].startswith("GEMM TFLOP by dtype: float16 ") and "bfloat16" not in half[2]
+    tflop = [float(lines[2].split(";")[0].split()[-1]) for lines in (half, bf16)]
+    assert tflop[0] == tflop[1]  # the same GEMMs
+    ms = [float(lines[1].split(" ms")[0].split()[-1]) for lines in (half, bf16)]
+    assert 0.9 < ms[0] / ms[1] < 1.5, ms  # priced at the same peak (plus the scaler's work)

@@ -71,7 +71,8 @@ def test_help_lists_every_family_and_its_flavors():
         (["--model.n_layers", "-1"], "model.n_layers=-1 must be >= 0 (0: every block)"),
         (
             ["--model.flavor", "hf", "--model.hf_config", "/nowhere/config.json"],
-            "model.hf_config='/nowhere/config.json': [Errno 2]",
+            "model.hf_config='/nowhere/config.json' does not exist; give a Hugging Face "
+            "config.json or the folder holding it",
         ),
     ],
 )

@@ -8,7 +8,7 @@ import itertools
 import pytest
 import torch
 
-from titanlab.distributed.tensor_parallel import linear_split_dims
+from titanlab.distributed.tensor_parallel.one_d import linear_split_dims
 from titanlab.models.llama3 import llama3_flavors
 from titanlab.models.qwen3_moe import qwen3_moe_flavors
 from titanlab.models.registry import build_model

@@ -289,8 +289,15 @@ def test_context_parallel_mode_and_balancer_names_are_checked_in_one_line():
     with pytest.raises(ConfigError) as e:
         build_config(["--parallelism.context_parallel_load_balancer", "lpt"])
     assert str(e.value) == (
-        "parallelism.context_parallel_load_balancer='lpt' is not valid; valid: work, head_tail, "
-        "none"
+        "parallelism.context_parallel_load_balancer='lpt' is not valid; valid: auto, work, "
+        "head_tail, none"
+    )
+    # auto, the default, is the mode's: work under ring, none under Ulysses
+    ring = build_config([])
+    ulysses = build_config(["--parallelism.context_parallel_mode", "ulysses"])
+    assert (ring.parallelism.cp_load_balancer, ulysses.parallelism.cp_load_balancer) == (
+        "work",
+        "none",
     )
     with pytest.raises(ConfigError, match="valid: ring, ulysses; did you mean 'ring'"):
         build_config(["--parallelism.context_parallel_mode", "ring2"])

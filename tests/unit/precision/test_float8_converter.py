@@ -47,7 +47,7 @@ def test_float8_tp_styles_come_from_torchao():
         PrepareFloat8ModuleInput,
     )
 
-    from titanlab.distributed.tensor_parallel import block_styles
+    from titanlab.distributed.tensor_parallel.one_d import block_styles
 
     assert block_styles(True) == (
         Float8ColwiseParallel,

@@ -114,7 +114,7 @@ def hf_to_dcp(
         dtype: dtype to store (None: each tensor's dtype in the HF files). The trainer loads
             any float dtype into its fp32 parameters.
         overwrite: remove a non-empty `dcp_dir` first.
-        progress: show a progress bar over bytes on stderr.
+        progress: show a progress bar over bytes on stderr, when it is a terminal.
         mtp: import the multi-token prediction depths config.json declares (DeepSeek-V3's
             `num_nextn_predict_layers`, layers num_hidden_layers.. in the files). False: skip
             their tensors and import without them (mtp_layers 0). A folder holding none of
@@ -254,7 +254,9 @@ def hf_to_dcp(
     total = sum(p.numel() * p.dtype.itemsize for p in placeholders.values())
     prepare_out_dir(dcp_dir, overwrite)
     with (
-        tqdm(total=total, unit="B", unit_scale=True, desc="from-hf", disable=not progress) as bar,
+        tqdm(
+            total=total, unit="B", unit_scale=True, desc="from-hf", disable=not progress or None
+        ) as bar,
         warnings.catch_warnings(),
     ):
         warnings.simplefilter("ignore", UserWarning)  # "torch.distributed is ... uninitialized"

@@ -69,7 +69,7 @@ def dcp_to_hf(
             files from; None: the bundled
             tokenizer when the vocab size is its size, else none; "": none.
         overwrite: remove a non-empty `out_dir` first.
-        progress: show a progress bar over bytes on stderr.
+        progress: show a progress bar over bytes on stderr, when it is a terminal.
         merge_lora: the checkpoint is a LoRA run's with its base (the final export): write
             each adapted weight as W + (alpha / r) B A (`titanlab.checkpoint.peft_export.LoraMerger`).
     Returns:
@@ -141,7 +141,9 @@ def dcp_to_hf(
 
     total = sum(torch.Size(s).numel() * d.itemsize for shard in shards for _, s, d in shard)
     weight_map: dict[str, str] = {}
-    with tqdm(total=total, unit="B", unit_scale=True, desc="to-hf", disable=not progress) as bar:
+    with tqdm(
+        total=total, unit="B", unit_scale=True, desc="to-hf", disable=not progress or None
+    ) as bar:
         for k, entries in enumerate(shards, start=1):
             file = f"model-{k:05d}-of-{len(shards):05d}.safetensors"
             write_safetensors(os.path.join(out_dir, file), entries, blocks_of, bar.update)

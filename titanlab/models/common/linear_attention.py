@@ -64,7 +64,7 @@ class HeadRMSNorm(nn.Module):
 class ChannelParams(nn.Module):
     """Parameters with one row per channel or head, returned by `forward()` (so tensor parallel
     can split them by rows and hand the layer its rows as plain tensors:
-    `titanlab.distributed.tp_plan.ShardHeads`)."""
+    `titanlab.distributed.tensor_parallel.plan.ShardHeads`)."""
 
     def __init__(self, **shapes: tuple[int, ...]) -> None:
         super().__init__()

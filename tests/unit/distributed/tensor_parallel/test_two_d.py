@@ -6,13 +6,15 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 
 import pytest
 import torch
 import torch.distributed as dist
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # gloo_group
 from gloo_group import init_gloo, spawn
-from titanlab.distributed.tensor_parallel_2d import block_comm_bytes, grid_side
+from titanlab.distributed.tensor_parallel.two_d import block_comm_bytes, grid_side
 
 
 def test_grid_side_is_the_square_root_of_a_square_degree():
@@ -25,7 +27,7 @@ def _worker(rank: int, init_file: str, out: str, depth: int) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     from titanlab.distributed.init import destroy_distributed
-    from titanlab.distributed.tensor_parallel_2d import GRID, apply_tp_2d, summa_loss
+    from titanlab.distributed.tensor_parallel.two_d import GRID, apply_tp_2d, summa_loss
     from tp_grid_case import against_one_process
 
     init_gloo(rank, 4 * depth, init_file)
@@ -59,7 +61,7 @@ FULL_ONLY = pytest.mark.skipif(
 
 @pytest.mark.skipif(not dist.is_available(), reason="needs torch.distributed")
 # 2D; 2.5D on 8 ranks. CI meets 2D's loss, gradients and per-block bytes in
-# tests/unit/tooling/test_tp_mode_bench.py and 2D × FSDP in test_tensor_parallel_grid_dp.py.
+# tests/unit/tooling/test_tp_mode_bench.py and 2D × FSDP in test_grid_dp.py.
 @pytest.mark.parametrize("depth", [pytest.param(d, marks=FULL_ONLY) for d in (1, 2)])
 def test_a_2x2_grid_trains_like_one_process(tmp_path, depth):
     out = str(tmp_path / "result.json")

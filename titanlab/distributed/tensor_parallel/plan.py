@@ -1,12 +1,12 @@
 """The tensor-parallel plan of one decoder block (`titanlab.models.common.decoder`), applied from
-outside the model by `titanlab.distributed.tensor_parallel.apply_tp`.
+outside the model by `titanlab.distributed.tensor_parallel.one_d.apply_tp`.
 
 Megatron-LM style (Shoeybi et al. 2019) with sequence parallel (Korthikanti et al. 2022): wq/wk/
 wv and w1/w3 column-wise, so attention runs on the local heads; wo and w2 row-wise, their outputs
 reduce-scattered onto sequence shards; the block norms normalize each rank's own tokens. The
 per-head q/k norms (Qwen3) see (bs, seq, local heads, head_dim): the heads dim (2) is the sharded
 one, their weight (head_dim,) is replicated, and their output goes back to a plain tensor for
-RoPE. `titanlab.distributed.tensor_parallel.apply_tp` applies this plan to every block.
+RoPE. `titanlab.distributed.tensor_parallel.one_d.apply_tp` applies this plan to every block.
 
 An MoE block's experts are not tensor-parallel: its MoE layer runs on each tp rank's own sequence
 shard (local tokens in, local outputs out, declared `Shard(1)` again), and expert parallel, whose
@@ -102,7 +102,8 @@ def decoder_block_plan(
         qk_norm: the block's attention has `q_norm` / `k_norm`.
         moe: the block's `feed_forward` is an MoE layer; `shared_experts`: it has shared experts.
         mla: the attention is multi-head latent attention, with these styles for its
-            projections (`titanlab.distributed.tp_mla.mla_attention_plan`) in place of GQA's.
+            projections (`titanlab.distributed.tensor_parallel.mla.mla_attention_plan`) in
+            place of GQA's.
         sinks: the attention has per-head sinks (`attention.sinks`), split with their heads.
             Biases of the projections need nothing more: torch's column-wise style splits a
             bias with its rows, the row-wise one replicates it.

@@ -30,7 +30,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from titanlab.distributed.tensor_parallel_2d import (
+from titanlab.distributed.tensor_parallel.two_d import (
     ACTIVATIONS,
     GATHERED,
     _distribute,

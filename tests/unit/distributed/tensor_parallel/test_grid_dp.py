@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 
 import pytest
 import torch
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # gloo_group
 from gloo_group import init_gloo, spawn
 
 FULL_ONLY = pytest.mark.skipif(
@@ -29,8 +31,8 @@ CASES = {  # name: (mode, dp_replicate, dp_shard, tp, depth)
 
 def _dims(mode: str, dp_replicate: int, dp_shard: int, tp: int, depth: int):
     from titanlab.distributed.parallel_dims import ParallelDims
-    from titanlab.distributed.tensor_parallel_2d import grid_side
-    from titanlab.distributed.tensor_parallel_3d import cube_side
+    from titanlab.distributed.tensor_parallel.two_d import grid_side
+    from titanlab.distributed.tensor_parallel.three_d import cube_side
 
     dims = ParallelDims(
         dp_replicate=dp_replicate, dp_shard=dp_shard, cp=1, tp=tp, pp=1,
@@ -50,8 +52,8 @@ def _worker(rank: int, init_file: str, out: str, case: str) -> None:
     from titanlab.components.loss import cross_entropy_sum
     from titanlab.distributed.init import destroy_distributed
     from titanlab.distributed.parallelize import apply_ddp, apply_fsdp, grid_dp_dims, tp_grid_loss
-    from titanlab.distributed.tensor_parallel_2d import apply_tp_2d
-    from titanlab.distributed.tensor_parallel_3d import apply_tp_3d
+    from titanlab.distributed.tensor_parallel.two_d import apply_tp_2d
+    from titanlab.distributed.tensor_parallel.three_d import apply_tp_3d
     from titanlab.models.llama3 import llama3_flavors
     from titanlab.models.registry import build_model
 

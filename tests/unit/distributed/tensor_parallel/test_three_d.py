@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 
 import pytest
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # gloo_group
 from gloo_group import init_gloo, spawn
-from titanlab.distributed.tensor_parallel_3d import cube_side
+from titanlab.distributed.tensor_parallel.three_d import cube_side
 
 
 def test_cube_side_is_the_cube_root_of_a_cube_degree():
@@ -22,7 +24,7 @@ def _worker(rank: int, init_file: str, out: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     from titanlab.distributed.init import destroy_distributed
-    from titanlab.distributed.tensor_parallel_3d import CUBE, apply_tp_3d, cube_loss
+    from titanlab.distributed.tensor_parallel.three_d import CUBE, apply_tp_3d, cube_loss
     from tp_grid_case import against_one_process
 
     init_gloo(rank, 8, init_file)

@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 from types import SimpleNamespace
 
 import pytest
 import torch
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # gloo_group
 from gloo_group import init_gloo, spawn
 from titanlab.distributed.init import destroy_distributed
 from titanlab.models.common.decoder import TransformerBlock
@@ -52,7 +54,7 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str, q_lora_rank: in
             parallelize_module,
         )
 
-        from titanlab.distributed.tensor_parallel import _block_plan
+        from titanlab.distributed.tensor_parallel.one_d import _block_plan
 
         reference, sharded = _block(q_lora_rank), _block(q_lora_rank)
         mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))

@@ -2,11 +2,12 @@
 
 Plan (Shoeybi et al. 2019, "Megatron-LM"; Korthikanti et al. 2022 for sequence parallel):
 - tok_embeddings: row-wise (vocab sharded); output sharded on the sequence dim for the norms.
-- each block: `titanlab.distributed.tp_plan.decoder_block_plan` (the per-head q/k norms
-  included when the model's args have them; an MoE layer runs on each rank's local tokens;
-  multi-head latent attention by `titanlab.distributed.tp_mla`): attention wq/wk/wv and FFN w1/w3 column-wise (heads / hidden
-  units sharded), so attention runs on local heads; wo and w2 row-wise, their outputs
-  reduce-scattered onto sequence shards; Qwen3's per-head q/k norms on the sharded heads dim.
+- each block: `titanlab.distributed.tensor_parallel.plan.decoder_block_plan` (the per-head q/k
+  norms included when the model's args have them; an MoE layer runs on each rank's local tokens;
+  multi-head latent attention by `titanlab.distributed.tensor_parallel.mla`): attention wq/wk/wv
+  and FFN w1/w3 column-wise (heads / hidden units sharded), so attention runs on local heads;
+  wo and w2 row-wise, their outputs reduce-scattered onto sequence shards; Qwen3's per-head q/k
+  norms on the sharded heads dim.
 - attention_norm, ffn_norm, norm: sequence parallel (each rank normalizes its own tokens), so
   activations between blocks are sharded on the sequence dim and every parameter is a DTensor
   (plain-tensor norm weights would break foreach AdamW and clip_grad_norm_).
@@ -19,7 +20,7 @@ Plan (Shoeybi et al. 2019, "Megatron-LM"; Korthikanti et al. 2022 for sequence p
   cross-entropy runs under `loss_parallel()`, never materializing the full vocab on one rank.
 - LoRA: an adapter is split with its base Linear (A replicated and B by rows under a
   column-wise base; A by columns and B replicated under a row-wise one), so every product stays
-  local (`titanlab.distributed.lora_parallel`).
+  local (`titanlab.distributed.tensor_parallel.lora`).
 - float8 (tensorwise recipe, on GPUs): the block's Linear layers use torchao's float8 styles
   (`Float8ColwiseParallel`, `Float8RowwiseParallel`, `PrepareFloat8ModuleInput`), which cast to
   float8 before the all-gather, so TP moves half the bytes of bf16 (torchao's float8 README,
@@ -42,8 +43,8 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from titanlab.distributed.tp_mla import mla_attention_plan
-from titanlab.distributed.tp_plan import SequenceParallel, decoder_block_plan
+from titanlab.distributed.tensor_parallel.mla import mla_attention_plan
+from titanlab.distributed.tensor_parallel.plan import SequenceParallel, decoder_block_plan
 from titanlab.models.common.linear_attention import GatedDeltaNet
 from titanlab.models.common.decoder import moe_layers
 from titanlab.models.common.mla import MLAttention
@@ -57,9 +58,13 @@ if TYPE_CHECKING:
 def block_styles(float8_comm: bool, lora: bool = False) -> tuple[type, type, type]:
     """(colwise, rowwise, prepare-input) parallel styles for the transformer blocks: torchao's
     float8 ones when `float8_comm` (the Linear layers must already be torchao Float8Linear);
-    ones that also split LoRA adapters when `lora` (`titanlab.distributed.lora_parallel`)."""
+    ones that also split LoRA adapters when `lora`
+    (`titanlab.distributed.tensor_parallel.lora`)."""
     if lora:
-        from titanlab.distributed.lora_parallel import LoRAColwiseParallel, LoRARowwiseParallel
+        from titanlab.distributed.tensor_parallel.lora import (
+            LoRAColwiseParallel,
+            LoRARowwiseParallel,
+        )
 
         return LoRAColwiseParallel, LoRARowwiseParallel, PrepareModuleInput
     if float8_comm:
