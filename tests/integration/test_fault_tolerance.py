@@ -141,8 +141,15 @@ def assert_quiet(out: str) -> None:
         # until it has received that step from one of them
         pytest.param(1, 4, late_group(2, 14, step=4), id="one-behind-at-the-end"),
         # docs/multinode.md's command: the debug config, 3 groups of 2 ranks, 3 steps
-        pytest.param(GROUP_RANKS, 3, {}, id="documented", marks=pytest.mark.skipif(
-            not PARITY_FULL, reason="make test-full: 3 groups × 2 ranks of the debug config")),
+        pytest.param(
+            GROUP_RANKS,
+            3,
+            {},
+            id="documented",
+            marks=pytest.mark.skipif(
+                not PARITY_FULL, reason="make test-full: 3 groups × 2 ranks of the debug config"
+            ),
+        ),
     ],
 )
 def test_three_groups_with_min_replicas_2_all_end_on_the_same_weights(

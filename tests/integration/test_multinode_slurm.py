@@ -165,8 +165,11 @@ def test_ft_groups_split_the_nodes_into_replica_groups_that_train_like_one_run(
     the 2-rank run on one host within 1e-5."""
     pytest.importorskip("torchft")
     dump = str(tmp_path / "ft_groups")
-    env = {"FT_GROUPS": "2", "FT_MIN_REPLICAS": "2",  # both groups in every step
-           "FT_LIGHTHOUSE_LOG": os.path.join(dump, "lighthouse.log")}  # not in the checkout
+    env = {
+        "FT_GROUPS": "2",
+        "FT_MIN_REPLICAS": "2",  # both groups in every step
+        "FT_LIGHTHOUSE_LOG": os.path.join(dump, "lighthouse.log"),
+    }  # not in the checkout
     job, log = submit(slurm, dump, overrides(tiny_dataset, dump, 4), env=env)
     info = slurm.wait(job, timeout=300)
     text = read(log)

@@ -51,9 +51,7 @@ def test_the_lighthouse_starts_listening_and_stops():
         process.wait(timeout=10)
 
 
-def test_a_bad_config_is_refused_once_before_the_lighthouse_or_any_group_starts(
-    monkeypatch, capfd
-):
+def test_a_bad_config_is_refused_once_before_the_lighthouse_or_any_group_starts(monkeypatch, capfd):
     """min_replicas above the groups: the pre-flight check runs once, in front of everything;
     its one line is the last, and no lighthouse or group was started (each group's own check
     used to print it once per group, a minute after starting them all)."""
@@ -81,17 +79,25 @@ def test_a_bad_config_is_refused_once_before_the_lighthouse_or_any_group_starts(
     [
         (["--fault_tolerance.min_replicas", "0"], "fault_tolerance.min_replicas=0 must be in [1"),
         (["--fault_tolerance.timeout_seconds", "0"], "timeout_seconds"),
-        (["--parallelism.pipeline_parallel_degree", "2"],
-         "fault_tolerance.enable=true with parallelism.pipeline_parallel_degree=2"),
-        (["--fault_tolerance.semi_sync_method", "diloco", "--fault_tolerance.sync_steps", "24",
-          "--fault_tolerance.fragments", "12"],
-         "fault_tolerance.fragments=12 is more than the model's 9 blocks"),
+        (
+            ["--parallelism.pipeline_parallel_degree", "2"],
+            "fault_tolerance.enable=true with parallelism.pipeline_parallel_degree=2",
+        ),
+        (
+            [
+                "--fault_tolerance.semi_sync_method",
+                "diloco",
+                "--fault_tolerance.sync_steps",
+                "24",
+                "--fault_tolerance.fragments",
+                "12",
+            ],
+            "fault_tolerance.fragments=12 is more than the model's 9 blocks",
+        ),
     ],
     ids=["min-replicas-0", "timeout-0", "pipeline", "fragments"],
 )
-def test_what_a_replica_group_cannot_run_is_refused_by_the_pre_flight_check(
-    options, says, capsys
-):
+def test_what_a_replica_group_cannot_run_is_refused_by_the_pre_flight_check(options, says, capsys):
     """The check `titanlab train` runs once before the groups: every refusal the groups
     used to meet only after launching (DiLoCo's fragments against the model's blocks too)."""
     from titanlab.planning import preflight_cli

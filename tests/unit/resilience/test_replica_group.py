@@ -144,7 +144,12 @@ def scripted_group(manager, replica_count=3, quorum_timeout_seconds=30.0) -> Rep
     group = ReplicaGroup.__new__(ReplicaGroup)
     group.cfg = FaultTolerance(enable=True, replica_count=replica_count, min_replicas=2,
                                quorum_timeout_seconds=quorum_timeout_seconds)  # fmt: skip
-    group.manager, group.device, group.diloco, group._joined = manager, torch.device("cpu"), None, False
+    group.manager, group.device, group.diloco, group._joined = (
+        manager,
+        torch.device("cpu"),
+        None,
+        False,
+    )
     group._start_quorum = manager.start_quorum
     return group
 
