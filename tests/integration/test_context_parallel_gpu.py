@@ -1,8 +1,8 @@
 """Context parallel on GPUs: CP 2 trains to the same losses as one GPU (skipped without 2 GPUs).
 
-On CPU, context parallel runs through `titanlab.distributed.cp_cpu`; its layouts are part of the
-generated parity matrix (tests/integration/test_parallel_parity.py) and its ring attention is
-checked op by op in tests/unit/distributed/test_cp_cpu.py.
+On CPU, context parallel runs through `titanlab.distributed.context_parallel.cpu`; its layouts are
+part of the generated parity matrix (tests/integration/test_parallel_parity.py) and its ring
+attention is checked op by op in tests/unit/distributed/context_parallel/test_cpu.py.
 """
 
 import pytest

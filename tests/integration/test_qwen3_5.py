@@ -6,8 +6,8 @@ trains on 2 CPU ranks with falling loss and its export loads in transformers wit
 
 The cases are generated from the layouts the trainer's validator accepts for each model (2 and 4
 ranks; the linear layers' key heads split with their value heads under TP, their recurrence
-over context-parallel ranks through `titanlab.distributed.cp_linear`). CI runs `NAMED`;
-`make test-parity-full` (TITANLAB_PARITY_FULL=1) runs every accepted layout.
+over context-parallel ranks through `titanlab.distributed.context_parallel.linear`). CI runs
+`NAMED`; `make test-parity-full` (TITANLAB_PARITY_FULL=1) runs every accepted layout.
 """
 
 import json

@@ -122,7 +122,8 @@ class Parallelism:
     values travelling between the ranks (Liu et al. 2023). ulysses: an all-to-all turns the
     sequence shards of q, k, v into head shards around attention and back (DeepSpeed-Ulysses,
     Jacobs et al. 2023, arXiv:2309.14509); heads must divide by tp × cp. Both take causal and
-    document masks (data.document_mask, packed chat SFT); titanlab/distributed/cp_documents.py."""
+    document masks (data.document_mask, packed chat SFT);
+    titanlab/distributed/context_parallel/documents.py."""
 
     context_parallel_load_balancer: CPLoadBalancer = "auto"
     """Which tokens each ring rank holds when a batch has a document mask: work (blocks of
@@ -131,7 +132,7 @@ class Parallelism:
     document) or none (contiguous). auto: work under ring, none under Ulysses (each rank
     attends the whole sequence for its heads: nothing to balance), which takes only none or
     auto. Causal batches without documents use head_tail (PyTorch's ring).
-    titanlab/distributed/cp_balance.py."""
+    titanlab/distributed/context_parallel/balance.py."""
 
     expert_parallel_degree: int = 1
     """ep: MoE models only. The routed experts are split over ep ranks (each holds

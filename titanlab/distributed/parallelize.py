@@ -29,7 +29,7 @@ except ImportError:  # pragma: no cover - only on older torch
 
 from titanlab.config.job_config import JobConfig
 from titanlab.distributed.activation_checkpoint import apply_ac
-from titanlab.distributed.cp_documents import own_cp_attention
+from titanlab.distributed.context_parallel.documents import own_cp_attention
 from titanlab.distributed.activation_offload import apply_offload
 from titanlab.distributed.expert_parallel import apply_ep
 from titanlab.distributed.expert_sharding import (
@@ -260,7 +260,7 @@ def apply_compile(
     compile the same way.
 
     `fullgraph=False` (titanlab's context-parallel attention, whose collectives run eagerly:
-    `titanlab.distributed.cp_documents`): each block compiles in the pieces around its
+    `titanlab.distributed.context_parallel.documents`): each block compiles in the pieces around its
     attention call.
 
     `inside_checkpoint` (tensor parallel with full AC): a checkpointed dense block compiles its

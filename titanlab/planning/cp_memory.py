@@ -47,9 +47,9 @@ def cp_attention_bytes(
 
     Masks, built once per forward: with documents on one rank, one per forward (FlexAttention's
     on CUDA, one per window kind; the dense one elsewhere); under titanlab's context-parallel
-    attention (`titanlab.distributed.cp_documents`: documents, local attention, or Ulysses
-    under cp > 1), one per window kind (S/cp × S for ring, S × S for Ulysses; none for Ulysses
-    without documents or windows). A block that keeps its activations (AC none, op-level
+    attention (`titanlab.distributed.context_parallel.documents`: documents, local attention, or
+    Ulysses under cp > 1), one per window kind (S/cp × S for ring, S × S for Ulysses; none for
+    Ulysses without documents or windows). A block that keeps its activations (AC none, op-level
     selective) also keeps the other ranks' all-gathered keys and values (ring allgather:
     2·(cp−1)·S/cp·H/tp·d elements) or the ring's fp32 output and log-sum-exp (ring alltoall:
     S/cp·H/tp·(dv + 1) fp32); Ulysses keeps as many attention inputs as the traced block

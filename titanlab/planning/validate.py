@@ -111,7 +111,10 @@ def validate_layout(config: JobConfig, dims: ParallelDims, model_args, device_ty
         )
     if dims.cp > 1:
         if device_type != "cuda":
-            from titanlab.distributed.cp_cpu import PrivateNameMissing, check_private_names
+            from titanlab.distributed.context_parallel.cpu import (
+                PrivateNameMissing,
+                check_private_names,
+            )
 
             try:
                 check_private_names()
@@ -145,8 +148,8 @@ def _validate_mtp(config: JobConfig, dims: ParallelDims, model_args) -> None:
 def _validate_linear_layers(config: JobConfig, dims: ParallelDims, model_args) -> None:
     """Linear-attention layers (Qwen3.5's Gated DeltaNet): tensor parallel splits their key
     heads (each with its value heads); their recurrence runs over the whole sequence in order:
-    context parallel runs it on contiguous pieces (`titanlab.distributed.cp_linear`), and it
-    restarts at each packed document's start on one rank, not yet across those pieces."""
+    context parallel runs it on contiguous pieces (`titanlab.distributed.context_parallel.linear`),
+    and it restarts at each packed document's start on one rank, not yet across those pieces."""
     name = config.model.name
     keys = model_args.linear_key_heads
     if dims.tp > 1 and keys % dims.tp:

@@ -28,8 +28,8 @@ from titanlab.data.batches import BatchPreparer
 from titanlab.data.build import build_loader
 from titanlab.data.labels import IGNORE_INDEX
 from titanlab.distributed import moe_stats, qk_clip
-from titanlab.distributed.context_parallel import cp_context
-from titanlab.distributed.cp_documents import cp_attention, needs_own_cp, shard_batch
+from titanlab.distributed.context_parallel.torch_sdpa import cp_context
+from titanlab.distributed.context_parallel.documents import cp_attention, needs_own_cp, shard_batch
 from titanlab.models.common.token_mixer import own_cp_layers
 from titanlab.distributed.parallel_dims import ParallelDims
 from titanlab.distributed.utils import clip_grad_norm_, global_sum
@@ -282,7 +282,7 @@ class TrainStep:
         model runs in. Causal ring batches go through PyTorch's `context_parallel` (it shards
         them in place inside its context); document-masked batches, models with sliding
         windows or sinks, and Ulysses are sharded here and run titanlab's CP attention
-        (`titanlab.distributed.cp_documents`). Without
+        (`titanlab.distributed.context_parallel.documents`). Without
         cp: the batch as given and a no-op context."""
         mesh, par = self.parallel_dims.mesh("cp"), self.config.parallelism
         local = own_cp_layers(self.model_args)

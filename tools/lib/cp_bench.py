@@ -5,7 +5,8 @@ mixed-length documents. Used by `tools/benchmark_cp.py` and its test.
 
 The call: q, k, v (bs, H, S/cp, d) fp32 of this rank's tokens (the `work` balancer's for ring,
 contiguous for Ulysses), a document mask with restarted positions; `ContextParallelAttention`
-(titanlab/distributed/cp_documents.py) as the trainer runs it. cp 1 is SDPA with the whole mask.
+(titanlab/distributed/context_parallel/documents.py) as the trainer runs it. cp 1 is SDPA with the
+whole mask.
 """
 
 from __future__ import annotations
@@ -70,7 +71,7 @@ def _inputs(shape: Shape, seed: int = 0):
     full = [torch.randn(shape.batch, shape.heads, shape.seq, shape.head_dim, generator=g)
             for _ in range(3)]  # fmt: skip
     segments = documents(shape.seq, shape.batch, seed)
-    from titanlab.distributed.cp_balance import index_in_document
+    from titanlab.distributed.context_parallel.balance import index_in_document
 
     return full, segments, index_in_document(segments)
 
@@ -96,8 +97,8 @@ def run_rank(rank: int, cp: int, method: str, shape: Shape, repeats: int, out: s
     import torch.distributed as dist
 
     from titanlab.distributed.comm_counter import CommCounter
-    from titanlab.distributed.cp_balance import shard_order
-    from titanlab.distributed.cp_documents import ContextParallelAttention, allowed
+    from titanlab.distributed.context_parallel.balance import shard_order
+    from titanlab.distributed.context_parallel.documents import ContextParallelAttention, allowed
 
     torch.set_num_threads(1)
     if cp > 1:

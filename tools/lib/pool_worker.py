@@ -180,7 +180,7 @@ class _State:
             signal.signal(sig, handler)
         gc.collect()
         gc.freeze()  # what outlived the job (modules it imported, caches) is not scanned again
-        cp_cpu = sys.modules.get("titanlab.distributed.cp_cpu")
+        cp_cpu = sys.modules.get("titanlab.distributed.context_parallel.cpu")
         if cp_cpu is not None and getattr(cp_cpu, "_installed", False):
             dirty.append("context parallel's CPU handler is installed for good")
         left = [t.name for t in threading.enumerate() if t.name not in PROCESS_THREADS]

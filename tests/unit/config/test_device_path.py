@@ -54,7 +54,7 @@ _LISTED = {
         "OffloadSavedTensors.__init__": OFFLOAD, "OffloadSavedTensors._pack": OFFLOAD,
         "apply_offload": OUTSIDE_STEP, "check_offload": OUTSIDE_STEP,
     },
-    "distributed/context_parallel.py": {"cp_context": CP},
+    "distributed/context_parallel/torch_sdpa.py": {"cp_context": CP},
     "distributed/init.py": {"device_type": THIS_MACHINE},
     "distributed/parallelize.py": {"parallelize_model": PINNED},
     "generation/cli.py": {"run": OUTSIDE_STEP},

@@ -33,8 +33,8 @@ from titanlab.models.common.flex_masks import (
 )
 
 # A builder that replaces the masks below for one context (context parallel's attention,
-# `titanlab.distributed.cp_documents`): called with (segments, positions) of the tokens the
-# forward holds, it returns an object whose `attend(q, k, v, scale)` `Attention` calls.
+# `titanlab.distributed.context_parallel.documents`): called with (segments, positions) of the
+# tokens the forward holds, it returns an object whose `attend(q, k, v, scale)` `Attention` calls.
 _BUILDER: ContextVar[Callable[[torch.Tensor, torch.Tensor | None], Any] | None] = ContextVar(
     "titanlab_attention_mask_builder", default=None
 )

@@ -11,8 +11,9 @@ compiled; here the tiles come from per-tile ranges instead, so building a mask c
 - Each token has a document id (`segments`) and a position (`positions`: its index when
   positions run on through the window, else restarting per document). Query i may attend key
   j when both are in the same document, position_j ≤ position_i and, with a window of W,
-  position_i − position_j < W (the rule of `titanlab.distributed.cp_documents.allowed`, which
-  holds for any order of the tokens, as context parallel's load balancing reorders them).
+  position_i − position_j < W (the rule of
+  `titanlab.distributed.context_parallel.documents.allowed`, which holds for any order of the
+  tokens, as context parallel's load balancing reorders them).
 - A tile can hold an allowed pair only if the query block's and key block's id ranges overlap,
   the keys' smallest position is ≤ the queries' largest, and (window) the queries' smallest
   position minus the keys' largest is < W: otherwise it is skipped. It is *full* when both
@@ -224,4 +225,4 @@ class TileCounter:
 
 TILES = TileCounter()
 """The process's counter: the Decoder's masks (`document_mask.attention_masks`) and context
-parallel's (`titanlab.distributed.cp_documents`) are added as they are built."""
+parallel's (`titanlab.distributed.context_parallel.documents`) are added as they are built."""

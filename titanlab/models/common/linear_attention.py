@@ -187,8 +187,8 @@ class GatedDeltaNet(nn.Module):
         """x: (bs, S, dim); `state`: the `RecurrentState` of the tokens before x, or None (a
         sequence's start). Returns ((bs, S, dim) in x's dtype, the state after x).
 
-        `carry` (context parallel, `titanlab.distributed.cp_linear.SequenceCarry`): x holds
-        this rank's tokens in its load balancer's order; the convolution and the rule run on
+        `carry` (context parallel, `titanlab.distributed.context_parallel.linear.SequenceCarry`): x
+        holds this rank's tokens in its load balancer's order; the convolution and the rule run on
         the rank's contiguous piece, from the earlier pieces' inputs and state, and the output
         comes back in x's order (the returned state is then the piece's own).
 

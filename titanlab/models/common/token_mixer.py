@@ -40,7 +40,8 @@ def has_local_attention(args: Any) -> bool:
 def own_cp_layers(args: Any) -> bool:
     """Whether context parallel must run titanlab's own CP for this model even on a causal
     batch: blocks with sinks or sliding windows (their masks), or linear-attention layers
-    (their recurrence over the ranks' pieces in order, `titanlab.distributed.cp_linear`)."""
+    (their recurrence over the ranks' pieces in order,
+    `titanlab.distributed.context_parallel.linear`)."""
     return has_local_attention(args) or has_linear_layers(args)
 
 

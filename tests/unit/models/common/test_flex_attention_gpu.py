@@ -3,8 +3,8 @@
 chunked sliding window, the sink as an extra key) within bf16 tolerance: GQA with a window,
 sinks, both, each with and without documents; MLA with documents; and context parallel's
 flex paths (ring allgather, ring alltoall, Ulysses) on 2 GPUs against one. Skipped without CUDA
-(the CPU tests, `test_flex_attention.py` and `test_cp_attention_kernels.py`, check the forward
-and the ring's backward algebra)."""
+(the CPU tests, `test_flex_attention.py` and `context_parallel/test_attention_kernels.py`, check
+the forward and the ring's backward algebra)."""
 
 from __future__ import annotations
 
@@ -83,8 +83,8 @@ def test_mla_with_documents_forward_and_backward_equal_sdpa():
 def _cp_worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
     import torch.distributed as dist
 
-    from titanlab.distributed import cp_documents
-    from titanlab.distributed.cp_balance import shard_order
+    from titanlab.distributed.context_parallel import documents as cp_documents
+    from titanlab.distributed.context_parallel.balance import shard_order
 
     from titanlab.distributed.init import destroy_distributed
 

@@ -11,8 +11,8 @@ import pytest
 import torch
 from torch.nn.attention.flex_attention import create_mask
 
-from titanlab.distributed.cp_balance import shard_order
-from titanlab.distributed.cp_documents import allowed as allowed_pairs
+from titanlab.distributed.context_parallel.balance import shard_order
+from titanlab.distributed.context_parallel.documents import allowed as allowed_pairs
 from titanlab.models.common.flex_masks import (
     BLOCK,
     band_block_mask,

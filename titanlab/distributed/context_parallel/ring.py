@@ -1,6 +1,6 @@
 """Ring attention with the `alltoall` rotation for titanlab's context parallel
-(`titanlab.distributed.cp_documents`): the key/value shards travel the ring one step at a time
-and each rank merges its partial softmaxes by their log-sum-exp (Liu et al. 2023, "Ring
+(`titanlab.distributed.context_parallel.documents`): the key/value shards travel the ring one step
+at a time and each rank merges its partial softmaxes by their log-sum-exp (Liu et al. 2023, "Ring
 Attention", arXiv:2310.01889), keeping only q, its own k and v, the output and the log-sum-exp
 for backward, which travels the ring again. Two kernels per shard, chosen by the caller:
 
@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from titanlab.distributed.cp_collectives import shift
+from titanlab.distributed.context_parallel.collectives import shift
 from titanlab.models.common import flex_kernel
 
 NO_KEY = -1e30

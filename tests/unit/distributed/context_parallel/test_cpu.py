@@ -1,7 +1,7 @@
-"""Context parallel on CPU (`titanlab.distributed.cp_cpu`): torch's ring attention through the CPU
-flash kernel gives the one-rank causal attention and its gradients on 2 and 4 gloo ranks with
-both rotate methods, and a torch that lacks one of the private names it uses is refused with
-one line (shown by hiding a name in a subprocess)."""
+"""Context parallel on CPU (`titanlab.distributed.context_parallel.cpu`): torch's ring
+attention through the CPU flash kernel gives the one-rank causal attention and its gradients on
+2 and 4 gloo ranks with both rotate methods, and a torch that lacks one of the private names it
+uses is refused with one line (shown by hiding a name in a subprocess)."""
 
 from __future__ import annotations
 
@@ -13,11 +13,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from titanlab.distributed import cp_cpu
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # gloo_group
+from titanlab.distributed.context_parallel import cpu as cp_cpu
 from gloo_group import init_gloo, spawn
 from titanlab.distributed.init import destroy_distributed
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+REPO = os.path.dirname(
+    os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+)
 
 
 def _attention(q, k, v, grad):

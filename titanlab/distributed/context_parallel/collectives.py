@@ -1,5 +1,5 @@
 """The differentiable collectives of titanlab's own context-parallel attention
-(`titanlab.distributed.cp_documents`), each an autograd Function whose backward is the
+(`titanlab.distributed.context_parallel.documents`), each an autograd Function whose backward is the
 transposed exchange:
 
 - `gather_sequence`: all-gather along the sequence dim (backward: sum the gradients over the

@@ -2,8 +2,8 @@
 packed chat SFT samples), sliding windows and attention sinks (gpt-oss) under ring CP, and
 Ulysses CP for any mask.
 
-PyTorch's `context_parallel` (`titanlab.distributed.context_parallel`) runs causal SDPA round
-the ring and takes no other mask. torch 2.13's FlexAttention context parallel (the
+PyTorch's `context_parallel` (`titanlab.distributed.context_parallel.torch_sdpa`) runs causal SDPA
+round the ring and takes no other mask. torch 2.13's FlexAttention context parallel (the
 `_ContextParallel` FLEX style: keys and values all-gathered by `cplib::flex_cp_allgather`, the
 mask from `_create_cp_block_mask`, a compiled `create_block_mask` over the load balancer's
 rearranged indices) is this module's ring `allgather` on CUDA; titanlab keeps its own because
@@ -13,8 +13,8 @@ by tile without compiling (`titanlab.models.common.flex_masks`: the ledger price
 same masks serve the `alltoall` rotation and Ulysses, which torch's FlexAttention CP lacks.
 
 - The batch is sharded here, before the model: `shard_batch` gives each cp rank its tokens
-  (`titanlab.distributed.cp_balance` chooses which, balancing the mask's work), with their
-  labels (masked prompt tokens stay masked), document ids and RoPE positions (restarted per
+  (`titanlab.distributed.context_parallel.balance` chooses which, balancing the mask's work), with
+  their labels (masked prompt tokens stay masked), document ids and RoPE positions (restarted per
   document when the data says so, else the token's index in the window).
 - Inside the model the mask is built from ids and positions, not from indices: query i may
   attend key j when both are in the same document and position_j ≤ position_i (positions
@@ -29,7 +29,7 @@ same masks serve the `alltoall` rotation and Ulysses, which torch's FlexAttentio
 - `mode = "ring"`: each rank attends its queries to every key. `rotate = "allgather"`: the
   keys and values are all-gathered once per layer and one attention call runs; `rotate =
   "alltoall"`: they travel the ring one shard at a time and the partial softmaxes merge by
-  their log-sum-exp (`titanlab.distributed.cp_ring`).
+  their log-sum-exp (`titanlab.distributed.context_parallel.ring`).
 - `mode = "ulysses"`: DeepSpeed-Ulysses (Jacobs et al. 2023, arXiv:2309.14509): an all-to-all
   turns (bs, H, S/cp, d) sequence shards of q, k and v into (bs, H/cp, S, d) head shards, the
   rank attends its heads (and their sinks) over the whole sequence with the whole mask (causal
@@ -52,15 +52,15 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from titanlab.config.device_path import device_type
-from titanlab.distributed.cp_balance import shard_order
-from titanlab.distributed.cp_collectives import (
+from titanlab.distributed.context_parallel.balance import shard_order
+from titanlab.distributed.context_parallel.collectives import (
     gather_sequence,
     gather_values,
     heads_to_sequence,
     sequence_to_heads,
 )
-from titanlab.distributed.cp_linear import SequenceCarry
-from titanlab.distributed.cp_ring import flex_ring_attention, ring_attention
+from titanlab.distributed.context_parallel.linear import SequenceCarry
+from titanlab.distributed.context_parallel.ring import flex_ring_attention, ring_attention
 from titanlab.models.common.document_mask import mask_builder
 from titanlab.models.common.flex_kernel import flex_attend, with_sinks
 from titanlab.models.common.flex_masks import TILES, band_fraction, document_block_mask, kind_of
@@ -102,8 +102,9 @@ class ContextParallelAttention:
 
     @property
     def recurrent_carry(self) -> SequenceCarry:
-        """What linear-attention layers run through (`titanlab.distributed.cp_linear`), built on
-        first use: models without them never sort the positions."""
+        """What linear-attention layers run through
+        (`titanlab.distributed.context_parallel.linear`), built on first use: models without them
+        never sort the positions."""
         if self._carry is None:
             self._carry = SequenceCarry(self.mine[1], self.all[1], self.group)
         return self._carry

@@ -15,10 +15,10 @@ Balancers (`parallelism.context_parallel_load_balancer`):
   (Σ over its tokens of the keys they see), the blocks dealt to ranks heaviest first to the
   least-loaded rank that still has room (longest-processing-time scheduling with equal block
   counts per rank). It adapts to any mix of document lengths; the measured spread is in
-  `tests/unit/distributed/test_cp_balance.py` and docs/parallelism.md.
+  `tests/unit/distributed/context_parallel/test_balance.py` and docs/parallelism.md.
 
 A rank's tokens need not be contiguous: masks are built from each token's document id and
-position (`titanlab.distributed.cp_documents`), never from its index in the shard.
+position (`titanlab.distributed.context_parallel.documents`), never from its index in the shard.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ earlier ranks' keys, values and gates back to them (one all-reduce of every rank
 its load balancer chose (head-tail, `work`), not a contiguous piece, while the attention layers
 stay balanced. So a linear layer moves its projected inputs to contiguous pieces (rank r:
 tokens r·S/cp … (r+1)·S/cp − 1), runs there, and moves its output back: each an all-gather
-along the sequence whose backward is a reduce-scatter (`cp_collectives.gather_sequence`), then
+along the sequence whose backward is a reduce-scatter (`collectives.gather_sequence`), then
 a gather by the tokens' positions (the index in the window: document masks, where positions
 restart, are refused for these layers). The causal convolution's first K − 1 outputs need the
 previous piece's last K − 1 inputs: an all-gather of every rank's last K − 1 rows.
@@ -34,14 +34,14 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from titanlab.distributed.cp_collectives import gather_sequence, gather_values
+from titanlab.distributed.context_parallel.collectives import gather_sequence, gather_values
 from titanlab.models.common.delta_rule import sequence_transition
 
 
 class SequenceCarry:
     """What a Gated DeltaNet layer (`GatedDeltaNet.step(..., carry=)`) asks of context parallel
     (module docstring, "The trainer's pieces"): built once per forward by
-    `cp_documents.ContextParallelAttention` from this rank's and all ranks' token positions
+    `documents.ContextParallelAttention` from this rank's and all ranks' token positions
     (bs, S/cp) and (bs, S) int64, the latter in rank order.
 
     Every method is a collective of the cp group, called in the same order on every rank."""

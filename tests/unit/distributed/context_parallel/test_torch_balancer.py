@@ -5,9 +5,11 @@ titanlab's own `shard_batch` gives it, and the restore indices undo the rearrang
 from __future__ import annotations
 
 import os
+import sys
 
 import torch
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # gloo_group
 from gloo_group import init_gloo, spawn
 from titanlab.distributed.init import destroy_distributed
 
@@ -30,8 +32,8 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
             _context_parallel_shard,
         )
 
-        from titanlab.distributed.cp_documents import shard_batch
-        from titanlab.distributed.cp_torch_balancer import TitanlabLoadBalancer
+        from titanlab.distributed.context_parallel.documents import shard_batch
+        from titanlab.distributed.context_parallel.torch_balancer import TitanlabLoadBalancer
 
         tokens, labels, segments = _batch()
         mesh = init_device_mesh("cpu", (world,))
@@ -53,7 +55,7 @@ def test_torchs_shard_with_the_work_balancer_equals_shard_batch(tmp_path):
         got = torch.load(tmp_path / f"rank{rank}.pt")
         for a, b in zip(got["ours"], got["theirs"], strict=True):
             assert torch.equal(a, b)
-    from titanlab.distributed.cp_torch_balancer import TitanlabLoadBalancer
+    from titanlab.distributed.context_parallel.torch_balancer import TitanlabLoadBalancer
 
     tokens, _, segments = _batch()
     balancer = TitanlabLoadBalancer(segments, 256, 2, 2)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from titanlab.distributed.cp_balance import (
+from titanlab.distributed.context_parallel.balance import (
     index_in_document,
     rank_blocks,
     rank_work,

@@ -1,15 +1,17 @@
-"""Context parallel for the gated delta rule (`titanlab.distributed.cp_linear`): on 2 and 4 gloo
-ranks, each holding a contiguous piece of the sequence and starting from the state the earlier
-ranks' transitions compose, the outputs and the gradients of q, k, v, g and β equal one
-process's chunked rule over the whole sequence within 1e-5 (fp64 inputs)."""
+"""Context parallel for the gated delta rule (`titanlab.distributed.context_parallel.linear`):
+on 2 and 4 gloo ranks, each holding a contiguous piece of the sequence and starting from the
+state the earlier ranks' transitions compose, the outputs and the gradients of q, k, v, g and β
+equal one process's chunked rule over the whole sequence within 1e-5 (fp64 inputs)."""
 
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
 import torch
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # gloo_group
 from gloo_group import init_gloo, spawn
 from titanlab.distributed.init import destroy_distributed
 
@@ -33,7 +35,7 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
     try:
         import torch.distributed as dist
 
-        from titanlab.distributed.cp_linear import starting_state
+        from titanlab.distributed.context_parallel.linear import starting_state
         from titanlab.models.common.delta_rule import chunked
 
         *tensors, grad = _inputs()

@@ -1,18 +1,20 @@
-"""A whole Gated DeltaNet layer under context parallel (`titanlab.distributed.cp_linear.
-SequenceCarry`): on 2 and 4 gloo ranks, each holding the tokens a load balancer chose (head-tail
-or `work`: not contiguous), the layer's outputs and every parameter's gradient (summed over the
-ranks) equal one process's over the whole sequence within 1e-5 (fp64 weights, the rule in fp32;
-gradients relative to their largest entry), the convolution's
-4-tap halo and the prefix state included; a mutant halo (zeros instead of the previous piece's
-inputs) is caught."""
+"""A whole Gated DeltaNet layer under context parallel
+(`titanlab.distributed.context_parallel.linear.SequenceCarry`): on 2 and 4 gloo ranks, each holding
+the tokens a load balancer chose (head-tail or `work`: not contiguous), the layer's outputs and
+every parameter's gradient (summed over the ranks) equal one process's over the whole sequence
+within 1e-5 (fp64 weights, the rule in fp32; gradients relative to their largest entry), the
+convolution's 4-tap halo and the prefix state included; a mutant halo (zeros instead of the previous
+piece's inputs) is caught."""
 
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
 import torch
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # gloo_group
 from gloo_group import init_gloo, spawn
 from titanlab.distributed.init import destroy_distributed
 
@@ -43,8 +45,8 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str, balancer: str, 
     try:
         import torch.distributed as dist
 
-        from titanlab.distributed.cp_balance import shard_order
-        from titanlab.distributed.cp_linear import SequenceCarry
+        from titanlab.distributed.context_parallel.balance import shard_order
+        from titanlab.distributed.context_parallel.linear import SequenceCarry
 
         x, grad = _inputs()
         order = shard_order(None, SEQ, 2, world, balancer)  # (bs, S): rank r's columns

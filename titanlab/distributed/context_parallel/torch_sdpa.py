@@ -2,7 +2,7 @@
 keys/values between them (ring attention, Liu et al. 2023), through PyTorch's experimental
 `context_parallel` on SDPA. The sequence is split load-balanced (head-tail chunks) so causal
 attention costs the same on every rank. On CPU the ring runs the CPU flash kernel through
-`titanlab.distributed.cp_cpu`, which supplies what torch 2.13 lacks for it.
+`titanlab.distributed.context_parallel.cpu`, which supplies what torch 2.13 lacks for it.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ def cp_context(
     from torch.distributed.tensor.experimental._attention import set_rotate_method
 
     if inputs.device.type == "cpu":
-        from titanlab.distributed import cp_cpu
+        from titanlab.distributed.context_parallel import cpu as cp_cpu
 
         cp_cpu.install()
     set_rotate_method(rotate_method)

@@ -1,4 +1,4 @@
-"""titanlab's context-parallel attention (`cp_documents.ContextParallelAttention`) on 2 and 4
+"""titanlab's context-parallel attention (`documents.ContextParallelAttention`) on 2 and 4
 gloo ranks against one process's textbook attention (scores, the dense rule, the sink as one
 more softmax column), on generated documents (restarted positions, the `work` balancer's
 order), for every rotation (ring allgather, ring alltoall, Ulysses) and mask (documents,
@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import itertools
 import os
+import sys
 
 import pytest
 import torch
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # gloo_group
 from gloo_group import init_gloo, spawn
 from titanlab.distributed.init import destroy_distributed
 
@@ -72,8 +74,9 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
         import torch.distributed as dist
         from torch.nn.attention.flex_attention import flex_attention
 
-        from titanlab.distributed import cp_documents, cp_ring
-        from titanlab.distributed.cp_balance import shard_order
+        from titanlab.distributed.context_parallel import documents as cp_documents
+        from titanlab.distributed.context_parallel import ring as cp_ring
+        from titanlab.distributed.context_parallel.balance import shard_order
         from titanlab.models.common import flex_kernel
 
         flex_kernel.compiled_flex_attention = lambda: flex_attention  # eager: CPU, lse
@@ -123,7 +126,7 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
 def test_every_rotation_and_mask_equals_one_process(world, tmp_path):
     spawn(_worker, (world, str(tmp_path / "init"), str(tmp_path)), nprocs=world)
     q, k, v, grad, sinks, segments, positions = _inputs()
-    from titanlab.distributed.cp_balance import shard_order
+    from titanlab.distributed.context_parallel.balance import shard_order
 
     order = shard_order(segments, SEQ, 2, world, "work")
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
