@@ -39,19 +39,21 @@ from tools.lib.runs import (  # noqa: F401 (re-exported)
 # number of tests), so the last modules to start are short ones and the two workers end close
 # together.
 LONGEST_FIRST = (
-    "test_feature_pairs.py",  # ~470 s
-    "test_parallel_parity.py",  # ~285 s
-    "test_deepseek_v3.py",  # ~250 s
-    "test_faults.py",  # ~235 s
-    "test_rl.py",  # ~230 s
+    "test_feature_pairs.py",  # ~585 s
+    "test_parallel_parity.py",  # ~350 s
+    "test_qwen3_5.py",  # ~195 s
     "test_fault_tolerance.py",  # ~175 s
-    "test_muon_training.py",  # ~160 s
-    "test_qwen3_moe.py",  # ~155 s
-    "test_comm_bytes.py",  # ~120 s
-    "test_generation_exports.py",  # ~95 s
-    "test_fault_tolerance_layouts.py",  # ~90 s
-    "test_cp_documents.py",  # ~85 s
-    "test_observability.py",  # ~75 s
+    "test_rl.py",  # ~165 s
+    "test_qwen3_moe.py",  # ~150 s
+    "test_deepseek_v3.py",  # ~145 s
+    "test_muon_training.py",  # ~140 s
+    "test_compile.py",  # ~125 s
+    "test_faults.py",  # ~120 s
+    "test_cp_documents.py",  # ~95 s
+    "test_fault_tolerance_layouts.py",  # ~70 s
+    "test_error_lines.py",  # ~65 s
+    "test_generation_exports.py",  # ~65 s
+    "test_observability.py",  # ~60 s
 )
 
 

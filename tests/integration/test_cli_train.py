@@ -10,6 +10,8 @@ import signal
 import subprocess
 import sys
 
+import pytest
+
 from conftest import CONSTANT_LR, REPO, wait_for
 from titanlab.checkpoint import store
 
@@ -22,6 +24,7 @@ def logged_steps(dump: str) -> list[int]:
         return [json.loads(line)["step"] for line in f if line.strip()]
 
 
+@pytest.mark.cover("launch:titanlab-train", "launch:torchrun")
 def test_sigterm_to_titanlab_train_saves_the_step_and_exits_75(tiny_dataset, tmp_path):
     dump = str(tmp_path / "out")
     cmd = [sys.executable, "-m", "titanlab.cli", "train", "train_configs/debug_model.toml",

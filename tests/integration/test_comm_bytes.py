@@ -1,6 +1,6 @@
 """The communication of one real training step equals the closed-form prediction exactly.
 
-Runs the trainer under torchrun with `TITANLAB_COMM_COUNT` set (tools/comm_bytes.py) for three
+Runs the trainer on warm ranks with `TITANLAB_COMM_COUNT` set (tools/comm_bytes.py) for three
 cheap layouts (FSDP, TP, and context parallel's ring) and compares, per rank and per collective kind, every call's size and group
 against `predict`. The comparison is exact, not approximate: the counts are of tensor sizes,
 which are deterministic, so any difference is a change in what the parallelisms communicate

@@ -6,13 +6,13 @@ FSDP × EP, TP, PP and TP × PP to the 1-process losses (main and MTP). The debu
 its export loads in transformers with equal logits.
 
 The cases are generated from the layouts of 2 and 4 ranks the trainer's validator accepts for
-the model: the smallest layout with each of FSDP 2, TP 2, EP 2, PP 2 (1F1B) and with each pair
-of them. `make test-parity-full` (TITANLAB_PARITY_FULL=1) runs every accepted layout, every
+the model: CI runs a pairwise cover of those with expert parallel (every pair of FSDP, DDP,
+HSDP, TP, EP 2 / 4, experts FSDP-sharded and PP 1F1B that meets in one, meets once:
+`titanlab.planning.layout_cover.pairwise_subset`). `make test-parity-full` (TITANLAB_PARITY_FULL=1) runs every accepted layout, every
 pipeline schedule included.
 """
 
 import dataclasses
-import itertools
 import json
 import os
 
@@ -24,12 +24,13 @@ from titanlab.checkpoint.convert import DcpModelReader
 from titanlab.data.tokenizer import Tokenizer, default_tokenizer_path
 from titanlab.models.registry import build_model
 from titanlab.models.stored_args import read_model_args
+from titanlab.planning.layout_cover import pairwise_subset
 from titanlab.planning.layouts import SCHEDULES
+from tests.coverage_spec import cover_cases
 from tools import parity_matrix
 
 FULL = os.environ.get("TITANLAB_PARITY_FULL") == "1"
 OPTIONS = ["--model.name", "deepseek_v3", "--model.moe_bias_update_speed", "0.01"]
-SINGLE = ("fsdp", "tp", "ep", "pp:1F1B")
 
 
 def _cases() -> list[parity_matrix.Layout]:
@@ -38,14 +39,8 @@ def _cases() -> list[parity_matrix.Layout]:
     )
     if FULL:
         return pool
-    needs = [frozenset([f]) for f in SINGLE]
-    needs += [frozenset(p) for p in itertools.combinations(SINGLE, 2)]
-    picked = []
-    for need in needs:
-        fits = [lay for lay in pool if need <= lay.tags and lay.grad_accum == 1]
-        assert fits, f"no valid layout of 2 or 4 ranks has {sorted(need)}"
-        picked.append(min(fits, key=lambda lay: (lay.world_size, len(lay.features), lay.name)))
-    return list(dict.fromkeys(picked))
+    expert_parallel = [lay for lay in pool if lay.ep > 1 and lay.grad_accum == 1]
+    return pairwise_subset(expert_parallel, must=(frozenset({"pp:1F1B"}),))
 
 
 CASES = _cases()
@@ -62,7 +57,9 @@ def _biases(dump: str) -> dict[str, torch.Tensor]:
     return {k: reader.load(k) for k in reader.tensors if k.endswith("expert_bias")}
 
 
-@pytest.mark.parametrize("layout", CASES, ids=[lay.name for lay in CASES])
+@pytest.mark.parametrize(
+    "layout", cover_cases("deepseek_v3", CASES, ids=[lay.name for lay in CASES])
+)
 def test_deepseek_v3_layout_matches_single_process(layout, reference):
     dataset, seed, losses, root = reference
     outcome = parity_matrix.run_layout(layout, dataset, seed, losses, root, extra=OPTIONS)
@@ -86,13 +83,13 @@ MTP_OPTIONS = {
     "bias": MTP_FLAVOR,
 }
 MTP_NEEDS = [
-    ("seq_aux", {"fsdp", "ep"}),
-    ("seq_aux", {"fsdp", "ep", "grad_accum"}),
-    ("bias", {"tp"}),
-    ("bias", {"pp:1F1B"}),
-    ("bias", {"tp", "pp:1F1B"}),
+    ("seq_aux", {"fsdp", "ep", "grad_accum"}),  # CI: FSDP × EP with accumulation
+    ("bias", {"tp", "pp:1F1B"}),  # CI: TP × PP (each of them, on one layout)
 ] + (
     [
+        ("seq_aux", {"fsdp", "ep"}),
+        ("bias", {"tp"}),
+        ("bias", {"pp:1F1B"}),
         ("seq_aux", {"ddp"}),
         ("seq_aux", {"ep4"}),
         ("bias", {"tp", "ep"}),
@@ -102,6 +99,9 @@ MTP_NEEDS = [
     if FULL
     else []
 )
+"""The MTP cases: in CI, FSDP × EP with accumulation (the sequence-wise balance loss) and TP ×
+PP (the depth on the last stage, sequence-sharded; TP 2 × EP 2 × PP 2 also resumes bitwise
+below); make test-full adds each of them alone, DDP, EP 4, TP × EP, PP × EP and every schedule."""
 
 
 def _mtp_case(kind: str, need: set[str]) -> parity_matrix.Layout:

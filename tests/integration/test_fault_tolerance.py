@@ -98,6 +98,7 @@ def complete_checkpoint(dump: str, group: int, after: int) -> bool:
                for s in steps)  # fmt: skip
 
 
+@pytest.mark.cover("launch:ft-groups", "launch:titanlab-train")
 def test_a_killed_group_is_restarted_and_recovers_from_the_live_peer(tiny_dataset, tmp_path):
     """CI's short kill test: 2 groups with min_replicas 2, so the survivor waits for the
     quorum while torchrun (MAX_RESTARTS=1) restarts the killed group; make test-full's

@@ -21,8 +21,41 @@ from tools.lib import feature_matrix as fp  # noqa: E402
 from tools.lib import feature_verdicts as fv  # noqa: E402
 from tools.lib.feature_covering import covering_rows  # noqa: E402
 from tools.lib.runs import read_losses  # noqa: E402
+from tests.coverage_spec import accepts, layout_cells  # noqa: E402
 
 FULL = os.environ.get("TITANLAB_PARITY_FULL") == "1"
+
+LEVEL_CELLS = {
+    ("ac", "none"): "ac:none",
+    ("ac", "full"): "ac:full",
+    ("ac", "selective_op"): "ac:selective-op",
+    ("ac", "selective_2"): "ac:selective-layer",
+    ("precision", "fp32"): "precision:float32",
+    ("precision", "bf16"): "precision:bfloat16",
+    ("precision", "fp16"): "precision:float16",
+    ("float8", "on"): "precision:float8",
+}
+"""The cover cells (tests/coverage_spec.py) of levels the rows train: every level of a
+supported pair is in a row, and the test below checks that these are."""
+
+
+def _family(model: fp.Level) -> str:
+    return model.args[model.args.index("--model.name") + 1]
+
+
+MODEL_LAYOUTS = [
+    (model, layout)
+    for model in fp.FACTORS["model"]
+    for layout in fp.FACTORS["layout"]
+    if accepts(_family(model), layout.layout)
+]
+"""The model × layout pairs the validator accepts: the rows train each (checked below), so
+each meets its family under the layout's dimensions."""
+COVER = [
+    "pairs:feature-matrix",
+    *LEVEL_CELLS.values(),
+    *sorted({c for m, lay in MODEL_LAYOUTS for c in layout_cells(_family(m), lay.layout)}),
+]
 
 
 @pytest.fixture(scope="module")
@@ -56,6 +89,7 @@ def test_every_refusal_is_one_line_naming_both_options(matrix):
         assert why is not None and words in why, (pair, why)
 
 
+@pytest.mark.cover(*COVER)
 def test_supported_pairs_train_like_one_process_and_export_whole(matrix):
     fixtures, helpers, verdicts, root = matrix
     triples = fv.triple_verdicts(fixtures, helpers, verdicts) if FULL else {}
@@ -63,6 +97,12 @@ def test_supported_pairs_train_like_one_process_and_export_whole(matrix):
     in_rows = {frozenset(c) for row in rows for n in (2, 3) for c in combinations(row.values(), n)}
     supported = [pair for pair, why in verdicts.items() if why is None]
     assert all(frozenset(pair) in in_rows for pair in supported)
+    # what the cover credits this test with (COVER) is in the rows
+    levels = {(lv.factor, lv.name) for row in rows for lv in row.values()}
+    assert set(LEVEL_CELLS) <= levels, set(LEVEL_CELLS) - levels
+    assert all(frozenset(pair) in in_rows for pair in MODEL_LAYOUTS), [
+        f"{m.label} × {lay.label}" for m, lay in MODEL_LAYOUTS if frozenset((m, lay)) not in in_rows
+    ]
     assert all(frozenset(t) in in_rows for t, why in triples.items() if why is None)
     # CI compiles with aot_eager (the capture, where features meet compile); the full run with
     # Inductor.

@@ -1,5 +1,7 @@
 """float8 training (torchao, emulate mode on CPU) tracks bf16 training of the debug model."""
 
+import pytest
+
 from conftest import THIN, read_metrics
 
 BF16 = [
@@ -17,6 +19,7 @@ BF16 = [
 ]
 
 
+@pytest.mark.cover("precision:float8")
 def test_float8_emulate_loss_within_2_percent_of_bf16(train, tmp_path):
     bf16, fp8 = str(tmp_path / "bf16"), str(tmp_path / "fp8")
     train(2, *BF16, dump=bf16).check()

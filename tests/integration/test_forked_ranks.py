@@ -3,10 +3,13 @@ use) train exactly as under torchrun, and a refusal keeps its line and exit code
 
 import re
 
+import pytest
+
 from conftest import TINY
 from tools.lib.runs import launch, read_losses
 
 
+@pytest.mark.cover("launch:warm-ranks", "launch:torchrun")
 def test_two_forked_ranks_train_exactly_like_torchrun_and_refusals_keep_their_line(
     tiny_dataset, tmp_path
 ):

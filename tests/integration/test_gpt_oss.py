@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from conftest import run_config
+from tests.coverage_spec import cover_cases
 from tools import parity_matrix
 
 FULL = os.environ.get("TITANLAB_PARITY_FULL") == "1"
@@ -82,7 +83,7 @@ def _experts(moe, n):
     return dataclasses.replace(moe, num_experts=n)
 
 
-@pytest.mark.parametrize("layout", CASES, ids=[lay.name for lay in CASES])
+@pytest.mark.parametrize("layout", cover_cases("gpt_oss", CASES, ids=[lay.name for lay in CASES]))
 def test_gpt_oss_layout_matches_single_process(layout, reference):
     dataset, seed, losses, root = reference(parity_matrix.global_microbatches(layout))
     outcome = parity_matrix.run_layout(layout, dataset, seed, losses, root, extra=OPTIONS)

@@ -3,6 +3,8 @@
 import json
 import os
 
+import pytest
+
 from conftest import THIN, read_metrics
 
 BF16 = [
@@ -18,6 +20,7 @@ BF16 = [
 ]
 
 
+@pytest.mark.cover("precision:bfloat16")
 def test_bf16_autocast_single_process_matches_fsdp_bf16(train, tmp_path):
     # One process has no FSDP, so bf16 comes from torch.autocast; FSDP 2 casts parameters with
     # its MixedPrecisionPolicy. Both compute in bf16 from the same fp32 master weights.
@@ -41,6 +44,7 @@ def test_bf16_autocast_single_process_matches_fsdp_bf16(train, tmp_path):
     assert abs(a[1] - c[1]) < 2e-2
 
 
+@pytest.mark.cover("precision:float16")
 def test_fp16_loss_scaling_skips_overflow_and_recovers(train, tmp_path):
     dump = str(tmp_path / "fp16")
     run = train(

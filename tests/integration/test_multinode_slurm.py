@@ -99,6 +99,7 @@ def read(path):
         return f.read()
 
 
+@pytest.mark.cover("launch:slurm")
 def test_sbatch_two_nodes_trains_checkpoints_and_second_submission_resumes(
     slurm, tiny_dataset, straight, tmp_path
 ):

@@ -83,6 +83,7 @@ MUON = [*MUON_OPTIONS, "--training.steps", "4", "--training.global_batch_size", 
         "--checkpoint.enable", "false"]  # fmt: skip
 
 
+@pytest.mark.cover("resume-kill9:disabled")
 def test_muon_killed_rank_resumes_bit_for_bit(tiny_dataset, tmp_path):
     """kill -9 of a rank after the step-4 checkpoint: torchrun restarts the group, which loads
     the momentum buffers (DTensors in the checkpoint) and trains steps 5-8 bit for bit as the

@@ -21,6 +21,7 @@ from conftest import CI_COMPILE_BACKEND
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, REPO)
 from titanlab.planning.layouts import Layout  # noqa: E402
+from tests.coverage_spec import cover_cases, cover_layout  # noqa: E402
 from tools import parity_matrix  # noqa: E402
 
 # PP × DDP trained wrong before FSDP2's replicate replaced the reducer-based DDP (issue 16):
@@ -71,10 +72,23 @@ OPTION_ARGS = {
 # CI runs CP with full and selective-op AC; every-2nd-block AC recomputes the same ring as
 # full AC does, so `make test-parity-full` runs that one, and the compiled CP runs (CI meets
 # CP × compile × AC in the feature-pair matrix's covering rows).
+FULL_ONLY_OPTIONS = ("cp2_alltoall_compile", "cp2_ac_selective_2", "cp2_compile_ac_selective_op")
+OPTION_CELLS = {
+    "cp2_ac_full": ["ac:full"],
+    "cp2_ac_selective_op": ["ac:selective-op"],
+    "cp2_ac_selective_2": ["ac:selective-layer"],
+    "cp2_compile_ac_selective_op": ["ac:selective-op"],
+}
+"""The cover cells each option meets beyond its layout's (tests/coverage_spec.py)."""
 OPTION_PARAMS = [
-    pytest.param(name, marks=FULL_ONLY)
-    if name in ("cp2_alltoall_compile", "cp2_ac_selective_2", "cp2_compile_ac_selective_op")
-    else name
+    pytest.param(
+        name,
+        marks=[
+            cover_layout("llama3", OPTIONS[name]),
+            pytest.mark.cover(*OPTION_CELLS.get(name, [])),
+            *([FULL_ONLY] if name in FULL_ONLY_OPTIONS else []),
+        ],
+    )
     for name in OPTIONS
 ]
 
@@ -92,7 +106,8 @@ def _assert_matches(outcome, reference_losses):
     assert reference_losses[parity_matrix.STEPS] < reference_losses[1]  # the reference trains
 
 
-@pytest.mark.parametrize("name", list(LAYOUTS))
+@pytest.mark.cover("pairs:layout-matrix", "precision:float32", "ac:none")
+@pytest.mark.parametrize("name", cover_cases("llama3", list(LAYOUTS), layout=LAYOUTS.get))
 def test_layout_matches_single_process(name, reference):
     dataset, seed, losses, root = reference
     _assert_matches(parity_matrix.run_layout(LAYOUTS[name], dataset, seed, losses, root), losses)

@@ -10,6 +10,7 @@ import torch
 
 from conftest import CONSTANT_LR, checkpoint_every, read_metrics, run_config
 from titanlab.planning.layouts import Layout
+from tests.coverage_spec import cover_cases
 from tools import parity_matrix
 
 QWEN3 = ["--model.name", "qwen3"]
@@ -48,6 +49,7 @@ LAYOUTS = {
     "tp2": Layout(1, 1, 2, 1, None, 1),
     "fsdp2-tp2": Layout(1, 2, 2, 1, None, 1),
     "fsdp2-pp2": Layout(1, 2, 1, 2, "1F1B", 1),
+    "hsdp2x1-cp2": Layout(2, 1, 1, 1, None, 1, cp=2),  # replicate and context parallel
 }
 
 
@@ -57,7 +59,7 @@ def qwen3_reference(tiny_dataset, tmp_path_factory):
     return (*parity_matrix.prepare_reference(root, tiny_dataset, extra=QWEN3), root)
 
 
-@pytest.mark.parametrize("name", list(LAYOUTS))
+@pytest.mark.parametrize("name", cover_cases("qwen3", list(LAYOUTS), layout=LAYOUTS.get))
 def test_qwen3_layout_matches_single_process(name, qwen3_reference):
     dataset, seed, losses, root = qwen3_reference
     outcome = parity_matrix.run_layout(LAYOUTS[name], dataset, seed, losses, root, extra=QWEN3)

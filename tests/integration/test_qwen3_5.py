@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from conftest import run_config
+from tests.coverage_spec import cover_cases
 from tools import parity_matrix
 
 FULL = os.environ.get("TITANLAB_PARITY_FULL") == "1"
@@ -32,12 +33,13 @@ OPTIONS = {
 }  # fmt: skip
 NAMED = {
     "qwen3_5": ("ws2-tp2", "ws2-pp2-1F1B", "ws2-cp2", "ws4-cp2-tp2"),
-    "qwen3_5_moe": ("ws2-tp2-ep2",),
+    "qwen3_5_moe": ("ws2-tp2-ep2", "ws4-hsdp2x2-ep2", "ws4-cp2-ep2-pp2-1F1B"),
 }
 """CI's layouts: the linear layers split by TP, cut between pipeline stages (debugmodel_deep:
 layers 3 and 7 full, the rest linear), run on contiguous pieces under context parallel (the
 work balancer's shards moved, the prefix state composed; with TP too), and the MoE blocks with
-expert parallel under TP. MoE under EP × PP × FSDP (9.5e-7 here), Ulysses and every other
+expert parallel under TP, under HSDP, and under CP × PP (every dimension of the MoE family once,
+tests/coverage_spec.py). MoE under EP × PP × FSDP (9.5e-7 here), Ulysses and every other
 accepted layout run in `make test-parity-full`."""
 
 
@@ -83,7 +85,10 @@ def reference(tiny_dataset, tmp_path_factory):
     return get
 
 
-@pytest.mark.parametrize(("family", "layout"), CASES, ids=[f"{f}-{lay.name}" for f, lay in CASES])
+@pytest.mark.parametrize(
+    ("family", "layout"),
+    cover_cases(lambda c: c[0], CASES, ids=[f"{f}-{lay.name}" for f, lay in CASES]),
+)
 def test_layout_matches_single_process(family, layout, reference):
     dataset, seed, losses, root = reference(family, parity_matrix.global_microbatches(layout))
     outcome = parity_matrix.run_layout(
@@ -110,12 +115,17 @@ def test_ulysses_cp2_matches_single_process(reference):
     assert outcome.max_abs_diff <= parity_matrix.TOLERANCE
 
 
+@pytest.mark.cover("resume-kill9:async", "qwen3_5×dp_shard", "launch:run_train.sh")
 def test_killed_rank_resumes_bit_for_bit(tiny_dataset, tmp_path):
-    """kill -9 of rank 1 after the step-4 checkpoint of a Qwen3.5 FSDP 2 run: torchrun restarts
-    the group, which trains steps 5-8 bit for bit as the straight run."""
+    """kill -9 of rank 1 after the step-4 checkpoint of a Qwen3.5 FSDP 2 run that checkpoints
+    asynchronously (`checkpoint.async_mode = "async"`: the kill comes once the background write
+    of step 4 is complete): torchrun restarts the group, which trains steps 5-8 bit for bit as
+    the straight run (synchronous checkpoints: tests/integration/test_faults.py and the
+    Muon and CP document-masking kill tests)."""
     from conftest import assert_killed_rank_resumes_bit_for_bit
 
-    assert_killed_rank_resumes_bit_for_bit(tiny_dataset, str(tmp_path), OPTIONS["qwen3_5"])
+    options = [*OPTIONS["qwen3_5"], "--checkpoint.async_mode", "async"]
+    assert_killed_rank_resumes_bit_for_bit(tiny_dataset, str(tmp_path), options)
 
 
 def test_debug_config_trains_on_two_processes_and_its_export_loads_in_transformers(

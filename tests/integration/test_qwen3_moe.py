@@ -29,6 +29,7 @@ from conftest import RunResult, run_config
 from titanlab.checkpoint.convert import DcpModelReader
 from titanlab.planning.layout_cover import pairwise_subset
 from titanlab.planning.layouts import SCHEDULES
+from tests.coverage_spec import cover_cases
 from tools import parity_matrix
 
 BALANCING = {
@@ -107,7 +108,9 @@ def _biases(dump: str) -> dict[str, torch.Tensor]:
     return {k: reader.load(k) for k in reader.tensors if k.endswith("expert_bias")}
 
 
-@pytest.mark.parametrize("mode, layout", CASES, ids=[f"{m}-{lay.name}" for m, lay in CASES])
+@pytest.mark.parametrize(
+    "mode, layout", cover_cases("qwen3_moe", CASES, ids=[f"{m}-{lay.name}" for m, lay in CASES])
+)
 def test_moe_layout_matches_single_process(mode, layout, reference):
     microbatches = parity_matrix.global_microbatches(layout) if mode == "aux_loss" else 1
     dataset, seed, losses, root = reference(mode, microbatches)

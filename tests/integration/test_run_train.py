@@ -4,6 +4,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from conftest import REPO
 
 
@@ -33,6 +35,7 @@ def test_8b_on_cpu_fails_fast_with_one_line(tmp_path):
     assert not dump.exists()  # nothing written
 
 
+@pytest.mark.cover("launch:run_train.sh")
 def test_8b_config_runs_with_debugmodel(tmp_path, tiny_dataset):
     proc = run_script(
         "train_configs/llama_8b.toml",

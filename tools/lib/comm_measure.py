@@ -63,10 +63,18 @@ def train_args(lay: Layout, dataset: str, dump: str, steps: int) -> list[str]:
 
 
 def measure(
-    lay: Layout, dataset: str, workdir: str, timeout: int = 600, extra: tuple[str, ...] = ()
+    lay: Layout,
+    dataset: str,
+    workdir: str,
+    timeout: int = 600,
+    extra: tuple[str, ...] = (),
+    warm: bool = True,
 ) -> list[dict]:
     """Run 2 steps of `lay` (plus `extra` options) with the counter on; return each rank's
-    step-2 `kinds` dict. The run's dump folder is `dump_folder(lay, workdir)`.
+    step-2 `kinds` dict. The run's dump folder is `dump_folder(lay, workdir)`. `warm`: on the
+    warm ranks of `tools.lib.rank_pool` (the counter reads its variable when the step runs, and
+    what a step sends does not depend on the process it runs in); else a fresh torchrun, for a
+    memory timeline of a process of its own.
 
     Raises RuntimeError with the run's output tail when the run fails."""
     from tools.lib.runs import launch_command
@@ -75,12 +83,16 @@ def measure(
     for old in glob.glob(prefix + ".rank*.json"):
         os.remove(old)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", TITANLAB_COMM_COUNT=prefix)
-    cmd = (
-        launch_command(lay.nproc, ["-m", "titanlab.train"])
-        + train_args(lay, dataset, dump_folder(lay, workdir), STEPS)
-        + list(extra)
-    )
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    args = train_args(lay, dataset, dump_folder(lay, workdir), STEPS) + list(extra)
+    if warm:
+        from tools.lib.rank_pool import warm_run
+
+        proc = warm_run(lay.nproc, args, env=env, timeout=timeout)
+    else:
+        cmd = launch_command(lay.nproc, ["-m", "titanlab.train", *args])
+        proc = subprocess.run(
+            cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout
+        )
     if proc.returncode != 0:
         raise RuntimeError(
             f"{lay.name}: trainer exited {proc.returncode}:\n{proc.stdout[-2000:]}"

@@ -147,7 +147,7 @@ def run_row(stage: int, offload: bool, dataset: str, workdir: str, repeats: int 
     peaks, times = [], []
     for _ in range(repeats):
         measured = comm_measure.measure(
-            lay, dataset, sub, extra=(*SNAPSHOT, *offload_args(offload))
+            lay, dataset, sub, extra=(*SNAPSHOT, *offload_args(offload)), warm=False
         )
         dump = comm_measure.dump_folder(lay, sub)
         peaks += [measured_peak(dump, rank=r) for r in range(lay.nproc)]

@@ -4,8 +4,10 @@ this process sees objects kept between two samples (and not the samples' own), t
 
 import argparse
 import collections
+import json
 import math
 import os
+import subprocess
 import sys
 
 import pytest
@@ -29,29 +31,47 @@ def test_the_slope_is_per_thousand_steps_and_can_leave_out_tracemalloc():
     assert math.isnan(hm.per_thousand(samples[:1], "rss_mib"))
 
 
+SAMPLED_LOOP = """
+import json, sys
+from tools.lib import host_memory as hm
+
+kept, history, samples = [], [], []
+
+
+class Loop:
+    step = 0
+
+    def real(self):
+        self.step += 1
+        kept.append([self.step])  # a list kept per step: the leak the samples must see
+        history.append(0.5 * self.step)  # a float: untracked, but its history's length grows
+
+
+step = hm.sampling_step(Loop.real, (10, 60, 110), samples, full_collect=True)
+loop = Loop()
+for _ in range(110):
+    step(loop)
+first, middle, last = samples
+print(json.dumps({"steps": [s.step for s in samples],
+                  "grown": dict(hm.growth_by_type(first, last)),
+                  "grown_late": dict(hm.growth_by_type(middle, last)),
+                  "items_late": last.items - middle.items,
+                  "rss": last.rss_mib, "anon": last.anon_mib,
+                  "blocks": last.blocks - first.blocks}))
+"""
+
+
 def test_samples_see_objects_kept_between_them_and_leave_their_own_out():
-    kept: list[list[int]] = []
-    history: list[float] = []
-    samples: list[hm.Sample] = []
-
-    class Loop:
-        step = 0
-
-        def real(self) -> None:
-            self.step += 1
-            kept.append([self.step])  # a list kept per step: the leak the samples must see
-            history.append(0.5 * self.step)  # a float: untracked, but its history's length grows
-
-    step = hm.sampling_step(Loop.real, (10, 60, 110), samples, full_collect=True)
-    loop = Loop()
-    for _ in range(110):
-        step(loop)
-    first, middle, last = samples
-    assert [s.step for s in samples] == [10, 60, 110]
-    assert dict(hm.growth_by_type(first, last)) == {"builtins.list": 100}
-    assert dict(hm.growth_by_type(middle, last))["builtins.list"] == 50
-    assert last.items - middle.items == 150  # kept's items, theirs, and the history's
-    assert last.rss_mib > 0 and last.anon_mib > 0 and last.blocks > first.blocks
+    """In a process of its own: a pytest worker's own threads create and free lists too."""
+    proc = subprocess.run([sys.executable, "-c", SAMPLED_LOOP], cwd=REPO, capture_output=True,
+                          text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["steps"] == [10, 60, 110]
+    assert got["grown"] == {"builtins.list": 100}
+    assert got["grown_late"]["builtins.list"] == 50
+    assert got["items_late"] == 150  # kept's items, theirs, and the history's
+    assert got["rss"] > 0 and got["anon"] > 0 and got["blocks"] > 0
 
 
 def test_the_table_has_a_row_per_run_and_names_a_failure():
