@@ -18,8 +18,12 @@ from titanlab.checkpoint import store
 
 
 def start_args(tiny_dataset, dump) -> list[str]:
-    """The options every run of this module uses (after the config file)."""
+    """The options every run of this module uses (after the config file): the 2-layer debug
+    flavor (what a fault does to a run does not depend on its depth; the 6-layer model's
+    checkpoints and steps only cost CI time)."""
     return [
+        "--model.flavor",
+        "debugmodel_tiny",
         "--training.seq_len",
         "64",
         "--training.local_batch_size",

@@ -2,9 +2,22 @@
 
 import os
 
+import pytest
+
 from conftest import CONSTANT_LR, checkpoint_every, read_metrics
 
 CKPT = checkpoint_every(5, "--checkpoint.keep_latest_k", "0")
+
+
+@pytest.fixture
+def train(train):
+    """conftest's `train` on the 2-layer debug flavor: what a resume restores does not depend on
+    the depth, and the 6-layer model's checkpoints and steps only cost CI time."""
+
+    def run(nproc: int, *overrides: str, dump: str | None = None):
+        return train(nproc, "--model.flavor", "debugmodel_tiny", *overrides, dump=dump)
+
+    return run
 
 
 def test_resume_is_bitwise_exact(train, tmp_path):
