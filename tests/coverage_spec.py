@@ -63,15 +63,13 @@ PAIRWISE = ("feature-matrix", "layout-matrix")
 """The generated pairwise matrices: `tools/feature_pairs.py`'s covering rows and
 `tools/parity_matrix.py`'s pairwise layout subset (each asserted whole by its own test)."""
 
-CHECK_WORLD_SIZE = 4
-"""Ranks of the layouts `supported_dims` asks the validator about (ep 2 borrows dp_shard 2)."""
-
 
 def _literal(cls: type, field: str) -> tuple[str, ...]:
     return typing.get_args(typing.get_type_hints(cls)[field])
 
 
 def _probe_layouts():
+    """Each dimension at degree 2 on 2 ranks (expert parallel borrows the 2 FSDP ranks)."""
     from titanlab.planning.layouts import Layout
 
     return {
@@ -98,9 +96,10 @@ def accepts(family: str, layout) -> bool:
     """Whether the trainer's validator (`titanlab.planning.layouts.check_layout`, the
     pre-flight's check) accepts `layout` for `family`'s `debugmodel_deep`."""
     from titanlab.planning.layouts import check_layout
+    from tools.lib.parity_runs import GLOBAL_BATCH
 
     config, model_args = _family_config(family)
-    return check_layout(config, layout, 8, model_args, "cpu") is None
+    return check_layout(config, layout, GLOBAL_BATCH, model_args, "cpu") is None
 
 
 def supported_dims(family: str) -> tuple[str, ...]:
