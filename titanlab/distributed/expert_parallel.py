@@ -35,6 +35,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
+from titanlab.config import host_reads
 from titanlab.models.common.decoder import moe_layers
 
 
@@ -86,6 +87,8 @@ def _dispatch(module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
     if is_fake(counts):
         # Fake tensors (a dry run's step, the ledger) hold no counts: the exchange is priced
         # at the load a balanced router gives, every rank's slots split evenly over the ranks.
+        # A GPU run reads both split lists on the host (a host sync): the ledger counts it.
+        host_reads.skipped("expert_parallel.splits", recv_counts)
         send_splits = recv_splits = even_splits(x.shape[0], ep)
     else:
         send_splits = counts.view(ep, local_experts).sum(1).tolist()

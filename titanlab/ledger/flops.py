@@ -10,6 +10,7 @@ import torch
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
 import titanlab.models.common.flex_stand_in  # noqa: F401  (defines the titanlab:: ops)
+from titanlab.models.common.delta_rule_stand_in import chunk_flops
 
 
 def _grouped_mm_flops(a, b, *args, out_val=None, **kwargs) -> int:
@@ -29,6 +30,16 @@ def _flex_backward_flops(grad_out, q, k, v, out, lse, computed, scale, *args, ou
     return int(sdpa_backward_flop_count(grad_out.shape, q.shape, k.shape, v.shape) * computed)
 
 
+def _delta_flops(q, k, v, g, beta, *args, out_val=None, **kwargs) -> int:
+    """`titanlab::gated_delta_attention`: the chunked rule's FLOPs (`chunk_flops`)."""
+    return chunk_flops(q.shape, v.shape)
+
+
+def _delta_backward_flops(grad_out, q, k, v, g, beta, *args, out_val=None, **kwargs) -> int:
+    """Its backward: twice the forward's (`titanlab.models.common.delta_rule_stand_in`)."""
+    return 2 * chunk_flops(q.shape, v.shape)
+
+
 def _flop_formulas() -> dict[Any, Any]:
     """torch's FLOP formulas, plus those it has none for: the CPU flash-attention kernels the
     fake step runs (the same arguments as the CUDA ones, so their formulas) and grouped GEMM."""
@@ -45,6 +56,8 @@ def _flop_formulas() -> dict[Any, Any]:
         table[aten._grouped_mm] = _grouped_mm_flops
     table[torch.ops.titanlab.flex_attention] = _flex_flops  # FlexAttention's stand-in
     table[torch.ops.titanlab.flex_attention_backward] = _flex_backward_flops
+    table[torch.ops.titanlab.gated_delta_attention] = _delta_flops  # fla's kernel's stand-in
+    table[torch.ops.titanlab.gated_delta_attention_backward] = _delta_backward_flops
     return table
 
 

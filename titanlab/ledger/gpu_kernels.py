@@ -6,7 +6,9 @@ a head dim, else the math fallback (the score matrix in fp32 through `bmm`, as M
 dims get). On CUDA, torch 2.11 picks (`torch/nn/attention` backend priority, measured on the
 H100: docs/performance.md) cuDNN's flash attention on compute capability 9.0 and later,
 FlashAttention-2 before, and the memory-efficient kernel where those refuse the arguments
-(a value head dim that differs from the query's, an explicit mask). `GpuAttention` calls that
+(a value head dim that differs from the query's, an explicit mask), each only while enabled:
+a `torch.nn.attention.sdpa_kernel` choice is honoured, down to SDPA's math fallback (explicit
+score matrices). `gpu_sdpa` calls that
 kernel's aten op, whose fake (meta) implementation and FLOP formula torch has, so the ledger
 prices one fused kernel with its real FLOPs and no score matrix (`gpu_attention`).
 
@@ -31,11 +33,19 @@ _aten = torch.ops.aten
 
 
 def sdpa_kernel(target: Target, query: torch.Tensor, value: torch.Tensor, masked: bool) -> str:
-    """The SDPA backend CUDA takes for these arguments on `target`: "cudnn", "flash" or
-    "efficient"."""
-    if masked or query.shape[-1] != value.shape[-1]:
+    """The SDPA backend CUDA takes for these arguments on `target` among the backends enabled
+    now (`torch.nn.attention.sdpa_kernel` and `torch.backends.cuda.enable_*_sdp` choose them):
+    "cudnn", "flash", "efficient", or "math" (SDPA's unfused fallback, explicit score
+    matrices) when none of the fused ones that take the arguments is enabled."""
+    cuda = torch.backends.cuda
+    same_dims = query.shape[-1] == value.shape[-1]
+    if not masked and same_dims and target.capability >= (9, 0) and cuda.cudnn_sdp_enabled():
+        return "cudnn"
+    if not masked and same_dims and cuda.flash_sdp_enabled():
+        return "flash"
+    if cuda.mem_efficient_sdp_enabled():
         return "efficient"
-    return "cudnn" if target.capability >= (9, 0) else "flash"
+    return "math"
 
 
 def gpu_sdpa(
@@ -54,6 +64,9 @@ def gpu_sdpa(
         key = key.repeat_interleave(n_rep, dim=-3)
         value = value.repeat_interleave(n_rep, dim=-3)
     kernel = sdpa_kernel(target, query, value, attn_mask is not None)
+    if kernel == "math":  # the CPU's SDPA takes its math path too under the same choice
+        return original(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
+                        is_causal=is_causal, scale=scale)  # fmt: skip
     if kernel == "cudnn":
         return _aten._scaled_dot_product_cudnn_attention(
             query, key, value, None, True, dropout_p, is_causal, scale=scale

@@ -23,9 +23,12 @@ def ledger_of_loop(
     summary: str,
     seq_len: int,
 ) -> Ledger:
-    """`record_loop` on the cluster profile `device`, priced: a one-device loop (no
-    collectives) training `tokens` tokens a step at `flops_per_token` model FLOPs each."""
+    """`record_loop` on the cluster profile `device`, priced: a loop training `tokens` tokens a
+    step at `flops_per_token` model FLOPs each. A `build` with a `group_dims()` method names
+    its process groups by mesh dim (which collectives overlap the compute); else its groups,
+    if any, wait."""
     profile = get_profile(device)
     ops = record_loop(build, Target(profile.device_type, profile.compute_capability))
-    return Ledger(ops, price(ops, profile), profile, tokens, flops_per_token * tokens, summary,
-                  0.0, seq_len)  # fmt: skip
+    dims = build.group_dims() if hasattr(build, "group_dims") else {}
+    return Ledger(ops, price(ops, profile, dims), profile, tokens, flops_per_token * tokens,
+                  summary, 0.0, seq_len, 1, dims)  # fmt: skip

@@ -12,10 +12,15 @@ the step's.
   only the inputs no fused op of the region made (each once for the region), writes only the
   outputs something else reads (an op outside the region, a GEMM, the backward), and pays no
   launch of its own. GEMMs, attention and collectives stay their own kernels.
+- **Host syncs** (`.item()`, `.cpu()`, expert parallel's split sizes) stall the GPU for
+  `host_sync_s` plus the copy at `host_copy_bandwidth`, serially (assumptions, stated there).
 - **Collectives** on the profile's links in the α–β ring model (`comm_model.ring_seconds`): a
   group of at most `devices_per_node` ranks on NVLink, a larger one on the NICs. FSDP's and
-  DDP's (the dp_shard, dp_replicate and efsdp groups) overlap the compute and only what exceeds
-  it is exposed; the others (TP, CP, EP) wait.
+  DDP's (c10d's in-place all-gathers, reduce-scatters and all-reduces on the dp_shard,
+  dp_replicate and efsdp groups, in forward and backward) overlap the compute, under the
+  assumptions `Overlap` states (the first and last are exposed, what exceeds the phase's
+  compute is exposed, the compute beside them is slowed); the others (TP, CP, EP's
+  all-to-alls whatever their group, the gradient norm's and the loss's reductions) wait.
 
 Units: seconds, bytes, FLOPs.
 """
@@ -53,9 +58,17 @@ class LedgerEfficiency:
     cheap pointwise ops in backward rather than reading what forward saved, and a kernel reads
     an input once for several ops; this factor scales the count to the measured time."""
     attention: float = 0.52
-    """Achieved ÷ peak bf16 FLOP/s of flash attention, on the FLOPs of the tiles it computes
+    """Achieved ÷ peak bf16 FLOP/s of cuDNN's flash attention (SDPA's pick on compute
+    capability 9.0+), on the FLOPs of the tiles it computes
     (`titanlab.ledger.record.causal_fraction`): fitted on the bf16 row's cuDNN attention
     (42 ms; fitted 0.518)."""
+    attention_flash: float = 0.27
+    """The same for FlashAttention-2 (SDPA's flash backend): fitted on the FA2 row (cuDNN's
+    SDPA off: 80 ms of attention for the FLOPs cuDNN ran in 42; fitted 0.272). The
+    memory-efficient kernel (a mask; MLA's 192/128 head dims) and FlexAttention (documents,
+    windows, sinks) are priced at it too, unmeasured: FlexAttention's authors report 85–90% of
+    FlashAttention-2's speed (PyTorch blog, "FlexAttention", 2024-08), so these may read up to
+    ~15% fast."""
     float8_tensorwise: float = 0.47
     """Achieved ÷ peak float8 FLOP/s of a tensorwise-scaled `_scaled_mm`: fitted on the float8
     tensorwise row's GEMMs (162 ms, of which the bf16 head's are priced at `matmul`; fitted
@@ -65,11 +78,20 @@ class LedgerEfficiency:
     there): fitted on the float8 rowwise row's GEMMs (190 ms, its only row; fitted 0.382)."""
     launch_s: float = 4e-6
     """Seconds a kernel takes however small (launch and tail)."""
+    host_sync_s: float = 20e-6
+    """Seconds a host sync stalls the GPU (an assumption, not fitted: no profiled row has
+    one): the host waits for the queue to drain, reads, and launches again, so the GPU idles
+    for that round trip, ~10 µs, and the next kernel's launch, ~10 µs (the CUDA C++ Best
+    Practices Guide, "Asynchronous and overlapping transfers with computation": a blocking
+    transfer or synchronization serializes host and device)."""
+    host_copy_bandwidth: float = 25e9
+    """Bytes/s of a device-to-host copy into pageable host memory (`.cpu()`), an assumption: a
+    fraction of PCIe 5.0 x16's 64 GB/s, as pageable copies are staged through a pinned buffer."""
 
     def gemm(self, op: OpRecord, device: Cluster) -> float:
         """Achieved ÷ peak FLOP/s of `op`'s GEMM or attention kernel on `device`."""
         if op.kind == "attention":
-            return self.attention
+            return self.attention if "cudnn" in op.op else self.attention_flash
         if op.dtype.startswith("float8"):
             return self.float8_rowwise if op.rowwise else self.float8_tensorwise
         return device.efficiency.matmul
@@ -130,20 +152,68 @@ def fused_traffic(ops: list[OpRecord]) -> list[tuple[int, int]]:
     return out
 
 
+@dataclass(frozen=True)
+class Overlap:
+    """How FSDP's and DDP's collectives share the GPU with the compute beside them: the
+    assumptions of `price`'s central estimate (not fitted: no multi-GPU step has been
+    profiled yet, docs/ledger.md "Limits"). Its range runs from perfect overlap (every such
+    collective hidden, for free) to serialized (every collective waited for).
+
+    - A collective issued in forward before the phase's first GEMM (the first unit's
+      all-gather) or in backward after its last (the last units' reduce-scatters) has no
+      compute to hide behind: exposed, as the planner's `perf_model` prices them.
+    - The others run beside the phase's compute; what exceeds it is exposed.
+    - While a collective runs beside a GEMM, NCCL's kernels hold some of the SMs (one per
+      channel: 16 to 32 of an H100's 132 for an 8-GPU ring) and share HBM bandwidth with it,
+      so the compute is slowed by `contention` × the seconds it overlaps."""
+
+    contention: float = 0.15
+    """Seconds the compute beside a collective loses per second of overlap (an assumption:
+    the SM share NCCL's channels hold, ~12–25%, plus the HBM traffic of its copies)."""
+
+
+OVERLAP_KINDS = ("all_gather", "reduce_scatter", "all_reduce")
+"""Collectives FSDP2 and DDP issue on their own streams (c10d's in-place ops), which run beside
+the compute on an `OVERLAPPED` dim; an all-to-all (expert parallel's dispatch and combine, on
+whichever group it runs, the dp_shard group included) waits."""
+
+
+def overlaps(op: OpRecord, dim: str) -> bool:
+    """Whether collective `op`, on mesh dim `dim`, runs beside the compute: FSDP's all-gathers
+    and reduce-scatters and DDP's all-reduce (c10d's in-place ops, `_allgather_base_` & co.)
+    issued in forward or backward on a data-parallel dim. Functional collectives (DTensor's:
+    tensor parallel, the gradient norm's reduction, MoE statistics), all-to-alls and every
+    collective of the gradient norm, the optimizer and the step wait."""
+    return (
+        dim in OVERLAPPED
+        and op.collective in OVERLAP_KINDS
+        and op.op.startswith("c10d.")
+        and op.phase in ("forward", "backward")
+    )
+
+
 @dataclass
 class Priced:
     """A recorded step's prices: `seconds[i]` of `ops[i]` (a collective's own transfer time),
-    and the step's compute, communication and exposed time."""
+    the step's compute, communication and exposed time, and the range the overlap's
+    assumptions span (`Overlap`)."""
 
     ops: list[OpRecord]
     seconds: list[float]
     compute_s: float
     comm_s: float
     exposed_comm_s: float
+    contention_s: float = 0.0
+    """Seconds the compute loses to the collectives running beside it (`Overlap.contention`)."""
+    perfect_s: float = 0.0
+    """The step if every overlapping collective were hidden for free (the ledger's figure
+    before 2026-12-02)."""
+    serialized_s: float = 0.0
+    """The step if every collective were waited for."""
 
     @property
     def step_s(self) -> float:
-        return self.compute_s + self.exposed_comm_s
+        return self.compute_s + self.contention_s + self.exposed_comm_s
 
 
 def collective_seconds(op: OpRecord, device: Cluster) -> float:
@@ -155,37 +225,64 @@ def collective_seconds(op: OpRecord, device: Cluster) -> float:
     return ring_seconds(kind, op.group_size, op.bytes_read, 1, alpha, beta)
 
 
+def op_seconds(
+    ops: list[OpRecord], device: Cluster, efficiency: LedgerEfficiency = LedgerEfficiency()
+) -> list[float]:
+    """Each op's own seconds on `device`: a kernel's roofline time, a collective's transfer,
+    a host sync's stall (the module docstring's rules)."""
+    bandwidth = device.memory_bandwidth * efficiency.memory
+    fused_bandwidth = device.memory_bandwidth * efficiency.fused
+    seconds = []
+    for op, (read, written) in zip(ops, fused_traffic(ops)):
+        if op.kind == "view":
+            s = 0.0
+        elif op.kind == "sync":  # the GPU idles while the host waits, reads and relaunches
+            s = efficiency.host_sync_s + op.bytes_read / efficiency.host_copy_bandwidth
+        elif op.kind == "collective":
+            s = collective_seconds(op, device)
+        else:
+            fused_away = _fuses(op)
+            s = (read + written) / (fused_bandwidth if fused_away else bandwidth)
+            if op.flops:
+                peak = device.flops(dtype_key(op.dtype))
+                s = max(s, op.flops / (peak * efficiency.gemm(op, device)))
+            s += 0.0 if fused_away else efficiency.launch_s
+        seconds.append(s)
+    return seconds
+
+
 def price(
     ops: list[OpRecord],
     device: Cluster,
     group_dims: dict[str, str] | None = None,
     efficiency: LedgerEfficiency = LedgerEfficiency(),
+    overlap: Overlap = Overlap(),
 ) -> Priced:
     """Price `ops` on `device`. `group_dims`: process-group name → mesh dim name (which
-    collectives overlap the compute); unnamed groups wait."""
+    collectives may overlap the compute, `overlaps`); unnamed groups wait."""
     group_dims = group_dims or {}
-    bandwidth = device.memory_bandwidth * efficiency.memory
-    fused_bandwidth = device.memory_bandwidth * efficiency.fused
-    seconds, compute, overlapped, waited = [], 0.0, 0.0, 0.0
-    for op, (read, written) in zip(ops, fused_traffic(ops)):
-        if op.kind == "view":
-            seconds.append(0.0)
+    seconds = op_seconds(ops, device, efficiency)
+    compute = sum(s for op, s in zip(ops, seconds) if op.kind != "collective")
+    waited = exposed = hidden = 0.0
+    by_phase: dict[str, list[tuple[int, float]]] = {}
+    for i, (op, s) in enumerate(zip(ops, seconds)):
+        if op.kind != "collective":
             continue
-        if op.kind == "collective":
-            s = collective_seconds(op, device)
-            seconds.append(s)
-            if group_dims.get(op.group, "") in OVERLAPPED:
-                overlapped += s
-            else:
-                waited += s
-            continue
-        fused_away = _fuses(op)
-        s = (read + written) / (fused_bandwidth if fused_away else bandwidth)
-        if op.flops:
-            peak = device.flops(dtype_key(op.dtype))
-            s = max(s, op.flops / (peak * efficiency.gemm(op, device)))
-        s += 0.0 if fused_away else efficiency.launch_s
-        seconds.append(s)
-        compute += s
-    exposed = waited + max(0.0, overlapped - compute)
-    return Priced(ops, seconds, compute, overlapped + waited, exposed)
+        if overlaps(op, group_dims.get(op.group, "")):
+            by_phase.setdefault(op.phase, []).append((i, s))
+        else:
+            waited += s
+    overlapped = sum(s for found in by_phase.values() for _, s in found)
+    for phase, found in by_phase.items():
+        gemms = [i for i, op in enumerate(ops)
+                 if op.phase == phase and op.kind in ("gemm", "attention")]  # fmt: skip
+        first, last = (gemms[0], gemms[-1]) if gemms else (len(ops), -1)
+        ends = sum(s for i, s in found if (i < first if phase == "forward" else i > last))
+        window = sum(s for op, s in zip(ops, seconds) if op.phase == phase and
+                     op.kind not in ("collective", "sync"))  # fmt: skip
+        beside = sum(s for _, s in found) - ends
+        exposed += ends + max(0.0, beside - window)
+        hidden += min(beside, window)
+    perfect = compute + waited + max(0.0, overlapped - compute)
+    return Priced(ops, seconds, compute, overlapped + waited, waited + exposed,
+                  overlap.contention * hidden, perfect, compute + overlapped + waited)  # fmt: skip

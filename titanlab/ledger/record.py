@@ -33,6 +33,11 @@ step), so the ops run on tensors without memory and the shapes are those of the 
 - **Collectives**: the functional collectives (`_c10d_functional.*`) DTensor and FSDP2 issue,
   with the bytes of the buffer they move (the gathered size of an all-gather, the input of a
   reduce-scatter) and the size and name of their process group.
+- **Host syncs** (kind "sync"): what `host_read` is told: a device tensor's value read on the
+  host (`.item()`, `.tolist()`, `bool()`: `titanlab.ledger.step.HostReads`), a device-to-host
+  copy (`.cpu()`: `titanlab.ledger.step.DeviceToHost`), and a read the code itself skipped on
+  fake tensors (`titanlab.config.host_reads.skipped`: expert parallel's split sizes), each
+  with the bytes copied to the host.
 
 Source: the PyTorch docs of `torch.utils._python_dispatch.TorchDispatchMode`, `FakeTensorMode`
 and `torch.utils.flop_counter`; torch's `torch/distributed/_tools/runtime_estimator.py` prices
@@ -55,12 +60,13 @@ from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper
 from torch.utils._pytree import tree_leaves
 
 from titanlab.components import compiled
+from titanlab.config import host_reads
 from titanlab.ledger.flops import FLOPS, argument, causal_fraction
 
 _WRAPPERS = ("._checkpoint_wrapped_module", "._orig_mod", "._fsdp_wrapped_module")
 _SHAPE_PROPAGATION = "_propagate_tensor_meta_non_cached"
 _FREE = {"empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided", "detach",
-         "lift_fresh", "device", "_unsafe_view", "alias", "set_"}  # fmt: skip
+         "lift_fresh", "device", "_unsafe_view", "alias", "set_", "wait_tensor"}  # fmt: skip
 _WRITE_ONLY = {"zeros", "ones", "full", "zeros_like", "ones_like", "full_like", "new_zeros",
                "new_ones", "new_full", "scalar_tensor", "fill_", "zero_", "arange"}  # fmt: skip
 """Ops that write their output and read no tensor's values (a memset, a fill)."""
@@ -192,13 +198,17 @@ class _Regions:
     """The compiled modules and functions running now (forward or backward), innermost last,
     and the autograd nodes of compiled functions' backward, by region."""
 
-    stack: list[int] = field(default_factory=list)
+    stack: list[int | None] = field(default_factory=list)
     ids: dict[Any, int] = field(default_factory=dict)
     nodes: dict[Any, int] = field(default_factory=dict)
+    fused_modules: bool = True
+    """Whether compiled modules are Inductor's fused code (`compile.backend` "inductor"); with
+    another backend (aot_eager, eager) their ops are eager kernels: no region."""
 
     def enter_module(self, module: torch.nn.Module) -> None:
         if _compiled(module):
-            self.stack.append(self.ids.setdefault(id(module), len(self.ids)))
+            region = self.ids.setdefault(id(module), len(self.ids))
+            self.stack.append(region if self.fused_modules else None)
 
     def leave_module(self, module: torch.nn.Module) -> None:
         if _compiled(module) and self.stack:
@@ -238,15 +248,17 @@ class _Regions:
 class Recorder(TorchDispatchMode):
     """Records the ops of the code run inside it (`ops`, in order). Enter it inside a
     `FakeTensorMode`; `phase(name)` labels what follows (forward and backward are told apart by
-    autograd: an op run by the backward engine is "backward" whatever the label)."""
+    autograd: an op run by the backward engine is "backward" whatever the label).
+    `compile_backend`: the backend compiled modules use (`compile.backend`); only Inductor's
+    make fused regions. Compiled functions (`compile_function`) are Inductor's always."""
 
-    def __init__(self) -> None:
+    def __init__(self, compile_backend: str = "inductor") -> None:
         super().__init__()
         self.ops: list[OpRecord] = []
         self._phase = "step"
         self._serial: dict[int, int] = {}
         self._alive: list[torch.Tensor] = []  # keeps ids unique while recording
-        self._regions = _Regions()
+        self._regions = _Regions(fused_modules=compile_backend == "inductor")
         # Open profiler ranges (record_function), innermost last. A stack, not a map by handle:
         # the exit op's handle reaches this mode as another Python object than the enter op
         # returned, so a map by id() never closed a range, and a phase could stick to the ops
@@ -272,12 +284,34 @@ class Recorder(TorchDispatchMode):
     def __enter__(self):
         self._modules.__enter__()
         compiled.OBSERVERS.append(self._regions)
+        host_reads.OBSERVERS.append(self)
         return super().__enter__()
 
     def __exit__(self, *exc):
         super().__exit__(*exc)
+        host_reads.OBSERVERS.remove(self)
         compiled.OBSERVERS.remove(self._regions)
         self._modules.__exit__(*exc)
+
+    def host_read(self, what: str, tensor: torch.Tensor) -> None:
+        """Record a host sync: `tensor` (a device tensor on the GPU) read or copied to the
+        host, `what` naming how (an op name, `Tensor.cpu`, a skipped read's name)."""
+        rec = self._place(OpRecord(what, "", "", "sync", dtype=str(tensor.dtype).removeprefix(
+            "torch."), shape=tuple(tensor.shape)))  # fmt: skip
+        rec.bytes_read = rec.bytes_written = _nbytes(tensor)
+        rec.inputs = (self._id(tensor),)
+        self.ops.append(rec)
+
+    def _place(self, rec: OpRecord) -> OpRecord:
+        """`rec` with the module, phase and compiled region of the code running now."""
+        running = self._modules.parents - {"Global"}  # the innermost: the most dotted name
+        phase = "backward" if self._modules.is_bw else "forward" if running else self._phase
+        for label in self._ranges:  # the innermost named range that is a phase
+            phase = next((p for prefix, p in _PHASES if label.startswith(prefix)), phase)
+        rec.module = _clean(max(running, key=lambda n: (n.count("."), n))) if running else ""
+        rec.phase = phase
+        rec.region = self._regions.current()
+        return rec
 
     def _id(self, t: torch.Tensor) -> int:
         key = id(t)
@@ -312,14 +346,7 @@ class Recorder(TorchDispatchMode):
         ins = [a for a in leaves if isinstance(a, torch.Tensor) and id(a) not in out_args]
         outs = [o for o in tree_leaves(out) if isinstance(o, torch.Tensor)]
         kind = _kind(func, name)
-        running = self._modules.parents - {"Global"}  # the innermost: the most dotted name
-        in_module = bool(running)
-        phase = "backward" if self._modules.is_bw else "forward" if in_module else self._phase
-        for label in self._ranges:  # the innermost named range that is a phase
-            phase = next((p for prefix, p in _PHASES if label.startswith(prefix)), phase)
-        module = _clean(max(running, key=lambda n: (n.count("."), n))) if running else ""
-        rec = OpRecord(name, module, phase, kind, shape=tuple(outs[0].shape) if outs else ())
-        rec.region = self._regions.current()
+        rec = self._place(OpRecord(name, "", "", kind, shape=tuple(outs[0].shape) if outs else ()))
         rec.inputs = tuple(self._id(t) for t in ins)
         rec.outputs = tuple(self._id(t) for t in outs)
         dtype_of = ins if kind in ("gemm", "attention") and ins else outs or ins

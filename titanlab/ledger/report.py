@@ -16,13 +16,17 @@ _LAYER = re.compile(r"^(layers|mtp)\.\d+")
 
 def op_rows(ledger: Ledger) -> list[dict]:
     """The ops grouped by (op, module with block numbers as `*`, phase, dtype), most expensive
-    first: each row's seconds, share of the step's compute, calls, FLOPs and bytes."""
+    first: each row's seconds, share (of the step's compute; a collective's, of all the
+    collectives' seconds), calls, FLOPs and bytes."""
     rows: dict[tuple, dict] = defaultdict(
         lambda: {"seconds": 0.0, "calls": 0, "flops": 0, "bytes": 0}
     )
+    collectives = set()
     for op, s in zip(ledger.ops, ledger.priced.seconds):
         if op.kind == "view":
             continue
+        if op.kind == "collective":
+            collectives.add(op.op)
         key = (op.op, _LAYER.sub(r"\1.*", op.module), op.phase, op.dtype)
         row = rows[key]
         row["seconds"] += s
@@ -30,10 +34,12 @@ def op_rows(ledger: Ledger) -> list[dict]:
         row["flops"] += op.flops
         row["bytes"] += op.bytes_read + op.bytes_written
     compute = ledger.priced.compute_s or 1.0
+    comm = ledger.priced.comm_s or 1.0
     out = []
     for (op, module, phase, dtype), row in rows.items():
+        whole = comm if op in collectives else compute
         out.append({"op": op, "module": module, "phase": phase, "dtype": dtype, **row,
-                    "share": row["seconds"] / compute})  # fmt: skip
+                    "share": row["seconds"] / whole})  # fmt: skip
     return sorted(out, key=lambda r: -r["seconds"])
 
 
@@ -74,9 +80,12 @@ def summary(ledger: Ledger) -> dict:
         "compute_s": p.compute_s,
         "comm_s": p.comm_s,
         "exposed_comm_s": p.exposed_comm_s,
+        "contention_s": p.contention_s,
+        "step_range_s": [p.perfect_s, p.serialized_s],
         "tokens_per_s": ledger.tokens / p.step_s,
         "mfu": ledger.model_flops / p.step_s / peak,
         "memory_peak_gib": ledger.memory_peak / GIB,
+        "memory_capacity_gib": ledger.device.memory_bytes / GIB,
         "gemm_flops_by_dtype": gemm_flops_by_dtype(ledger),
         "seconds_by_phase": dict(phases),
         "host_syncs": sum(op.kind == "sync" for op in ledger.ops),
@@ -89,12 +98,23 @@ def render(ledger: Ledger, top: int = 20) -> str:
     s = summary(ledger)
     flops = ", ".join(f"{d} {f / 1e12:.2f}" for d, f in sorted(s["gemm_flops_by_dtype"].items()))
     phases = ", ".join(f"{k} {v * 1e3:.1f}" for k, v in s["seconds_by_phase"].items())
+    low, high = s["step_range_s"]
+    span = ""
+    if high > low * 1.0005:  # collectives that may overlap: the assumptions' range
+        span = (f"; range {low * 1e3:.1f} (perfect overlap) … {high * 1e3:.1f} ms (serialized), "
+                f"MFU {100 * s['mfu'] * s['step_s'] / high:.1f}–"
+                f"{100 * s['mfu'] * s['step_s'] / low:.1f}%; assumed: the first gather and "
+                "last reduction exposed, the compute beside a collective slowed "
+                f"{s['contention_s'] * 1e3:.1f} ms (titanlab.ledger.price.Overlap)")  # fmt: skip
+    over = ""
+    if s["memory_peak_gib"] > s["memory_capacity_gib"]:
+        over = f" — ABOVE the {s['device']}'s {s['memory_capacity_gib']:.1f} GiB: it would not fit"
     lines = [
         f"ledger: {s['run']}, priced for {s['device']}",
         f"step {s['step_s'] * 1e3:.1f} ms (compute {s['compute_s'] * 1e3:.1f} ms, "
         f"collectives {s['comm_s'] * 1e3:.1f} ms of which {s['exposed_comm_s'] * 1e3:.1f} ms "
-        f"exposed); {s['tokens_per_s']:,.0f} tokens/s per rank; MFU {100 * s['mfu']:.1f}%; "
-        f"memory peak (estimate) {s['memory_peak_gib']:.1f} GiB",
+        f"exposed){span}; {s['tokens_per_s']:,.0f} tokens/s per rank; MFU "
+        f"{100 * s['mfu']:.1f}%; memory peak (estimate) {s['memory_peak_gib']:.1f} GiB{over}",
         f"GEMM TFLOP by dtype: {flops}; ms by phase: {phases}; host syncs: {s['host_syncs']}",
         *_tiles_line(s["flex_tiles"]),
         "",

@@ -4,7 +4,7 @@ and priced."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from titanlab.config.device_path import Target, code_path_of
 from titanlab.config.manager import build_config
@@ -33,6 +33,11 @@ class Ledger:
     """Tokens per sequence (`training.seq_len`)."""
     cp: int = 1
     """Context-parallel degree: each rank holds seq_len / cp of a sequence's queries."""
+    group_dims: dict[str, str] = field(default_factory=dict)
+    """Process-group name → mesh dim name (`titanlab.ledger.step.group_dims`)."""
+    compiled_blocks: bool = False
+    """Whether the config compiles the transformer blocks (`compile.enable`, components
+    "model")."""
 
 
 def build_ledger(argv: list[str], device: str = "") -> Ledger:
@@ -68,4 +73,6 @@ def build_ledger(argv: list[str], device: str = "") -> Ledger:
     model_flops = per_token * tokens / (dp.tp * dp.cp)
     priced = price(ops, profile, dims)
     peak = trainer.memory.total if trainer.memory is not None else 0.0
-    return Ledger(ops, priced, profile, tokens, model_flops, summary, peak, t.seq_len, dp.cp)
+    compiled = config.compile.enable and "model" in config.compile.components
+    return Ledger(ops, priced, profile, tokens, model_flops, summary, peak, t.seq_len, dp.cp,
+                  dims, compiled)  # fmt: skip

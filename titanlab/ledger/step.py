@@ -14,14 +14,18 @@ loop's step this way (the trainer's here; the plain loop's and torchtitan's in `
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Callable
+from types import FrameType
 from typing import Any
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
 
+from titanlab.config import host_reads
 from titanlab.components.optim import LRSchedulersContainer, OptimizersContainer
 from titanlab.config.device_path import Target, code_path_of, target
 from titanlab.config.job_config import ConfigError
@@ -42,22 +46,73 @@ def group_dims(trainer: Any) -> dict[str, str]:
     return out
 
 
+_CPU_READS = (("optimizer.py", "_get_value"), ("sharded_grad_scaler.py", "_amp_update_scale_cpu_"))
+"""(file, function) of host reads a GPU run does not make: torch.optim's step counters
+(`_get_value`), which a non-fused, non-capturable optimizer keeps on the CPU on a GPU too, and
+FSDP's `ShardedGradScaler` updating its scale on its CPU branch (taken because the ledger's
+tensors live on the CPU; on CUDA `torch._amp_update_scale_` reads nothing)."""
+
+
+def _reads_a_cpu_tensor() -> bool:
+    frame: FrameType | None = sys._getframe(2)
+    for _ in range(8):
+        if frame is None:
+            return False
+        code = frame.f_code
+        if any(code.co_filename.endswith(f) and code.co_name == n for f, n in _CPU_READS):
+            return True
+        frame = frame.f_back
+    return False
+
+
 class HostReads(TorchDispatchMode):
-    """Answers a host read of a fake tensor (`.item()`: `aten._local_scalar_dense`) with 1 of
-    its dtype instead of failing, as fake tensors hold no values; entered above the recorder,
-    it keeps the reads out of what is recorded. What reads in a step is float16's: the
-    non-fused optimizers count their steps in CPU tensors (no wait for the device on a GPU
-    run) and the loss scaler reads its scale; its overflow flag is not read here
-    (`steady_state_scaler`)."""
+    """Answers a host read of a fake tensor (`.item()`, `.tolist()`, `bool()`, `float()`: each
+    value one `aten._local_scalar_dense`) with 1 of its dtype instead of failing, as fake
+    tensors hold no values, and tells `recorder` (when given) of each read of what is a device
+    tensor on the GPU: a host sync. Entered above the recorder, it keeps the op itself out of
+    what is recorded. Not counted: torch.optim's step counters (`_CPU_READS`, CPU tensors on
+    the GPU too), and the loss scaler's overflow flag, which is not read (`steady_state_scaler`)."""
+
+    def __init__(self, recorder: Recorder | None = None) -> None:
+        super().__init__()
+        self.recorder = recorder
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if any(is_traceable_wrapper_subclass(a) for a in tree_leaves((args, kwargs))):
             return NotImplemented  # DTensor & co. run their inner ops, which come here
         if func is torch.ops.aten._local_scalar_dense.default and isinstance(args[0], FakeTensor):
+            if self.recorder is not None and not _reads_a_cpu_tensor():
+                self.recorder.host_read(str(func), args[0])
             dtype = args[0].dtype
             return True if dtype == torch.bool else 1.0 if dtype.is_floating_point else 1
         return func(*args, **kwargs)
+
+
+class DeviceToHost(TorchFunctionMode):
+    """Tells `recorder` of each device-to-host copy the code asks for (`Tensor.cpu()`,
+    `Tensor.numpy()`, `Tensor.to("cpu")` with the device named as the string): a host sync
+    on the GPU, which fake tensors, living on the CPU, return without an op. A `.to(device)`
+    with a `torch.device` is the trainer's move to its own device, which the ledger's trainer
+    sets to the CPU in the GPU's place: not counted."""
+
+    def __init__(self, recorder: Recorder) -> None:
+        super().__init__()
+        self.recorder = recorder
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in (torch.Tensor.cpu, torch.Tensor.numpy) or (
+            func is torch.Tensor.to and _names_the_cpu(args[1:], kwargs)
+        ):
+            if isinstance(args[0], torch.Tensor):
+                self.recorder.host_read(f"Tensor.{func.__name__}", args[0])
+        return func(*args, **kwargs)
+
+
+def _names_the_cpu(args: tuple, kwargs: dict) -> bool:
+    device = kwargs.get("device", args[0] if args else None)
+    return isinstance(device, str) and device.split(":")[0] == "cpu"
 
 
 def steady_state_scaler(scaler: Any) -> None:
@@ -65,22 +120,28 @@ def steady_state_scaler(scaler: Any) -> None:
     ledger runs it: every op of its step (the loss scaled, the gradients unscaled and checked
     for inf/NaN, the flag all-reduced under FSDP, the scale updated), but the optimizer steps
     without reading the overflow flag (fake tensors hold none): a step without overflow, the
-    steady state. The reads a GPU run makes (the scale, the flag: 3 host syncs a step) are not
-    counted in the ledger's host syncs."""
+    steady state. The flag's reads a GPU run makes there (`.item()` of each device's flag, a
+    host sync each) are counted (`titanlab.config.host_reads.skipped`)."""
 
     def step_without_reading(optimizer, optimizer_state, *args, **kwargs):
+        for found_inf in optimizer_state["found_inf_per_device"].values():
+            host_reads.skipped("GradScaler.found_inf", found_inf)
         return optimizer.step(*args, **kwargs)
 
     scaler._maybe_opt_step = step_without_reading
 
 
-def record_loop(build: Callable[[], Callable[[], Any]], target: Target) -> list[OpRecord]:
+def record_loop(
+    build: Callable[[], Callable[[], Any]], target: Target, compile_backend: str = "inductor"
+) -> list[OpRecord]:
     """The ops of one step of a loop on `target`'s code path. `build()` runs under
     `FakeTensorMode` (the model, optimizer and batch it makes are fake tensors: build them on
     the CPU) and returns the step; the step runs twice and the second is recorded (the first
-    builds the optimizer state). Compiled modules run eagerly, as in the trainer's ledger."""
+    builds the optimizer state). Compiled modules run eagerly, as in the trainer's ledger, and
+    are fused regions when `compile_backend` is Inductor. Host syncs are recorded (kind
+    "sync": `HostReads`, `DeviceToHost`)."""
     attention = gpu_attention(target) if target.type == "cuda" else contextlib.nullcontext()
-    recorder = Recorder()
+    recorder = Recorder(compile_backend)
     with (
         code_path_of(target),
         attention,
@@ -90,7 +151,8 @@ def record_loop(build: Callable[[], Callable[[], Any]], target: Target) -> list[
     ):
         step = build()
         step()
-        with recorder, HostReads():  # above the recorder: a read is not an op it records
+        # above the recorder: a read is not an op it records, but a host sync it counts
+        with recorder, HostReads(recorder), DeviceToHost(recorder):
             step()
     return recorder.ops
 
@@ -144,4 +206,4 @@ def record_step(trainer: Any) -> list[OpRecord]:
         batches = [(torch.zeros(mb, seq, dtype=torch.long),) * 2 for _ in range(accum)]
         return lambda: trainer.train_step(batches)
 
-    return record_loop(build, target() or Target("cpu"))
+    return record_loop(build, target() or Target("cpu"), config.compile.backend)

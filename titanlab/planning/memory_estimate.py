@@ -58,9 +58,33 @@ class MemoryEstimate:
     def total(self) -> int:
         return self.peak_tensors + self.overhead
 
+    def peak_parts(self) -> list[tuple[str, int]]:
+        """(name, bytes) of what is alive at the peak (`peak_tensors`), plus the overhead: they
+        sum to `total`. At the start of backward: the activations, buffers, the larger of the
+        logits and one block's recomputation, and gradients kept through forward; at its end:
+        the gradients and the first block's activations."""
+        parts = [("params", self.params), ("optimizer", self.optimizer),
+                 ("gathered_params", self.gathered_params)]  # fmt: skip
+        start = (self.activations + self.a2a_buffers + self.pipeline_buffers
+                 + max(self.logits, self.recompute)
+                 + (self.grads if self.grads_during_forward else 0))  # fmt: skip
+        if start >= self.grads + self.last_block:
+            parts += [("activations", self.activations), ("a2a_buffers", self.a2a_buffers),
+                      ("pipeline_buffers", self.pipeline_buffers)]  # fmt: skip
+            if self.recompute > self.logits:
+                parts.append(("recomputed block", self.recompute))
+            else:
+                parts.append(("logits", self.logits))
+            if self.grads_during_forward:
+                parts.append(("grads", self.grads))
+        else:
+            parts += [("grads", self.grads), ("first block's activations", self.last_block)]
+        return [*parts, ("overhead", self.overhead)]
+
     def summary(self) -> str:
-        parts = [(name, getattr(self, name)) for name in CATEGORIES]
-        return ", ".join(f"{n} {b / GIB:.1f}" for n, b in parts if b) + " GiB"
+        """The peak's parts (`peak_parts`) in GiB, e.g. "params 3.7, ..., overhead 1.0 GiB":
+        they add up to `total`."""
+        return ", ".join(f"{n} {b / GIB:.1f}" for n, b in self.peak_parts() if b) + " GiB"
 
 
 def shrinking_option(est: MemoryEstimate, config) -> str:
@@ -68,7 +92,7 @@ def shrinking_option(est: MemoryEstimate, config) -> str:
     not send a user to more devices when more devices would not help (`config` a JobConfig):
     e.g. "activations 65.1 GiB are the largest part: --activation_checkpoint.mode full
     recomputes them in backward"."""
-    sizes = {name: getattr(est, name) for name in CATEGORIES if name != "overhead"}
+    sizes = {name: b for name, b in est.peak_parts() if name != "overhead"}
     largest = max(sizes, key=lambda name: sizes[name])
     ac = config.activation_checkpoint.mode
     remedies = {
@@ -86,5 +110,10 @@ def shrinking_option(est: MemoryEstimate, config) -> str:
         "pipeline_buffers": "fewer microbatches in flight "
         "(--parallelism.pipeline_parallel_microbatch_size larger)",
         "logits": "--loss.fused_linear_cross_entropy true computes them chunk by chunk",
+        "recomputed block": "a smaller --training.local_batch_size or seq_len, or context "
+        "parallel (--parallelism.context_parallel_degree) splits the sequence (one block's "
+        "activations, recomputed in backward, are held at once)",
+        "first block's activations": "--activation_checkpoint.mode full recomputes them in "
+        "backward",
     }
     return f"{largest} {sizes[largest] / GIB:.1f} GiB are the largest part: {remedies[largest]}"

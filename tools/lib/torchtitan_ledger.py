@@ -9,7 +9,7 @@ What the harness supplies where torchtitan's `Trainer` would: fake tensors inste
 device (its CPU shim, `tools/lib/torchtitan_cpu.py`), no weight initialization (fake tensors
 hold no values), the float8 capability check answered for the target GPU, and its compiled
 blocks and loss made regions the ledger sees (`as_module_compile`; `compile_function`, the same
-torch.compile of its `cross_entropy_loss`).
+torch.compile of its `cross_entropy_loss`), and, for FSDP, a fake world of `dp_shard` ranks.
 """
 
 from __future__ import annotations
@@ -50,23 +50,46 @@ def float8_capable() -> Iterator[None]:
         float8.has_cuda_capability = before
 
 
-def as_module_compile(model: torch.nn.Module, backend: str) -> None:
-    """torchtitan wraps each block in `torch.compile(block)` (an `OptimizedModule`), inside
-    which torch's `ModTracker` records no module: the same compile as `block.compile()`, which
-    the ledger sees as a compiled region with its module paths (torch's own warning about
-    global module hooks recommends it)."""
-    from torch._dynamo.eval_frame import OptimizedModule
+@contextlib.contextmanager
+def as_module_compile() -> Iterator[None]:
+    """torchtitan's `apply_compile` wraps each block in `torch.compile(block)` (an
+    `OptimizedModule`), inside which torch's `ModTracker` records no module; inside this
+    context it compiles each block in place instead, `block.compile(backend, fullgraph=True)`:
+    the same compile, which the ledger sees as a compiled region with its module paths (torch's
+    own warning about global module hooks recommends it), and which FSDP then wraps as it
+    wraps the OptimizedModule (AC, compile, FSDP: `parallelize_llama`'s order is kept)."""
+    import torchtitan.models.llama3.infra.parallelize as parallelize
 
-    for name, block in list(model.layers.named_children()):
-        if isinstance(block, OptimizedModule):
-            inner = block._orig_mod
-            inner.compile(backend=backend, fullgraph=True)
-            model.layers.register_module(name, inner)
+    def apply_compile(model: torch.nn.Module, compile_config) -> None:
+        for block in model.layers.children():  # type: ignore[union-attr]
+            block.compile(backend=compile_config.backend, fullgraph=True)
+
+    before = parallelize.apply_compile
+    parallelize.apply_compile = apply_compile
+    try:
+        yield
+    finally:
+        parallelize.apply_compile = before
 
 
-def step_builder(shape: Shape, titan_args: list[str]) -> Callable[[], Callable[[], None]]:
+class StepBuilder:
+    """`build()` makes torchtitan's step (the builder `titanlab.ledger.step.record_loop` takes);
+    `group_dims()`, once built, names its process groups by mesh dim, as
+    `titanlab.ledger.step.group_dims` names titanlab's."""
+
+    def __init__(self, build: Callable[[], Callable[[], None]], dims_of: Callable[[], dict]):
+        self.build, self.group_dims = build, dims_of
+
+    def __call__(self) -> Callable[[], None]:
+        return self.build()
+
+
+def step_builder(shape: Shape, titan_args: list[str], dp_shard: int = 1) -> StepBuilder:
     """A builder for `titanlab.ledger.loop.record_loop`: torchtitan's step of `shape` with its
-    command-line options `titan_args` (compile, activation checkpointing, float8)."""
+    command-line options `titan_args` (compile, activation checkpointing, float8), on one
+    device or, with `dp_shard` > 1, as rank 0 of FSDP over `dp_shard` ranks (its
+    `parallelize_llama` applies FSDP2 over the default process group, which the caller makes
+    a fake world of that size: `titanlab.distributed.init.init_fake_world`)."""
     from tools.lib.torchtitan_cpu import use_cpu
 
     use_cpu()
@@ -92,15 +115,18 @@ def step_builder(shape: Shape, titan_args: list[str]) -> Callable[[], Callable[[
         rope_theta=500000, max_seq_len=shape.seq_len,
     )  # fmt: skip
 
+    dims = ParallelDims(dp_replicate=1, dp_shard=dp_shard, cp=1, tp=1, pp=1, ep=1, etp=1,
+                        world_size=dp_shard)  # fmt: skip
+    if dp_shard > 1:  # its meshes, built here: `build` runs under the fake tensor mode
+        dims.build_mesh()
+
     def build() -> Callable[[], None]:
-        dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, ep=1, etp=1,
-                            world_size=1)  # fmt: skip
         with torch.device("cpu"):
             model = Transformer(args)
         with float8_capable():
             build_model_converters(config, dims).convert(model)
-        model = parallelize_llama(model, dims, config)
-        as_module_compile(model, config.compile.backend)
+        with as_module_compile():
+            model = parallelize_llama(model, dims, config)
         loss_fn = cross_entropy_loss
         if config.compile.enable and "loss" in config.compile.components:
             loss_fn = compile_function(cross_entropy_loss)
@@ -121,4 +147,9 @@ def step_builder(shape: Shape, titan_args: list[str]) -> Callable[[], Callable[[
 
         return step
 
-    return build
+    def group_dims() -> dict[str, str]:
+        if dp_shard == 1:
+            return {}
+        return {dims.get_mesh("fsdp").get_group().group_name: "dp_shard"}
+
+    return StepBuilder(build, group_dims)

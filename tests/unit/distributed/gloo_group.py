@@ -18,7 +18,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-from tools.lib.rank_pool import default_pool
+from tools.lib.rank_pool import MAX_WORKERS, default_pool
 
 
 def init_gloo(rank: int, world: int, init_file: str) -> None:
@@ -45,9 +45,10 @@ def _run_then_exit(rank: int, fn: Callable[..., None], *args: Any) -> None:
 
 def spawn(fn: Callable[..., None], args: tuple, nprocs: int) -> None:
     """`fn(rank, *args)` on `nprocs` warm ranks (`RankPool.spawn`: raises SpawnFailed with the
-    failing rank's traceback); with TITANLAB_WARM_RANKS=0, `torch.multiprocessing.spawn(fn,
-    args, nprocs)` whose ranks skip finalization after a normal return (`_run_then_exit`)."""
-    if os.environ.get("TITANLAB_WARM_RANKS", "1") == "0":
+    failing rank's traceback); with TITANLAB_WARM_RANKS=0, or more ranks than the pool holds
+    (`MAX_WORKERS`: make test-full's 16-rank TP grids), `torch.multiprocessing.spawn(fn, args,
+    nprocs)` whose ranks skip finalization after a normal return (`_run_then_exit`)."""
+    if os.environ.get("TITANLAB_WARM_RANKS", "1") == "0" or nprocs > MAX_WORKERS:
         mp.spawn(_run_then_exit, args=(fn, *args), nprocs=nprocs, join=True)
     else:
         default_pool().spawn(fn, args, nprocs)

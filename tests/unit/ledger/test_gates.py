@@ -25,7 +25,14 @@ import tempfile
 import pytest
 import torch
 
-from titanlab.ledger.gates import EXEMPT, MAX_FP32_GEMM_SHARE, attention_matrices, fp32_gemm_share
+from titanlab.ledger.gates import (
+    EXEMPT,
+    MAX_FP32_GEMM_SHARE,
+    attention_matrices,
+    check,
+    fp32_gemm_share,
+    hidden_all_to_alls,
+)
 from titanlab.ledger.run import build_ledger
 from titanlab.models.registry import get_family
 
@@ -56,10 +63,20 @@ CASES = {
     "llama3-8b-lora": ("llama3_8b_lora.toml", "llama3", "8B", ("--model.tokenizer_path", "",
                        "--data.dataset_path", "", "--checkpoint.enable", "false")),
     "qwen3-30b-a3b-ep8": ("qwen3_30b_a3b.toml", "qwen3_moe", "30B-A3B", SEQ),
+    # expert parallel over the dp_shard group itself: its all-to-alls run on FSDP's group
+    "qwen3-30b-a3b-ep8-on8": ("qwen3_30b_a3b.toml", "qwen3_moe", "30B-A3B", SEQ + (
+        "--comm.fake_world_size", "8")),
     "deepseek-v3-16b-ep8": ("deepseek_v3_671b.toml", "deepseek_v3", "16B", SEQ + (
         "--parallelism.pipeline_parallel_degree", "1", "--comm.fake_world_size", "8",
         "--parallelism.expert_parallel_degree", "8", "--training.local_batch_size", "1")),
+    # the EP group is not the dp_shard group: expert parallel over 8 of 16 ranks
+    "deepseek-v3-16b-ep8-on16": ("deepseek_v3_671b.toml", "deepseek_v3", "16B", SEQ + (
+        "--parallelism.pipeline_parallel_degree", "1", "--comm.fake_world_size", "16",
+        "--parallelism.expert_parallel_degree", "8", "--training.local_batch_size", "1")),
     "gpt-oss-20b-ep8": ("gpt_oss_20b.toml", "gpt_oss", "20b", SEQ),
+    # Gated DeltaNet blocks on fla's kernel (its priced stand-in), FSDP 16 and EP 8 on 16
+    "qwen3.5-27b": ("qwen3_5_27b.toml", "qwen3_5", "27B", SEQ),
+    "qwen3.5-35b-a3b-ep8": ("qwen3_5_35b_a3b.toml", "qwen3_5_moe", "35B-A3B", SEQ),
 }  # fmt: skip
 DOCUMENTS = ("--data.document_mask", "true")
 MASKED = {
@@ -83,6 +100,22 @@ def ledger_of(case: str, *extra: str):
         argv = ["--job.config_file", os.path.join(REPO, "train_configs", config),
                 *blocks_of(folder, family, flavor), *options, *extra]  # fmt: skip
         return build_ledger(argv, "h100")
+
+
+@pytest.mark.parametrize("case", [*CASES, *MASKED])
+def test_every_case_passes_every_gate(case):
+    """`titanlab.ledger.gates.check`: fp32 GEMMs, attention matrices, host syncs (expert
+    parallel's split reads alone allowed), all-to-alls exposed, compiled blocks fused."""
+    ledger = ledger_of(case)
+    assert check(ledger) == {}
+    syncs = [op.op for op in ledger.ops if op.kind == "sync"]
+    if any(op.collective == "all_to_all" for op in ledger.ops):  # expert parallel: one read
+        # of the split sizes per MoE layer's dispatch (and its recomputation)
+        assert syncs and set(syncs) == {"expert_parallel.splits"}, syncs
+        hidden, total = hidden_all_to_alls(ledger)
+        assert total > 0 and hidden < 1e-9
+    else:
+        assert syncs == []
 
 
 @pytest.mark.parametrize("case", list(CASES))

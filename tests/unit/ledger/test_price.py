@@ -1,12 +1,13 @@
 """Pricing on the roofline: a GEMM at its dtype's peak, a memory-bound op at the bandwidth plus
 a launch, compiled regions' pointwise ops fused (only external reads, only writes read
-elsewhere), collectives in the α–β model, FSDP's overlapped and TP's waited for."""
+elsewhere), collectives in the α–β model, FSDP's overlapped (but for the first and last, and slowing the
+compute beside them) and TP's, EP's and the gradient norm's waited for; host syncs stall."""
 
 from __future__ import annotations
 
 import pytest
 
-from titanlab.ledger.price import LedgerEfficiency, fused_traffic, price
+from titanlab.ledger.price import LedgerEfficiency, Overlap, fused_traffic, price
 from titanlab.ledger.record import OpRecord
 from titanlab.planning.cluster import PROFILES
 from titanlab.planning.comm_model import ring_seconds
@@ -67,7 +68,12 @@ def test_fsdp_collectives_overlap_the_compute_and_tp_ones_are_waited_for():
     want_reduce = ring_seconds("all-reduce", 8, 2**20, 1, H100.intra_latency, beta)
     assert got.seconds[1:] == pytest.approx([want_gather, want_reduce])
     assert got.exposed_comm_s == pytest.approx(want_reduce)  # the gather hides under 1.3 s of GEMM
-    assert got.step_s == pytest.approx(got.compute_s + want_reduce)
+    # ... but the GEMM beside it is slowed: contention × the seconds they overlap
+    contention = Overlap().contention * want_gather
+    assert got.contention_s == pytest.approx(contention)
+    assert got.step_s == pytest.approx(got.compute_s + want_reduce + contention)
+    assert got.perfect_s == pytest.approx(got.compute_s + want_reduce)
+    assert got.serialized_s == pytest.approx(got.compute_s + want_reduce + want_gather)
     # a group larger than a node crosses the NICs
     wide = OpRecord("c10d._allgather_base_.default", "", "forward", "collective",
                     collective="all_gather", group_size=16, bytes_read=2**30)  # fmt: skip
@@ -86,6 +92,13 @@ def test_float8_attention_and_fused_kernels_run_at_their_fitted_efficiencies():
                          "attention", flops=flops, dtype="bfloat16")  # fmt: skip
     fused = OpRecord("aten.mul.Tensor", "", "forward", "pointwise", region=0, inputs=(1,),
                      outputs=(2,), bytes_read=10**9, bytes_written=10**9)  # fmt: skip
+    flash = [OpRecord(name, "", "forward", "attention", flops=flops, dtype="bfloat16")
+             for name in ("aten._scaled_dot_product_flash_attention.default",
+                          "aten._scaled_dot_product_efficient_attention_backward.default",
+                          "titanlab.flex_attention.default")]  # fmt: skip
+    # FlashAttention-2, the memory-efficient kernel and FlexAttention at FA2's fitted factor
+    for s in price(flash, H100).seconds:
+        assert s == pytest.approx(flops / (989e12 * EFF.attention_flash) + EFF.launch_s)
     got = price([tensorwise, rowwise, attention, fused], H100).seconds
     fp8 = H100.flops("float8")
     assert got[0] == pytest.approx(flops / (fp8 * EFF.float8_tensorwise) + EFF.launch_s)
@@ -93,3 +106,53 @@ def test_float8_attention_and_fused_kernels_run_at_their_fitted_efficiencies():
     assert got[2] == pytest.approx(flops / (989e12 * EFF.attention) + EFF.launch_s)
     # its input came from outside the region and nothing reads its output: both count
     assert got[3] == pytest.approx(2e9 / (3.35e12 * EFF.fused))
+
+
+def _collective(op: str, kind: str, phase: str, group: str, size: int = 2**28) -> OpRecord:
+    return OpRecord(op, "", phase, "collective", collective=kind, group_size=8, group=group,
+                    bytes_read=size, bytes_written=size)  # fmt: skip
+
+
+def test_an_all_to_all_on_the_dp_shard_group_waits():
+    """Expert parallel over the same ranks as FSDP: its group is named dp_shard (or dp), and
+    its all-to-alls are still on the critical path (before 2026-12-02: priced as hidden)."""
+    gemm = OpRecord("aten.mm.default", "", "forward", "gemm", flops=int(1e15), dtype="bfloat16")
+    a2a = _collective("_c10d_functional.all_to_all_single.default", "all_to_all", "forward", "g")
+    for dim in ("dp_shard", "dp"):
+        got = price([gemm, a2a, gemm], H100, {"g": dim})
+        assert got.exposed_comm_s == pytest.approx(got.seconds[1]) and got.seconds[1] > 0
+        assert got.contention_s == 0
+
+
+def test_the_first_gather_and_the_last_reduction_have_nothing_to_hide_behind():
+    gemm_f = OpRecord("aten.mm.default", "", "forward", "gemm", flops=int(1e15), dtype="bfloat16")
+    gemm_b = OpRecord("aten.mm.default", "", "backward", "gemm", flops=int(1e15), dtype="bfloat16")
+    first = _collective("c10d._allgather_base_.default", "all_gather", "forward", "g")
+    later = _collective("c10d._allgather_base_.default", "all_gather", "forward", "g")
+    inner = _collective("c10d._reduce_scatter_base_.default", "reduce_scatter", "backward", "g")
+    last = _collective("c10d._reduce_scatter_base_.default", "reduce_scatter", "backward", "g")
+    # the gradient norm's reduction (a functional all-reduce on the same group) waits
+    norm = OpRecord("_c10d_functional.all_reduce.default", "", "grad_norm", "collective",
+                    collective="all_reduce", group_size=8, group="g", bytes_read=4)  # fmt: skip
+    ops = [first, gemm_f, later, gemm_f, gemm_b, inner, gemm_b, last, norm]
+    got = price(ops, H100, {"g": "dp_shard"})
+    s = got.seconds
+    assert got.exposed_comm_s == pytest.approx(s[0] + s[7] + s[8])
+    assert got.contention_s == pytest.approx(Overlap().contention * (s[2] + s[5]))
+    assert got.perfect_s == pytest.approx(got.compute_s + s[8])
+    assert got.serialized_s == pytest.approx(got.compute_s + s[0] + s[2] + s[5] + s[7] + s[8])
+    assert got.perfect_s < got.step_s < got.serialized_s
+    # collectives beyond the phase's compute are exposed by their excess
+    few = [gemm_f.__class__(**{**vars(gemm_f), "flops": int(1e9)}), later, later]
+    tight = price(few, H100, {"g": "dp_shard"})
+    excess = 2 * tight.seconds[1] - tight.compute_s
+    assert tight.exposed_comm_s == pytest.approx(excess)
+
+
+def test_a_host_sync_stalls_the_gpu_and_a_copy_crosses_pcie():
+    item = OpRecord("aten._local_scalar_dense.default", "", "step", "sync", bytes_read=4)
+    copy = OpRecord("Tensor.cpu", "", "step", "sync", bytes_read=10**9)
+    got = price([item, copy], H100)
+    assert got.seconds[0] == pytest.approx(EFF.host_sync_s + 4 / EFF.host_copy_bandwidth)
+    assert got.seconds[1] == pytest.approx(EFF.host_sync_s + 1e9 / EFF.host_copy_bandwidth)
+    assert got.step_s == pytest.approx(sum(got.seconds))

@@ -1,4 +1,4 @@
-"""Gate 3 (docs/ledger.md): the trainer's step priced for an H100 is within 3% of the plain
+"""Gate 3 (docs/ledger.md): the trainer's step priced for an H100 is at most the plain
 PyTorch loop's (`tools/lib/plain_loop.py`, the loop `tools/benchmark.py` measures it against)
 on the same work: Llama 3 8B's dims with 2 blocks, seq_len 8192, one GPU, bf16 under autocast,
 compiled, as train_configs/llama_8b.toml ships it (the fused loss on). What the trainer adds
@@ -18,7 +18,9 @@ from titanlab.ledger.loop import ledger_of_loop
 from titanlab.ledger.report import differences
 from titanlab.ledger.run import build_ledger
 
-MAX_OVERHEAD = 1.03
+MAX_OVERHEAD = 1.0
+"""At most the plain loop's step (measured 0.986×): a limit of 1.03 let a clone of every
+gradient (+4.2%) through."""
 SPEC = {"model": "llama3", "flavor": "8B", "layers": 2, "vocab": 128256, "seq": 8192,
         "precision": "bf16", "compile": True}  # fmt: skip
 
@@ -58,7 +60,7 @@ def plain():
     return plain_ledger()
 
 
-def test_the_trainer_is_within_three_percent_of_the_plain_loop(plain):
+def test_the_trainer_is_at_most_the_plain_loop(plain):
     trainer = trainer_ledger()
     assert any(op.op == "aten._scaled_dot_product_cudnn_attention.default" for op in trainer.ops)
     assert overhead(trainer, plain) <= MAX_OVERHEAD

@@ -281,3 +281,22 @@ def test_a_refusal_names_its_largest_part_and_the_option_that_shrinks_it(host_wi
         assert f"{largest} {parts[largest] / GIB:.1f} GiB are the largest part: " in message
         assert words in message.split("largest part: ")[1].split(";")[0]
         assert "\n" not in message
+
+
+def test_the_summary_lists_what_makes_the_peak_and_adds_up_to_it():
+    """The refusal for DeepSeek-V3 671B without pipeline parallel listed parts that summed to
+    48.2 of 152.7 GiB: it left out one block's recomputation (107.9 GiB) and listed the
+    gradients, which are not alive at the start of backward."""
+    from titanlab.planning.memory_estimate import GIB, MemoryEstimate, shrinking_option
+
+    start = MemoryEstimate(params=5 * GIB, grads=5 * GIB, optimizer=10 * GIB,
+                           gathered_params=2 * GIB, activations=27 * GIB, logits=-2 * GIB,
+                           overhead=GIB, recompute=108 * GIB, last_block=GIB)  # fmt: skip
+    end = MemoryEstimate(params=GIB, grads=40 * GIB, optimizer=GIB, gathered_params=0,
+                         activations=GIB, logits=GIB, overhead=GIB, last_block=3 * GIB)  # fmt: skip
+    for est in (start, end):
+        assert sum(b for _, b in est.peak_parts()) == est.total
+    assert start.summary() == ("params 5.0, optimizer 10.0, gathered_params 2.0, activations "
+                               "27.0, recomputed block 108.0, overhead 1.0 GiB")  # fmt: skip
+    assert "grads 40.0, first block's activations 3.0" in end.summary()
+    assert shrinking_option(start, job()).startswith("recomputed block 108.0 GiB are the largest")

@@ -1,9 +1,9 @@
 """The one place that picks the chunked gated delta rule's kernel, by the code path: on CUDA,
 flash-linear-attention's Triton kernel (`fla.ops.gated_delta_rule.chunk_gated_delta_rule`,
 the `fla-core` / `flash-linear-attention` package, Yang et al.; the kernel Hugging Face's Qwen3.5
-calls) when it is installed (`pip install titanlab[fla]`); everywhere else, and on the ledger's
-fake CPU tensors that take the GPU's code path, titanlab's PyTorch `delta_rule.chunked` (the
-ledger prices its matmuls and triangular solves: docs/ledger.md, limits).
+calls) when it is installed (`pip install titanlab[fla]`); on fake CPU tensors that take the
+GPU's code path (the ledger), that kernel's priced stand-in (`delta_rule_stand_in`);
+everywhere else titanlab's PyTorch `delta_rule.chunked`.
 
 Both take q, k (bs, S, H_k, d_k) already L2-normalized, q scaled by 1/√d_k, v (bs, S, H_v,
 d_v), g and beta (bs, S, H_v) float32 and a float32 state (bs, H_v, d_k, d_v) or None, and
@@ -19,6 +19,7 @@ import torch
 
 from titanlab.config.device_path import device_type
 from titanlab.models.common import delta_rule
+from titanlab.models.common.delta_rule_stand_in import priced_chunked
 
 Rule = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
@@ -60,8 +61,13 @@ def fla_chunked(
 
 def chunked_rule(x: torch.Tensor) -> Rule:
     """The chunked rule for tensors like `x` (module docstring): the fla kernel when the code
-    path is CUDA, `x` really lives on a GPU and the package is installed; else PyTorch's."""
+    path is CUDA, `x` really lives on a GPU and the package is installed; its priced stand-in
+    (`delta_rule_stand_in.priced_chunked`) when the code path is CUDA and `x` is a CPU tensor
+    (a GPU step priced on fake tensors); else PyTorch's."""
     kernel = FLA_RULE
-    if kernel is not None and device_type(x.device) == "cuda" and x.device.type == "cuda":
-        return lambda *args: fla_chunked(kernel, *args)
+    if device_type(x.device) == "cuda":
+        if x.device.type != "cuda":
+            return priced_chunked
+        if kernel is not None:
+            return lambda *args: fla_chunked(kernel, *args)
     return delta_rule.chunked
