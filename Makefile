@@ -10,7 +10,8 @@ CONFIG ?= train_configs/debug_model.toml
 PYTEST_ARGS ?=
 TESTS ?= tests
 # The unit tests run on UNIT_WORKERS processes (pytest-xdist: they are independent and mostly
-# single-process). The integration tests run on INTEGRATION_WORKERS processes, a test module per
+# single-process; --dist loadgroup keeps the tests marked `xdist_group("ledger")`, which share
+# ledgers built once per process, in one worker). The integration tests run on INTEGRATION_WORKERS processes, a test module per
 # worker (--dist loadscope keeps a module's shared fixtures in one process): each run uses 2-8
 # ranks, but its start-up, rendezvous and single-process parts leave cores idle that a second
 # module fills. Tests marked `serial` (a wall-clock bound, the Slurm cluster, the wheel's own
@@ -57,7 +58,7 @@ train: setup
 
 test: setup
 ifeq ($(TESTS),tests)
-	$(STAGE) unit env OMP_NUM_THREADS=1 $(PY) -m pytest -q -rs -n $(UNIT_WORKERS) $(COV_QUIET) $(call JUNIT,unit) $(PYTEST_ARGS) tests/unit
+	$(STAGE) unit env OMP_NUM_THREADS=1 $(PY) -m pytest -q -rs -n $(UNIT_WORKERS) --dist loadgroup $(COV_QUIET) $(call JUNIT,unit) $(PYTEST_ARGS) tests/unit
 	$(BEFORE_INTEGRATION)
 	@serial_log=$$(mktemp); \
 	$(STAGE) "serial (overlapped)" env OMP_NUM_THREADS=1 COVERAGE_FILE=.coverage.serial $(PY) -m pytest -q -rs --durations=10 -m serial $(COV_QUIET) $(call JUNIT,serial) $(PYTEST_ARGS) tests/integration >"$$serial_log" 2>&1 & serial=$$!; \

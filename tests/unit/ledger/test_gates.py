@@ -38,6 +38,8 @@ from titanlab.models.registry import get_family
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
+pytestmark = pytest.mark.xdist_group("ledger")  # one worker: each ledger built once
+
 
 def blocks_of(folder, family: str = "llama3", flavor: str = "8B", n_layers: int = 2) -> list[str]:
     """Options for `family`'s `flavor` dims with `n_layers` blocks (a config.json in `folder`;

@@ -31,6 +31,8 @@ from tests.unit.ledger.test_gates import ledger_of
 from tests.unit.ledger.test_trainer_overhead import MAX_OVERHEAD, plain_ledger, trainer_ledger
 from titanlab.ledger import gates
 
+pytestmark = pytest.mark.xdist_group("ledger")  # one worker: each ledger built once
+
 
 @contextlib.contextmanager
 def fp32_head_gradient(mp: pytest.MonkeyPatch) -> Iterator[None]:

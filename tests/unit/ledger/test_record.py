@@ -211,7 +211,6 @@ def test_host_syncs_are_recorded_where_a_gpu_run_makes_them():
     assert ("a skipped read", "step", 4) in syncs and len(syncs) == 68
 
 
-
 def test_a_functional_collectives_wait_moves_no_memory():
     """`wait_tensor` returns its input once the collective is done: a view, priced at 0, not
     the read and write of the buffer (12.7 ms of DeepSeek-V3 16B's step before 2026-12-02)."""

@@ -22,9 +22,12 @@ from tools.lib.ab_rows import GPU_ROWS
 from tools.lib.torchtitan_ledger import Shape, step_builder
 
 # torchtitan is a peer (the dev extra): found, never imported by titanlab
-pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("torchtitan") is None, reason="needs torchtitan (the dev extra)"
-)
+pytestmark = [
+    pytest.mark.skipif(
+        importlib.util.find_spec("torchtitan") is None, reason="needs torchtitan (the dev extra)"
+    ),
+    pytest.mark.xdist_group("ledger"),  # one worker: the ledgers' first-build costs paid once
+]
 ROWS = {row.name: row for row in GPU_ROWS}  # the A/B's rows, the first three measured on the H200
 
 

@@ -24,6 +24,8 @@ gradient (+4.2%) through."""
 SPEC = {"model": "llama3", "flavor": "8B", "layers": 2, "vocab": 128256, "seq": 8192,
         "precision": "bf16", "compile": True}  # fmt: skip
 
+pytestmark = pytest.mark.xdist_group("ledger")  # one worker: each ledger built once
+
 
 def plain_ledger():
     from tools.lib import plain_loop
