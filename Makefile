@@ -33,7 +33,7 @@ COV_QUIET = $(if $(COV),$(COV) --cov-report=)
 STAGE := tools/ci_stage.sh
 JUNIT = $(if $(CI_REPORTS),--junitxml=$(CI_REPORTS)/$(1).xml)
 
-.PHONY: train test coverage test-full setup clean check lint format docs docs-serve benchmark test-parity-full gpu-check gpu-session llama-cpp llama-cpp-wheel peer-wheels dry-run-flavors
+.PHONY: train test coverage test-full test-full-part setup clean check lint format docs docs-serve benchmark test-parity-full gpu-check gpu-session llama-cpp llama-cpp-wheel peer-wheels dry-run-flavors
 
 # Installs into .venv with uv when it can be had, else pip (tools/venv_install.sh: the same
 # versions, ~20 s instead of ~3 min).
@@ -149,6 +149,14 @@ test-parity-full: setup
 # then every valid layout of 1-8 ranks (tools/parity_matrix.py) and every published flavor's
 # planner pick dry-run at its real size (tools/dry_run_flavors.py); both rewrite their tables
 # in docs/. Hours on 2 cores.
+# make test-full's pytest stages in parts: PART=k/n runs the test modules of part k of n
+# (tests/full_parts.py: each module in exactly one part), so that the whole can be run across
+# sessions of a few hours; the parity matrix resumes from outputs/parity_matrix/results.jsonl
+# (`python tools/parity_matrix.py` skips the layouts measured there).
+test-full-part: setup llama-cpp
+	@test -n "$(PART)" || { echo "make test-full-part: give PART=k/n, e.g. PART=1/4"; exit 2; }
+	TITANLAB_FULL_PART=$(PART) TITANLAB_PARITY_FULL=1 TITANLAB_SLURM_TESTS=1 TITANLAB_LLAMA_CPP_TESTS=1 $(MAKE) test PYTEST_ARGS="-p tests.full_parts $(PYTEST_ARGS)"
+
 test-full: setup llama-cpp
 	TITANLAB_PARITY_FULL=1 TITANLAB_SLURM_TESTS=1 TITANLAB_LLAMA_CPP_TESTS=1 $(MAKE) test
 	OMP_NUM_THREADS=1 $(PY) tools/parity_matrix.py
