@@ -11,6 +11,8 @@ from __future__ import annotations
 import os
 import zlib
 
+import pytest
+
 
 def part_of(module_path: str, parts: int) -> int:
     """The part (1-based) of the test module at `module_path` (relative to the repository, with
@@ -42,3 +44,10 @@ def pytest_collection_modifyitems(config, items) -> None:
     if drop:
         config.hook.pytest_deselected(items=drop)
         items[:] = keep
+
+
+def pytest_sessionfinish(session, exitstatus) -> None:
+    """A part can hold none of a stage's tests (the serial ones): no test collected (pytest's
+    exit code 5) is a pass for a part, not a failure."""
+    if os.environ.get("TITANLAB_FULL_PART") and exitstatus == pytest.ExitCode.NO_TESTS_COLLECTED:
+        session.exitstatus = pytest.ExitCode.OK
