@@ -25,8 +25,8 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
 
-from titanlab.config import host_reads
 from titanlab.components.optim import LRSchedulersContainer, OptimizersContainer
+from titanlab.config import host_reads
 from titanlab.config.device_path import Target, code_path_of, target
 from titanlab.config.job_config import ConfigError
 from titanlab.data.batches import BatchPreparer
@@ -70,8 +70,8 @@ class HostReads(TorchDispatchMode):
     value one `aten._local_scalar_dense`) with 1 of its dtype instead of failing, as fake
     tensors hold no values, and tells `recorder` (when given) of each read of what is a device
     tensor on the GPU: a host sync. Entered above the recorder, it keeps the op itself out of
-    what is recorded. Not counted: torch.optim's step counters (`_CPU_READS`, CPU tensors on
-    the GPU too), and the loss scaler's overflow flag, which is not read (`steady_state_scaler`)."""
+    what is recorded. Not counted: the reads `_CPU_READS` names (CPU tensors on the GPU too).
+    The loss scaler's overflow flag is not read here; `steady_state_scaler` counts its read."""
 
     def __init__(self, recorder: Recorder | None = None) -> None:
         super().__init__()
