@@ -228,7 +228,14 @@ class ParallelDims:
         """Create the world mesh over the current process group and its flattened views.
 
         Returns the root mesh; `self.mesh(name)` returns a named or flattened sub-mesh.
+
+        DTensor's sharding-propagation caches are emptied first: a mesh compares equal to an
+        earlier one over the same ranks and names, and a cached op result (even
+        `nn.Parameter(dtensor)`) would carry that earlier mesh object, which FSDP2's
+        `dp_mesh_dims` mode refuses ("different mesh objects") and whose process groups may be
+        gone: a second run in one process (a notebook, the tests' warm ranks) meets it.
         """
+        _clear_sharding_caches()
         degrees = {
             "pp": self.pp,
             "dp_replicate": self.dp_replicate,
@@ -332,3 +339,13 @@ class ParallelDims:
         """This rank's index among the data-parallel streams (0 when dp is off)."""
         m = self.mesh("dp")
         return m.get_local_rank() if m is not None else 0
+
+
+def _clear_sharding_caches() -> None:
+    """Empty DTensor's sharding-propagation caches, the C++ fast path's and Python's (torch's
+    `torch.distributed.tensor.debug._clear_sharding_prop_cache`, where this torch has it)."""
+    from torch.distributed.tensor import debug
+
+    clear = getattr(debug, "_clear_sharding_prop_cache", None)
+    if clear is not None:
+        clear()

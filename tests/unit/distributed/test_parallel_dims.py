@@ -180,3 +180,31 @@ def test_efsdp_ep_is_a_flattened_mesh_of_every_rank_holding_part_of_an_expert():
             assert same_as is None or mesh is d.mesh(same_as)
         finally:
             destroy_distributed(barrier=False)  # a fake group: no peers to wait for
+
+
+def test_a_second_mesh_in_one_process_is_the_one_its_dtensors_carry():
+    """A mesh built again in the same process (the warm ranks, a notebook) compares equal to
+    the first; DTensor's cached op results carried the first mesh object to the second run's
+    parameters (`nn.Parameter(dtensor)`), and FSDP2 over 2D TP's (dp, grid) mesh refused them
+    ("different mesh objects"). build_mesh empties those caches."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from titanlab.distributed.init import destroy_distributed
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=8)
+    try:
+        for _ in range(2):
+            d = ParallelDims(dp_replicate=1, dp_shard=2, cp=1, tp=4, pp=1, world_size=8,
+                             tp_grid=2, tp_depth=1)  # fmt: skip
+            d.build_mesh("cpu")
+            mesh = d.mesh("dp_tp_grid")
+            with torch.device("meta"):
+                weight = torch.empty(4, 4)
+            placements = (Replicate(), Replicate(), Shard(1), Shard(0))
+            param = torch.nn.Parameter(distribute_tensor(weight, mesh, placements))
+            assert param.device_mesh is mesh
+    finally:
+        destroy_distributed(barrier=False)  # a fake group: no peers to wait for
