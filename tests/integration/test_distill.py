@@ -1,7 +1,8 @@
 """Distillation in the trainer: a debug-model teacher (trained 30 steps) distilled into the
-smaller debugmodel_deep student under FSDP 2 for 50 steps lowers the student's KL to the teacher
-on a fixed batch by at least 30%; under TP 2 and PP 2 the losses equal 1 process, as does the
-fused (chunked) distillation loss under FSDP 2; a teacher with another vocabulary is one line."""
+smaller debugmodel_deep student under FSDP 2 for 20 steps (50 in `make test-full`) lowers the
+student's KL to the teacher on a fixed batch by at least 30% (measured: 3.10 -> 1.51 at 20);
+under TP 2 and PP 2 the losses equal 1 process, as does the fused (chunked) distillation loss
+under FSDP 2; a teacher with another vocabulary is one line."""
 
 import json
 import os
@@ -19,6 +20,9 @@ from titanlab.posttrain.distill import kl_to_teacher
 from titanlab.generation.loading import load_model
 
 CKPT = ["--checkpoint.enable", "true", "--training.local_batch_size", "8"]
+STUDENT_STEPS = 50 if os.environ.get("TITANLAB_PARITY_FULL") == "1" else 20
+"""The distillation's steps: CI's short form already halves the KL; the longer curve in
+`make test-full`."""
 
 
 @pytest.fixture(scope="module")
@@ -46,8 +50,10 @@ def test_distilling_lowers_the_students_kl_to_the_teacher(
     student = ["--model.flavor", "debugmodel_deep", "--data.dataset_path", tiny_dataset]
     seed = student_seed
     run = str(tmp_path / "student")
-    launch(2, [*TINY, *CKPT, *student, "--job.dump_folder", run, "--training.steps", "50",
-               "--training.local_batch_size", "4", "--checkpoint.interval", "50",
+    steps = str(STUDENT_STEPS)
+    after = os.path.join(run, "checkpoint", f"step-{steps}")
+    launch(2, [*TINY, *CKPT, *student, "--job.dump_folder", run, "--training.steps", steps,
+               "--training.local_batch_size", "4", "--checkpoint.interval", steps,
                "--checkpoint.initial_load_path", os.path.join(seed, "checkpoint", "step-0"),
                "--distill.teacher_path", teacher_ckpt, "--distill.alpha", "0",
                "--distill.temperature", "1"]).check()  # fmt: skip
@@ -58,7 +64,7 @@ def test_distilling_lowers_the_students_kl_to_the_teacher(
     models = {
         "teacher": load_model(teacher_ckpt, cpu, torch.float32)[0],
         "before": load_model(os.path.join(seed, "checkpoint", "step-0"), cpu, torch.float32)[0],
-        "after": load_model(os.path.join(run, "checkpoint", "step-50"), cpu, torch.float32)[0],
+        "after": load_model(after, cpu, torch.float32)[0],
     }
     with torch.no_grad():
         logits = {k: m(inputs) for k, m in models.items()}
