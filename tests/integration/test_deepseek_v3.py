@@ -228,8 +228,9 @@ def test_deepseek_v3_debug_config_trains_resumes_exactly_and_exports_to_transfor
 def test_multi_token_prediction_under_pp_and_tp_resumes_bitwise(train, tmp_path):
     """TP 2 × EP 2 × PP 2 with the MTP depth training (its weights and optimizer state on the
     last stage): a run stopped at step 3 and resumed logs the straight run's 6 losses and MTP
-    losses bitwise."""
-    common = [*MTP_FLAVOR, "--parallelism.tensor_parallel_degree", "2",
+    losses bitwise. The flavor's first 2 blocks (the dense one and an MoE one, a stage each),
+    as a resume does not depend on the depth."""
+    common = [*MTP_FLAVOR, "--model.n_layers", "2", "--parallelism.tensor_parallel_degree", "2",
               "--parallelism.expert_parallel_degree", "2",
               "--parallelism.pipeline_parallel_degree", "2",
               "--training.local_batch_size", "4", "--metrics.log_freq", "1",
