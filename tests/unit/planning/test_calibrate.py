@@ -7,6 +7,8 @@ from titanlab.planning import planner
 from titanlab.planning.calibrate import calibrate
 from titanlab.planning.cluster import load_profile, save_profile
 
+pytestmark = pytest.mark.xdist_group("calibrate")
+
 # One sample of 128 tokens per microbatch: the rates are measured at the job's own shapes, and
 # what is checked here (each in its physical range, the planner ranking with them) does not
 # depend on their size; at local batch 4 FSDP's timed triples made this fixture ~65 s of CI.
