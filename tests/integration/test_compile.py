@@ -11,11 +11,11 @@ import os
 
 import pytest
 
-from conftest import CI_COMPILE_BACKEND, read_metrics
+from conftest import CI_COMPILE_BACKEND, SHALLOW, read_metrics
 
-COMMON = ["--training.steps", "5", "--checkpoint.enable", "false", "--model.n_layers", "2"]
+COMMON = ["--training.steps", "5", "--checkpoint.enable", "false", *SHALLOW]
 """Five steps of the debug flavors' first 2 blocks: the blocks are alike, so what compile does
-to one shows in two (the eager steps of all 6 took a third of CI's time for this module)."""
+to one shows in two."""
 
 
 @pytest.mark.parametrize(

@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from conftest import CI_COMPILE_BACKEND, PARITY_FULL, TINY
+from conftest import CI_COMPILE_BACKEND, PARITY_FULL, SHALLOW, TINY
 
 
 def trace_names(path: str) -> set[str]:
@@ -20,7 +20,7 @@ def test_two_ranks_write_one_trace_per_window_with_fsdp_collectives(train, tmp_p
     dump = str(tmp_path / "run")
     train(
         2,
-        "--model.n_layers", "2",  # what a trace holds does not depend on the depth
+        *SHALLOW,
         "--training.steps", "4",
         "--parallelism.data_parallel_shard_degree", "2",
         "--profiling.enable_profiling", "true",
