@@ -26,6 +26,7 @@ def chats(tmp_path_factory) -> str:
     os.environ.get("TITANLAB_PARITY_FULL") != "1",
     reason="chat data × FSDP 2 is a row of the feature-pair matrix in CI; make test-parity-full",
 )
+@pytest.mark.cover("chat-sft×dp_shard", "llama3×dp_shard")
 def test_fsdp2_chat_sft_equals_one_process(chats, tmp_path):
     root = str(tmp_path)
     dataset, seed, losses = parity_matrix.prepare_reference(root, chats)

@@ -18,131 +18,150 @@ COMMON = ["--training.steps", "5", "--checkpoint.enable", "false", *SHALLOW]
 to one shows in two."""
 
 
-@pytest.mark.parametrize(
-    "nproc, local_batch, extra",
-    [
-        (2, 2, []),
-        pytest.param(
-            4,
-            4,
-            ["--parallelism.tensor_parallel_degree", "2"],
-            marks=pytest.mark.skipif(
-                os.environ.get("TITANLAB_PARITY_FULL") != "1",
-                reason="in the Qwen3 FSDP 2 × TP 2 case; make test-parity-full runs it",
-            ),
+CASES = [
+    (2, 2, []),
+    pytest.param(
+        4,
+        4,
+        ["--parallelism.tensor_parallel_degree", "2"],
+        marks=pytest.mark.skipif(
+            os.environ.get("TITANLAB_PARITY_FULL") != "1",
+            reason="in the Qwen3 FSDP 2 × TP 2 case; make test-parity-full runs it",
         ),
-        pytest.param(
-            4,
-            4,
-            ["--parallelism.pipeline_parallel_degree", "2"],
-            marks=pytest.mark.skipif(
-                os.environ.get("TITANLAB_PARITY_FULL") != "1",
-                reason="compile × PP 2 is in the feature-pair matrix; make test-parity-full runs it",
-            ),
+    ),
+    pytest.param(
+        4,
+        4,
+        ["--parallelism.pipeline_parallel_degree", "2"],
+        marks=pytest.mark.skipif(
+            os.environ.get("TITANLAB_PARITY_FULL") != "1",
+            reason="compile × PP 2 is in the feature-pair matrix; make test-parity-full runs it",
         ),
-        (
-            2,
-            4,
-            [
-                "--model.name",
-                "qwen3",
-                "--parallelism.tensor_parallel_degree",
-                "2",
-                "--activation_checkpoint.mode",
-                "selective",
-            ],
+    ),
+    (
+        2,
+        4,
+        [
+            "--model.name",
+            "qwen3",
+            "--parallelism.tensor_parallel_degree",
+            "2",
+            "--activation_checkpoint.mode",
+            "selective",
+        ],
+    ),
+    # Dense TP × full AC: the checkpoint around the compiled inner block (`apply_compile`'s
+    # inside_checkpoint; compiled around the checkpoint it stopped on a DeviceMesh, in
+    # Dynamo's capture). CI captures with aot_eager (Inductor's numerics are the FSDP and the
+    # Qwen3 TP cases'); Inductor under TITANLAB_PARITY_FULL=1.
+    (
+        2,
+        4,
+        [
+            "--parallelism.tensor_parallel_degree",
+            "2",
+            "--activation_checkpoint.mode",
+            "full",
+            *CI_COMPILE_BACKEND,
+        ],
+    ),
+    # MoE blocks: the norms and attention compiled, the experts eager (issue 29). CI meets
+    # MoE × compile in the feature-pair matrix's covering rows.
+    pytest.param(
+        2,
+        2,
+        [
+            "--model.name",
+            "qwen3_moe",
+            "--parallelism.expert_parallel_degree",
+            "2",
+            "--activation_checkpoint.mode",
+            "selective",
+        ],
+        marks=pytest.mark.skipif(
+            os.environ.get("TITANLAB_PARITY_FULL") != "1",
+            reason="MoE × compile is in the feature-pair matrix; make test-parity-full runs it",
         ),
-        # Dense TP × full AC: the checkpoint around the compiled inner block (`apply_compile`'s
-        # inside_checkpoint; compiled around the checkpoint it stopped on a DeviceMesh, in
-        # Dynamo's capture). CI captures with aot_eager (Inductor's numerics are the FSDP and the
-        # Qwen3 TP cases'); Inductor under TITANLAB_PARITY_FULL=1.
-        (
-            2,
-            4,
-            [
-                "--parallelism.tensor_parallel_degree",
-                "2",
-                "--activation_checkpoint.mode",
-                "full",
-                *CI_COMPILE_BACKEND,
-            ],
+    ),
+    # DeepSeek-V3: MLA's tensor-parallel hooks (replicated latent projections, the rotary
+    # key's gradient summed over tp) inside compiled blocks, with full AC. Its routed
+    # experts make it an MoE case: compiled numerics can flip a near-tied routing choice
+    # (measured 2.6e-5 once in CI, within 1e-5 in another run; 0.022 in a run handed a
+    # graph from inductor's on-disk cache compiled under another layout, which the trainer
+    # no longer reads under TP: `apply_compile`), so CI leaves it out like the Qwen3-MoE case.
+    pytest.param(
+        2,
+        4,
+        [
+            "--model.name",
+            "deepseek_v3",
+            "--model.flavor",
+            "debugmodel",  # its MTP depth trains: compiled and checkpointed like the layers
+            "--parallelism.tensor_parallel_degree",
+            "2",
+            "--parallelism.expert_parallel_degree",
+            "2",
+            "--activation_checkpoint.mode",
+            "full",
+        ],
+        marks=pytest.mark.skipif(
+            os.environ.get("TITANLAB_PARITY_FULL") != "1",
+            reason="MoE × compile can flip a routing choice; make test-parity-full runs it",
         ),
-        # MoE blocks: the norms and attention compiled, the experts eager (issue 29). CI meets
-        # MoE × compile in the feature-pair matrix's covering rows.
-        pytest.param(
-            2,
-            2,
-            [
-                "--model.name",
-                "qwen3_moe",
-                "--parallelism.expert_parallel_degree",
-                "2",
-                "--activation_checkpoint.mode",
-                "selective",
-            ],
-            marks=pytest.mark.skipif(
-                os.environ.get("TITANLAB_PARITY_FULL") != "1",
-                reason="MoE × compile is in the feature-pair matrix; make test-parity-full runs it",
-            ),
+    ),
+    # gpt-oss: sinks and the chunked sliding window (debugmodel: window 32, seq 64 here)
+    # inside compiled blocks, its sinks split over tp; MoE, so with the MoE cases.
+    pytest.param(
+        2,
+        4,
+        [
+            "--model.name",
+            "gpt_oss",
+            "--parallelism.tensor_parallel_degree",
+            "2",
+            "--parallelism.expert_parallel_degree",
+            "2",
+            "--activation_checkpoint.mode",
+            "selective",
+        ],
+        marks=pytest.mark.skipif(
+            os.environ.get("TITANLAB_PARITY_FULL") != "1",
+            reason="MoE × compile can flip a routing choice; make test-parity-full runs it",
         ),
-        # DeepSeek-V3: MLA's tensor-parallel hooks (replicated latent projections, the rotary
-        # key's gradient summed over tp) inside compiled blocks, with full AC. Its routed
-        # experts make it an MoE case: compiled numerics can flip a near-tied routing choice
-        # (measured 2.6e-5 once in CI, within 1e-5 in another run; 0.022 in a run handed a
-        # graph from inductor's on-disk cache compiled under another layout, which the trainer
-        # no longer reads under TP: `apply_compile`), so CI leaves it out like the Qwen3-MoE case.
-        pytest.param(
-            2,
-            4,
-            [
-                "--model.name",
-                "deepseek_v3",
-                "--model.flavor",
-                "debugmodel",  # its MTP depth trains: compiled and checkpointed like the layers
-                "--parallelism.tensor_parallel_degree",
-                "2",
-                "--parallelism.expert_parallel_degree",
-                "2",
-                "--activation_checkpoint.mode",
-                "full",
-            ],
-            marks=pytest.mark.skipif(
-                os.environ.get("TITANLAB_PARITY_FULL") != "1",
-                reason="MoE × compile can flip a routing choice; make test-parity-full runs it",
-            ),
-        ),
-        # gpt-oss: sinks and the chunked sliding window (debugmodel: window 32, seq 64 here)
-        # inside compiled blocks, its sinks split over tp; MoE, so with the MoE cases.
-        pytest.param(
-            2,
-            4,
-            [
-                "--model.name",
-                "gpt_oss",
-                "--parallelism.tensor_parallel_degree",
-                "2",
-                "--parallelism.expert_parallel_degree",
-                "2",
-                "--activation_checkpoint.mode",
-                "selective",
-            ],
-            marks=pytest.mark.skipif(
-                os.environ.get("TITANLAB_PARITY_FULL") != "1",
-                reason="MoE × compile can flip a routing choice; make test-parity-full runs it",
-            ),
-        ),
-    ],
-    ids=[
-        "fsdp2",
-        "fsdp2_tp2",
-        "pp2_fsdp2",
-        "qwen3_tp2_selective_ac",
-        "llama3_tp2_full_ac",
-        "moe_ep2_fsdp2_sac",
-        "deepseek_v3_tp2_ep2_full_ac",
-        "gpt_oss_tp2_ep2_sac",
-    ],
-)
+    ),
+]
+IDS = [
+    "fsdp2",
+    "fsdp2_tp2",
+    "pp2_fsdp2",
+    "qwen3_tp2_selective_ac",
+    "llama3_tp2_full_ac",
+    "moe_ep2_fsdp2_sac",
+    "deepseek_v3_tp2_ep2_full_ac",
+    "gpt_oss_tp2_ep2_sac",
+]
+CELLS = {
+    "fsdp2": ["compile×dp_shard"],
+    "fsdp2_tp2": ["compile×dp_shard", "compile×tp"],
+    "pp2_fsdp2": ["compile×dp_shard", "compile×pp"],
+    "qwen3_tp2_selective_ac": ["compile×tp"],
+    "llama3_tp2_full_ac": ["compile×tp", "ac:full"],
+    "moe_ep2_fsdp2_sac": ["compile×dp_shard", "compile×ep"],
+    "deepseek_v3_tp2_ep2_full_ac": ["compile×tp", "compile×ep", "ac:full"],
+    "gpt_oss_tp2_ep2_sac": ["compile×tp", "compile×ep"],
+}
+"""The cover cells (tests/coverage_spec.py) of each case."""
+
+
+def _params() -> list:
+    out = []
+    for case, name in zip(CASES, IDS, strict=True):
+        values, marks = (case.values, case.marks) if hasattr(case, "values") else (case, ())
+        out.append(pytest.param(*values, marks=(*marks, pytest.mark.cover(*CELLS[name])), id=name))
+    return out
+
+
+@pytest.mark.parametrize("nproc, local_batch, extra", _params())
 def test_compiled_matches_eager(nproc, local_batch, extra, train, tmp_path):
     eager, compiled = str(tmp_path / "eager"), str(tmp_path / "compiled")
     args = [*COMMON, "--training.local_batch_size", str(local_batch), *extra]

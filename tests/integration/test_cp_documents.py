@@ -19,6 +19,7 @@ import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, REPO)
+from tests.coverage_spec import layout_cells  # noqa: E402
 from titanlab.planning.layouts import Layout  # noqa: E402
 from tools import parity_matrix  # noqa: E402
 from tools.lib.feature_runs import write_chat_data  # noqa: E402
@@ -45,7 +46,31 @@ CASES = {
     ),
 }
 CI = ("cp2-allgather", "cp2-alltoall", "cp4-alltoall", "ulysses2", "cp2-fsdp2")
-PARAMS = [pytest.param(n, marks=() if n in CI else FULL_ONLY) for n in CASES]
+
+
+def _cells(family: str, layout: Layout, extra: list[str], *features: str) -> list[str]:
+    """The cover cells (tests/coverage_spec.py) of a case: `family` and each of `features` under
+    the layout's dimensions (Ulysses when `extra` asks for it)."""
+    cells = {c for f in features for c in layout_cells(family, layout, feature=f)}
+    return sorted(cells | ({"ulysses×cp"} if "ulysses" in extra else set()))
+
+
+def _params(cases: dict, in_ci, *features: str, family=lambda name: "llama3") -> list:
+    """`cases` (name: (layout, extra options)) as parameters, marked with their cells; those
+    `in_ci(name)` refuses run in make test-full only."""
+    return [
+        pytest.param(
+            name,
+            marks=(
+                pytest.mark.cover(*_cells(family(name), lay, extra, *features)),
+                *(() if in_ci(name) else (FULL_ONLY,)),
+            ),
+        )
+        for name, (lay, extra) in cases.items()
+    ]
+
+
+PARAMS = _params(CASES, lambda name: name in CI, "document-mask")
 
 
 @pytest.fixture(scope="module")
@@ -63,6 +88,7 @@ def test_document_masked_cp_matches_single_process(name, reference):
     assert outcome.max_abs_diff <= parity_matrix.TOLERANCE, outcome.max_abs_diff
 
 
+@pytest.mark.cover("ulysses×cp", "llama3×cp")
 def test_ulysses_without_documents_matches_single_process(tmp_path):
     dataset, seed, losses = parity_matrix.prepare_reference(str(tmp_path))
     layout = Layout(1, 1, 1, 1, None, 1, cp=2)
@@ -89,7 +115,7 @@ def chat_reference(tmp_path_factory):
 
 
 @pytest.mark.parametrize(
-    "name", [pytest.param(n, marks=() if n == "cp2-allgather" else FULL_ONLY) for n in CHAT]
+    "name", _params(CHAT, lambda name: name == "cp2-allgather", "chat-sft", "document-mask")
 )
 def test_packed_chat_sft_under_cp_matches_single_process(name, chat_reference):
     dataset, seed, losses, root = chat_reference
@@ -112,8 +138,12 @@ MOE = {
 }
 
 
+MOE_CI = ("qwen3_moe-cp2-ep2", "deepseek_v3-ulysses2")  # MLA's only CP without documents
+
+
 @pytest.mark.parametrize(
-    "name", [pytest.param(n, marks=() if "qwen3" in n else FULL_ONLY) for n in MOE]
+    "name",
+    _params(MOE, lambda n: n in MOE_CI, "document-mask", family=lambda n: n.split("-")[0]),
 )
 def test_moe_families_under_document_masked_cp_match_single_process(
     name,
@@ -170,8 +200,32 @@ OPTIONS = {
 }
 
 
+OPTION_CELLS = {
+    "compile": ["compile×cp"],
+    "compile-ac-selective-op": ["compile×cp", "ac:selective-op"],
+    "compile-ac-full": ["compile×cp", "ac:full"],
+    "ac-full": ["ac:full"],
+    "ac-selective-op": ["ac:selective-op"],
+    "ac-selective-2": ["ac:selective-layer"],
+    "lora": ["lora×cp"],
+    "fused-loss": ["fused-loss×cp"],
+}
+"""The cover cells (tests/coverage_spec.py) of each option, besides document masking under CP."""
+assert OPTION_CELLS.keys() == OPTIONS.keys()
+
+
 @pytest.mark.parametrize(
-    "name", [pytest.param(n, marks=() if n == "ac-full" else FULL_ONLY) for n in OPTIONS]
+    "name",
+    [
+        pytest.param(
+            n,
+            marks=(
+                pytest.mark.cover("document-mask×cp", "llama3×cp", *cells),
+                *(() if n == "ac-full" else (FULL_ONLY,)),
+            ),
+        )
+        for n, cells in OPTION_CELLS.items()
+    ],
 )
 def test_document_masked_cp2_with_an_option_matches_single_process(
     name,

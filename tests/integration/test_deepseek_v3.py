@@ -85,12 +85,12 @@ MTP_OPTIONS = {
 MTP_NEEDS = [
     ("seq_aux", {"fsdp", "ep", "grad_accum"}),  # CI: FSDP × EP with accumulation
     ("bias", {"tp", "pp:1F1B"}),  # CI: TP × PP (each of them, on one layout)
+    ("seq_aux", {"ddp"}),  # CI: replicated (DDP)
 ] + (
     [
         ("seq_aux", {"fsdp", "ep"}),
         ("bias", {"tp"}),
         ("bias", {"pp:1F1B"}),
-        ("seq_aux", {"ddp"}),
         ("seq_aux", {"ep4"}),
         ("bias", {"tp", "ep"}),
         ("bias", {"pp:1F1B", "ep"}),
@@ -99,9 +99,19 @@ MTP_NEEDS = [
     if FULL
     else []
 )
-"""The MTP cases: in CI, FSDP × EP with accumulation (the sequence-wise balance loss) and TP ×
-PP (the depth on the last stage, sequence-sharded; TP 2 × EP 2 × PP 2 also resumes bitwise
-below); make test-full adds each of them alone, DDP, EP 4, TP × EP, PP × EP and every schedule."""
+"""The MTP cases: in CI, FSDP × EP with accumulation (the sequence-wise balance loss), TP × PP
+(the depth on the last stage, sequence-sharded; TP 2 × EP 2 × PP 2 also resumes bitwise below)
+and DDP; make test-full adds each of them alone, EP 4, TP × EP, PP × EP and every schedule."""
+MTP_TAG_DIMS = {"fsdp": ("dp_shard",), "ddp": ("dp_replicate",), "tp": ("tp",), "pp": ("pp",),
+                "ep": ("dp_shard", "ep"), "ep4": ("dp_shard", "ep")}  # fmt: skip
+"""The dimensions of a case's `need` tags (EP borrows the FSDP ranks)."""
+
+
+def _mtp_cells(need: set[str]) -> list[str]:
+    """The cover cells (tests/coverage_spec.py) of an MTP case."""
+    dims = {d for tag in need if tag != "grad_accum" for d in MTP_TAG_DIMS[tag.split(":")[0]]}
+    schedules = [f"schedule:{tag[3:]}" for tag in need if tag.startswith("pp:")]
+    return sorted(f"{f}×{d}" for f in ("mtp", "deepseek_v3") for d in dims) + schedules
 
 
 def _mtp_case(kind: str, need: set[str]) -> parity_matrix.Layout:
@@ -135,7 +145,9 @@ def _mtp_losses(dump: str) -> dict[int, float]:
 
 
 @pytest.mark.parametrize(
-    "kind,need", MTP_NEEDS, ids=[f"{k}-" + "-".join(sorted(n)) for k, n in MTP_NEEDS]
+    "kind,need",
+    [pytest.param(k, n, marks=pytest.mark.cover(*_mtp_cells(n))) for k, n in MTP_NEEDS],
+    ids=[f"{k}-" + "-".join(sorted(n)) for k, n in MTP_NEEDS],
 )
 def test_multi_token_prediction_trains_equal_to_one_process(kind, need, mtp_references):
     """The debug flavor's MTP depth trains to the 1-process losses, main and MTP: its block's

@@ -44,6 +44,7 @@ def student_seed(tiny_dataset, tmp_path_factory) -> str:
     return seed
 
 
+@pytest.mark.cover("learns:distill")
 def test_distilling_lowers_the_students_kl_to_the_teacher(
     teacher_ckpt, student_seed, tiny_dataset, tmp_path
 ):
@@ -82,6 +83,8 @@ LAYOUTS = {
             "--parallelism.pipeline_parallel_schedule", "1F1B",
             "--parallelism.pipeline_parallel_microbatch_size", "2"],
 }  # fmt: skip
+LAYOUT_CELLS = {"tp2": ["distill×tp"], "pp2": ["distill×pp", "schedule:1F1B"]}
+"""The cover cells (tests/coverage_spec.py) of each layout."""
 
 
 @pytest.mark.skipif(
@@ -89,7 +92,10 @@ LAYOUTS = {
     reason="distillation × TP 2 and × PP 2 are rows of the feature-pair matrix in CI; "
     "make test-parity-full",
 )
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize(
+    "layout",
+    [pytest.param(n, marks=pytest.mark.cover(*LAYOUT_CELLS[n])) for n in LAYOUTS],
+)
 def test_distillation_under_a_layout_equals_one_process(
     layout, teacher_ckpt, student_seed, tiny_dataset, tmp_path
 ):

@@ -14,6 +14,7 @@ import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, REPO)
+from tests.coverage_spec import cover_layout  # noqa: E402
 from titanlab.data.default_corpus import default_corpus_files  # noqa: E402
 from titanlab.data.prepare import prepare_data  # noqa: E402
 from titanlab.data.tokenizer import default_tokenizer_path  # noqa: E402
@@ -31,7 +32,10 @@ LAYOUTS = {
     "fsdp2-ga2": Layout(1, 2, 1, 1, None, 2),
 }
 # CI meets document masking × TP 2 and × PP 2 in the feature-pair matrix's covering rows.
-PARAMS = [pytest.param(n, marks=FULL_ONLY) for n in LAYOUTS]
+PARAMS = [
+    pytest.param(n, marks=(FULL_ONLY, cover_layout("llama3", lay, "document-mask")))
+    for n, lay in LAYOUTS.items()
+]
 
 
 @pytest.fixture(scope="module")

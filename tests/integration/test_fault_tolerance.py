@@ -98,7 +98,9 @@ def complete_checkpoint(dump: str, group: int, after: int) -> bool:
                for s in steps)  # fmt: skip
 
 
-@pytest.mark.cover("launch:ft-groups", "launch:titanlab-train")
+@pytest.mark.cover(
+    "launch:ft-groups", "launch:titanlab-train", "ft-groups×dp_replicate", "ft-heal×dp_replicate"
+)
 def test_a_killed_group_is_restarted_and_recovers_from_the_live_peer(tiny_dataset, tmp_path):
     """CI's short kill test: 2 groups with min_replicas 2, so the survivor waits for the
     quorum while torchrun (MAX_RESTARTS=1) restarts the killed group; make test-full's
@@ -134,6 +136,7 @@ def assert_quiet(out: str) -> None:
     assert '"GET /checkpoint' not in out, out[-4000:]
 
 
+@pytest.mark.cover("ft-groups×dp_replicate")
 @pytest.mark.parametrize(
     "ranks, steps, late",
     [
@@ -253,6 +256,7 @@ def assert_same_final_weights(dump: str, steps: int, groups: int) -> None:
 
 
 @pytest.mark.skipif(not PARITY_FULL, reason="make test-full: 3 groups × 2 ranks, 30 steps")
+@pytest.mark.cover("ft-groups×dp_replicate", "ft-heal×dp_replicate")
 def test_two_groups_keep_stepping_while_the_third_is_killed_and_rejoins(tiny_dataset, tmp_path):
     """The issue's long test: 3 groups × 2 ranks, min_replicas 2, 30 steps; kill -9 of a whole
     group at a random step: the other two step on (their counters never go back), torchrun
@@ -302,9 +306,15 @@ FULL_RUN = pytest.mark.skipif(
     [
         pytest.param(STREAMING, (), id="streaming"),
         pytest.param({}, (), id="plain", marks=FULL_RUN),
-        pytest.param({}, MUON_INNER, id="plain-muon", marks=FULL_RUN),
+        pytest.param(
+            {},
+            MUON_INNER,
+            id="plain-muon",
+            marks=(FULL_RUN, pytest.mark.cover("muon×dp_replicate")),
+        ),
     ],
 )
+@pytest.mark.cover("diloco×dp_replicate")
 def test_diloco_equals_a_one_process_reference_of_the_algorithm_across_a_resume(
     streaming, inner, tiny_dataset, tmp_path
 ):
@@ -346,6 +356,7 @@ def test_diloco_equals_a_one_process_reference_of_the_algorithm_across_a_resume(
 
 
 @pytest.mark.skipif(not PARITY_FULL, reason="make test-full: DiLoCo with a group killed")
+@pytest.mark.cover("diloco×dp_replicate", "ft-heal×dp_replicate")
 def test_a_killed_diloco_group_recovers_from_the_live_peer_at_the_next_sync(tiny_dataset, tmp_path):
     """DiLoCo, 2 groups × 2 ranks, sync every 4 steps, min_replicas 2, 16 steps; kill -9 of
     group 1 after step 5, before any checkpoint of its own: the survivor steps on to its sync

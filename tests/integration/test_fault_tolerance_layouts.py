@@ -25,6 +25,7 @@ from tests.integration.ft_runs import (
     late_group,
     titanlab_train,
 )
+from tests.coverage_spec import layout_cells
 from titanlab.config.job_config import ConfigError
 from titanlab.config.manager import build_config
 from titanlab.planning import preflight
@@ -73,10 +74,21 @@ CASES = [(family, lay) for family in FAMILIES for lay in group_layouts(family)]
 CI_CASES = {("dense", "ws2-tp2")}
 
 
+def _cells(family: str, layout: Layout) -> list[str]:
+    """The cover cells (tests/coverage_spec.py) of a case: replica groups, and the family (LoRA)
+    under the group's layout; the CI case meets the groups with that layout inside too."""
+    name = "qwen3_moe" if family.startswith("moe") else "llama3"
+    inside = layout_cells(name, layout, feature="lora" if family == "lora" else None)
+    if (family, layout.name) in CI_CASES:
+        inside += [c.replace(f"{name}×", "ft-groups×") for c in inside if c.startswith(name)]
+    return ["ft-groups×dp_replicate", *inside]
+
+
 def _params():
     for family, lay in CASES:
         skip = not PARITY_FULL and (family, lay.name) not in CI_CASES
-        marks = [pytest.mark.skip(reason="make test-full")] if skip else []
+        marks = [pytest.mark.cover(*_cells(family, lay))]
+        marks += [pytest.mark.skip(reason="make test-full")] if skip else []
         yield pytest.param(family, lay, id=f"{family}-{lay.name}", marks=marks)
 
 

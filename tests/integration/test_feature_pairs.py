@@ -21,7 +21,7 @@ from tools.lib import feature_matrix as fp  # noqa: E402
 from tools.lib import feature_verdicts as fv  # noqa: E402
 from tools.lib.feature_covering import covering_rows  # noqa: E402
 from tools.lib.runs import read_losses  # noqa: E402
-from tests.coverage_spec import accepts, layout_cells  # noqa: E402
+from tests.coverage_spec import accepts, layout_cells, layout_dims  # noqa: E402
 
 FULL = os.environ.get("TITANLAB_PARITY_FULL") == "1"
 
@@ -51,10 +51,39 @@ MODEL_LAYOUTS = [
 ]
 """The model × layout pairs the validator accepts: the rows train each (checked below), so
 each meets its family under the layout's dimensions."""
+FEATURE_LEVELS = {
+    ("optimizer", "muon"): "muon",
+    ("peft", "lora_attention"): "lora",
+    ("peft", "qlora"): "qlora",
+    ("distill", "on"): "distill",
+    ("data", "chat"): "chat-sft",
+    ("data", "document_mask"): "document-mask",
+    ("compile", "on"): "compile",
+    ("loss", "fused"): "fused-loss",
+}
+"""The levels that train a feature of the cover (`coverage_spec.FEATURES`)."""
+REFUSED_LAYOUTS = {("peft", "qlora", "ddp2"), ("peft", "qlora", "ep2"), ("distill", "on", "cp2")}
+"""The feature × layout pairs the pre-flight refuses (docs/feature_pairs.md), checked below."""
+FEATURE_LAYOUTS = [
+    (lv, lay)
+    for lv in (lv for levels in fp.FACTORS.values() for lv in levels)
+    if (lv.factor, lv.name) in FEATURE_LEVELS
+    for lay in fp.FACTORS["layout"]
+    if (lv.factor, lv.name, lay.name) not in REFUSED_LAYOUTS
+]
+"""The feature × layout pairs the rows train (checked below): each meets the feature under the
+layout's dimensions."""
 COVER = [
     "pairs:feature-matrix",
     *LEVEL_CELLS.values(),
     *sorted({c for m, lay in MODEL_LAYOUTS for c in layout_cells(_family(m), lay.layout)}),
+    *sorted(
+        {
+            f"{FEATURE_LEVELS[lv.factor, lv.name]}×{dim}"
+            for lv, lay in FEATURE_LAYOUTS
+            for dim in layout_dims(lay.layout)
+        }
+    ),
 ]
 
 
@@ -104,6 +133,12 @@ def test_supported_pairs_train_like_one_process_and_export_whole(matrix):
         f"{m.label} × {lay.label}" for m, lay in MODEL_LAYOUTS if frozenset((m, lay)) not in in_rows
     ]
     assert all(frozenset(t) in in_rows for t, why in triples.items() if why is None)
+    verdict = {frozenset(pair): why for pair, why in verdicts.items()}
+    assert [f"{lv.label} × {lay.label}" for lv, lay in FEATURE_LAYOUTS
+            if verdict[frozenset((lv, lay))] is not None] == []  # fmt: skip
+    assert all(frozenset(pair) in in_rows for pair in FEATURE_LAYOUTS)
+    assert all(verdict[frozenset((level(f, n), level("layout", lay)))] is not None
+               for f, n, lay in REFUSED_LAYOUTS)  # fmt: skip
     # CI compiles with aot_eager (the capture, where features meet compile); the full run with
     # Inductor.
     backend = "inductor" if FULL else "aot_eager"

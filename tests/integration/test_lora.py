@@ -12,6 +12,7 @@ import pytest
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, REPO)
 from conftest import CONSTANT_LR, random_hf_llama_dcp  # noqa: E402
+from tests.coverage_spec import cover_layout  # noqa: E402
 from titanlab.checkpoint import store  # noqa: E402
 from titanlab.planning.layouts import Layout  # noqa: E402
 from titanlab.models.llama3 import llama3_flavors  # noqa: E402
@@ -52,6 +53,7 @@ FULL_ONLY = pytest.mark.skipif(
 
 
 @FULL_ONLY  # CI: LoRA × FSDP 2 × each AC mode are rows of the feature-pair matrix
+@pytest.mark.cover("lora×dp_shard", "ac:full")
 def test_fsdp2_with_selective_and_full_ac_equals_one_process(
     base, reference, tiny_dataset, tmp_path
 ):
@@ -84,7 +86,10 @@ def test_tensor_parallel_splits_adapters_with_their_base(base, tiny_dataset, tmp
 
 
 @FULL_ONLY
-@pytest.mark.parametrize("name", list(MORE))
+@pytest.mark.parametrize(
+    "name",
+    [pytest.param(n, marks=cover_layout("llama3", lay, "lora")) for n, (lay, _) in MORE.items()],
+)
 def test_more_layouts_equal_one_process(name, base, reference, tiny_dataset, tmp_path):
     """LoRA × FSDP × TP, × PP, × compile and × HSDP (measured here: each within 1e-6 of 1
     process)."""

@@ -158,6 +158,7 @@ def requeued(info):
 @pytest.mark.skipif(
     os.environ.get("TITANLAB_PARITY_FULL") != "1", reason="make test-full: a third sbatch job"
 )
+@pytest.mark.cover("launch:slurm", "ft-groups×dp_replicate")
 def test_ft_groups_split_the_nodes_into_replica_groups_that_train_like_one_run(
     slurm, tiny_dataset, straight, tmp_path
 ):

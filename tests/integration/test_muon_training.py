@@ -20,6 +20,7 @@ import pytest
 from conftest import CONSTANT_LR, checkpoint_every, read_metrics
 from titanlab.planning.layout_cover import pairwise_subset
 from titanlab.planning.layouts import SCHEDULES
+from tests.coverage_spec import cover_cases
 from tools import parity_matrix
 
 FULL = os.environ.get("TITANLAB_PARITY_FULL") == "1"
@@ -68,7 +69,15 @@ def reference(tiny_dataset, tmp_path_factory):
     return get
 
 
-@pytest.mark.parametrize("model, layout", CASES, ids=[f"{m}-{lay.name}" for m, lay in CASES])
+@pytest.mark.parametrize(
+    "model, layout",
+    cover_cases(
+        lambda c: "llama3" if c[0] == "dense" else "qwen3_moe",
+        CASES,
+        ids=[f"{m}-{lay.name}" for m, lay in CASES],
+        feature="muon",
+    ),
+)
 def test_muon_layout_matches_one_process(model, layout, reference):
     dataset, seed, losses, root = reference(model)
     extra = MUON_OPTIONS if model == "dense" else MOE_OPTIONS
@@ -140,12 +149,8 @@ def _qk_records(dump: str) -> dict[int, dict]:
         return {r["step"]: r for r in map(json.loads, f) if "loss" in r}
 
 
-QK_PARAMS = [
-    pytest.param(n, marks=pytest.mark.skipif(not FULL, reason="make test-parity-full"))
-    if n == "pp2"
-    else n
-    for n in QK_LAYOUTS
-]
+QK_DIMS = {"fsdp2": "dp_shard", "tp2": "tp", "pp2": "pp"}
+QK_PARAMS = [pytest.param(n, marks=pytest.mark.cover(f"qk-clip×{QK_DIMS[n]}")) for n in QK_LAYOUTS]
 
 
 @pytest.mark.parametrize("name", QK_PARAMS)

@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from conftest import CI_COMPILE_BACKEND, PARITY_FULL, SHALLOW, TINY
+from conftest import CI_COMPILE_BACKEND, SHALLOW, TINY
 
 
 def trace_names(path: str) -> set[str]:
@@ -110,18 +110,14 @@ LAYOUTS = {
 }
 
 
+TRACE_CELLS = {"tp2-compile": ["profiler×tp", "compile×tp"], "pp2": ["profiler×pp"],
+               "cp2": ["profiler×cp"]}  # fmt: skip
+"""The cover cells (tests/coverage_spec.py) of each layout."""
+
+
 @pytest.mark.parametrize(
     "layout",
-    [
-        pytest.param(
-            name,
-            marks=pytest.mark.skipif(
-                name == "cp2" and not PARITY_FULL,
-                reason="make test-parity-full runs it",
-            ),
-        )
-        for name in sorted(LAYOUTS)
-    ],
+    [pytest.param(name, marks=pytest.mark.cover(*TRACE_CELLS[name])) for name in sorted(LAYOUTS)],
 )
 def test_traces_under_each_parallelism_and_compile(train, tmp_path, layout):
     dump = str(tmp_path / layout)

@@ -65,6 +65,7 @@ def base_mib(output: str) -> float:
 
 
 @FULL_ONLY
+@pytest.mark.cover("qlora×dp_shard", "ac:full")
 def test_at_8k_under_fsdp2_with_full_ac_nf4_trains_like_bf16_lora_in_a_quarter_of_the_bytes(
     base, tiny_dataset, tmp_path
 ):
@@ -112,8 +113,19 @@ MORE = {
 }  # fmt: skip
 
 
+MORE_CELLS = {
+    "pp2-1F1B": ["qlora×pp", "schedule:1F1B"],
+    "fsdp2-compile": ["qlora×dp_shard", "compile×dp_shard"],
+    "fsdp2-full-ac": ["qlora×dp_shard", "ac:full"],
+    "tp2-compile": ["qlora×tp", "compile×tp"],
+}
+"""The cover cells (tests/coverage_spec.py) of each case of `MORE`."""
+
+
 @FULL_ONLY
-@pytest.mark.parametrize("name", list(MORE))
+@pytest.mark.parametrize(
+    "name", [pytest.param(n, marks=pytest.mark.cover(*MORE_CELLS[n])) for n in MORE]
+)
 def test_more_layouts_equal_fsdp2(name, base, tiny_dataset, tmp_path):
     """QLoRA × PP 2, × compile, × full AC, × TP 2 compiled: the losses of FSDP 2 with
     selective AC within 1e-5."""

@@ -101,6 +101,7 @@ def test_layout_matches_single_process(family, layout, reference):
 
 
 @pytest.mark.skipif(not FULL, reason="make test-parity-full (TITANLAB_PARITY_FULL=1)")
+@pytest.mark.cover("qwen3_5×cp", "ulysses×cp")
 def test_ulysses_cp2_matches_single_process(reference):
     """Ulysses: the full layers' heads over the ranks, the linear layers on contiguous pieces
     (Ulysses' shards are contiguous already) from the composed prefix state."""

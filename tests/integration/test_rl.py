@@ -19,12 +19,13 @@ import pytest
 import torch
 
 from conftest import REPO, launch_command, run_config, wait_for, worker_pid
-from tools.lib.rank_pool import default_pool
+from tests.coverage_spec import DIMS
 from titanlab.checkpoint import store
 from titanlab.config.job_config import ConfigError
 from titanlab.config.manager import build_config
 from titanlab.planning import preflight
 from titanlab.planning.layouts import apply_layout, enumerate_layouts
+from tools.lib.rank_pool import default_pool
 
 CONFIG = os.path.join(REPO, "train_configs", "grpo_debug.toml")
 DPO_CONFIG = os.path.join(REPO, "train_configs", "dpo_debug.toml")
@@ -105,14 +106,40 @@ FULL = os.environ.get("TITANLAB_PARITY_FULL") == "1"
 FULL_ONLY = pytest.mark.skipif(not FULL, reason="make test-parity-full runs it")
 
 
-# CI meets each algorithm, LoRA, and each kind of model (dense, MoE with EP) once; make
-# test-parity-full runs every family × algorithm.
+# CI meets each algorithm, LoRA, and each kind of model (dense, MoE with EP) once, DDP with the
+# dense one; make test-parity-full runs every family × algorithm on every layout.
 CI_CASES = {("qwen3_moe", "grpo"), ("llama3", "ppo"), ("qwen3", "dpo-lora")}
+CI_DDP = ("llama3", "ppo")
+LAYOUT_DIMS = {"llama3": ("dp_replicate", "dp_shard", "tp"), "qwen3": ("dp_replicate", "dp_shard",
+               "tp"), "qwen3_moe": ("dp_replicate", "dp_shard", "tp", "ep")}  # fmt: skip
+"""The dimensions of each family's accepted 2-rank layouts (the test checks the layouts)."""
+
+
+def _cells(family: str, algorithm: str) -> list[str]:
+    """The cover cells (tests/coverage_spec.py) of a case: RL (and LoRA) under the dimensions of
+    the layouts it runs (CI leaves DDP to one case)."""
+    ci = (family, algorithm) in CI_CASES
+    dims = [d for d in LAYOUT_DIMS[family]
+            if d != "dp_replicate" or not ci or (family, algorithm) == CI_DDP]  # fmt: skip
+    features = ["rl", "lora"] if algorithm.endswith("-lora") else ["rl"]
+    return [f"{f}×{d}" for f in features for d in dims]
+
+
 CASES = [
-    pytest.param(family, algorithm, marks=() if (family, algorithm) in CI_CASES else FULL_ONLY)
+    pytest.param(
+        family,
+        algorithm,
+        marks=(
+            pytest.mark.cover(*_cells(family, algorithm)),
+            *(() if (family, algorithm) in CI_CASES else (FULL_ONLY,)),
+        ),
+    )
     for family in FAMILIES
     for algorithm in ("grpo", "ppo", "dpo", "grpo-lora", "dpo-lora")
 ]
+assert set(LAYOUT_DIMS) == set(FAMILIES) and {d for v in LAYOUT_DIMS.values() for d in v} <= set(
+    DIMS
+)
 
 
 @pytest.mark.parametrize(("family", "algorithm"), CASES)
@@ -125,12 +152,13 @@ def test_one_update_on_fixed_data_equals_one_process_on_every_layout(tmp_path, f
                 "ws2-fsdp2", "ws2-tp2"], "qwen3_moe": ["ws2-ddp2", "ws2-fsdp2-ep2", "ws2-tp2-ep2"]}  # fmt: skip
     assert names == expected[family]
     single = fixed_step(tmp_path, family, algorithm)
-    if not FULL:  # DDP (replicated weights) is the plainest layout: make test-parity-full
+    if not FULL and (family, algorithm) != CI_DDP:  # DDP: the plainest layout, once in CI
         accepted = [layout for layout in accepted if layout.dp_kind != "ddp"]
     assert_layouts_match(tmp_path, family, algorithm, accepted, single)
 
 
 @FULL_ONLY
+@pytest.mark.cover("rl×dp_replicate", "rl×dp_shard", "rl×tp")
 @pytest.mark.parametrize("algorithm", ["grpo", "ppo", "dpo"])
 def test_one_update_equals_one_process_on_every_4_rank_layout_hsdp_included(tmp_path, algorithm):
     """The same on 4 ranks (one group of completions, or 4 pairs, per dp rank): HSDP 2 × 2,
@@ -143,8 +171,11 @@ def test_one_update_equals_one_process_on_every_4_rank_layout_hsdp_included(tmp_
     assert_layouts_match(tmp_path, "llama3", algorithm, accepted, single)
 
 
-@FULL_ONLY
-@pytest.mark.parametrize("algorithm", ["grpo", "ppo", "dpo"])
+@pytest.mark.cover("rl-fused-head×dp_shard")
+@pytest.mark.parametrize(
+    "algorithm",
+    ["grpo", pytest.param("ppo", marks=FULL_ONLY), pytest.param("dpo", marks=FULL_ONLY)],
+)
 def test_log_probabilities_from_the_fused_head_give_the_plain_heads_update(tmp_path, algorithm):
     """`loss.fused_linear_cross_entropy`: the objectives' log-probabilities come from the head
     chunk by chunk (backward recomputes each chunk's logits); one update on 1 process and on
@@ -208,6 +239,7 @@ def mean_reward(got: dict[int, dict], first: int, last: int) -> float:
     return sum(got[s]["rl/reward_mean"] for s in range(first, last + 1)) / (last - first + 1)
 
 
+@pytest.mark.cover("learns:grpo")
 def test_grpo_raises_the_sampled_reward_within_30_steps(straight):
     """CI's short form of the learning curve below: from random init the sampled completions'
     mean reward over steps 21-30 is at least 0.15 above steps 1-10 (measured on a 2-core Intel
@@ -232,6 +264,7 @@ def learned(tmp_path_factory) -> dict[int, dict]:
 
 
 @FULL_ONLY
+@pytest.mark.cover("learns:grpo")
 def test_grpo_learns_reverse_digits_from_random_init_on_two_ranks(learned):
     evals = {s: r["rl/eval_exact_match"] for s, r in learned.items() if "rl/eval_exact_match" in r}
     first = min((s for s, v in evals.items() if v >= 0.9), default=None)
@@ -307,6 +340,7 @@ def test_grpo_on_jsonl_prompts_trains_and_resumes_bit_for_bit(tmp_path):
     assert any(a[s]["grad_norm"] > 0 for s in range(1, 7))  # length varies: groups have signal
 
 
+@pytest.mark.cover("learns:dpo")
 def test_dpo_ranks_most_held_out_pairs_right_within_25_steps(tmp_path):
     """CI's short form of the test below: train_configs/dpo_debug.toml's first 25 steps (its
     first held-out evaluation): from 0 (the policy is the reference) the held-out accuracy
@@ -324,6 +358,7 @@ def test_dpo_ranks_most_held_out_pairs_right_within_25_steps(tmp_path):
 
 
 @FULL_ONLY
+@pytest.mark.cover("learns:dpo")
 def test_dpo_ranks_held_out_pairs_right_after_training_from_random_init(tmp_path):
     """train_configs/dpo_debug.toml as shipped (2 warm ranks, 100 steps): the held-out pairs' chosen
     completion gets the higher implicit reward more than 90% of the time, from 0 (at the
@@ -355,6 +390,7 @@ def test_dpo_ranks_held_out_pairs_right_after_training_from_random_init(tmp_path
         pytest.param(70, 0.3, marks=FULL_ONLY),
     ],
 )
+@pytest.mark.cover("learns:ppo")
 def test_ppo_raises_the_mean_reward_from_random_init(tmp_path, steps, gain):
     """train_configs/ppo_debug.toml on 2 warm ranks, cut to its first `steps` of 200 (constant
     LR: the first steps are the same): the sampled completions' mean reward over the last 10

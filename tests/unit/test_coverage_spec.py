@@ -1,8 +1,9 @@
 """CI's selection meets every cell of the cover (tests/coverage_spec.py): collected as CI
 collects `tests/integration`, every family × dimension, schedule, AC mode, precision, launch
 path, kill -9 resume per checkpoint mode and pairwise matrix is met by a case CI runs; a
-selection that loses the cases of one cell fails the check, naming that cell; and `make
-test-full` runs every case CI runs and more."""
+selection that loses the cases of one cell fails the check, naming that cell; every case only
+`make test-full` runs declares cells that cases CI runs still meet; and `make test-full` runs
+every case CI runs and more."""
 
 import os
 
@@ -17,8 +18,14 @@ def required():
 
 
 @pytest.fixture(scope="module")
-def ci_items():
-    return spec.collect()
+def collections():
+    """(items as CI collects tests/integration, items as make test-full collects it)."""
+    return spec.collect_both()
+
+
+@pytest.fixture(scope="module")
+def ci_items(collections):
+    return collections[0]
 
 
 def test_the_cover_is_generated_from_the_registry_the_config_and_the_schedules(required):
@@ -61,11 +68,29 @@ def test_the_check_reads_skips_as_ci_does(required, ci_items):
     assert spec.missing(["ac:full"], only_skipped) == ["ac:full"]
 
 
-@pytest.mark.skipif(
-    os.environ.get("TITANLAB_PARITY_FULL") != "1", reason="make test-full: a second collection"
-)
-def test_make_test_full_runs_every_case_ci_runs_and_more(required, ci_items):
-    full = spec.collect(full=True)
+def test_every_moved_case_keeps_its_cells_met_in_ci(collections):
+    ci, full = collections
+    moved = spec.moved(ci, full)
+    assert len(moved) > 100  # the full matrices are there
+    assert spec.moved_gaps(ci, full) == []
+    assert spec.unknown(spec.required_cells(), full) == []
+
+
+def test_a_moved_case_whose_cell_ci_no_longer_meets_fails_naming_it(collections):
+    """The mutants: a moved case with no cell, and CI's selection without the cases meeting
+    one of a moved case's cells (Muon under pipeline parallel)."""
+    ci, full = collections
+    moved = spec.moved(ci, full)
+    case = next(item for item in moved if "muon×pp" in item["cells"])
+    bare = [dict(item, cells=[]) if item is case else item for item in full]
+    assert spec.moved_gaps(ci, bare) == [f"{case['nodeid']}: declares no cell"]
+    without = [dict(item, ci=item["ci"] and "muon×pp" not in item["cells"]) for item in ci]
+    gaps = spec.moved_gaps(without, full)
+    assert f"{case['nodeid']}: muon×pp is met by no CI case" in gaps
+
+
+def test_make_test_full_runs_every_case_ci_runs_and_more(required, collections):
+    ci_items, full = collections
     ran = {item["nodeid"] for item in full if item["ci"]}
     assert {item["nodeid"] for item in ci_items if item["ci"]} < ran
     assert spec.missing(required, full) == []
