@@ -5,7 +5,6 @@ selection that loses the cases of one cell fails the check, naming that cell; ev
 `make test-full` runs declares cells that cases CI runs still meet; and `make test-full` runs
 every case CI runs and more."""
 
-
 import pytest
 
 from tests import coverage_spec as spec
