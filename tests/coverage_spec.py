@@ -86,6 +86,7 @@ FEATURES = (
     "rl",  # one RL update (GRPO, PPO or DPO) on fixed data
     "rl-fused-head",  # RL's log-probabilities from the chunked (fused) head
     "mtp",  # DeepSeek-V3's multi-token prediction
+    "ep-capacity",  # expert parallel's capacity-bounded exchange (parallelism.expert_capacity_factor)
     "ft-groups",  # fault-tolerant replica groups, each with a layout of its own
     "ft-heal",  # a killed group restarts and heals from a live peer
     "diloco",

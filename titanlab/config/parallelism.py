@@ -142,6 +142,14 @@ class Parallelism:
     dp_shard ranks ep leaves (efsdp = dp_shard × cp × tp / ep); the dense weights keep the
     usual FSDP mesh."""
 
+    expert_capacity_factor: float = 0.0
+    """ep > 1 only. 0: the exact all-to-all, no token slot dropped, whose split sizes a GPU run
+    reads on the host (a sync per MoE layer and direction). > 0: each expert takes at most
+    ceil(factor · slots / num_experts) of a rank's token slots (GShard's capacity), so the
+    all-to-all has static splits and no host sync; slots past it are dropped and logged as
+    moe/tokens_dropped. A factor of num_experts / top_k or more never drops one.
+    titanlab/distributed/expert_capacity.py."""
+
     @property
     def cp_load_balancer(self) -> str:
         """The load balancer in force: `context_parallel_load_balancer`, with auto as the
@@ -179,6 +187,16 @@ class Parallelism:
         ):
             value = getattr(self, key)
             _require(value >= 1, f"parallelism.{key}={value} must be >= 1")
+        _require(
+            self.expert_capacity_factor >= 0,
+            f"parallelism.expert_capacity_factor={self.expert_capacity_factor} must be >= 0 "
+            "(0: the exact exchange)",
+        )
+        _require(
+            self.expert_capacity_factor == 0 or self.expert_parallel_degree > 1,
+            f"parallelism.expert_capacity_factor={self.expert_capacity_factor} bounds expert "
+            "parallel's exchange; it needs expert_parallel_degree > 1 (got 1), or set it to 0",
+        )
         _require(
             self.zero_stage in (0, 1, 2, 3),
             f"parallelism.zero_stage={self.zero_stage} is not valid; valid: 0, 1, 2, 3",

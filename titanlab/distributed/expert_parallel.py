@@ -17,6 +17,10 @@ Applied from outside the model, like tensor parallel, as a `ParallelStyle` on ea
   back to the rank and position it came from, so the MoE layer weights and sums them as on one
   rank. No slot is dropped.
 
+With a capacity factor (`parallelism.expert_capacity_factor` > 0) the exchange is instead the
+capacity-bounded one of `titanlab.distributed.expert_capacity`: static splits, no host read,
+slots past an expert's capacity dropped and counted.
+
 The dispatch/combine pattern is GShard's (Lepikhin et al. 2020, "GShard: Scaling Giant Models
 with Conditional Computation and Automatic Sharding", section 2.2); the ParallelStyle hooks are
 torch's `distribute_module` (torch.distributed.tensor documentation).
@@ -25,6 +29,7 @@ torch's `distribute_module` (torch.distributed.tensor documentation).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -36,6 +41,11 @@ from torch.distributed.tensor import Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
 from titanlab.config import host_reads
+from titanlab.distributed.expert_capacity import (
+    capacity_combine,
+    capacity_dispatch,
+    expert_capacity,
+)
 from titanlab.models.common.decoder import moe_layers
 
 
@@ -57,17 +67,36 @@ class ExpertParallel(ParallelStyle):
     The module's forward takes (x (slots, dim) sorted by expert, counts (E,) int64) and returns
     (slots, dim) in the same order; under this style it runs on the slots of its E/ep experts
     gathered from every ep rank. E must be divisible by the ep degree.
+
+    Args:
+        capacity_factor: 0, the exact exchange; > 0, the capacity-bounded one
+            (`titanlab.distributed.expert_capacity`), for which the module must have a
+            `record_dropped(count)` (`apply_ep` gives it).
     """
 
+    def __init__(self, capacity_factor: float = 0.0):
+        super().__init__()
+        self.capacity_factor = capacity_factor
+
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        dispatch, combine = _dispatch, _combine
+        if self.capacity_factor > 0:
+            factor = self.capacity_factor
+
+            def dispatch(module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
+                x, counts = inputs  # distribute_module calls a hook with 3 arguments
+                capacity = expert_capacity(x.shape[0], counts.numel(), factor)
+                return capacity_dispatch(module, x, counts, mesh, capacity)
+
+            combine = capacity_combine
         # torch annotates the hook functions as returning None; their results replace the
         # module's inputs and outputs.
         return distribute_module(
             module,
             device_mesh,
             partition_fn=_shard_experts,
-            input_fn=_dispatch,  # type: ignore[arg-type]
-            output_fn=_combine,  # type: ignore[arg-type]
+            input_fn=dispatch,  # type: ignore[arg-type]
+            output_fn=combine,  # type: ignore[arg-type]
         )
 
 
@@ -119,12 +148,25 @@ def _combine(module: nn.Module, out: torch.Tensor, mesh: DeviceMesh) -> torch.Te
     return all_to_all_single_autograd(out[back], ex.send_splits, ex.recv_splits, mesh.get_group())
 
 
-def apply_ep(model: nn.Module, ep_mesh: DeviceMesh) -> None:
+def apply_ep(model: nn.Module, ep_mesh: DeviceMesh, capacity_factor: float = 0.0) -> None:
     """Shard the routed experts of every MoE layer of `model` (a decoder or a pipeline stage)
-    over `ep_mesh` in place. Raises ValueError when the expert count is not divisible by ep."""
+    over `ep_mesh` in place, with the exact exchange or, for `capacity_factor` > 0, the
+    capacity-bounded one, whose dropped slots each layer's `tokens_dropped` counts. Raises
+    ValueError when the expert count is not divisible by ep."""
     for moe in moe_layers(model):
         if moe.args.num_experts % ep_mesh.size():
             raise ValueError(
                 f"num_experts={moe.args.num_experts} is not divisible by ep={ep_mesh.size()}"
             )
-        parallelize_module(moe.experts, ep_mesh, ExpertParallel())
+        if capacity_factor > 0:
+            moe.experts.record_dropped = partial(_record_dropped, moe)  # type: ignore[assignment]
+        parallelize_module(moe.experts, ep_mesh, ExpertParallel(capacity_factor))
+
+
+def _record_dropped(moe: nn.Module, dropped: torch.Tensor) -> None:
+    """Add `dropped` (0-d) to `moe.tokens_dropped` in a forward that records statistics: a
+    training microbatch's, not a paused forward's nor an activation checkpoint's recomputation
+    in backward."""
+    if moe.record_stats and torch._C._current_graph_task_id() == -1:
+        with torch.no_grad():
+            moe.tokens_dropped += dropped.to(moe.tokens_dropped.dtype)

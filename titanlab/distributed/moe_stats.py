@@ -90,7 +90,9 @@ def end_step(
     logging steps only):
     for each layer `moe/<layer>/max_load`, `mean_load` (token slots per expert), `aux_loss`
     (mean over the microbatches) and `bias_norm`; plus `moe/aux_loss`, the mean over those
-    layers. Empty for a dense model. `stepped=False` (float16 skipped the optimizer step) leaves
+    layers, and under a capacity-bounded expert-parallel dispatch `moe/<layer>/tokens_dropped`
+    and `moe/tokens_dropped` (token slots the experts did not run, summed over the ranks and
+    layers). Empty for a dense model. `stepped=False` (float16 skipped the optimizer step) leaves
     the expert biases as they are."""
     named = [
         (name.split(".")[1] if name.startswith("layers.") else name, m)
@@ -100,14 +102,22 @@ def end_step(
     ]
     if not named:
         return {}
-    stats = torch.cat([torch.cat([m.tokens_per_expert, m.step_aux.reshape(1)]) for _, m in named])
+    stats = torch.cat(
+        [
+            torch.cat([m.tokens_per_expert, m.step_aux.reshape(1), m.tokens_dropped.reshape(1)])
+            for _, m in named
+        ]
+    )
     stats = _all_reduce_sum(mesh, across)(stats)
     out: dict[str, torch.Tensor] = {}
-    offset, auxes = 0, []
+    offset, auxes, dropped = 0, [], []
     for layer, moe in named:
         n = moe.args.num_experts
         load, aux = stats[offset : offset + n], stats[offset + n] / microbatches
-        offset += n + 1
+        if hasattr(moe.experts, "record_dropped"):  # a capacity-bounded dispatch
+            out[f"moe/{layer}/tokens_dropped"] = stats[offset + n + 1]
+            dropped.append(stats[offset + n + 1])
+        offset += n + 2
         moe.end_step(load, update_bias=stepped)
         out[f"moe/{layer}/max_load"] = load.max()
         out[f"moe/{layer}/mean_load"] = load.float().mean()
@@ -118,4 +128,6 @@ def end_step(
             out[f"moe/{layer}/bias_norm"] = moe.expert_bias.detach().norm()
     if auxes:
         out["moe/aux_loss"] = torch.stack(auxes).mean()
+    if dropped:
+        out["moe/tokens_dropped"] = torch.stack(dropped).sum()
     return out

@@ -124,7 +124,7 @@ def parallelize_model(
     if parallel_dims.ep_enabled:
         ep_mesh = parallel_dims.mesh("ep")
         assert ep_mesh is not None  # built whenever ep > 1
-        apply_ep(model, ep_mesh)
+        apply_ep(model, ep_mesh, config.parallelism.expert_capacity_factor)
     apply_ac(
         model, config.activation_checkpoint.mode, config.activation_checkpoint.selective_ac_option
     )

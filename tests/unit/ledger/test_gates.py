@@ -198,3 +198,21 @@ def test_the_fp32_weight_gradient_of_2026_11_27_fails_the_gate(monkeypatch):
     share, by_module = fp32_gemm_share(ledger_of.__wrapped__("llama3-8b-bf16"))
     print(f"the defect put back: fp32 share {share:.2%} {by_module}")
     assert share > MAX_FP32_GEMM_SHARE and "output" in by_module
+
+
+def test_a_capacity_factor_leaves_the_moe_step_without_a_host_sync():
+    """Qwen3-30B-A3B at EP 8 with `parallelism.expert_capacity_factor` 1.25: the all-to-alls
+    have static splits (no read of the split sizes, no sync at all) and move 1.25× the exact
+    exchange's slots (each expert's capacity, padded), and every gate still passes."""
+    exact = ledger_of("qwen3-30b-a3b-ep8")
+    bounded = ledger_of("qwen3-30b-a3b-ep8", "--parallelism.expert_capacity_factor", "1.25")
+    assert check(bounded) == {}
+    assert [op.op for op in bounded.ops if op.kind == "sync"] == []
+    assert any(op.op == "expert_parallel.splits" for op in exact.ops if op.kind == "sync")
+
+    def all_to_all_bytes(ledger) -> int:
+        return sum(op.bytes_read for op in ledger.ops if op.collective == "all_to_all")
+
+    ratio = all_to_all_bytes(bounded) / all_to_all_bytes(exact)
+    print(f"all-to-all bytes, capacity 1.25 / exact: {ratio:.3f}")
+    assert ratio == pytest.approx(1.25, rel=0.02)

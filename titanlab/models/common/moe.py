@@ -12,7 +12,8 @@
   dispatch reaches at most `topk_groups` nodes.
 - Experts: SwiGLU weights stacked as (num_experts, out, in); tokens are sorted by expert and run
   either with `torch._grouped_mm` or with an exact per-expert loop (same numbers within fp32
-  rounding). No token is dropped.
+  rounding). No token is dropped here (a capacity-bounded expert-parallel dispatch applied from
+  outside may drop some; it counts them in `tokens_dropped`).
 - Shared experts (DeepSeek-MoE style): a dense SwiGLU every token goes through, added to the
   routed output.
 - Load balance (Switch Transformer, Fedus et al. 2021; GShard): aux = E · Σ_i f_i · P_i with f_i
@@ -210,10 +211,14 @@ class MoE(nn.Module):
             (detached; the shares of the ranks sum to the global value), or None when off.
         step_aux: sum of `last_aux` over the step's microbatches (reset by `end_step`).
         tokens_per_expert: (E,) fp32 token-slot counts of this rank since the last `end_step`.
+        tokens_dropped: 0-d fp32 count of this rank's token slots the experts did not run since
+            the last `end_step` (0 unless a capacity-bounded dispatch applied from outside
+            drops some; it adds them here).
         step_load: (E,) token-slot counts of the last step over all ranks (set by `end_step`).
     """
 
     tokens_per_expert: torch.Tensor
+    tokens_dropped: torch.Tensor
     step_aux: torch.Tensor
     expert_bias: torch.Tensor
 
@@ -239,6 +244,7 @@ class MoE(nn.Module):
         # a run uses; `route_bias` routes with it even when it is never updated.
         self.register_buffer("expert_bias", torch.zeros(args.num_experts), persistent=True)
         self.register_buffer("tokens_per_expert", torch.zeros(args.num_experts), persistent=False)
+        self.register_buffer("tokens_dropped", torch.zeros(()), persistent=False)
         self.register_buffer("step_aux", torch.zeros(()), persistent=False)
         self.reduce_stats: Callable[[torch.Tensor], torch.Tensor] = lambda t: t
         self.aux_grad_scale = 0.0
@@ -258,6 +264,7 @@ class MoE(nn.Module):
             trunc_normal_(self.shared_gate.weight, 0.02)
         self.expert_bias.zero_()
         self.tokens_per_expert.zero_()
+        self.tokens_dropped.zero_()
         self.step_aux.zero_()
 
     def forward(self, x_bsd: torch.Tensor) -> torch.Tensor:
@@ -355,4 +362,5 @@ class MoE(nn.Module):
         if self.args.bias_update_speed > 0 and update_bias:
             self.expert_bias += self.args.bias_update_speed * torch.sign(load.mean() - load)
         self.tokens_per_expert.zero_()
+        self.tokens_dropped.zero_()
         self.step_aux.zero_()
