@@ -87,7 +87,7 @@ def capacity_dispatch(
     experts, dim = counts.numel(), x.shape[-1]
     local = experts // ep
     dest, dropped = place_slots(counts, x.shape[0], capacity)
-    module.record_dropped(dropped)
+    module.record_dropped(dropped)  # type: ignore[operator]  # apply_ep's callable
     rows = experts * capacity
     send = x.new_zeros(rows + 1, dim).index_copy(0, dest, x)[:rows]
     split = [local * capacity] * ep

@@ -47,6 +47,7 @@ from titanlab.distributed.expert_capacity import (
     expert_capacity,
 )
 from titanlab.models.common.decoder import moe_layers
+from titanlab.models.common.moe import MoE
 
 
 @dataclass
@@ -163,7 +164,7 @@ def apply_ep(model: nn.Module, ep_mesh: DeviceMesh, capacity_factor: float = 0.0
         parallelize_module(moe.experts, ep_mesh, ExpertParallel(capacity_factor))
 
 
-def _record_dropped(moe: nn.Module, dropped: torch.Tensor) -> None:
+def _record_dropped(moe: MoE, dropped: torch.Tensor) -> None:
     """Add `dropped` (0-d) to `moe.tokens_dropped` in a forward that records statistics: a
     training microbatch's, not a paused forward's nor an activation checkpoint's recomputation
     in backward."""
