@@ -22,6 +22,9 @@
 #             then FlexAttention against the SDPA path at seq 8192 and 32768
 #             (tools/benchmark_flex.py: documents, gpt-oss window + sinks, sinks)
 #   ab-rest   the A/B's remaining rows: bf16 eager, float8 rowwise
+#   moe       Qwen3-30B-A3B's shape, 4 blocks, 1 GPU: bf16 compiled and eager, float8
+#             tensorwise, each measured beside the ledger's prediction for this GPU
+#             (tools/gpu_moe_rows.py)
 #
 # Wheels in .whl/ (`make peer-wheels`: torchtitan, torchdata, torchao, tomli, liger-kernel) are
 # installed into /tmp/site first; the machine's own torch, transformers and peft are used.
@@ -29,7 +32,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu_session}
 DEADLINE_S=${DEADLINE_S:-540}
-STAGES=${STAGES:-"ab rows finetune plain flex ab-rest"}
+STAGES=${STAGES:-"ab moe rows finetune plain flex ab-rest"}
 LAYERS=${LAYERS:-11}
 PY=${GPU_PYTHON:-python3}
 mkdir -p "$OUT"
@@ -88,7 +91,12 @@ for s in $STAGES; do
             --timeout-s 200 --out /tmp/torchtitan_ab_rest.md --perf /tmp/perf_rest.md \
             --json "$OUT/ab_rest.json" 2>&1 | tee -a "$OUT/session.log" | tail -15
         save ;;
-    *) log "unknown stage $s (valid: ab finetune plain rows flex ab-rest)"; exit 2 ;;
+    moe)
+        stage moe 120 && "$PY" tools/gpu_moe_rows.py --steps 9 --warmup 4 \
+            --budget-s $(($(left) - 60)) --timeout-s 200 --out "$OUT/moe.json" 2>&1 \
+            | tee -a "$OUT/session.log" | tail -12
+        save ;;
+    *) log "unknown stage $s (valid: ab moe finetune plain rows flex ab-rest)"; exit 2 ;;
     esac
 done
 log "done"
