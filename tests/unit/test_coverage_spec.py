@@ -9,6 +9,9 @@ import pytest
 
 from tests import coverage_spec as spec
 
+# one worker: the two collections of `tests/integration` (the module fixture) made once
+pytestmark = pytest.mark.xdist_group("coverage")
+
 
 @pytest.fixture(scope="module")
 def required():
