@@ -18,24 +18,25 @@ COMMON = ["--training.steps", "5", "--checkpoint.enable", "false", *SHALLOW]
 to one shows in two."""
 
 
+def full_only(reason: str):
+    """Skipped in CI, run by make test-parity-full (TITANLAB_PARITY_FULL=1)."""
+    return pytest.mark.skipif(os.environ.get("TITANLAB_PARITY_FULL") != "1", reason=reason)
+
+
 CASES = [
     (2, 2, []),
     pytest.param(
         4,
         4,
         ["--parallelism.tensor_parallel_degree", "2"],
-        marks=pytest.mark.skipif(
-            os.environ.get("TITANLAB_PARITY_FULL") != "1",
-            reason="in the Qwen3 FSDP 2 × TP 2 case; make test-parity-full runs it",
-        ),
+        marks=full_only("in the Qwen3 FSDP 2 × TP 2 case; make test-parity-full runs it"),
     ),
     pytest.param(
         4,
         4,
         ["--parallelism.pipeline_parallel_degree", "2"],
-        marks=pytest.mark.skipif(
-            os.environ.get("TITANLAB_PARITY_FULL") != "1",
-            reason="compile × PP 2 is in the feature-pair matrix; make test-parity-full runs it",
+        marks=full_only(
+            "compile × PP 2 is in the feature-pair matrix; make test-parity-full runs it"
         ),
     ),
     (
@@ -78,9 +79,8 @@ CASES = [
             "--activation_checkpoint.mode",
             "selective",
         ],
-        marks=pytest.mark.skipif(
-            os.environ.get("TITANLAB_PARITY_FULL") != "1",
-            reason="MoE × compile is in the feature-pair matrix; make test-parity-full runs it",
+        marks=full_only(
+            "MoE × compile is in the feature-pair matrix; make test-parity-full runs it"
         ),
     ),
     # DeepSeek-V3: MLA's tensor-parallel hooks (replicated latent projections, the rotary
@@ -104,10 +104,7 @@ CASES = [
             "--activation_checkpoint.mode",
             "full",
         ],
-        marks=pytest.mark.skipif(
-            os.environ.get("TITANLAB_PARITY_FULL") != "1",
-            reason="MoE × compile can flip a routing choice; make test-parity-full runs it",
-        ),
+        marks=full_only("MoE × compile can flip a routing choice; make test-parity-full runs it"),
     ),
     # gpt-oss: sinks and the chunked sliding window (debugmodel: window 32, seq 64 here)
     # inside compiled blocks, its sinks split over tp; MoE, so with the MoE cases.
@@ -124,10 +121,7 @@ CASES = [
             "--activation_checkpoint.mode",
             "selective",
         ],
-        marks=pytest.mark.skipif(
-            os.environ.get("TITANLAB_PARITY_FULL") != "1",
-            reason="MoE × compile can flip a routing choice; make test-parity-full runs it",
-        ),
+        marks=full_only("MoE × compile can flip a routing choice; make test-parity-full runs it"),
     ),
 ]
 IDS = [
