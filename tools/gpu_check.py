@@ -42,7 +42,7 @@ import xml.etree.ElementTree as ET
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from tools.lib.gpu_rows import fit_layers
+from tools.lib.gpu_rows import bench_row, fit_layers
 
 GIB = 2**30
 # Packages the GPU tests and rows import, and what is lost without each.
@@ -236,36 +236,10 @@ def trainer_args(folder: str, dump: str, steps: int) -> list[str]:
 
 
 def run_row(row: Row, layers_dir: str, steps: int, warmup: int, out_dir: str, trace: str) -> dict:
-    out = os.path.join(out_dir, "row.json")
+    bench = [*(["--trace", trace] if trace else []),
+             *([] if row.cudnn_sdpa else ["--no-cudnn-sdpa"])]  # fmt: skip
     dump = os.path.join(out_dir, "dump")
-    cmd = [
-        sys.executable,
-        os.path.join(REPO, "tools", "gpu_bench_row.py"),
-        "--out",
-        out,
-        "--warmup",
-        str(warmup),
-        "--profile-step",
-        str(warmup + 1),
-        *(["--trace", trace] if trace else []),
-        *([] if row.cudnn_sdpa else ["--no-cudnn-sdpa"]),
-        "--",
-        *trainer_args(layers_dir, dump, steps),
-        *row.args(),
-    ]
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    start = time.time()
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    result: dict = {}
-    if os.path.exists(out):
-        with open(out, encoding="utf-8") as f:
-            result = json.load(f)
-    if proc.returncode != 0 and "error" not in result:
-        lines = [l for l in (proc.stdout + proc.stderr).splitlines() if l.strip()]
-        result = {"error": f"exit {proc.returncode}: " + " | ".join(lines[-3:])[-400:]}
-        print(proc.stdout[-4000:], proc.stderr[-4000:], sep="\n", flush=True)
-    result["wall_s"] = round(time.time() - start, 1)
-    return result
+    return bench_row([*trainer_args(layers_dir, dump, steps), *row.args()], out_dir, warmup, bench)
 
 
 def run_torchtitan_ab(a: argparse.Namespace, layers: int, info: dict, start: float) -> str:

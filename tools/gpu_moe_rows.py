@@ -22,13 +22,14 @@ import argparse
 import dataclasses
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
+
+from tools.lib.gpu_rows import bench_row
 
 CONFIG = os.path.join(REPO, "train_configs", "qwen3_30b_a3b.toml")
 BLOCKS = 4
@@ -84,20 +85,10 @@ def predict(row: MoERow, device: str) -> dict:
 
 
 def measure(row: MoERow, steps: int, warmup: int, timeout_s: int) -> dict:
-    """`tools/gpu_bench_row.py`'s JSON for `row`, in a child process (its GPU memory freed after)."""
+    """`tools/gpu_bench_row.py`'s JSON for `row` (`tools.lib.gpu_rows.bench_row`)."""
     with tempfile.TemporaryDirectory() as folder:
-        out = os.path.join(folder, "row.json")
-        cmd = [sys.executable, os.path.join(REPO, "tools", "gpu_bench_row.py"), "--out", out,
-               "--warmup", str(warmup), "--profile-step", str(warmup + 1), "--",
-               *trainer_args(row, os.path.join(folder, "dump"), steps)]  # fmt: skip
-        start = time.time()
-        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout_s)
-        result = json.load(open(out, encoding="utf-8")) if os.path.exists(out) else {}
-        if proc.returncode != 0 and "error" not in result:
-            lines = [line for line in (proc.stdout + proc.stderr).splitlines() if line.strip()]
-            result = {"error": f"exit {proc.returncode}: " + " | ".join(lines[-3:])[-400:]}
-        result["wall_s"] = round(time.time() - start, 1)
-        return result
+        argv = trainer_args(row, os.path.join(folder, "dump"), steps)
+        return bench_row(argv, folder, warmup, timeout_s=timeout_s)
 
 
 def gpu_profile() -> str:

@@ -1,8 +1,8 @@
 """Expert parallel's capacity-bounded exchange (`parallelism.expert_capacity_factor`) in training:
 with a factor no expert can exceed (E / top_k = 4 for Qwen3-MoE's debug flavor: 8 experts,
-top-2) Qwen3-MoE trains under EP × FSDP, EP × TP and EP × PP as one process does (3 steps
-within 1e-5, fp32, from one seed) and logs no dropped slot; with a small factor the run logs the
-slots it dropped each step. make test-full adds every layout the issue names (EP 4, EP × expert
+top-2) Qwen3-MoE trains under EP × FSDP, EP × TP, EP × PP and EP × CP as one process does (3
+steps within 1e-5, fp32, from one seed) and logs no dropped slot; with a small factor, under full
+AC, the run logs the slots it dropped each step, once. make test-full adds every layout the issue names (EP 4, EP × expert
 FSDP, EP with accumulation)."""
 
 from __future__ import annotations
@@ -20,13 +20,13 @@ NEVER_DROPS = ["--parallelism.expert_capacity_factor", "4"]
 MOE = ["--model.name", "qwen3_moe", "--model.moe_load_balance_coeff", "0",
        "--model.moe_bias_update_speed", "0"]  # fmt: skip
 """No balancing statistic (taken per global microbatch): one reference serves every layout."""
-NEEDS = [{"ep", "fsdp"}, {"ep", "tp"}, {"ep", "pp:1F1B"}] + (
+NEEDS = [{"ep", "fsdp"}, {"ep", "tp"}, {"ep", "pp:1F1B"}, {"ep", "cp"}] + (
     [{"ep4"}, {"ep", "efsdp"}, {"ep", "grad_accum"}] if FULL else []
 )
 
 
 def _cases() -> list[parity_matrix.Layout]:
-    pool = parity_matrix.valid_layouts((2, 4), MOE, with_ep=True, schedules=("1F1B",))
+    pool = parity_matrix.valid_layouts((2, 4), MOE, with_ep=True, with_cp=True, schedules=("1F1B",))
     return [
         min(
             (lay for lay in pool if need <= lay.tags and lay.ep > 1),
@@ -66,10 +66,12 @@ def test_a_capacity_no_expert_exceeds_trains_as_one_process(layout, reference):
 
 
 @pytest.mark.cover("ep-capacity×ep", "ep-capacity×dp_shard")
-def test_a_small_capacity_logs_the_slots_it_drops(reference):
+def test_a_small_capacity_logs_the_slots_it_drops_once_under_full_ac(reference):
+    """Full AC recomputes every block's forward, dispatch included, in backward: the count is
+    the forward's only (twice would exceed every slot)."""
     dataset, seed, losses, root = reference
     layout = next(lay for lay in CASES if lay.name == "ws2-fsdp2-ep2")
-    small = ["--parallelism.expert_capacity_factor", "0.5"]
+    small = ["--parallelism.expert_capacity_factor", "0.5", "--activation_checkpoint.mode", "full"]
     outcome = parity_matrix.run_layout(layout, dataset, seed, losses, str(os.path.join(root, "s")),
                                        extra=[*MOE, *small])  # fmt: skip
     assert outcome.error is None, outcome.report()

@@ -42,6 +42,40 @@ def write_row(path: str, measure) -> int:
     return 0 if "error" not in result else 1
 
 
+def bench_row(
+    trainer_argv: list[str],
+    out_dir: str,
+    warmup: int,
+    bench_args: list[str] = (),
+    timeout_s: int = 300,
+) -> dict:
+    """`tools/gpu_bench_row.py` on `trainer_argv` in a child process (its GPU memory freed
+    after), profiling the step after `warmup`: its JSON, or {"error": ...} with the child's
+    last lines; `wall_s` added. `bench_args`: more of gpu_bench_row's options (a trace)."""
+    import subprocess
+    import sys
+    import time
+
+    out = os.path.join(out_dir, "row.json")
+    cmd = [sys.executable, os.path.join(REPO, "tools", "gpu_bench_row.py"), "--out", out,
+           "--warmup", str(warmup), "--profile-step", str(warmup + 1), *bench_args, "--",
+           *trainer_argv]  # fmt: skip
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    start = time.time()
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=timeout_s)  # fmt: skip
+    result: dict = {}
+    if os.path.exists(out):
+        with open(out, encoding="utf-8") as f:
+            result = json.load(f)
+    if proc.returncode != 0 and "error" not in result:
+        lines = [line for line in (proc.stdout + proc.stderr).splitlines() if line.strip()]
+        result = {"error": f"exit {proc.returncode}: " + " | ".join(lines[-3:])[-400:]}
+        print(proc.stdout[-4000:], proc.stderr[-4000:], sep="\n", flush=True)
+    result["wall_s"] = round(time.time() - start, 1)
+    return result
+
+
 def fit_layers(memory: int, fraction: float = 0.85) -> int:
     """Most blocks whose estimated peak (bf16, AC none, 1 GPU) is under `fraction` of `memory`."""
     import torch
