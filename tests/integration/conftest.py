@@ -82,6 +82,14 @@ s, the generation/export module 171 -> 140 s, the MTP resume 72 -> 56 s, a profi
 
 PARITY_FULL = os.environ.get("TITANLAB_PARITY_FULL") == "1"
 """`make test-parity-full` (and `make test-full`): every case CI trims."""
+
+
+def full_only(reason: str = "make test-parity-full runs it"):
+    """Skipped in CI, run by `make test-full` and `make test-parity-full` (`PARITY_FULL`);
+    `reason` says where CI meets what the case checks (tests/coverage_spec.py's cells)."""
+    return pytest.mark.skipif(not PARITY_FULL, reason=reason)
+
+
 CI_COMPILE_BACKEND = [] if PARITY_FULL else ["--compile.backend", "aot_eager"]
 """Options of a run where compile meets another feature: in CI aot_eager (Dynamo's capture and
 AOTAutograd's joint graph, where features meet compile) without Inductor's C++ build of each new

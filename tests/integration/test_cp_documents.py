@@ -160,6 +160,7 @@ def test_moe_families_under_document_masked_cp_match_single_process(
 
 
 @pytest.mark.cover("resume-kill9:disabled", "llama3×cp")
+@FULL_ONLY  # CI: the kill -9 resumes of test_faults.py and the CP layouts of this module
 def test_killed_cp2_document_masked_run_resumes_bit_for_bit(short_docs, tmp_path):  # noqa: F811
     """kill -9 of a rank after the step-4 checkpoint of a CP 2 document-masked run: torchrun
     restarts the group, which loads the checkpoint and trains steps 5-8 bit for bit as the

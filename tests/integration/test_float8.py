@@ -2,7 +2,7 @@
 
 import pytest
 
-from conftest import THIN, read_metrics
+from conftest import THIN, full_only, read_metrics
 
 BF16 = [
     *THIN,
@@ -20,6 +20,7 @@ BF16 = [
 
 
 @pytest.mark.cover("precision:float8")
+@full_only("CI: float8 in the feature-pair matrix's rows, against one eager process")
 def test_float8_emulate_loss_within_2_percent_of_bf16(train, tmp_path):
     bf16, fp8 = str(tmp_path / "bf16"), str(tmp_path / "fp8")
     train(2, *BF16, dump=bf16).check()
