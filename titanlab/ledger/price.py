@@ -19,8 +19,11 @@ the step's.
   DDP's (c10d's in-place all-gathers, reduce-scatters and all-reduces on the dp_shard,
   dp_replicate and efsdp groups, in forward and backward) overlap the compute, under the
   assumptions `Overlap` states (the first and last are exposed, what exceeds the phase's
-  compute is exposed, the compute beside them is slowed); the others (TP, CP, EP's
-  all-to-alls whatever their group, the gradient norm's and the loss's reductions) wait.
+  compute is exposed, the compute beside them is slowed). A functional collective (DTensor's,
+  expert parallel's all-to-alls) runs beside the ops recorded between it and its
+  `wait_tensor` (`waits`), on its group's stream after the group's earlier collectives; only
+  what outlasts them is exposed (`async_exposure`). The rest (c10d's blocking collectives: the
+  token counts' all-to-all, the gradient norm's and the loss's reductions) wait.
 
 Units: seconds, bytes, FLOPs.
 """
@@ -174,22 +177,87 @@ class Overlap:
 
 OVERLAP_KINDS = ("all_gather", "reduce_scatter", "all_reduce")
 """Collectives FSDP2 and DDP issue on their own streams (c10d's in-place ops), which run beside
-the compute on an `OVERLAPPED` dim; an all-to-all (expert parallel's dispatch and combine, on
-whichever group it runs, the dp_shard group included) waits."""
+the compute on an `OVERLAPPED` dim under `Overlap`'s assumptions; an all-to-all (expert
+parallel's dispatch and combine, on whichever group it runs, the dp_shard group included) runs
+beside only the ops before its wait (`async_exposure`)."""
 
 
 def overlaps(op: OpRecord, dim: str) -> bool:
     """Whether collective `op`, on mesh dim `dim`, runs beside the compute: FSDP's all-gathers
     and reduce-scatters and DDP's all-reduce (c10d's in-place ops, `_allgather_base_` & co.)
-    issued in forward or backward on a data-parallel dim. Functional collectives (DTensor's:
-    tensor parallel, the gradient norm's reduction, MoE statistics), all-to-alls and every
-    collective of the gradient norm, the optimizer and the step wait."""
+    issued in forward or backward on a data-parallel dim. The others (functional collectives:
+    tensor parallel's, expert parallel's all-to-alls; c10d's blocking ones; every collective of
+    the gradient norm, the optimizer and the step) are priced by `async_exposure`."""
     return (
         dim in OVERLAPPED
         and op.collective in OVERLAP_KINDS
         and op.op.startswith("c10d.")
         and op.phase in ("forward", "backward")
     )
+
+
+def waits(ops: list[OpRecord]) -> dict[int, int]:
+    """Index of each functional collective (`_c10d_functional.*`) → index of the op where the
+    compute stream waits for it: its `wait_tensor`, or for a `deferred` one the first op that
+    is not a view and reads the result or a view of it (an `AsyncCollectiveTensor`'s first
+    use). A collective never waited for is absent."""
+    issued: dict[int, int] = {}  # a result's tensor id → its collective's index
+    pending: dict[int, int] = {}  # the tensor ids of a deferred wait's result and its views
+    found: dict[int, int] = {}
+    for i, op in enumerate(ops):
+        if op.kind == "collective" and op.op.startswith("_c10d_functional."):
+            issued.update({t: i for t in op.outputs})
+        elif op.op.startswith("_c10d_functional.wait_tensor") and op.inputs:
+            source = issued.pop(op.inputs[0], None)
+            if source is not None and op.deferred:
+                pending.update({t: source for t in op.outputs})
+            elif source is not None:
+                found.setdefault(source, i)
+        elif op.kind == "view":
+            source = next((pending[t] for t in op.inputs if t in pending), None)
+            if source is not None:
+                pending.update({t: source for t in op.outputs})
+        else:
+            for t in op.inputs:
+                if t in pending:
+                    found.setdefault(pending[t], i)
+    return found
+
+
+def async_exposure(
+    ops: list[OpRecord], seconds: list[float], waited: list[int]
+) -> tuple[float, float]:
+    """(exposed, hidden) seconds of the collectives at indices `waited` (those that do not run
+    beside the compute as FSDP's do), on a timeline: the compute stream runs every
+    non-collective op in order; each process group's collectives run one after another on its
+    own stream, a collective starting when it is issued and its group's previous one is done.
+    One with a `wait_tensor` (`waits`) makes the compute stream wait there for its end; one
+    without (c10d's blocking ops) at once. The exposed seconds are the compute stream's waits."""
+    wait_of = waits(ops)
+    chosen = set(waited)
+    clock = exposed = hidden = 0.0
+    stream_free: dict[str, float] = {}
+    due: dict[int, list[tuple[float, float]]] = {}  # wait index → (end, seconds) of its collective
+    for i, (op, s) in enumerate(zip(ops, seconds)):
+        for end, length in due.pop(i, ()):
+            stall = max(0.0, end - clock)
+            exposed, hidden, clock = (
+                exposed + stall,
+                hidden + length - min(stall, length),
+                clock + stall,
+            )
+        if op.kind == "collective":
+            if i not in chosen:
+                continue
+            start = max(clock, stream_free.get(op.group, 0.0))
+            stream_free[op.group] = end = start + s
+            if i in wait_of:
+                due.setdefault(wait_of[i], []).append((end, s))
+            else:
+                exposed, clock = exposed + end - clock, end
+        else:
+            clock += s
+    return exposed, hidden
 
 
 @dataclass
@@ -263,15 +331,18 @@ def price(
     group_dims = group_dims or {}
     seconds = op_seconds(ops, device, efficiency)
     compute = sum(s for op, s in zip(ops, seconds) if op.kind != "collective")
-    waited = exposed = hidden = 0.0
+    exposed = hidden = 0.0
     by_phase: dict[str, list[tuple[int, float]]] = {}
+    waited: list[int] = []
     for i, (op, s) in enumerate(zip(ops, seconds)):
         if op.kind != "collective":
             continue
         if overlaps(op, group_dims.get(op.group, "")):
             by_phase.setdefault(op.phase, []).append((i, s))
         else:
-            waited += s
+            waited.append(i)
+    waited_s = sum(seconds[i] for i in waited)
+    waited_exposed, waited_hidden = async_exposure(ops, seconds, waited)
     overlapped = sum(s for found in by_phase.values() for _, s in found)
     for phase, found in by_phase.items():
         gemms = [i for i, op in enumerate(ops)
@@ -283,6 +354,7 @@ def price(
         beside = sum(s for _, s in found) - ends
         exposed += ends + max(0.0, beside - window)
         hidden += min(beside, window)
-    perfect = compute + waited + max(0.0, overlapped - compute)
-    return Priced(ops, seconds, compute, overlapped + waited, waited + exposed,
-                  overlap.contention * hidden, perfect, compute + overlapped + waited)  # fmt: skip
+    perfect = compute + waited_exposed + max(0.0, overlapped - compute)
+    return Priced(ops, seconds, compute, overlapped + waited_s, waited_exposed + exposed,
+                  overlap.contention * (hidden + waited_hidden), perfect,
+                  compute + overlapped + waited_s)  # fmt: skip

@@ -32,7 +32,8 @@ step), so the ops run on tensors without memory and the shapes are those of the 
   sizes; views read and write nothing.
 - **Collectives**: the functional collectives (`_c10d_functional.*`) DTensor and FSDP2 issue,
   with the bytes of the buffer they move (the gathered size of an all-gather, the input of a
-  reduce-scatter) and the size and name of their process group.
+  reduce-scatter) and the size and name of their process group; and their `wait_tensor`s, a
+  wait eager GPU code defers to the result's first use marked `deferred`.
 - **Host syncs** (kind "sync"): what `host_read` is told: a device tensor's value read on the
   host (`.item()`, `.tolist()`, `bool()`: `titanlab.ledger.step.HostReads`), a device-to-host
   copy (`.cpu()`: `titanlab.ledger.step.DeviceToHost`), and a read the code itself skipped on
@@ -65,6 +66,7 @@ from titanlab.ledger.flops import FLOPS, argument, causal_fraction
 
 _WRAPPERS = ("._checkpoint_wrapped_module", "._orig_mod", "._fsdp_wrapped_module")
 _SHAPE_PROPAGATION = "_propagate_tensor_meta_non_cached"
+_ASYNC_WRAPPER = "_maybe_wrap_tensor"  # torch.distributed._functional_collectives
 _FREE = {"empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided", "detach",
          "lift_fresh", "device", "_unsafe_view", "alias", "set_", "wait_tensor"}  # fmt: skip
 _WRITE_ONLY = {"zeros", "ones", "full", "zeros_like", "ones_like", "full_like", "new_zeros",
@@ -134,6 +136,11 @@ class OpRecord:
     tiles: float | None = None
     """FlexAttention (its stand-in, `titanlab::flex_attention`): the share of its (128 × 128)
     tiles the block mask computes."""
+    deferred: bool = False
+    """A `wait_tensor` that eager code on a GPU makes at the first op reading the collective's
+    result, not here: torch's functional collectives return an `AsyncCollectiveTensor` there,
+    but wait at once under `FakeTensorMode` (`_maybe_wrap_tensor`, which assumes a trace). The
+    waits of C++ code (the autograd all-to-all's backward) are where they are."""
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -166,6 +173,18 @@ def _mutated_bytes(func: Any, args: tuple, kwargs: dict) -> int:
         value = args[i] if i < len(args) else kwargs.get(arg.name)
         total += sum(_nbytes(t) for t in tree_leaves(value) if isinstance(t, torch.Tensor))
     return total
+
+
+def _from_python_wrapper() -> bool:
+    """Whether the op running now was called by functional collectives' `_maybe_wrap_tensor`."""
+    frame: FrameType | None = sys._getframe(2)
+    for _ in range(32):  # 16 frames deep when recorded: the modes and wait_tensor's autograd
+        if frame is None:
+            return False
+        if frame.f_code.co_name == _ASYNC_WRAPPER:
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _in_shape_propagation() -> bool:
@@ -352,6 +371,9 @@ class Recorder(TorchDispatchMode):
         dtype_of = ins if kind in ("gemm", "attention") and ins else outs or ins
         rec.dtype = str(dtype_of[0].dtype).removeprefix("torch.") if dtype_of else ""
         if kind == "view":
+            rec.deferred = name.startswith("_c10d_functional.wait_tensor") and (
+                _from_python_wrapper()
+            )
             return rec
         rec.bytes_read = 0 if name.split(".")[1] in _WRITE_ONLY else sum(_nbytes(t) for t in ins)
         rec.bytes_written = sum(_nbytes(t) for t in outs) or _mutated_bytes(func, args, kwargs)

@@ -114,8 +114,11 @@ def test_every_case_passes_every_gate(case):
     if any(op.collective == "all_to_all" for op in ledger.ops):  # expert parallel: one read
         # of the split sizes per MoE layer's dispatch (and its recomputation)
         assert syncs and set(syncs) == {"expert_parallel.splits"}, syncs
-        hidden, total = hidden_all_to_alls(ledger)
-        assert total > 0 and hidden < 1e-9
+        hidden, beside, total = hidden_all_to_alls(ledger)
+        assert total > 0 and hidden <= beside + 1e-9
+        if case.startswith("deepseek"):  # the shared expert runs beside the combine
+            print(f"{case}: {hidden * 1e3:.1f} of {total * 1e3:.1f} ms of all-to-alls hidden")
+            assert hidden > 0.05 * total
     else:
         assert syncs == []
 

@@ -1,13 +1,14 @@
 """Pricing on the roofline: a GEMM at its dtype's peak, a memory-bound op at the bandwidth plus
 a launch, compiled regions' pointwise ops fused (only external reads, only writes read
 elsewhere), collectives in the α–β model, FSDP's overlapped (but for the first and last, and slowing the
-compute beside them) and TP's, EP's and the gradient norm's waited for; host syncs stall."""
+compute beside them), functional ones (TP's, EP's) hidden only behind the ops before their
+wait, blocking ones (the gradient norm's) waited for; host syncs stall."""
 
 from __future__ import annotations
 
 import pytest
 
-from titanlab.ledger.price import LedgerEfficiency, Overlap, fused_traffic, price
+from titanlab.ledger.price import LedgerEfficiency, Overlap, fused_traffic, price, waits
 from titanlab.ledger.record import OpRecord
 from titanlab.planning.cluster import PROFILES
 from titanlab.planning.comm_model import ring_seconds
@@ -122,6 +123,69 @@ def test_an_all_to_all_on_the_dp_shard_group_waits():
         got = price([gemm, a2a, gemm], H100, {"g": dim})
         assert got.exposed_comm_s == pytest.approx(got.seconds[1]) and got.seconds[1] > 0
         assert got.contention_s == 0
+
+
+def _wait(tensor: int) -> OpRecord:
+    return OpRecord("_c10d_functional.wait_tensor.default", "", "forward", "view",
+                    inputs=(tensor,), outputs=(tensor,))  # fmt: skip
+
+
+def _gemm_of(seconds: float) -> OpRecord:
+    flops = int(seconds * 989e12 * H100.efficiency.matmul)
+    return OpRecord("aten.mm.default", "", "forward", "gemm", flops=flops, dtype="bfloat16")
+
+
+def test_a_functional_collective_hides_behind_the_ops_before_its_wait():
+    """An all-to-all waited after independent compute (the shared expert computed before the
+    combine's result is read) is exposed only for what outlasts that compute; waited at once,
+    all of it; two on one group run one after the other on its stream."""
+    a2a = _collective("_c10d_functional.all_to_all_single.default", "all_to_all", "forward", "g")
+    a2a.outputs = (5,)
+    length = price([a2a], H100).seconds[0]
+    beside = _gemm_of(0.6 * length)
+    got = price([a2a, beside, _wait(5)], H100, {"g": "ep"})
+    compute = got.seconds[1]
+    assert got.exposed_comm_s == pytest.approx(length - compute)
+    assert got.contention_s == pytest.approx(Overlap().contention * compute)
+    assert got.step_s == pytest.approx(length + Overlap().contention * compute, rel=1e-6)
+    # compute longer than the exchange hides all of it
+    longer = price([a2a, _gemm_of(2 * length), _wait(5)], H100, {"g": "ep"})
+    assert longer.exposed_comm_s == pytest.approx(0, abs=1e-12)
+    # waited at once: the compute after the wait hides nothing
+    at_once = price([a2a, _wait(5), beside], H100, {"g": "ep"})
+    assert at_once.exposed_comm_s == pytest.approx(length)
+    # a second exchange on the group queues behind the first: both wait after 0.6 × one
+    second = _collective("_c10d_functional.all_to_all_single.default", "all_to_all", "forward",
+                         "g")  # fmt: skip
+    second.outputs = (6,)
+    queued = price([a2a, second, beside, _wait(5), _wait(6)], H100, {"g": "ep"})
+    assert queued.exposed_comm_s == pytest.approx(2 * length - compute)
+    # on another group it has its own stream: both end at `length`
+    second.group = "h"
+    apart = price([a2a, second, beside, _wait(5), _wait(6)], H100, {"g": "ep", "h": "tp"})
+    assert apart.exposed_comm_s == pytest.approx(length - compute)
+
+
+def test_a_deferred_wait_is_made_at_the_first_use_of_the_result():
+    """Under FakeTensorMode torch waits at once where eager GPU code returns an
+    AsyncCollectiveTensor (`OpRecord.deferred`): the wait is at the first op that is not a view
+    and reads the result or a view of it."""
+    a2a = _collective("_c10d_functional.all_to_all_single.default", "all_to_all", "forward", "g")
+    a2a.outputs = (5,)
+    wait = _wait(5)
+    wait.outputs, wait.deferred = (6,), True
+    view = OpRecord("aten.view.default", "", "forward", "view", inputs=(6,), outputs=(7,))
+    length = price([a2a], H100).seconds[0]
+    beside = _gemm_of(0.5 * length)
+    use = OpRecord("aten.mul.Tensor", "", "forward", "pointwise", inputs=(7,), outputs=(8,),
+                   bytes_read=8, bytes_written=8)  # fmt: skip
+    ops = [a2a, wait, view, beside, use]
+    assert waits(ops) == {0: 4}
+    got = price(ops, H100, {"g": "ep"})
+    assert got.exposed_comm_s == pytest.approx(length - got.seconds[3])
+    wait.deferred = False  # C++'s wait (the autograd all-to-all's backward): where it is
+    assert waits(ops) == {0: 1}
+    assert price(ops, H100, {"g": "ep"}).exposed_comm_s == pytest.approx(length)
 
 
 def test_the_first_gather_and_the_last_reduction_have_nothing_to_hide_behind():

@@ -288,14 +288,15 @@ class MoE(nn.Module):
                 self.tokens_per_expert += counts.float()
         order = flat.argsort(stable=True)
         routed = self.experts(x[order // k], counts)  # (tokens * k, dim), grouped by expert
+        # The shared expert before `routed` is read: under expert parallel the combine's
+        # all-to-all is still in flight (its result is waited at its first use) and runs
+        # beside it.
+        shared = self._shared(x)
         routed = routed.float() * weights.flatten()[order, None]
         out = torch.zeros(x.shape[0], dim, dtype=torch.float32, device=x.device)
         out.index_add_(0, order // k, routed)
         out = out.to(x.dtype)
-        if self.shared_experts is not None:
-            shared = self.shared_experts(x)
-            if self.shared_gate is not None:
-                shared = torch.sigmoid(self.shared_gate(x)) * shared
+        if shared is not None:
             out = out + shared
         if self.record_stats:  # the recomputation reruns it too: the same saved tensors
             if self.args.load_balance_type == "sequence":
@@ -303,6 +304,15 @@ class MoE(nn.Module):
             else:
                 out = self._load_balance(out, counts, scores, count)
         return out.view(bs, seq, dim)
+
+    def _shared(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The shared experts' output (tokens, dim), gated when `shared_gate`; None without."""
+        if self.shared_experts is None:
+            return None
+        shared = self.shared_experts(x)
+        if self.shared_gate is not None:
+            shared = torch.sigmoid(self.shared_gate(x)) * shared
+        return shared
 
     def _load_balance(
         self,
