@@ -47,6 +47,7 @@ from titanlab.distributed.expert_capacity import (
     expert_capacity,
 )
 from titanlab.models.common.decoder import moe_layers
+from titanlab.models.common.forward_counts import add_once
 from titanlab.models.common.moe import MoE
 
 
@@ -167,7 +168,6 @@ def apply_ep(model: nn.Module, ep_mesh: DeviceMesh, capacity_factor: float = 0.0
 def _record_dropped(moe: MoE, dropped: torch.Tensor) -> None:
     """Add `dropped` (0-d) to `moe.tokens_dropped` in a forward that records statistics: a
     training microbatch's, not a paused forward's nor an activation checkpoint's recomputation
-    in backward."""
-    if moe.record_stats and torch._C._current_graph_task_id() == -1:
-        with torch.no_grad():
-            moe.tokens_dropped += dropped.to(moe.tokens_dropped.dtype)
+    in backward (`add_once`, which a compiled MoE block runs as eager code)."""
+    if moe.record_stats:
+        add_once(moe.tokens_dropped, dropped)

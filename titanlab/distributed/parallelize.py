@@ -43,7 +43,7 @@ from titanlab.distributed.tensor_parallel.one_d import apply_tp
 from titanlab.models.common.decoder import moe_layers
 from titanlab.models.common.token_mixer import own_cp_layers
 from titanlab.models.common.moe import MoE
-from titanlab.config.device_path import device_type
+from titanlab.config.device_path import device_capability, device_type
 
 if TYPE_CHECKING:
     from titanlab.models.common.decoder import Decoder
@@ -136,7 +136,8 @@ def parallelize_model(
         apply_compile(model, config.compile.backend, collectives_in_graph=in_graph,
                       fullgraph=not own_cp_attention(config, own_cp_layers(model.args)),
                       inside_checkpoint=parallel_dims.tp_enabled
-                      and config.activation_checkpoint.mode == "full")  # fmt: skip
+                      and config.activation_checkpoint.mode == "full",
+                      moe_whole=moe_compiles_whole(config, parallel_dims, device))  # fmt: skip
     if parallel_dims.dp_replicate_enabled and not parallel_dims.fsdp_enabled:
         dp_mesh = parallel_dims.mesh("dp_replicate")
         assert dp_mesh is not None  # built whenever dp_replicate > 1
@@ -234,12 +235,30 @@ def reshard_policy(option: str, pp_enabled: bool, zero_stage: int = 3) -> bool:
     return not pp_enabled
 
 
+def moe_compiles_whole(
+    config: JobConfig, parallel_dims: ParallelDims, device: torch.device
+) -> bool:
+    """Whether an MoE block compiles whole (`apply_compile`'s `moe_whole`): its shapes must not
+    depend on the routing, so the experts run as grouped GEMMs (bf16 on a Hopper-class GPU,
+    `grouped_mm_supported`; the per-expert loop splits by counts read on the host) and the
+    tokens stay on the rank (ep 1) or are exchanged with static splits (a capacity factor,
+    `titanlab.distributed.expert_capacity`); tensor parallel's MoE hooks are not traced yet."""
+    grouped = (
+        device_type(device) == "cuda"
+        and device_capability(device) >= (9, 0)
+        and param_dtype(config, device) == torch.bfloat16
+    )
+    static = not parallel_dims.ep_enabled or config.parallelism.expert_capacity_factor > 0
+    return grouped and static and not parallel_dims.tp_enabled
+
+
 def apply_compile(
     model: Decoder,
     backend: str,
     collectives_in_graph: bool = False,
     fullgraph: bool = True,
     inside_checkpoint: bool = False,
+    moe_whole: bool = False,
 ) -> None:
     """Compile each transformer block in place (`Module.compile`, so parameter names do not
     change and checkpoints stay portable). Blocks are identical, so one graph serves all.
@@ -252,12 +271,14 @@ def apply_compile(
     gradients came out up to 5e-4 off eager's with nothing reported; the other way round, the
     run stopped with "Could not resolve the process group registered under the name 4".
 
-    In a block with routed experts the token dispatch splits the tokens by data-dependent
+    In a block with routed experts the exact token dispatch splits the tokens by data-dependent
     per-expert counts (a graph break for every expert, and a recompile whenever the counts
     change), so the block's attention is compiled whole (`fullgraph=True`) and the norms (torch
     modules, which Dynamo does not compile as a frame of their own) and the MoE layer (router,
-    dispatch, experts) run eagerly. The blocks of multi-token prediction depths (`model.mtp`)
-    compile the same way.
+    dispatch, experts) run eagerly; with `moe_whole` (`moe_compiles_whole`: static shapes) the
+    MoE layer compiles too, routing, permutation, grouped experts, combine and shared expert
+    in one graph. The blocks of multi-token prediction depths (`model.mtp`) compile the same
+    way.
 
     `fullgraph=False` (titanlab's context-parallel attention, whose collectives run eagerly:
     `titanlab.distributed.context_parallel.documents`): each block compiles in the pieces around its
@@ -284,7 +305,9 @@ def apply_compile(
             (inner if inside_checkpoint else block).compile(backend=backend, fullgraph=fullgraph)
             continue
         for child in inner.children():
-            if not isinstance(child, MoE) and not type(child).__module__.startswith("torch."):
+            if isinstance(child, MoE) and moe_whole:
+                child.compile(backend=backend, fullgraph=True)
+            elif not isinstance(child, MoE) and not type(child).__module__.startswith("torch."):
                 child.compile(backend=backend, fullgraph=fullgraph)
 
 

@@ -54,8 +54,9 @@ def _local(w: torch.Tensor) -> torch.Tensor:
     """The rank-local block of a weight that a parallelism applied from outside has wrapped in a
     sharded tensor subclass (a DTensor's `to_local()`: under expert parallel, the experts this
     rank holds), else the weight itself."""
-    to_local = getattr(w, "to_local", None)
-    return to_local() if to_local is not None else w
+    # Looked up on the class: Dynamo (a compiled MoE block) traces this, while
+    # `getattr(w, "to_local", None)` came back None there for a DTensor parameter.
+    return w.to_local() if hasattr(type(w), "to_local") else w  # type: ignore[attr-defined]
 
 
 class GroupedExperts(nn.Module):

@@ -49,6 +49,7 @@ from titanlab.models.common.experts import (
     grouped_mm_supported,
 )
 from titanlab.models.common.feed_forward import FeedForward
+from titanlab.models.common.forward_counts import add_once
 from titanlab.models.common.init import trunc_normal_
 
 __all__ = ["GroupedExperts", "MoE", "MoEArgs", "Router", "grouped_mm_supported"]
@@ -190,12 +191,6 @@ class Router(nn.Module):
         return by_group.masked_fill(dropped[..., None], float("-inf")).view_as(choose)
 
 
-def _in_backward() -> bool:
-    """Whether autograd is running a backward pass: an activation-checkpointed block recomputes
-    its forward there, and the recomputation must not count tokens or aux loss twice."""
-    return torch._C._current_graph_task_id() != -1
-
-
 class MoE(nn.Module):
     """Routed experts (+ shared experts) replacing a block's dense FFN.
 
@@ -281,11 +276,10 @@ class MoE(nn.Module):
             0, flat, torch.ones_like(flat)
         )
         # Counted once per microbatch: not in paused forwards, not when an activation-
-        # checkpointed block recomputes this forward in backward.
-        count = self.record_stats and not _in_backward()
+        # checkpointed block recomputes this forward in backward (`add_once`).
+        count = self.record_stats
         if count:
-            with torch.no_grad():
-                self.tokens_per_expert += counts.float()
+            add_once(self.tokens_per_expert, counts)
         order = flat.argsort(stable=True)
         routed = self.experts(x[order // k], counts)  # (tokens * k, dim), grouped by expert
         # The shared expert before `routed` is read: under expert parallel the combine's
@@ -338,10 +332,9 @@ class MoE(nn.Module):
             # This rank's share of E · Σ f_i · P_i (P over the global tokens): the shares sum
             # to the global loss, and the gradient through this rank's scores is the global one.
             share = self.args.num_experts * (f * scores.sum(0)).sum() / global_tokens
-        if count:
+        if count:  # a recomputation gives the same value again, and adds nothing
             self.last_aux = share.detach()
-            with torch.no_grad():
-                self.step_aux += self.last_aux
+            add_once(self.step_aux, self.last_aux)
         if self.training and self.aux_grad_scale and torch.is_grad_enabled():
             out = add_loss_grad(out, share, self.aux_grad_scale)
         return out

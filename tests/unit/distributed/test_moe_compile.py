@@ -1,0 +1,122 @@
+"""An MoE block compiled whole (`apply_compile(moe_whole=True)`, `moe_compiles_whole`): routing,
+top-k, permutation, grouped experts, combine, shared expert and load-balance loss trace as one
+graph (`fullgraph=True`) and train like eager code, on one process and under expert parallel
+with the capacity-bounded exchange (2 gloo ranks); its statistics are counted once, also when
+an activation checkpoint recomputes it. bf16 with `torch._grouped_mm`, the GPU's path (run
+here on the CPU's grouped GEMM); the exact exchange and the per-expert loop are not traced
+(their splits are read on the host), so `moe_compiles_whole` leaves them eager."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch._dynamo
+from torch.utils.checkpoint import checkpoint
+
+from gloo_group import init_gloo, spawn
+from titanlab.distributed.init import destroy_distributed
+from titanlab.models.common.moe import MoE, MoEArgs
+
+DIM, EXPERTS, TOP_K, TOKENS = 32, 8, 2, 16
+
+
+def _layer() -> MoE:
+    torch.manual_seed(0)
+    args = MoEArgs(num_experts=EXPERTS, top_k=TOP_K, hidden_dim=32, num_shared_experts=1,
+                   load_balance_coeff=0.01)  # fmt: skip
+    moe = MoE(DIM, args)
+    moe.init_weights(0.05)
+    moe.experts.use_grouped_mm = True  # the GPU's path (bf16 grouped GEMM)
+    moe.aux_grad_scale = 1.0
+    # as FSDP's bf16 mixed precision computes: the router in fp32 (it keeps the gate so), the
+    # grouped experts cast to bf16 activations' dtype, the shared expert's weights in bf16
+    moe.shared_experts.bfloat16()
+    return moe
+
+
+def _step(moe: torch.nn.Module, x: torch.Tensor, grad: torch.Tensor, ac: bool = False) -> dict:
+    xi = x.clone().requires_grad_()
+    out = checkpoint(moe, xi, use_reentrant=False) if ac else moe(xi)
+    out.backward(grad)
+    grads = {n: p.grad for n, p in moe.named_parameters()}
+    grads = {n: g.to_local() if hasattr(g, "to_local") else g for n, g in grads.items()}
+    return {"out": out.detach(), "x_grad": xi.grad, **grads}
+
+
+def _inputs(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    torch.manual_seed(seed)
+    x = torch.randn(2, TOKENS // 2, DIM, dtype=torch.bfloat16)
+    return x, torch.randn_like(x)
+
+
+def _assert_alike(got: dict, want: dict, atol: float) -> None:
+    assert got.keys() == want.keys()
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], atol=atol, rtol=0, msg=name)
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_one_graph_that_trains_like_eager_and_counts_once(backend):
+    x, grad = _inputs(1)
+    eager = _layer()
+    want = _step(eager, x, grad)
+    compiled = _layer()
+    explained = torch._dynamo.explain(compiled)(x)
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0)
+    compiled.tokens_per_expert.zero_()
+    compiled.step_aux.zero_()
+    compiled.compile(backend=backend, fullgraph=True)
+    # aot_eager runs eager's kernels; Inductor fuses the bf16 pointwise ops (its own rounding)
+    _assert_alike(_step(compiled, x, grad), want, atol=0 if backend == "aot_eager" else 2e-2)
+    assert torch.equal(compiled.tokens_per_expert, eager.tokens_per_expert)
+    assert compiled.tokens_per_expert.sum() == TOKENS * TOP_K
+    # under activation checkpointing the recomputation in backward counts nothing
+    _step(compiled, x, grad, ac=True)
+    assert compiled.tokens_per_expert.sum() == 2 * TOKENS * TOP_K
+    torch.testing.assert_close(compiled.step_aux, 2 * eager.step_aux, rtol=1e-5, atol=0)
+
+
+def _ep_worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
+    init_gloo(rank, world, init_file)
+    ok = False
+    try:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        from titanlab.distributed.expert_parallel import apply_ep
+
+        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
+        layers = []
+        for _ in range(2):
+            holder = torch.nn.Module()
+            holder.moe = _layer()
+            apply_ep(holder, mesh, capacity_factor=EXPERTS / TOP_K)  # never drops
+            layers.append(holder.moe)
+        eager, compiled = layers
+        x, grad = _inputs(100 + rank)
+        explained = torch._dynamo.explain(compiled)(x)
+        compiled.tokens_per_expert.zero_()
+        compiled.step_aux.zero_()
+        compiled.compile(backend="aot_eager", fullgraph=True)
+        results = {
+            "graphs": (explained.graph_count, explained.graph_break_count),
+            "eager": _step(eager, x, grad),
+            "compiled": _step(compiled, x, grad, ac=True),
+            "counts": (eager.tokens_per_expert.clone(), compiled.tokens_per_expert.clone()),
+            "dropped": compiled.tokens_dropped.clone(),
+        }
+        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+        ok = True
+    finally:
+        destroy_distributed(barrier=ok)
+
+
+def test_under_expert_parallel_with_a_capacity_it_is_one_graph_that_trains_like_eager(tmp_path):
+    spawn(_ep_worker, (2, str(tmp_path / "init"), str(tmp_path)), 2)
+    for rank in range(2):
+        got = torch.load(tmp_path / f"rank{rank}.pt")
+        assert got["graphs"] == (1, 0)
+        _assert_alike(got["compiled"], got["eager"], atol=0)
+        assert torch.equal(*got["counts"]) and got["counts"][0].sum() == TOKENS * TOP_K
+        assert got["dropped"].item() == 0
