@@ -175,24 +175,13 @@ def _mutated_bytes(func: Any, args: tuple, kwargs: dict) -> int:
     return total
 
 
-def _from_python_wrapper() -> bool:
-    """Whether the op running now was called by functional collectives' `_maybe_wrap_tensor`."""
-    frame: FrameType | None = sys._getframe(2)
-    for _ in range(32):  # 16 frames deep when recorded: the modes and wait_tensor's autograd
+def _called_from(name: str, depth: int) -> bool:
+    """Whether a function named `name` is among the `depth` callers of the op running now."""
+    frame: FrameType | None = sys._getframe(3)  # above this, the check's caller and _record
+    for _ in range(depth):
         if frame is None:
             return False
-        if frame.f_code.co_name == _ASYNC_WRAPPER:
-            return True
-        frame = frame.f_back
-    return False
-
-
-def _in_shape_propagation() -> bool:
-    frame: FrameType | None = sys._getframe(2)
-    for _ in range(16):
-        if frame is None:
-            return False
-        if frame.f_code.co_name == _SHAPE_PROPAGATION:
+        if frame.f_code.co_name == name:
             return True
         frame = frame.f_back
     return False
@@ -354,7 +343,7 @@ class Recorder(TorchDispatchMode):
             if self._ranges:
                 self._ranges.pop()
             return out
-        if _in_shape_propagation():
+        if _called_from(_SHAPE_PROPAGATION, 16):
             return out
         self.ops.append(self._record(func, args, kwargs, leaves, out))
         return out
@@ -371,8 +360,10 @@ class Recorder(TorchDispatchMode):
         dtype_of = ins if kind in ("gemm", "attention") and ins else outs or ins
         rec.dtype = str(dtype_of[0].dtype).removeprefix("torch.") if dtype_of else ""
         if kind == "view":
+            # functional collectives' `_maybe_wrap_tensor`, 16 frames up: the modes and
+            # wait_tensor's autograd between
             rec.deferred = name.startswith("_c10d_functional.wait_tensor") and (
-                _from_python_wrapper()
+                _called_from(_ASYNC_WRAPPER, 32)
             )
             return rec
         rec.bytes_read = 0 if name.split(".")[1] in _WRITE_ONLY else sum(_nbytes(t) for t in ins)
