@@ -242,14 +242,20 @@ def moe_compiles_whole(
     depend on the routing, so the experts run as grouped GEMMs (bf16 on a Hopper-class GPU,
     `grouped_mm_supported`; the per-expert loop splits by counts read on the host) and the
     tokens stay on the rank (ep 1) or are exchanged with static splits (a capacity factor,
-    `titanlab.distributed.expert_capacity`); tensor parallel's MoE hooks are not traced yet."""
+    `titanlab.distributed.expert_capacity`); tensor parallel's MoE hooks are not traced yet.
+    Not under per-op selective AC either: its caching dispatch mode has no rule for the
+    functionalized custom op that adds the layer's counts (measured, torch 2.13:
+    "no rule registered for HigherOrderOperator auto_functionalized_v2"); full AC and
+    per-layer selective AC recompute the compiled layer by calling it again, which works."""
     grouped = (
         device_type(device) == "cuda"
         and device_capability(device) >= (9, 0)
         and param_dtype(config, device) == torch.bfloat16
     )
     static = not parallel_dims.ep_enabled or config.parallelism.expert_capacity_factor > 0
-    return grouped and static and not parallel_dims.tp_enabled
+    ac = config.activation_checkpoint
+    per_op = ac.mode == "selective" and ac.selective_ac_option == "op"
+    return grouped and static and not parallel_dims.tp_enabled and not per_op
 
 
 def apply_compile(

@@ -120,3 +120,92 @@ def test_under_expert_parallel_with_a_capacity_it_is_one_graph_that_trains_like_
         _assert_alike(got["compiled"], got["eager"], atol=0)
         assert torch.equal(*got["counts"]) and got["counts"][0].sum() == TOKENS * TOP_K
         assert got["dropped"].item() == 0
+
+
+def _qwen3_moe(ac_mode: str) -> torch.nn.Module:
+    import dataclasses
+
+    from titanlab.distributed.activation_checkpoint import apply_ac
+    from titanlab.models.registry import get_family
+
+    family = get_family("qwen3_moe")
+    args = dataclasses.replace(family.flavors["debugmodel"], n_layers=2, vocab_size=256)
+    torch.manual_seed(0)
+    model = family.model_cls(args)
+    model.init_weights()
+    model.bfloat16()
+    for moe in (m for m in model.modules() if isinstance(m, MoE)):
+        moe.experts.use_grouped_mm = True
+        moe.router.float()  # as mixed precision keeps the gate
+        moe.aux_grad_scale = 1.0
+    apply_ac(model, ac_mode, "op")
+    return model
+
+
+@pytest.mark.parametrize("ac_mode", ["none", "full"])
+def test_a_decoder_with_moe_blocks_compiled_whole_trains_like_eager(ac_mode):
+    """`apply_compile(moe_whole=True)` on a 2-block Qwen3-MoE, without AC and under full AC
+    (the recomputation calls the compiled layer again): logits and every gradient equal eager,
+    each layer's tokens counted once. Per-op selective AC is left eager by
+    `moe_compiles_whole`."""
+    from titanlab.distributed.parallelize import apply_compile
+
+    tokens = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(3))
+
+    def step(model):
+        out = model(tokens)
+        out.float().pow(2).mean().backward()
+        grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+        counts = [m.tokens_per_expert.clone() for m in model.modules() if isinstance(m, MoE)]
+        return {"logits": out.detach(), **grads}, counts
+
+    want, want_counts = step(_qwen3_moe(ac_mode))
+    compiled = _qwen3_moe(ac_mode)
+    apply_compile(compiled, "aot_eager", moe_whole=True)
+    got, got_counts = step(compiled)
+    _assert_alike(got, want, atol=0)
+    assert all(torch.equal(g, w) for g, w in zip(got_counts, want_counts))
+    assert all(c.sum() == 2 * 32 * compiled.args.moe.top_k for c in got_counts)
+
+
+@pytest.mark.parametrize(
+    "options, whole",
+    [
+        (["--parallelism.expert_capacity_factor", "1.25"], True),
+        (
+            [
+                "--activation_checkpoint.mode",
+                "full",
+                "--parallelism.expert_capacity_factor",
+                "1.25",
+            ],
+            True,
+        ),
+        ([], False),  # the exact exchange reads its splits on the host
+        (
+            [
+                "--parallelism.expert_capacity_factor",
+                "1.25",
+                "--activation_checkpoint.mode",
+                "selective",
+                "--activation_checkpoint.selective_ac_option",
+                "op",
+            ],
+            False,
+        ),
+    ],
+)
+def test_the_moe_layer_compiles_whole_only_where_it_can(options, whole):
+    """On an H100's code path, bf16, EP 8: with a capacity factor, unless per-op selective AC;
+    never on the CPU's (the per-expert loop)."""
+    from titanlab.config.device_path import Target, code_path_of
+    from titanlab.config.manager import build_config
+    from titanlab.distributed.parallel_dims import ParallelDims
+    from titanlab.distributed.parallelize import moe_compiles_whole
+
+    config = build_config(["--job.config_file", "train_configs/qwen3_moe_debug.toml",
+                           "--activation_checkpoint.mode", "none", *options])  # fmt: skip
+    dims = ParallelDims(dp_replicate=1, dp_shard=8, cp=1, tp=1, pp=1, world_size=8, ep=8)
+    with code_path_of(Target("cuda", (9, 0))):
+        assert moe_compiles_whole(config, dims, torch.device("cuda")) is whole
+    assert not moe_compiles_whole(config, dims, torch.device("cpu"))
