@@ -282,8 +282,9 @@ def apply_compile(
     change), so the block's attention is compiled whole (`fullgraph=True`) and the norms (torch
     modules, which Dynamo does not compile as a frame of their own) and the MoE layer (router,
     dispatch, experts) run eagerly; with `moe_whole` (`moe_compiles_whole`: static shapes) the
-    MoE layer compiles too, routing, permutation, grouped experts, combine and shared expert
-    in one graph. The blocks of multi-token prediction depths (`model.mtp`) compile the same
+    block compiles whole, the MoE layer's routing, permutation, grouped experts, combine and
+    shared expert with its norms and attention, inside its activation checkpoint (whose
+    traced form refuses the layer's attribute writes: "HOP: Unsafe side effect"). The blocks of multi-token prediction depths (`model.mtp`) compile the same
     way.
 
     `fullgraph=False` (titanlab's context-parallel attention, whose collectives run eagerly:
@@ -310,10 +311,12 @@ def apply_compile(
         if not moe_layers(inner):
             (inner if inside_checkpoint else block).compile(backend=backend, fullgraph=fullgraph)
             continue
+        if moe_whole:  # inside any checkpoint: Dynamo's checkpoint refuses the layer's
+            # attribute writes (its aux loss, its exchange's state) in a traced recomputation
+            inner.compile(backend=backend, fullgraph=fullgraph)
+            continue
         for child in inner.children():
-            if isinstance(child, MoE) and moe_whole:
-                child.compile(backend=backend, fullgraph=True)
-            elif not isinstance(child, MoE) and not type(child).__module__.startswith("torch."):
+            if not isinstance(child, MoE) and not type(child).__module__.startswith("torch."):
                 child.compile(backend=backend, fullgraph=fullgraph)
 
 
