@@ -21,7 +21,7 @@ what it names:
 - `unfused_in_compiled_blocks`: under `compile.enable`, the share of the step the blocks spend
   in pointwise kernels outside Inductor's fused regions (a backend that does not fuse,
   `compile.backend = "aot_eager"`; a graph break), MoE layers aside (they run eagerly by
-  design: `titanlab.distributed.parallelize.apply_compile`); at most 1%.
+  design: `titanlab.distributed.compile.apply_compile`); at most 1%.
 """
 
 from __future__ import annotations

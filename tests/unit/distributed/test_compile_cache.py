@@ -10,7 +10,7 @@ import torch
 import torch._functorch.config
 import torch._inductor.config
 
-from titanlab.distributed.parallelize import apply_compile
+from titanlab.distributed.compile import apply_compile
 from titanlab.models.llama3 import llama3_flavors
 from titanlab.models.registry import build_model
 

@@ -148,7 +148,7 @@ def test_a_decoder_with_moe_blocks_compiled_whole_trains_like_eager(ac_mode):
     (the recomputation calls the compiled layer again): logits and every gradient equal eager,
     each layer's tokens counted once. Per-op selective AC is left eager by
     `moe_compiles_whole`."""
-    from titanlab.distributed.parallelize import apply_compile
+    from titanlab.distributed.compile import apply_compile
 
     tokens = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(3))
 
@@ -201,11 +201,11 @@ def test_the_moe_layer_compiles_whole_only_where_it_can(options, whole):
     from titanlab.config.device_path import Target, code_path_of
     from titanlab.config.manager import build_config
     from titanlab.distributed.parallel_dims import ParallelDims
-    from titanlab.distributed.parallelize import moe_compiles_whole
+    from titanlab.distributed.compile import moe_compiles_whole
 
     config = build_config(["--job.config_file", "train_configs/qwen3_moe_debug.toml",
                            "--activation_checkpoint.mode", "none", *options])  # fmt: skip
     dims = ParallelDims(dp_replicate=1, dp_shard=8, cp=1, tp=1, pp=1, world_size=8, ep=8)
     with code_path_of(Target("cuda", (9, 0))):
-        assert moe_compiles_whole(config, dims, torch.device("cuda")) is whole
-    assert not moe_compiles_whole(config, dims, torch.device("cpu"))
+        assert moe_compiles_whole(config, dims, torch.device("cuda"), torch.bfloat16) is whole
+    assert not moe_compiles_whole(config, dims, torch.device("cpu"), torch.float32)

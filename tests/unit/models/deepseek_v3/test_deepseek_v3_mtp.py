@@ -202,7 +202,7 @@ def test_the_depth_block_is_checkpointed_and_compiled_like_the_layers(how):
     import dataclasses
 
     from titanlab.distributed.activation_checkpoint import apply_ac
-    from titanlab.distributed.parallelize import apply_compile
+    from titanlab.distributed.compile import apply_compile
     from titanlab.models.deepseek_v3 import deepseek_v3_flavors
 
     args = dataclasses.replace(deepseek_v3_flavors["debugmodel"], vocab_size=97, max_seq_len=32)

@@ -1,0 +1,102 @@
+"""torch.compile applied from outside the model: each transformer block compiled in place
+(`apply_compile`), and whether an MoE block can compile whole (`moe_compiles_whole`). Applied by
+`titanlab.distributed.parallelize.parallelize_model` after TP, EP and AC, before FSDP."""
+
+from __future__ import annotations
+
+from typing import cast
+
+import torch
+from torch import nn
+
+from titanlab.config.device_path import device_capability, device_type
+from titanlab.config.job_config import JobConfig
+from titanlab.distributed.parallel_dims import ParallelDims
+from titanlab.models.common.decoder import Decoder, moe_layers
+from titanlab.models.common.moe import MoE
+
+
+def moe_compiles_whole(
+    config: JobConfig, parallel_dims: ParallelDims, device: torch.device, compute_dtype: torch.dtype
+) -> bool:
+    """Whether an MoE block compiles whole (`apply_compile`'s `moe_whole`) on `device` with
+    parameters computed in `compute_dtype` (`parallelize.param_dtype`): its shapes must not
+    depend on the routing, so the experts run as grouped GEMMs (bf16 on a Hopper-class GPU,
+    `grouped_mm_supported`; the per-expert loop splits by counts read on the host) and the
+    tokens stay on the rank (ep 1) or are exchanged with static splits (a capacity factor,
+    `titanlab.distributed.expert_capacity`); tensor parallel's MoE hooks are not traced yet.
+    Not under per-op selective AC either: its caching dispatch mode has no rule for the
+    functionalized custom op that adds the layer's counts (measured, torch 2.13:
+    "no rule registered for HigherOrderOperator auto_functionalized_v2"); full AC and
+    per-layer selective AC recompute the compiled layer by calling it again, which works."""
+    grouped = (
+        device_type(device) == "cuda"
+        and device_capability(device) >= (9, 0)
+        and compute_dtype == torch.bfloat16
+    )
+    static = not parallel_dims.ep_enabled or config.parallelism.expert_capacity_factor > 0
+    ac = config.activation_checkpoint
+    per_op = ac.mode == "selective" and ac.selective_ac_option == "op"
+    return grouped and static and not parallel_dims.tp_enabled and not per_op
+
+
+def apply_compile(
+    model: Decoder,
+    backend: str,
+    collectives_in_graph: bool = False,
+    fullgraph: bool = True,
+    inside_checkpoint: bool = False,
+    moe_whole: bool = False,
+) -> None:
+    """Compile each transformer block in place (`Module.compile`, so parameter names do not
+    change and checkpoints stay portable). Blocks are identical, so one graph serves all.
+
+    `collectives_in_graph` (tensor or context parallel): compile afresh, with inductor's on-disk
+    FX-graph and AOT-autograd caches off. Those caches keep compiled code with the process-group
+    names of its collectives written in, and hand it to a later run whose groups are numbered
+    otherwise. Measured here (torch 2.13, CPU): a TP 2 × EP 2 run on 2 ranks given the graph a
+    TP 2 × FSDP 2 run had compiled ran its all-gathers over another group, and one step's
+    gradients came out up to 5e-4 off eager's with nothing reported; the other way round, the
+    run stopped with "Could not resolve the process group registered under the name 4".
+
+    In a block with routed experts the exact token dispatch splits the tokens by data-dependent
+    per-expert counts (a graph break for every expert, and a recompile whenever the counts
+    change), so the block's attention is compiled whole (`fullgraph=True`) and the norms (torch
+    modules, which Dynamo does not compile as a frame of their own) and the MoE layer (router,
+    dispatch, experts) run eagerly; with `moe_whole` (`moe_compiles_whole`: static shapes) the
+    block compiles whole, the MoE layer's routing, permutation, grouped experts, combine and
+    shared expert with its norms and attention, inside its activation checkpoint (whose
+    traced form refuses the layer's attribute writes: "HOP: Unsafe side effect"). The blocks of multi-token prediction depths (`model.mtp`) compile the same
+    way.
+
+    `fullgraph=False` (titanlab's context-parallel attention, whose collectives run eagerly:
+    `titanlab.distributed.context_parallel.documents`): each block compiles in the pieces around its
+    attention call.
+
+    `inside_checkpoint` (tensor parallel with full AC): a checkpointed dense block compiles its
+    inner block, and the checkpoint runs eagerly around the compiled code (recomputing by
+    running it again). Compiled around the checkpoint, torch 2.13's AOTAutograd stopped in the
+    first forward of a tensor-parallel block: "expected all tensors_saved_with_vc_check to be
+    Tensors, got ... DeviceMesh" (measured on CPU, aot_eager and Inductor alike; the mesh that
+    the tensor-parallel input hooks pass to `DTensor.from_local` was taken for a saved value of
+    the checkpointed region)."""
+    if collectives_in_graph:
+        import torch._functorch.config
+        import torch._inductor.config
+
+        torch._inductor.config.fx_graph_cache = False
+        torch._functorch.config.enable_autograd_cache = False
+    depths = getattr(model, "mtp", None)
+    mtp_blocks = [cast(nn.Module, d.block) for d in depths.values()] if depths is not None else []
+    for block in [*model.layers.values(), *mtp_blocks]:
+        inner = getattr(block, "_checkpoint_wrapped_module", block)
+        if not moe_layers(inner):
+            (inner if inside_checkpoint else block).compile(backend=backend, fullgraph=fullgraph)
+            continue
+        if moe_whole:  # inside any checkpoint: Dynamo's checkpoint refuses the layer's
+            # attribute writes (its aux loss, its exchange's state) in a traced recomputation
+            inner.compile(backend=backend, fullgraph=fullgraph)
+            continue
+        for child in inner.children():
+            if not isinstance(child, MoE) and not type(child).__module__.startswith("torch."):
+                child.compile(backend=backend, fullgraph=fullgraph)
