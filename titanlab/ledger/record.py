@@ -50,7 +50,7 @@ from __future__ import annotations
 import contextlib
 import sys
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from types import FrameType
 from typing import Any
 
@@ -63,6 +63,7 @@ from torch.utils._pytree import tree_leaves
 from titanlab.components import compiled
 from titanlab.config import host_reads
 from titanlab.ledger.flops import FLOPS, argument, causal_fraction
+from titanlab.ledger.regions import Regions
 
 _WRAPPERS = ("._checkpoint_wrapped_module", "._orig_mod", "._fsdp_wrapped_module")
 _SHAPE_PROPAGATION = "_propagate_tensor_meta_non_cached"
@@ -193,66 +194,6 @@ def _clean(fqn: str) -> str:
     return fqn.split(".", 1)[1] if "." in fqn else ""
 
 
-def _compiled(module: torch.nn.Module) -> bool:
-    """Whether `module` runs compiled: `nn.Module.compile` (titanlab's blocks) or wrapped by
-    `torch.compile(module)` (an `OptimizedModule`, as torchtitan compiles its blocks)."""
-    return getattr(module, "_compiled_call_impl", None) is not None or isinstance(
-        module, torch._dynamo.eval_frame.OptimizedModule
-    )
-
-
-@dataclass
-class _Regions:
-    """The compiled modules and functions running now (forward or backward), innermost last,
-    and the autograd nodes of compiled functions' backward, by region."""
-
-    stack: list[int | None] = field(default_factory=list)
-    ids: dict[Any, int] = field(default_factory=dict)
-    nodes: dict[Any, int] = field(default_factory=dict)
-    fused_modules: bool = True
-    """Whether compiled modules are Inductor's fused code (`compile.backend` "inductor"); with
-    another backend (aot_eager, eager) their ops are eager kernels: no region."""
-
-    def enter_module(self, module: torch.nn.Module) -> None:
-        if _compiled(module):
-            region = self.ids.setdefault(id(module), len(self.ids))
-            self.stack.append(region if self.fused_modules else None)
-
-    def leave_module(self, module: torch.nn.Module) -> None:
-        if _compiled(module) and self.stack:
-            self.stack.pop()
-
-    # a `titanlab.components.compiled.compile_function` call: a region of its own
-    def enter(self, name: str, args: tuple, kwargs: dict) -> tuple[int, set]:
-        region = self.ids.setdefault((name, len(self.ids)), len(self.ids))
-        self.stack.append(region)
-        tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-        return region, {t.grad_fn for t in tensors if t.grad_fn is not None}
-
-    def leave(self, token: tuple[int, set], outputs: Any) -> None:
-        """Close the call's region; the autograd nodes it made (its backward) join it: those
-        reachable from its outputs before its inputs' own nodes or a leaf's accumulation."""
-        region, boundary = token
-        self.stack.pop()
-        floor = max((n._sequence_nr() for n in boundary), default=-1)
-        todo = [t.grad_fn for t in tree_leaves(outputs) if isinstance(t, torch.Tensor)]
-        while todo:
-            node = todo.pop()
-            if node is None or node in boundary or node in self.nodes:
-                continue
-            if type(node).__name__ == "AccumulateGrad" or node._sequence_nr() <= floor:
-                continue
-            self.nodes[node] = region
-            todo.extend(n for n, _ in node.next_functions)
-
-    def current(self) -> int | None:
-        """The innermost region running: a compiled module's, a compiled function's, or the
-        one whose backward node autograd runs now."""
-        if self.stack:
-            return self.stack[-1]
-        return self.nodes.get(torch._C._current_autograd_node())
-
-
 class Recorder(TorchDispatchMode):
     """Records the ops of the code run inside it (`ops`, in order). Enter it inside a
     `FakeTensorMode`; `phase(name)` labels what follows (forward and backward are told apart by
@@ -266,7 +207,7 @@ class Recorder(TorchDispatchMode):
         self._phase = "step"
         self._serial: dict[int, int] = {}
         self._alive: list[torch.Tensor] = []  # keeps ids unique while recording
-        self._regions = _Regions(fused_modules=compile_backend == "inductor")
+        self._regions = Regions(fused_modules=compile_backend == "inductor")
         # Open profiler ranges (record_function), innermost last. A stack, not a map by handle:
         # the exit op's handle reaches this mode as another Python object than the enter op
         # returned, so a map by id() never closed a range, and a phase could stick to the ops
