@@ -9,8 +9,10 @@ The layouts come from `titanlab.planning.layouts.enumerate_layouts` (degrees, sc
 gradient accumulation, CP's rotate method, where ranks shard each ZeRO stage 0-3 with and
 without offload, and 2D / 2.5D / 3D tensor parallel where tp is q² / q²·d / q³), and the trainer's own validator decides which are valid; a refused layout is listed with its one-line reason. Each
 valid layout trains `debugmodel_deep` for 3 steps (fp32, deterministic, global batch 8 × 64
-tokens) from the same seed checkpoint, and its losses are compared with the 1-process run's,
-which trains 5 (to show it trains: the loss falls below step 1's). Three steps cover every
+tokens) from the same seed checkpoint, on the fewest of its 8 blocks the layout's pipeline
+stages need (`least_blocks`: 2 without a pipeline), and its losses are compared with the
+1-process run's on those blocks, which trains 5 (to show it trains: the loss falls below step
+1's). Three steps cover every
 part of a step a layout changes: the forward at the seed (step 1), a first update (gradients,
 clipping, the optimizer's first step; step 2) and a second one from the optimizer's state,
 the warmup over (step 3). Running a layout against the reference is `tools/lib/parity_runs.py`.
@@ -37,6 +39,7 @@ from tools.lib.parity_runs import GLOBAL_BATCH as GLOBAL_BATCH
 from tools.lib.parity_runs import LAYOUT_STEPS as LAYOUT_STEPS
 from tools.lib.parity_runs import STEPS as STEPS
 from tools.lib.parity_runs import TOLERANCE as TOLERANCE
+from tools.lib.parity_runs import least_blocks as least_blocks
 from tools.lib.parity_runs import Outcome as Outcome
 from tools.lib.parity_runs import prepare_reference as prepare_reference
 from tools.lib.parity_runs import run_layout as run_layout

@@ -67,7 +67,7 @@ def test_deepseek_v3_layout_matches_single_process(layout, reference):
     print(f"deepseek_v3 {layout.name}: worst |Δloss| {outcome.max_abs_diff:.3g}")
     assert outcome.max_abs_diff <= parity_matrix.TOLERANCE, (layout.name, outcome.max_abs_diff)
     assert losses[parity_matrix.STEPS] < losses[1]
-    want = _biases(os.path.join(root, "reference"))
+    want = _biases(outcome.reference_dir)
     got = _biases(os.path.join(root, "runs", layout.name))
     assert want and want.keys() == got.keys()
     assert all(torch.equal(got[k], want[k]) for k in want), "expert biases differ"
@@ -161,7 +161,7 @@ def test_multi_token_prediction_trains_equal_to_one_process(kind, need, mtp_refe
     layout = _mtp_case(kind, need)
     outcome = parity_matrix.run_layout(layout, dataset, seed, losses, root, extra=MTP_OPTIONS[kind])
     assert outcome.error is None, outcome.report()
-    want = _mtp_losses(os.path.join(root, "reference"))
+    want = _mtp_losses(outcome.reference_dir)
     got = _mtp_losses(os.path.join(root, "runs", layout.name))
     assert sorted(got) == list(range(1, parity_matrix.LAYOUT_STEPS + 1))
     mtp_diff = max(abs(got[s] - want[s]) for s in got)

@@ -120,7 +120,7 @@ def test_moe_layout_matches_single_process(mode, layout, reference):
     assert outcome.max_abs_diff <= parity_matrix.TOLERANCE, (layout.name, outcome.max_abs_diff)
     assert losses[parity_matrix.STEPS] < losses[1]
     if mode == "expert_bias":
-        want = _biases(os.path.join(root, "reference"))
+        want = _biases(outcome.reference_dir)
         got = _biases(os.path.join(root, "runs", layout.name))
         assert want and want.keys() == got.keys()
         assert all(torch.equal(got[k], want[k]) for k in want), "expert biases differ"

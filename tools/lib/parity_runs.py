@@ -2,7 +2,14 @@
 seed checkpoint and 1-process reference (`prepare_reference`), a layout's run and its worst
 |Δloss| (`run_layout`, an `Outcome`). `tools/parity_matrix.py` chooses the layouts (its
 docstring gives the method); the family tests (tests/integration/test_qwen3_moe.py, ...) call
-these through it."""
+these through it.
+
+A layout trains the flavor's first `least_blocks` blocks (`model.n_layers`, loaded from the one
+seed checkpoint of the whole flavor), the fewest its pipeline stages and its family's block
+kinds need, against the 1-process reference of the same blocks: what a layout changes does not
+depend on how many blocks each stage repeats, and on 2 CPU cores every block is paid in every
+step (8 ranks of hsdp × cp 2 × tp 2: 10.3 CPU-s for the 8 blocks of `debugmodel_deep`, 5.3 for 2).
+"""
 
 from __future__ import annotations
 
@@ -13,6 +20,9 @@ import subprocess
 import time
 from dataclasses import dataclass
 
+from titanlab.config.parallelism import Parallelism
+from titanlab.distributed.pipeline import stages_per_rank
+from titanlab.models.registry import get_family, get_flavor
 from titanlab.planning.layouts import Layout
 from tools.lib.runs import TINY_RUN, failure_line, launch, read_losses
 
@@ -37,6 +47,58 @@ BASE_ARGS = [
 ]
 
 
+FLAVOR = "debugmodel_deep"
+LEAST_BLOCKS = {"qwen3_5": 4}
+"""Blocks a family's runs keep at least (else 2): Qwen3.5's 4th block is its first full-attention
+one (`full_attention_interval` 4); DeepSeek-V3's 2 are its dense block and an MoE one; gpt-oss's
+a sliding-window block and a full one."""
+
+
+def _option(extra: list[str] | tuple[str, ...], name: str, default: str) -> str:
+    return extra[extra.index(name) + 1] if name in extra else default
+
+
+def least_blocks(layout: Layout, extra: list[str] | tuple[str, ...] = ()) -> int | None:
+    """The fewest blocks `layout` can train the family of `extra` (`--model.name`, default
+    llama3) on: one per pipeline stage (pp × the schedule's stages per rank), and at least the
+    family's `LEAST_BLOCKS`; None where that is the whole flavor or `extra` sets the blocks."""
+    if "--model.n_layers" in extra:
+        return None
+    family = _option(extra, "--model.name", "llama3")
+    flavor = get_flavor(get_family(family), _option(extra, "--model.flavor", FLAVOR))
+    looped = int(_option(extra, "--parallelism.pipeline_parallel_stages_per_rank",
+                         str(Parallelism.pipeline_parallel_stages_per_rank)))  # fmt: skip
+    stages = layout.pp * (stages_per_rank(layout.schedule, looped) if layout.pp > 1 else 1)
+    least = max(LEAST_BLOCKS.get(family, 2), stages)
+    return least if least < flavor.n_layers else None
+
+
+class Reference(dict):
+    """The 1-process losses by step (`{step: loss}`), with the run's dump folder (`dir`: its
+    metrics and its checkpoint at `LAYOUT_STEPS`) and what made it (`prepare_reference`'s
+    arguments), so that `run_layout` can compare a run of fewer blocks with the reference of
+    the same blocks (`at`)."""
+
+    def __init__(
+        self,
+        losses: dict[int, float],
+        dir: str,
+        root: str,
+        dataset: str,
+        extra: list[str] | tuple[str, ...],
+        microbatches: int,
+    ):
+        super().__init__(losses)
+        self.dir, self.root, self.dataset = dir, root, dataset
+        self.extra, self.microbatches = extra, microbatches
+
+    def at(self, blocks: int) -> Reference:
+        """The reference on the flavor's first `blocks` blocks (made once)."""
+        return prepare_reference(
+            self.root, self.dataset, self.extra, self.microbatches, blocks=blocks
+        )[2]
+
+
 @dataclass
 class Outcome:
     """One layout's result: worst |Δloss| over the steps, or why it did not run/pass."""
@@ -48,6 +110,7 @@ class Outcome:
     error: str | None = None
     seconds: float = 0.0
     log: str | None = None  # the whole output of a failed launch
+    reference_dir: str | None = None  # the dump folder of the reference compared with
 
     def report(self, lines: int = 60) -> str:
         """`error`, followed by the last `lines` lines of the failed launch's output."""
@@ -72,12 +135,14 @@ def prepare_reference(
     dataset: str | None = None,
     extra: list[str] | tuple[str, ...] = (),
     microbatches: int = 1,
-) -> tuple[str, str, dict[int, float]]:
+    blocks: int | None = None,
+) -> tuple[str, str, Reference]:
     """(dataset, seed checkpoint, 1-process losses) under `root`, made once and reused; `extra`
     options (e.g. `--model.name qwen3`) go to both runs and must go to every layout's too. The
     reference splits the global batch into `microbatches` accumulation steps (for statistics
-    taken per global microbatch, like an MoE load-balance loss); each count has its own reference
-    run (`reference`, `reference-mb<N>`) next to the one seed checkpoint."""
+    taken per global microbatch, like an MoE load-balance loss) and trains the flavor's first
+    `blocks` blocks (None: all); each count has its own reference run (`reference`,
+    `reference-mb<N>`, `reference-b<K>`) next to the one seed checkpoint."""
     if dataset is None:
         dataset = os.path.join(root, "data")
         if not os.path.exists(os.path.join(dataset, "metadata.json")):
@@ -109,12 +174,14 @@ def prepare_reference(
                 ],
             )
         )
-    ref = os.path.join(root, "reference" if microbatches == 1 else f"reference-mb{microbatches}")
+    ref = os.path.join(root, "reference" + (f"-mb{microbatches}" if microbatches > 1 else "")
+                       + (f"-b{blocks}" if blocks else ""))  # fmt: skip
     if not os.path.exists(os.path.join(ref, "metrics.jsonl")):
         _check(
             launch(
                 1,
                 base
+                + (["--model.n_layers", str(blocks)] if blocks else [])
                 + [
                     "--job.dump_folder",
                     ref,
@@ -130,7 +197,7 @@ def prepare_reference(
                 ],
             )
         )
-    return dataset, seed, read_losses(ref)
+    return dataset, seed, Reference(read_losses(ref), ref, root, dataset, extra, microbatches)
 
 
 def _check(proc: subprocess.CompletedProcess) -> None:
@@ -150,14 +217,21 @@ def run_layout(
     root: str,
     extra: list[str] | tuple[str, ...] = (),
     steps: int = LAYOUT_STEPS,
+    shallow: bool = True,
 ) -> Outcome:
     """Train `layout` (plus `extra` options) from `seed` for `steps` (at most the reference's
-    `STEPS`) and compare its losses with `reference`'s first `steps`."""
+    `STEPS`) and compare its losses with `reference`'s first `steps`. With `shallow` and a
+    `Reference` (`prepare_reference`'s), on the `least_blocks` of the layout, against the
+    reference of those blocks; else on every block of the flavor."""
     dump = os.path.join(root, "runs", layout.name)
     start = time.time()
+    blocks = least_blocks(layout, extra) if shallow and isinstance(reference, Reference) else None
+    if blocks is not None:
+        reference = reference.at(blocks)
     args = BASE_ARGS + layout.overrides(GLOBAL_BATCH) + [
         "--data.dataset_path", dataset, "--job.dump_folder", dump,
         "--checkpoint.initial_load_path", seed, "--training.steps", str(steps), *extra,
+        *(["--model.n_layers", str(blocks)] if blocks is not None else []),
     ]  # fmt: skip
     proc = launch(layout.world_size, args)
     if proc.returncode != 0 and NATIVE_CRASH.search(proc.stdout + proc.stderr):
@@ -196,4 +270,5 @@ def run_layout(
             error=f"logged steps {sorted(losses)}, expected 1..{steps}",
         )
     worst = max(abs(losses[s] - reference[s]) for s in range(1, steps + 1))
-    return Outcome(layout.name, layout.world_size, worst, seconds=seconds)
+    ref_dir = reference.dir if isinstance(reference, Reference) else None
+    return Outcome(layout.name, layout.world_size, worst, seconds=seconds, reference_dir=ref_dir)
