@@ -67,12 +67,6 @@ def pytest_collection_modifyitems(config, items) -> None:
     items.sort(key=rank)  # stable: within a module, and among the rest, the order is kept
 
 
-# A tiny run of the debug model (6 layers, dim 256, 64-token windows), 2 samples per rank.
-TINY = [*TINY_RUN, "--training.local_batch_size", "2"]
-THIN = ["--model.flavor", "debugmodel_deep"]
-"""The thin debug flavor (dim 64, 8 layers), for tests that compute in bf16 or fp16 because low
-precision is what they test: on CPUs without native bf16 (AVX2) a low-precision matmul runs ~40x
-slower than fp32 (docs/contributing.md, "CI"), and what they check does not depend on the width."""
 SHALLOW = ["--model.n_layers", "2"]
 """The flavor's first 2 blocks (`model.n_layers`), for tests whose check does not depend on the
 depth (a resume, a kill, an export, a trace, what compile does to a block): they paid for the
@@ -80,6 +74,14 @@ other blocks only in CI time (measured, each timed beside another suite: test_co
 s, the generation/export module 171 -> 140 s, the MTP resume 72 -> 56 s, a profiler trace 23.0
 -> 15.7 s)."""
 
+# A tiny run of the debug model's first 2 blocks (`SHALLOW`; of 6, dim 256), 64-token windows,
+# 2 samples per rank: what the tests of a resume, a kill, a layout, an export or a metric check
+# does not depend on the depth (the tests that need more blocks set `--model.n_layers`).
+TINY = [*TINY_RUN, "--training.local_batch_size", "2", *SHALLOW]
+THIN = ["--model.flavor", "debugmodel_deep"]
+"""The thin debug flavor (dim 64, 8 layers), for tests that compute in bf16 or fp16 because low
+precision is what they test: on CPUs without native bf16 (AVX2) a low-precision matmul runs ~40x
+slower than fp32 (docs/contributing.md, "CI"), and what they check does not depend on the width."""
 PARITY_FULL = os.environ.get("TITANLAB_PARITY_FULL") == "1"
 """`make test-parity-full` (and `make test-full`): every case CI trims."""
 

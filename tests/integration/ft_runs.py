@@ -9,14 +9,9 @@ import os
 import subprocess
 import sys
 
-from tests.integration.conftest import REPO, SHALLOW, TINY
+from tests.integration.conftest import REPO, TINY
 
 GROUP_RANKS = 2
-FT_TINY = [*TINY, *SHALLOW]
-"""The tiny run of every fault-tolerance test, on the debug flavor's first 2 blocks: what the
-groups, their quorums, recoveries and outer steps do does not depend on the depth, and each
-test starts a lighthouse, a torchrun per group and the ranks twice or more (the streaming
-DiLoCo test took 104 CPU-s on all 6 blocks)."""
 FSDP = ("--parallelism.data_parallel_shard_degree", str(GROUP_RANKS))
 """The layout inside each group unless a test names another: FSDP over its 2 ranks."""
 
@@ -25,7 +20,7 @@ def ft_args(
     dataset: str, dump: str, steps: int, *extra: str, layout: tuple[str, ...] = FSDP
 ) -> list[str]:
     """A tiny run of `steps` steps on `dataset` into `dump`, each group laid out by `layout`."""
-    return [*FT_TINY, "--data.dataset_path", dataset, "--job.dump_folder", dump,
+    return [*TINY, "--data.dataset_path", dataset, "--job.dump_folder", dump,
             "--training.steps", str(steps), *layout, *extra]  # fmt: skip
 
 

@@ -10,9 +10,9 @@ and captures the two TP cases with aot_eager, leaving Inductor's numerics to the
 
 import pytest
 
-from conftest import CI_COMPILE_BACKEND, SHALLOW, full_only, read_metrics
+from conftest import CI_COMPILE_BACKEND, full_only, read_metrics
 
-COMMON = ["--training.steps", "5", "--checkpoint.enable", "false", *SHALLOW]
+COMMON = ["--training.steps", "5", "--checkpoint.enable", "false"]
 """Five steps of the debug flavors' first 2 blocks: the blocks are alike, so what compile does
 to one shows in two."""
 

@@ -22,7 +22,7 @@ import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from safetensors import safe_open
 
-from conftest import REPO, TINY, read_metrics
+from conftest import REPO, SHALLOW, TINY, read_metrics
 from titanlab.checkpoint.convert import DcpModelReader
 from titanlab.data.tokenizer import Tokenizer, default_tokenizer_path
 from titanlab.models.llama3 import Transformer, llama3_flavors
@@ -37,8 +37,12 @@ TOL = 1e-4
 
 
 def debug_args(max_seq_len: int = SEQ):
+    """The debug flavor's shape as the tiny runs train it (`TINY`: its first blocks)."""
     return dataclasses.replace(
-        llama3_flavors["debugmodel"], vocab_size=TOKENIZER.vocab_size, max_seq_len=max_seq_len
+        llama3_flavors["debugmodel"],
+        vocab_size=TOKENIZER.vocab_size,
+        max_seq_len=max_seq_len,
+        n_layers=int(SHALLOW[1]),
     )
 
 

@@ -19,7 +19,7 @@ import os
 import pytest
 import torch
 
-from conftest import CONSTANT_LR, REPO, SHALLOW, checkpoint_every, read_metrics, run_config
+from conftest import CONSTANT_LR, REPO, checkpoint_every, read_metrics, run_config
 from titanlab.checkpoint.convert import DcpModelReader
 from titanlab.data.tokenizer import Tokenizer, default_tokenizer_path
 from titanlab.models.registry import build_model
@@ -242,7 +242,7 @@ def test_multi_token_prediction_under_pp_and_tp_resumes_bitwise(train, tmp_path)
     last stage): a run stopped at step 3 and resumed logs the straight run's 6 losses and MTP
     losses bitwise. The flavor's first 2 blocks (the dense one and an MoE one, a stage each),
     as a resume does not depend on the depth."""
-    common = [*MTP_FLAVOR, *SHALLOW, "--parallelism.tensor_parallel_degree", "2",
+    common = [*MTP_FLAVOR, "--parallelism.tensor_parallel_degree", "2",
               "--parallelism.expert_parallel_degree", "2",
               "--parallelism.pipeline_parallel_degree", "2",
               "--training.local_batch_size", "4", "--metrics.log_freq", "1",

@@ -26,9 +26,8 @@ from datetime import datetime
 import pytest
 import torch
 
-from tests.integration.conftest import CONSTANT_LR, PARITY_FULL, REPO, wait_for
+from tests.integration.conftest import CONSTANT_LR, PARITY_FULL, REPO, TINY, wait_for
 from tests.integration.ft_runs import (
-    FT_TINY,
     GROUP_RANKS,
     finish,
     ft_args,
@@ -204,7 +203,7 @@ def reference_losses(
     spec_path, out = str(tmp_path / "spec.json"), str(tmp_path / "reference.json")
     with open(spec_path, "w", encoding="utf-8") as f:
         json.dump(spec, f)
-    args = [spec_path, out, *FT_TINY, "--data.dataset_path", dataset, "--job.dump_folder",
+    args = [spec_path, out, *TINY, "--data.dataset_path", dataset, "--job.dump_folder",
             str(tmp_path / "reference"), "--training.local_batch_size", str(rows),
             "--training.steps", str(steps), *options,
             "--checkpoint.enable", "false"]  # fmt: skip

@@ -18,7 +18,7 @@ import sys
 import pytest
 import torch
 
-from conftest import SHALLOW, TINY, launch
+from conftest import TINY, launch
 from titanlab.data.chat import LLAMA3_CHAT_TEMPLATE, render_chat
 from titanlab.data.default_corpus import default_corpus_files
 from titanlab.data.tokenizer import Tokenizer, default_tokenizer_path
@@ -52,13 +52,13 @@ def convert(*args: str) -> None:
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory) -> str:
     """The debug model's first 2 blocks (dim 256, bundled 4k tokenizer) trained for 60 steps
-    of 8 × 128 tokens of the stdlib corpus in one process (`SHALLOW`): its step-60 DCP
+    of 8 × 128 tokens of the stdlib corpus in one process (`TINY`: its first 2 blocks): its step-60 DCP
     checkpoint."""
     dump = str(tmp_path_factory.mktemp("trained"))
     overrides = ["--training.seq_len", "128", "--training.local_batch_size", "8",
                  "--training.steps", str(STEPS), "--checkpoint.interval", str(STEPS),
                  "--lr_scheduler.warmup_steps", "10", "--metrics.log_freq", "20",
-                 *SHALLOW, "--job.dump_folder", dump]  # fmt: skip
+                 "--job.dump_folder", dump]  # fmt: skip
     launch(1, [*TINY, *overrides]).check()
     return os.path.join(dump, "checkpoint", f"step-{STEPS}")
 

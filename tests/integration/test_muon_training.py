@@ -17,7 +17,7 @@ import os
 
 import pytest
 
-from conftest import CONSTANT_LR, checkpoint_every, read_metrics
+from conftest import CONSTANT_LR, SHALLOW, checkpoint_every, read_metrics
 from titanlab.planning.layout_cover import pairwise_subset
 from titanlab.planning.layouts import SCHEDULES
 from tests.coverage_spec import cover_cases
@@ -165,6 +165,6 @@ def test_qk_clip_layout_matches_one_process(name, qk_clip_one_process, train, tm
     for step in got:
         assert abs(got[step]["loss"] - want[step]["loss"]) <= TOLERANCE, (name, step)
         assert got[step]["qk_clip/clipped_heads"] == want[step]["qk_clip/clipped_heads"]
-        for layer in range(6):  # each layer's largest logit, logged
+        for layer in range(int(SHALLOW[1])):  # each layer's largest logit, logged
             key = f"qk_clip/layer.{layer}/max_logit"
             assert abs(got[step][key] - want[step][key]) <= 1e-5, (name, step, key)

@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from conftest import CI_COMPILE_BACKEND, SHALLOW, TINY
+from conftest import CI_COMPILE_BACKEND, TINY
 
 
 def trace_names(path: str) -> set[str]:
@@ -20,7 +20,6 @@ def test_two_ranks_write_one_trace_per_window_with_fsdp_collectives(train, tmp_p
     dump = str(tmp_path / "run")
     train(
         2,
-        *SHALLOW,
         "--training.steps", "4",
         "--parallelism.data_parallel_shard_degree", "2",
         "--profiling.enable_profiling", "true",

@@ -33,6 +33,7 @@ from titanlab.models.registry import (
     build_model,
     family_of_hf_config,
     get_family,
+    same_architecture,
     get_flavor,
 )
 from titanlab.models.stored_args import HF_FLAVOR, read_model_args
@@ -157,20 +158,24 @@ def model_architecture(config: JobConfig, vocab_size: int) -> Any:
             published = get_flavor(family, flavor)
         except ValueError as e:
             raise ConfigError(f"{e}, or {HF_FLAVOR!r}") from None
-        if stored is not None and stored[0] != flavor:
-            raise ConfigError(
-                f"checkpoint.initial_load_path={config.checkpoint.initial_load_path!r} holds a "
-                f"{family.name} model of flavor {stored[0]!r}, not model.flavor={flavor!r}; set "
-                f"model.flavor={stored[0]!r}"
-            )
         if config.comm.mode == "fake_backend" and published.vocab_size > vocab_size:
             # A dry run plans the published shape: the flavor's vocabulary, which the bundled
             # tokenizer's ids fit in (a real run takes the size of the tokenizer it is given).
             vocab_size = published.vocab_size
         args = dataclasses.replace(published, vocab_size=vocab_size)
-    return _validated(
+    built = _validated(
         config, _with_depth(config, _with_mtp_options(config, _with_moe_options(config, args)))
     )
+    # A checkpoint of another shape than the flavor's (a run with model.n_layers or MoE options
+    # stores "hf") loads under the same options that saved it; another shape is refused.
+    if flavor != HF_FLAVOR and stored is not None and stored[0] != flavor:
+        if not same_architecture(family, built, stored[1]):
+            raise ConfigError(
+                f"checkpoint.initial_load_path={config.checkpoint.initial_load_path!r} holds a "
+                f"{family.name} model of flavor {stored[0]!r}, not model.flavor={flavor!r}; set "
+                f"model.flavor={stored[0]!r}"
+            )
+    return built
 
 
 def _with_depth(config: JobConfig, args: Any) -> Any:

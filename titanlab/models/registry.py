@@ -100,24 +100,30 @@ def get_flavor(family: ModelFamily, flavor: str) -> Any:
     return family.flavors[flavor]
 
 
-def matching_flavor(family: ModelFamily, args: Any) -> str | None:
-    """The published flavor whose architecture `args` has (vocab size, RoPE table length and
-    MoE load-balancing options aside), compared through the family's Hugging Face config; None
-    for a custom shape."""
+def same_architecture(family: ModelFamily, a: Any, b: Any) -> bool:
+    """Whether args `a` and `b` of `family` describe one architecture (vocab size, RoPE table
+    length and MoE load-balancing options aside: the last are training choices), compared
+    through the family's Hugging Face config (so `hidden_dim` 704 equals `multiple_of` 64's
+    rounding of the same width)."""
     import dataclasses
 
     import torch
 
-    def shape(a: Any) -> dict:
-        a = dataclasses.replace(a, vocab_size=max(args.vocab_size, 1), max_seq_len=1)
-        if hasattr(a, "moe"):  # the load-balancing options are training choices, not shape
-            moe = dataclasses.replace(a.moe, load_balance_coeff=0.0, bias_update_speed=0.0)
-            a = dataclasses.replace(a, moe=moe)
-        return family.hf.to_config(a, torch.float32, 1, None, None)
+    def shape(x: Any) -> dict:
+        x = dataclasses.replace(x, vocab_size=max(a.vocab_size, 1), max_seq_len=1)
+        if hasattr(x, "moe"):
+            moe = dataclasses.replace(x.moe, load_balance_coeff=0.0, bias_update_speed=0.0)
+            x = dataclasses.replace(x, moe=moe)
+        return family.hf.to_config(x, torch.float32, 1, None, None)
 
-    want = shape(args)
+    return shape(a) == shape(b)
+
+
+def matching_flavor(family: ModelFamily, args: Any) -> str | None:
+    """The published flavor whose architecture `args` has (`same_architecture`); None for a
+    custom shape."""
     for name, flavor_args in family.flavors.items():
-        if shape(flavor_args) == want:
+        if same_architecture(family, args, flavor_args):
             return name
     return None
 

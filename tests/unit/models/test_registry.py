@@ -19,6 +19,7 @@ from titanlab.models.registry import (
     get_family,
     matching_flavor,
 )
+from titanlab.models.common.shortened import shortened
 from titanlab.models.stored_args import read_model_args, write_model_args
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
@@ -146,6 +147,15 @@ def test_stored_args_are_picked_up_from_initial_load_path(tmp_path):
         args_of(*load)
     with pytest.raises(ConfigError, match="holds a llama3 model; set model.name='llama3'"):
         args_of(*load, "--model.name", "qwen3", "--model.flavor", "hf")
+    # A run of a flavor's first blocks stores "hf"; the options that saved it load it.
+    shallow = shortened(family.flavors["debugmodel"], 2)
+    write_model_args(str(tmp_path), family, dataclasses.replace(shallow, vocab_size=300))
+    args = args_of(*load, "--model.n_layers", "2")
+    assert args.n_layers == 2 and dataclasses.replace(args, max_seq_len=0) == dataclasses.replace(
+        shallow, vocab_size=300, max_seq_len=0
+    )
+    with pytest.raises(ConfigError, match="flavor 'hf', not model.flavor='debugmodel'"):
+        args_of(*load, "--model.n_layers", "3")
     (tmp_path / "model_args.json").write_text('{"name": "llama3", "args": {"dim": -1}}')
     with pytest.raises(ConfigError, match="is not a valid titanlab model_args.json"):
         args_of(*load, "--model.flavor", "hf")
