@@ -8,7 +8,7 @@ import subprocess
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, SHALLOW
 from titanlab.metrics import parse_log_line
 
 LAYOUTS = {
@@ -49,6 +49,7 @@ def test_run_train_sh_layout(layout, tiny_dataset, tmp_path):
             tiny_dataset,
             "--job.dump_folder",
             str(tmp_path / "out"),
+            *SHALLOW,  # what the entry point passes through does not depend on the depth
             *LAYOUTS[layout],
         ],
         cwd=REPO,

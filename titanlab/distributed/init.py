@@ -140,18 +140,31 @@ def destroy_distributed(barrier: bool = True) -> None:
         _IDENTITY_SET_HERE.clear()
 
 
+_OWN_GROUP_THREADS = False
+
+
+def hold_group_threads() -> None:
+    """Record that this process runs a process group of its own beside torch.distributed's
+    default one (fault tolerance's managed gloo or NCCL group, also in a replica group of one
+    rank): `exit_process` then skips interpreter finalization, as under torchrun."""
+    global _OWN_GROUP_THREADS
+    _OWN_GROUP_THREADS = True
+
+
 def exit_process(status: int) -> None:
     """Exit with `status` once `main` has returned (and `destroy_distributed` has run).
 
-    Under torchrun (WORLD_SIZE > 1) the output is flushed and interpreter finalization is
-    skipped: a gloo worker thread was seen, under CPU load, to abort a rank there with
-    "terminate called without an active exception" after a correct run, turning its exit
-    status into a failure. A single process exits normally (exit handlers, module teardown)
+    Under torchrun (WORLD_SIZE > 1), or with a process group of its own (`hold_group_threads`),
+    the output is flushed and interpreter finalization is skipped: a gloo worker thread was
+    seen, under CPU load, to abort a rank there with "terminate called without an active
+    exception" (SIGABRT) after a correct run, turning its exit status into a failure (also a
+    fault-tolerant replica group of one rank, whose WORLD_SIZE is 1, on 2026-12-03). A single
+    process exits normally (exit handlers, module teardown)
     with every object alive at this point frozen out of the garbage collector first
     (`gc.freeze`): the collections of finalization otherwise walk every object torch's imports
     made, 0.7 s of each run's end on CPU, for memory the OS takes back anyway.
     """
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 or _OWN_GROUP_THREADS:
         logging.shutdown()
         sys.stdout.flush()
         sys.stderr.flush()

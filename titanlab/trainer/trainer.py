@@ -28,7 +28,7 @@ from titanlab.config.job_config import JobConfig
 from titanlab.data.batches import BatchPreparer
 from titanlab.data.build import build_data, build_loader
 from titanlab.distributed import moe_stats
-from titanlab.distributed.init import init_distributed, init_fake_world
+from titanlab.distributed.init import hold_group_threads, init_distributed, init_fake_world
 from titanlab.distributed.parallelize import loss_parallel_enabled, param_dtype, parallelize_model
 from titanlab.distributed.parallelize import tp_grid_loss
 from titanlab.distributed.pipeline import pipeline_model
@@ -122,6 +122,7 @@ class Trainer(TrainLoop):
         self._build_metrics(world_size, flops_per_token)
         self.init_step_state(compute_dtype)
         if ft.enable:
+            hold_group_threads()  # the managed group's threads must not meet finalization
             self.ft = ReplicaGroup(ft, self.checkpointer, self.lr_scheduler, self.device,
                                    lambda: self.step, self._recovered)  # fmt: skip
             # MoE's load statistics span the groups, as HSDP's span dp_replicate
