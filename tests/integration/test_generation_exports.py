@@ -51,9 +51,8 @@ def convert(*args: str) -> None:
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory) -> str:
-    """The debug model's first 2 blocks (dim 256, bundled 4k tokenizer) trained for 60 steps
-    of 8 × 128 tokens of the stdlib corpus in one process (`TINY`: its first 2 blocks): its step-60 DCP
-    checkpoint."""
+    """The debug model's first 2 blocks (`TINY`; dim 256, bundled 4k tokenizer) trained for 60
+    steps of 8 × 128 tokens of the stdlib corpus in one process: its step-60 DCP checkpoint."""
     dump = str(tmp_path_factory.mktemp("trained"))
     overrides = ["--training.seq_len", "128", "--training.local_batch_size", "8",
                  "--training.steps", str(STEPS), "--checkpoint.interval", str(STEPS),

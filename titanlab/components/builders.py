@@ -33,8 +33,8 @@ from titanlab.models.registry import (
     build_model,
     family_of_hf_config,
     get_family,
-    same_architecture,
     get_flavor,
+    same_architecture,
 )
 from titanlab.models.stored_args import HF_FLAVOR, read_model_args
 from titanlab.peft.qlora import hide_quantized, is_quantized
@@ -136,6 +136,9 @@ def model_architecture(config: JobConfig, vocab_size: int) -> Any:
     family = build_family(config)
     flavor = config.model.flavor
     stored = _stored_args(config, family)
+    if stored is not None and flavor not in (HF_FLAVOR, stored[0]):
+        _check_stored_shape(config, family, flavor, stored)
+        stored = (flavor, stored[1])  # the flavor's shape: the stored one, with its own vocab
     if flavor == HF_FLAVOR or (stored is not None and stored[0] == flavor):
         # The stored shape keeps the checkpoint's own vocab size (e.g. Qwen3's padded 151,936).
         if flavor == HF_FLAVOR and config.model.hf_config:
@@ -163,19 +166,34 @@ def model_architecture(config: JobConfig, vocab_size: int) -> Any:
             # tokenizer's ids fit in (a real run takes the size of the tokenizer it is given).
             vocab_size = published.vocab_size
         args = dataclasses.replace(published, vocab_size=vocab_size)
-    built = _validated(
+    return _with_options(config, args)
+
+
+def _with_options(config: JobConfig, args: Any) -> Any:
+    """`args` with the config's MoE, MTP and depth options applied, validated."""
+    return _validated(
         config, _with_depth(config, _with_mtp_options(config, _with_moe_options(config, args)))
     )
-    # A checkpoint of another shape than the flavor's (a run with model.n_layers or MoE options
-    # stores "hf") loads under the same options that saved it; another shape is refused.
-    if flavor != HF_FLAVOR and stored is not None and stored[0] != flavor:
-        if not same_architecture(family, built, stored[1]):
-            raise ConfigError(
-                f"checkpoint.initial_load_path={config.checkpoint.initial_load_path!r} holds a "
-                f"{family.name} model of flavor {stored[0]!r}, not model.flavor={flavor!r}; set "
-                f"model.flavor={stored[0]!r}"
-            )
-    return built
+
+
+def _check_stored_shape(
+    config: JobConfig, family: ModelFamily, flavor: str, stored: tuple[str, Any]
+) -> None:
+    """A checkpoint stored under another flavor name than `flavor` (a run of a flavor's first
+    blocks, `model.n_layers`, stores "hf") loads when `flavor` with the config's options is its
+    architecture (`same_architecture`); ConfigError naming the stored flavor otherwise."""
+    try:
+        ours = _with_options(
+            config, dataclasses.replace(get_flavor(family, flavor), vocab_size=stored[1].vocab_size)
+        )
+    except (ValueError, ConfigError):
+        ours = None  # an unknown flavor or options that do not apply: not the stored shape
+    if ours is None or not same_architecture(family, ours, stored[1]):
+        raise ConfigError(
+            f"checkpoint.initial_load_path={config.checkpoint.initial_load_path!r} holds a "
+            f"{family.name} model of flavor {stored[0]!r}, not model.flavor={flavor!r}; set "
+            f"model.flavor={stored[0]!r}"
+        )
 
 
 def _with_depth(config: JobConfig, args: Any) -> Any:

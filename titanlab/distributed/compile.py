@@ -66,8 +66,8 @@ def apply_compile(
     dispatch, experts) run eagerly; with `moe_whole` (`moe_compiles_whole`: static shapes) the
     block compiles whole, the MoE layer's routing, permutation, grouped experts, combine and
     shared expert with its norms and attention, inside its activation checkpoint (whose
-    traced form refuses the layer's attribute writes: "HOP: Unsafe side effect"). The blocks of multi-token prediction depths (`model.mtp`) compile the same
-    way.
+    traced form refuses the layer's attribute writes: "HOP: Unsafe side effect"). The blocks
+    of multi-token prediction depths (`model.mtp`) compile the same way.
 
     `fullgraph=False` (titanlab's context-parallel attention, whose collectives run eagerly:
     `titanlab.distributed.context_parallel.documents`): each block compiles in the pieces around its
