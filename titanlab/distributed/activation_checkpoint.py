@@ -4,9 +4,16 @@
   Nets with Sublinear Memory Cost").
 - selective per layer (`selective_ac_option = N`): every N-th block is fully checkpointed.
 - selective per op (`selective_ac_option = "op"`): inside each block, the outputs of attention
-  kernels, of reduce-scatters and of every other matmul are saved; everything else (norms,
-  activations, elementwise ops) is recomputed (Korthikanti et al. 2022, "Reducing Activation
-  Recomputation in Large Transformer Models"; the save list follows torchtitan's recipe).
+  kernels, of reduce-scatters and expert parallel's all-to-alls, and of every other matmul
+  (the experts' grouped GEMMs among them) are saved; everything else (norms, activations,
+  elementwise ops) is recomputed (Korthikanti et al. 2022, "Reducing Activation Recomputation
+  in Large Transformer Models"; the save list follows torchtitan's recipe, with the MoE layer's
+  grouped GEMMs and all-to-alls added: left out, an MoE block's recomputation ran every expert
+  GEMM and all-to-all of its forward again, as full AC does).
+
+The same policy holds compiled: a block compiled around its checkpoint (`torch.compile` traces
+the checkpoint with its `context_fn`) has the policy's choices applied by AOTAutograd's
+partitioner (`tests/unit/distributed/test_moe_compile.py` counts them in the backward graph).
 """
 
 from __future__ import annotations
@@ -22,17 +29,18 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 
 _aten = torch.ops.aten
 # Ops whose outputs are always kept under op-level selective AC: attention kernels (expensive to
-# recompute), reduce-scatter outputs (recomputing them means communicating again) and the
-# max used by float8 scaling.
+# recompute), reduce-scatter and all-to-all outputs (recomputing them means communicating
+# again) and the max used by float8 scaling.
 _SAVE_ALWAYS = {
     _aten._scaled_dot_product_flash_attention.default,
     _aten._scaled_dot_product_efficient_attention.default,
     _aten._scaled_dot_product_cudnn_attention.default,
     _aten._scaled_dot_product_flash_attention_for_cpu.default,
     torch.ops._c10d_functional.reduce_scatter_tensor.default,
+    torch.ops._c10d_functional.all_to_all_single.default,
     _aten.max.default,
 }
-_MATMULS = {_aten.mm.default, _aten.addmm.default, _aten.bmm.default}
+_MATMULS = {_aten.mm.default, _aten.addmm.default, _aten.bmm.default, _aten._grouped_mm.default}
 
 
 def _ignore_profiler_ops_in_sac() -> None:

@@ -25,19 +25,14 @@ def moe_compiles_whole(
     `grouped_mm_supported`; the per-expert loop splits by counts read on the host) and the
     tokens stay on the rank (ep 1) or are exchanged with static splits (a capacity factor,
     `titanlab.distributed.expert_capacity`); tensor parallel's MoE hooks are not traced yet.
-    Not under per-op selective AC either: its caching dispatch mode has no rule for the
-    functionalized custom op that adds the layer's counts (measured, torch 2.13:
-    "no rule registered for HigherOrderOperator auto_functionalized_v2"); full AC and
-    per-layer selective AC recompute the compiled layer by calling it again, which works."""
+    Any activation checkpointing: the block compiles around its checkpoint (`apply_compile`)."""
     grouped = (
         device_type(device) == "cuda"
         and device_capability(device) >= (9, 0)
         and compute_dtype == torch.bfloat16
     )
     static = not parallel_dims.ep_enabled or config.parallelism.expert_capacity_factor > 0
-    ac = config.activation_checkpoint
-    per_op = ac.mode == "selective" and ac.selective_ac_option == "op"
-    return grouped and static and not parallel_dims.tp_enabled and not per_op
+    return grouped and static and not parallel_dims.tp_enabled
 
 
 def apply_compile(
@@ -65,9 +60,16 @@ def apply_compile(
     modules, which Dynamo does not compile as a frame of their own) and the MoE layer (router,
     dispatch, experts) run eagerly; with `moe_whole` (`moe_compiles_whole`: static shapes) the
     block compiles whole, the MoE layer's routing, permutation, grouped experts, combine and
-    shared expert with its norms and attention, inside its activation checkpoint (whose
-    traced form refuses the layer's attribute writes: "HOP: Unsafe side effect"). The blocks
-    of multi-token prediction depths (`model.mtp`) compile the same way.
+    shared expert with its norms and attention, around its activation checkpoint as a dense
+    block does, so that per-op selective AC's policy is applied inside the graph (by
+    AOTAutograd's partitioner; an eager SAC region around compiled code sees no ops to keep,
+    and recomputes the whole block). The layer's Python side effects (its aux loss and its
+    exchange's state, kept as attributes) are then applied once, after the forward, and not
+    again when backward recomputes it (`torch._dynamo.config`
+    `.skip_fwd_side_effects_in_bwd_under_checkpoint`; without it Dynamo refuses them: "HOP:
+    Unsafe side effect"), which is what the eager layer does too: its counts are added once
+    (`titanlab.models.common.forward_counts.add_once`) and its attributes rewritten with the
+    same values. The blocks of multi-token prediction depths (`model.mtp`) compile the same way.
 
     `fullgraph=False` (titanlab's context-parallel attention, whose collectives run eagerly:
     `titanlab.distributed.context_parallel.documents`): each block compiles in the pieces around its
@@ -93,9 +95,11 @@ def apply_compile(
         if not moe_layers(inner):
             (inner if inside_checkpoint else block).compile(backend=backend, fullgraph=fullgraph)
             continue
-        if moe_whole:  # inside any checkpoint: Dynamo's checkpoint refuses the layer's
-            # attribute writes (its aux loss, its exchange's state) in a traced recomputation
-            inner.compile(backend=backend, fullgraph=fullgraph)
+        if moe_whole:
+            import torch._dynamo.config
+
+            torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
+            block.compile(backend=backend, fullgraph=fullgraph)
             continue
         for child in inner.children():
             if not isinstance(child, MoE) and not type(child).__module__.startswith("torch."):

@@ -140,3 +140,70 @@ def test_a_recomputed_block_draws_the_same_dropout_mask(mode, option):
     assert plain.keys() == checkpointed.keys() and plain
     for name, g in plain.items():
         assert torch.equal(g, checkpointed[name]), name
+
+
+class _CountAllToAlls(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the functional all-to-alls dispatched while it is on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func is torch.ops._c10d_functional.all_to_all_single.default
+        return func(*args, **(kwargs or {}))
+
+
+def _all_to_all_worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
+    import os
+
+    from gloo_group import init_gloo
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from titanlab.distributed.expert_parallel import apply_ep
+    from titanlab.distributed.init import destroy_distributed
+    from titanlab.models.common.moe import MoE, MoEArgs
+
+    init_gloo(rank, world, init_file)
+    ok = False
+    try:
+        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
+        results = {}
+        for mode in ("none", "selective"):
+            torch.manual_seed(0)
+            model = torch.nn.Module()
+            moe = MoE(16, MoEArgs(num_experts=4, top_k=2, hidden_dim=8, num_shared_experts=1))
+            moe.init_weights(0.05)
+            model.layers = torch.nn.ModuleDict({"0": moe})
+            apply_ep(model, mesh, capacity_factor=2.0)  # never drops: E / top_k
+            apply_ac(model, mode, "op")
+            torch.manual_seed(1 + rank)
+            x = torch.randn(1, 6, 16, requires_grad=True)
+            out = model.layers["0"](x)
+            counter = _CountAllToAlls()
+            with counter:
+                out.pow(2).sum().backward()
+            grads = {clean(n): p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+                     for n, p in model.named_parameters() if p.grad is not None}  # fmt: skip
+            results[mode] = {"backward_all_to_alls": counter.count, "x": x.grad, **grads}
+        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+        ok = True
+    finally:
+        destroy_distributed(barrier=ok)
+
+
+def test_op_sac_keeps_expert_parallels_all_to_alls(tmp_path):
+    """An MoE layer under expert parallel (2 gloo ranks, the capacity exchange) and per-op SAC:
+    its backward exchanges twice, the reverse of the dispatch and of the combine, as without
+    AC; recomputing the forward's two all-to-alls would communicate again. Gradients equal."""
+    from gloo_group import spawn
+
+    spawn(_all_to_all_worker, (2, str(tmp_path / "init"), str(tmp_path)), 2)
+    for rank in range(2):
+        got = torch.load(tmp_path / f"rank{rank}.pt")
+        plain, sac = got["none"], got["selective"]
+        assert plain["backward_all_to_alls"] == sac["backward_all_to_alls"] == 2
+        assert plain.keys() == sac.keys()
+        for name in plain:
+            if name != "backward_all_to_alls":
+                torch.testing.assert_close(sac[name], plain[name], atol=1e-6, rtol=0, msg=name)

@@ -142,12 +142,11 @@ def _qwen3_moe(ac_mode: str) -> torch.nn.Module:
     return model
 
 
-@pytest.mark.parametrize("ac_mode", ["none", "full"])
+@pytest.mark.parametrize("ac_mode", ["none", "full", "selective"])
 def test_a_decoder_with_moe_blocks_compiled_whole_trains_like_eager(ac_mode):
-    """`apply_compile(moe_whole=True)` on a 2-block Qwen3-MoE, without AC and under full AC
-    (the recomputation calls the compiled layer again): logits and every gradient equal eager,
-    each layer's tokens counted once. Per-op selective AC is left eager by
-    `moe_compiles_whole`."""
+    """`apply_compile(moe_whole=True)` on a 2-block Qwen3-MoE, without AC, under full AC and
+    under per-op selective AC (the block compiled around its checkpoint): logits and every
+    gradient equal eager, each layer's tokens counted once."""
     from titanlab.distributed.compile import apply_compile
 
     tokens = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(3))
@@ -166,6 +165,48 @@ def test_a_decoder_with_moe_blocks_compiled_whole_trains_like_eager(ac_mode):
     _assert_alike(got, want, atol=0)
     assert all(torch.equal(g, w) for g, w in zip(got_counts, want_counts))
     assert all(c.sum() == 2 * 32 * compiled.args.moe.top_k for c in got_counts)
+
+
+def _matmuls(graph: torch.fx.Graph) -> list[str]:
+    """The matmul ops of an AOTAutograd graph, in order: "mm" and "grouped"."""
+    names = {torch.ops.aten.mm.default: "mm", torch.ops.aten._grouped_mm.default: "grouped"}
+    return [names[n.target] for n in graph.nodes if n.target in names]
+
+
+@pytest.mark.parametrize("ac_mode", ["none", "selective"])
+def test_per_op_selective_ac_keeps_every_other_matmul_inside_the_compiled_block(ac_mode):
+    """Compiled around its checkpoint, the MoE block's backward graph (AOTAutograd's
+    partition) recomputes exactly the matmuls the per-op policy does not keep: every
+    even-numbered forward matmul, the experts' grouped GEMMs counted with the dense ones; each
+    forward matmul also has its two gradient matmuls. Without AC nothing is recomputed. An
+    eager SAC region around compiled code would recompute all of them (the whole block)."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    from titanlab.distributed.compile import apply_compile
+
+    graphs: dict[str, list[list[str]]] = {"forward": [], "backward": []}
+
+    def keep(phase):
+        def compiler(gm, example_inputs):
+            graphs[phase].append(_matmuls(gm.graph))
+            return make_boxed_func(gm.forward)
+
+        return compiler
+
+    torch._dynamo.reset()  # a graph cached by another test would skip the compilers
+    model = _qwen3_moe(ac_mode)
+    apply_compile(model, aot_autograd(fw_compiler=keep("forward"), bw_compiler=keep("backward")),
+                  moe_whole=True)  # fmt: skip
+    tokens = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(3))
+    model(tokens).float().pow(2).mean().backward()
+    forward, backward = graphs["forward"][0], graphs["backward"][0]
+    assert forward.count("grouped") == 3 and forward.count("mm") >= 5  # w1, w3, w2; attention
+    recomputed = forward[1::2] if ac_mode == "selective" else []
+    for kind in ("mm", "grouped"):
+        want = 2 * forward.count(kind) + recomputed.count(kind)
+        assert backward.count(kind) == want, (kind, forward, backward)
+    assert recomputed.count("grouped") in (1, 2) or ac_mode == "none"
 
 
 @pytest.mark.parametrize(
@@ -191,13 +232,13 @@ def test_a_decoder_with_moe_blocks_compiled_whole_trains_like_eager(ac_mode):
                 "--activation_checkpoint.selective_ac_option",
                 "op",
             ],
-            False,
+            True,
         ),
     ],
 )
 def test_the_moe_layer_compiles_whole_only_where_it_can(options, whole):
-    """On an H100's code path, bf16, EP 8: with a capacity factor, unless per-op selective AC;
-    never on the CPU's (the per-expert loop)."""
+    """On an H100's code path, bf16, EP 8: with a capacity factor, under any AC; never on the
+    CPU's (the per-expert loop)."""
     from titanlab.config.device_path import Target, code_path_of
     from titanlab.config.manager import build_config
     from titanlab.distributed.parallel_dims import ParallelDims
