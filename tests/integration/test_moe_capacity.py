@@ -2,8 +2,12 @@
 with a factor no expert can exceed (E / top_k = 4 for Qwen3-MoE's debug flavor: 8 experts,
 top-2) Qwen3-MoE trains under EP × FSDP, EP × TP, EP × PP and EP × CP as one process does (3
 steps within 1e-5, fp32, from one seed) and logs no dropped slot; with a small factor, under full
-AC, the run logs the slots it dropped each step, once. make test-full adds every layout the issue names (EP 4, EP × expert
-FSDP, EP with accumulation)."""
+AC, the run logs the slots it dropped each step, once. The exchange overlapped in 4 chunks
+(`parallelism.expert_dispatch_chunks`; a chunk holds an expert's average load at factor 4, so
+the later chunks carry slots) trains as one process too, under EP × FSDP (every layout above in
+make test-full). make test-full adds every layout the issue names (EP 4, EP × expert FSDP, EP
+with accumulation).
+"""
 
 from __future__ import annotations
 
@@ -85,3 +89,22 @@ def test_a_small_capacity_logs_the_slots_it_drops_once_under_full_ac(reference):
     print(f"qwen3_moe capacity 0.5 {layout.name}: slots dropped by step {dropped} of {slots}")
     assert all(slots // 2 <= d < slots for d in dropped.values()), dropped
     assert outcome.max_abs_diff > 0  # dropping slots changes the losses
+
+
+CHUNKED = [lay for lay in CASES if FULL or lay.name == "ws2-fsdp2-ep2"]
+
+
+@pytest.mark.parametrize(
+    "layout",
+    cover_cases("qwen3_moe", CHUNKED, ids=[lay.name for lay in CHUNKED], feature="ep-capacity"),
+)
+def test_the_exchange_in_chunks_trains_as_one_process(layout, reference):
+    dataset, seed, losses, root = reference
+    extra = [*MOE, *NEVER_DROPS, "--parallelism.expert_dispatch_chunks", "4"]
+    where = os.path.join(root, "chunks")
+    outcome = parity_matrix.run_layout(layout, dataset, seed, losses, where, extra=extra)
+    assert outcome.error is None, outcome.report()
+    print(f"qwen3_moe capacity 4, 4 chunks {layout.name}: worst |Δloss| {outcome.max_abs_diff:.3g}")
+    assert outcome.max_abs_diff <= parity_matrix.TOLERANCE, (layout.name, outcome.max_abs_diff)
+    got = _records(os.path.join(where, "runs", layout.name))
+    assert all(r["moe/tokens_dropped"] == 0 for r in got.values()), got

@@ -150,6 +150,11 @@ class Parallelism:
     moe/tokens_dropped. A factor of num_experts / top_k or more never drops one.
     titanlab/distributed/expert_capacity.py."""
 
+    expert_dispatch_chunks: int = 1
+    """With expert_capacity_factor > 0: the exchange cut into this many chunks of every
+    expert's capacity (rounded up to a multiple of it), each chunk's all-to-alls running beside
+    another chunk's experts (Tutel's overlap degree); 1: one exchange, waited for whole."""
+
     @property
     def cp_load_balancer(self) -> str:
         """The load balancer in force: `context_parallel_load_balancer`, with auto as the
@@ -196,6 +201,12 @@ class Parallelism:
             self.expert_capacity_factor == 0 or self.expert_parallel_degree > 1,
             f"parallelism.expert_capacity_factor={self.expert_capacity_factor} bounds expert "
             "parallel's exchange; it needs expert_parallel_degree > 1 (got 1), or set it to 0",
+        )
+        _require(
+            self.expert_dispatch_chunks == 1
+            or (self.expert_dispatch_chunks > 1 and self.expert_capacity_factor > 0),
+            f"parallelism.expert_dispatch_chunks={self.expert_dispatch_chunks} must be 1, or > 1 "
+            "with expert_capacity_factor > 0 (the exact exchange is not cut into chunks)",
         )
         _require(
             self.zero_stage in (0, 1, 2, 3),

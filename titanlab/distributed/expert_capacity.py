@@ -25,11 +25,22 @@ rank's own count.
 
 The zero padding rows pass through the experts (SwiGLU of 0 is 0; gpt-oss's biased experts give
 them a constant) and are left out when the outputs come back, so they receive no gradient.
+
+Overlapped in chunks (`parallelism.expert_dispatch_chunks` = k > 1, `overlapped_exchange`): the
+C slot positions of every expert are cut into k runs of C / k (C rounded up to a multiple of
+k), and each run is exchanged, computed and sent back on its own. Every chunk's dispatch is
+issued first, so while the experts run chunk j the all-to-alls of chunk j + 1 (dispatch) and
+j − 1 (combine) are on the wire; only the first dispatch and the last combine wait alone. This
+is Tutel's pipelined all-to-all / expert overlap (Hwang et al. 2023, "Tutel: Adaptive
+Mixture-of-Experts at Scale", section 3.3, the a2a_ffn_overlap_degree). The rows each expert
+computes are the same as without chunks (each row's output is computed alone), only grouped
+into k GEMMs of ep · C / k rows each.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -110,3 +121,56 @@ def capacity_combine(module: nn.Module, out: torch.Tensor, mesh: DeviceMesh) -> 
     split = [local * ex.capacity] * ep
     back = all_to_all_single_autograd(by_source, split, split, mesh.get_group())
     return torch.cat([back, back.new_zeros(1, dim)])[ex.dest]
+
+
+def chunked_capacity(slots: int, num_experts: int, capacity_factor: float, chunks: int) -> int:
+    """`expert_capacity` rounded up to a multiple of `chunks` (>= 1): the capacity of the
+    exchange overlapped in `chunks` runs of slot positions."""
+    capacity = expert_capacity(slots, num_experts, capacity_factor)
+    return -(-capacity // chunks) * chunks
+
+
+def chunk_major(dest: torch.Tensor, experts: int, capacity: int, chunks: int) -> torch.Tensor:
+    """`place_slots`'s rows e · C + i (or E · C, dropped) renumbered chunk-major: the i-th slot
+    of expert e goes to row j · E · c + e · c + (i − j · c), c = C / chunks, j = i // c, so each
+    chunk's send rows are one contiguous (E · c)-row block in peer, then expert order."""
+    per = capacity // chunks
+    kept = dest < experts * capacity
+    expert, position = dest // capacity, dest % capacity
+    row = (position // per) * experts * per + expert * per + position % per
+    return torch.where(kept, row, dest)
+
+
+def overlapped_exchange(
+    module: nn.Module,
+    forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    x: torch.Tensor,
+    counts: torch.Tensor,
+    mesh: DeviceMesh,
+    capacity: int,
+    chunks: int,
+) -> torch.Tensor:
+    """The capacity-bounded exchange around the experts' `forward`, overlapped in `chunks` runs
+    (the module docstring). x (slots, dim) sorted by expert, counts (E,) int64; `capacity` a
+    multiple of `chunks` (`chunked_capacity`). Returns (slots, dim) in x's order, 0 for a
+    dropped slot, and hands the count of dropped slots to `module.record_dropped`. Static
+    shapes, no host read."""
+    ep, group = mesh.size(), mesh.get_group()
+    experts, dim = counts.numel(), x.shape[-1]
+    local, per = experts // ep, capacity // chunks
+    dest, dropped = place_slots(counts, x.shape[0], capacity)
+    module.record_dropped(dropped)  # type: ignore[operator]  # apply_ep's callable
+    dest = chunk_major(dest, experts, capacity, chunks)
+    rows = experts * capacity
+    send = x.new_zeros(rows + 1, dim).index_copy(0, dest, x)[:rows].view(chunks, -1, dim)
+    split = [local * per] * ep
+    # every dispatch first: chunk j + 1's runs beside chunk j's experts
+    received = [all_to_all_single_autograd(send[j], split, split, group) for j in range(chunks)]
+    sizes = torch.full((local,), ep * per, dtype=counts.dtype, device=counts.device)
+    back = []
+    for chunk in received:
+        # [source rank][local expert][slot] -> [local expert][source rank][slot] and back
+        grouped = chunk.view(ep, local, per, dim).transpose(0, 1).reshape(-1, dim)
+        out = forward(grouped, sizes).view(local, ep, per, dim).transpose(0, 1).reshape(-1, dim)
+        back.append(all_to_all_single_autograd(out, split, split, group))
+    return torch.cat([*back, back[0].new_zeros(1, dim)])[dest]

@@ -19,7 +19,8 @@ Applied from outside the model, like tensor parallel, as a `ParallelStyle` on ea
 
 With a capacity factor (`parallelism.expert_capacity_factor` > 0) the exchange is instead the
 capacity-bounded one of `titanlab.distributed.expert_capacity`: static splits, no host read,
-slots past an expert's capacity dropped and counted.
+slots past an expert's capacity dropped and counted; with `parallelism.expert_dispatch_chunks`
+> 1 it is cut into chunks whose all-to-alls overlap the other chunks' experts.
 
 The dispatch/combine pattern is GShard's (Lepikhin et al. 2020, "GShard: Scaling Giant Models
 with Conditional Computation and Automatic Sharding", section 2.2); the ParallelStyle hooks are
@@ -44,7 +45,9 @@ from titanlab.config import host_reads
 from titanlab.distributed.expert_capacity import (
     capacity_combine,
     capacity_dispatch,
+    chunked_capacity,
     expert_capacity,
+    overlapped_exchange,
 )
 from titanlab.models.common.decoder import moe_layers
 from titanlab.models.common.forward_counts import add_once
@@ -74,13 +77,27 @@ class ExpertParallel(ParallelStyle):
         capacity_factor: 0, the exact exchange; > 0, the capacity-bounded one
             (`titanlab.distributed.expert_capacity`), for which the module must have a
             `record_dropped(count)` (`apply_ep` gives it).
+        dispatch_chunks: > 1 (with a capacity factor only): the exchange overlapped in that
+            many chunks (`expert_capacity.overlapped_exchange`), around the module's forward.
+
+    Raises ValueError for dispatch_chunks < 1, or > 1 without a capacity factor.
     """
 
-    def __init__(self, capacity_factor: float = 0.0):
+    def __init__(self, capacity_factor: float = 0.0, dispatch_chunks: int = 1):
         super().__init__()
+        if dispatch_chunks < 1 or (dispatch_chunks > 1 and not capacity_factor > 0):
+            raise ValueError(
+                f"dispatch_chunks={dispatch_chunks} must be 1, or > 1 with a capacity factor "
+                f"> 0 (got {capacity_factor})"
+            )
         self.capacity_factor = capacity_factor
+        self.dispatch_chunks = dispatch_chunks
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if self.dispatch_chunks > 1:
+            distribute_module(module, device_mesh, partition_fn=_shard_experts)
+            _overlap(module, device_mesh, self.capacity_factor, self.dispatch_chunks)
+            return module
         dispatch, combine = _dispatch, _combine
         if self.capacity_factor > 0:
             factor = self.capacity_factor
@@ -100,6 +117,18 @@ class ExpertParallel(ParallelStyle):
             input_fn=dispatch,  # type: ignore[arg-type]
             output_fn=combine,  # type: ignore[arg-type]
         )
+
+
+def _overlap(module: nn.Module, mesh: DeviceMesh, factor: float, chunks: int) -> None:
+    """Wrap `module.forward` (an instance attribute, so its parameter names do not change) in
+    the overlapped capacity exchange."""
+    experts = module.forward
+
+    def forward(x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        capacity = chunked_capacity(x.shape[0], counts.numel(), factor, chunks)
+        return overlapped_exchange(module, experts, x, counts, mesh, capacity, chunks)
+
+    module.forward = forward  # type: ignore[method-assign]
 
 
 def _shard_experts(name: str, module: nn.Module, mesh: DeviceMesh) -> None:
@@ -150,11 +179,14 @@ def _combine(module: nn.Module, out: torch.Tensor, mesh: DeviceMesh) -> torch.Te
     return all_to_all_single_autograd(out[back], ex.send_splits, ex.recv_splits, mesh.get_group())
 
 
-def apply_ep(model: nn.Module, ep_mesh: DeviceMesh, capacity_factor: float = 0.0) -> None:
+def apply_ep(
+    model: nn.Module, ep_mesh: DeviceMesh, capacity_factor: float = 0.0, dispatch_chunks: int = 1
+) -> None:
     """Shard the routed experts of every MoE layer of `model` (a decoder or a pipeline stage)
     over `ep_mesh` in place, with the exact exchange or, for `capacity_factor` > 0, the
-    capacity-bounded one, whose dropped slots each layer's `tokens_dropped` counts. Raises
-    ValueError when the expert count is not divisible by ep."""
+    capacity-bounded one, whose dropped slots each layer's `tokens_dropped` counts, overlapped
+    in `dispatch_chunks` chunks when > 1 (`ExpertParallel`). Raises ValueError when the expert
+    count is not divisible by ep, or for chunks `ExpertParallel` refuses."""
     for moe in moe_layers(model):
         if moe.args.num_experts % ep_mesh.size():
             raise ValueError(
@@ -162,7 +194,7 @@ def apply_ep(model: nn.Module, ep_mesh: DeviceMesh, capacity_factor: float = 0.0
             )
         if capacity_factor > 0:
             moe.experts.record_dropped = partial(_record_dropped, moe)  # type: ignore[assignment]
-        parallelize_module(moe.experts, ep_mesh, ExpertParallel(capacity_factor))
+        parallelize_module(moe.experts, ep_mesh, ExpertParallel(capacity_factor, dispatch_chunks))
 
 
 def _record_dropped(moe: MoE, dropped: torch.Tensor) -> None:

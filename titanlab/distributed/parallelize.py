@@ -124,21 +124,26 @@ def parallelize_model(
     if parallel_dims.ep_enabled:
         ep_mesh = parallel_dims.mesh("ep")
         assert ep_mesh is not None  # built whenever ep > 1
-        apply_ep(model, ep_mesh, config.parallelism.expert_capacity_factor)
+        apply_ep(model, ep_mesh, config.parallelism.expert_capacity_factor,
+                 config.parallelism.expert_dispatch_chunks)  # fmt: skip
     apply_ac(
         model, config.activation_checkpoint.mode, config.activation_checkpoint.selective_ac_option
     )
     if config.activation_checkpoint.offload:
         apply_offload(list(model.layers.values()), device)
     if config.compile.enable and "model" in config.compile.components:
-        # tensor and context parallel put collectives inside the compiled blocks
+        moe_whole = moe_compiles_whole(config, parallel_dims, device, param_dtype(config, device))
+        # tensor and context parallel put collectives inside the compiled blocks, and expert
+        # parallel's all-to-alls do in an MoE block compiled whole
         in_graph = parallel_dims.tp_enabled or parallel_dims.cp > 1
+        in_graph |= moe_whole and parallel_dims.ep_enabled
         apply_compile(model, config.compile.backend, collectives_in_graph=in_graph,
                       fullgraph=not own_cp_attention(config, own_cp_layers(model.args)),
                       inside_checkpoint=parallel_dims.tp_enabled
                       and config.activation_checkpoint.mode == "full",
-                      moe_whole=moe_compiles_whole(config, parallel_dims, device,
-                                                   param_dtype(config, device)))  # fmt: skip
+                      moe_whole=moe_whole,
+                      overlap_collectives=moe_whole
+                      and config.parallelism.expert_dispatch_chunks > 1)  # fmt: skip
     if parallel_dims.dp_replicate_enabled and not parallel_dims.fsdp_enabled:
         dp_mesh = parallel_dims.mesh("dp_replicate")
         assert dp_mesh is not None  # built whenever dp_replicate > 1

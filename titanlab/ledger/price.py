@@ -30,7 +30,7 @@ Units: seconds, bytes, FLOPs.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from titanlab.ledger.record import OpRecord
 from titanlab.planning.cluster import Cluster
@@ -224,6 +224,37 @@ def waits(ops: list[OpRecord]) -> dict[int, int]:
     return found
 
 
+def in_graph_schedule(ops: list[OpRecord]) -> tuple[list[int], list[OpRecord]]:
+    """(order, the ops in it): the order a compiled block runs `ops` in when Inductor overlaps
+    its functional
+    collectives (`titanlab.distributed.compile.overlap_in_graph_collectives`: `raise_comms`
+    and `sink_waits`): each `_c10d_functional.*` collective of forward and backward issued
+    right after the last op producing one of its inputs, and each wait moved to the first
+    use of its result (marked `deferred`, as eager's `AsyncCollectiveTensor` waits are)."""
+    produced: dict[int, int] = {}  # tensor id → index of the op writing it
+    keys: list[tuple[int, int, int]] = []
+    region, start = ("", ""), 0
+    for i, op in enumerate(ops):
+        # a graph's ops: one phase of one block (Inductor reorders within a graph only)
+        here = (op.phase, ".".join(op.module.split(".")[:2]))
+        region, start = (region, start) if here == region else (here, i)
+        in_graph = op.phase in ("forward", "backward") and op.op.startswith("_c10d_functional.")
+        if in_graph and op.kind == "collective":
+            ready = max((produced.get(t, -1) for t in op.inputs), default=-1)
+            keys.append((max(ready, start - 1), 1, i))
+        else:
+            keys.append((i, 0, i))
+        produced.update({t: i for t in op.outputs})
+    order = sorted(range(len(ops)), key=keys.__getitem__)
+    in_graph_wait = ("forward", "backward")
+    return order, [
+        replace(ops[i], deferred=True)
+        if ops[i].op.startswith("_c10d_functional.wait_tensor") and ops[i].phase in in_graph_wait
+        else ops[i]
+        for i in order
+    ]
+
+
 def async_exposure(
     ops: list[OpRecord], seconds: list[float], waited: list[int]
 ) -> tuple[float, float]:
@@ -325,11 +356,18 @@ def price(
     group_dims: dict[str, str] | None = None,
     efficiency: LedgerEfficiency = LedgerEfficiency(),
     overlap: Overlap = Overlap(),
+    in_graph_overlap: bool = False,
 ) -> Priced:
     """Price `ops` on `device`. `group_dims`: process-group name → mesh dim name (which
-    collectives may overlap the compute, `overlaps`); unnamed groups wait."""
+    collectives may overlap the compute, `overlaps`); unnamed groups wait.
+    `in_graph_overlap`: the ops run in the order compiled blocks overlapping their
+    collectives give (`in_graph_schedule`)."""
     group_dims = group_dims or {}
-    seconds = op_seconds(ops, device, efficiency)
+    priced_ops = ops
+    seconds = priced_seconds = op_seconds(ops, device, efficiency)
+    if in_graph_overlap:  # the timeline below in the compiled blocks' order
+        order, ops = in_graph_schedule(ops)
+        seconds = [seconds[i] for i in order]
     compute = sum(s for op, s in zip(ops, seconds) if op.kind != "collective")
     exposed = hidden = 0.0
     by_phase: dict[str, list[tuple[int, float]]] = {}
@@ -355,6 +393,7 @@ def price(
         exposed += ends + max(0.0, beside - window)
         hidden += min(beside, window)
     perfect = compute + waited_exposed + max(0.0, overlapped - compute)
-    return Priced(ops, seconds, compute, overlapped + waited_s, waited_exposed + exposed,
+    return Priced(priced_ops, priced_seconds, compute, overlapped + waited_s,
+                  waited_exposed + exposed,
                   overlap.contention * (hidden + waited_hidden), perfect,
                   compute + overlapped + waited_s)  # fmt: skip

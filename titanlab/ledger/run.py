@@ -5,6 +5,7 @@ and priced."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from titanlab.config.device_path import Target, code_path_of
 from titanlab.config.manager import build_config
@@ -12,6 +13,10 @@ from titanlab.ledger.price import Priced, price
 from titanlab.ledger.record import OpRecord
 from titanlab.ledger.step import group_dims, record_step
 from titanlab.planning.cluster import Cluster, get_profile
+
+if TYPE_CHECKING:
+    from titanlab.config.job_config import JobConfig
+    from titanlab.trainer import Trainer
 
 
 @dataclass
@@ -40,6 +45,19 @@ class Ledger:
     "model")."""
 
 
+def overlaps_in_graph(config: JobConfig, trainer: Trainer) -> bool:
+    """Whether the run's compiled blocks overlap their collectives (what `parallelize_model`
+    asks of `apply_compile`: MoE blocks compiled whole with the exchange in chunks), so that
+    the step is priced in the order Inductor gives (`price.in_graph_schedule`)."""
+    from titanlab.distributed.compile import moe_compiles_whole
+    from titanlab.distributed.parallelize import param_dtype
+
+    compiled = config.compile.enable and "model" in config.compile.components
+    dims, device = trainer.parallel_dims, trainer.device
+    whole = moe_compiles_whole(config, dims, device, param_dtype(config, device))
+    return compiled and whole and config.parallelism.expert_dispatch_chunks > 1
+
+
 def build_ledger(argv: list[str], device: str = "") -> Ledger:
     """The ledger of the run `argv` (a command line of `titanlab.train`) on `device` (a cluster
     profile name or file; default the config's `comm.dry_run_device`). Raises ConfigError (one
@@ -58,6 +76,7 @@ def build_ledger(argv: list[str], device: str = "") -> Ledger:
             trainer = Trainer(config)
             ops = record_step(trainer)
             dims = group_dims(trainer)
+            in_graph = overlaps_in_graph(config, trainer)
         finally:
             destroy_distributed(barrier=False)
     t = config.training
@@ -71,7 +90,7 @@ def build_ledger(argv: list[str], device: str = "") -> Ledger:
     )
     # the model's FLOPs per rank: its share of the tensor-parallel (and context-parallel) work
     model_flops = per_token * tokens / (dp.tp * dp.cp)
-    priced = price(ops, profile, dims)
+    priced = price(ops, profile, dims, in_graph_overlap=in_graph)
     peak = trainer.memory.total if trainer.memory is not None else 0.0
     compiled = config.compile.enable and "model" in config.compile.components
     return Ledger(ops, priced, profile, tokens, model_flops, summary, peak, t.seq_len, dp.cp,

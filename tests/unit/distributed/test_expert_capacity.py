@@ -3,7 +3,9 @@ capacity no expert can exceed, an MoE layer split over 2 and 4 gloo ranks gives 
 output, and every weight the gradient, of the unsplit layer, and drops nothing; with a small
 capacity it drops exactly the slots past each expert's first C of a rank (counted), and every
 token gets what the unsplit layer gives it from the slots kept (a reference written here, slot
-by slot). The exchange's shapes depend on the slot count only, not on the routing."""
+by slot). Overlapped in 2 chunks (`parallelism.expert_dispatch_chunks`), the same, with the
+capacity rounded up to a multiple of the chunks. The exchange's shapes depend on the slot
+count only, not on the routing."""
 
 from __future__ import annotations
 
@@ -16,7 +18,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from gloo_group import init_gloo, spawn
-from titanlab.distributed.expert_capacity import expert_capacity, place_slots
+from titanlab.distributed.expert_capacity import (
+    chunk_major,
+    chunked_capacity,
+    expert_capacity,
+    place_slots,
+)
 from titanlab.distributed.init import destroy_distributed
 from titanlab.models.common.moe import MoE, MoEArgs
 
@@ -58,7 +65,9 @@ def _kept_reference(moe: MoE, x: torch.Tensor, capacity: int) -> torch.Tensor:
     return (out + moe.shared_experts(xt)).view_as(x)
 
 
-def _worker(rank: int, world: int, init_file: str, out_dir: str, factor: float) -> None:
+def _worker(
+    rank: int, world: int, init_file: str, out_dir: str, factor: float, chunks: int
+) -> None:
     init_gloo(rank, world, init_file)
     ok = False
     try:
@@ -67,7 +76,8 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str, factor: float) 
         from titanlab.distributed.expert_parallel import apply_ep
 
         reference, sharded = _layer(), _layer()
-        apply_ep(sharded, init_device_mesh("cpu", (world,), mesh_dim_names=("ep",)), factor)
+        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
+        apply_ep(sharded, mesh, factor, dispatch_chunks=chunks)
         torch.manual_seed(100 + rank)  # each rank its own tokens, as many as the others
         x = torch.randn(1, TOKENS, DIM)
         grad = torch.randn_like(x)
@@ -95,9 +105,9 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str, factor: float) 
         destroy_distributed(barrier=ok)
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_a_capacity_no_expert_exceeds_equals_the_unsplit_layer(world, tmp_path):
-    spawn(_worker, (world, str(tmp_path / "init"), str(tmp_path), NEVER_DROPS), world)
+@pytest.mark.parametrize("world, chunks", [(2, 1), (4, 1), (2, 2), (4, 3)])
+def test_a_capacity_no_expert_exceeds_equals_the_unsplit_layer(world, chunks, tmp_path):
+    spawn(_worker, (world, str(tmp_path / "init"), str(tmp_path), NEVER_DROPS, chunks), world)
     for rank in range(world):
         r = torch.load(tmp_path / f"rank{rank}.pt")
         assert r["dropped"].item() == 0
@@ -107,15 +117,16 @@ def test_a_capacity_no_expert_exceeds_equals_the_unsplit_layer(world, tmp_path):
             torch.testing.assert_close(g, r["reference"]["grads"][name], atol=1e-6, rtol=1e-5)
 
 
-def test_a_small_capacity_drops_exactly_the_slots_past_it_and_counts_them(tmp_path):
+@pytest.mark.parametrize("chunks", [1, 2])
+def test_a_small_capacity_drops_exactly_the_slots_past_it_and_counts_them(chunks, tmp_path):
     world = 2
-    spawn(_worker, (world, str(tmp_path / "init"), str(tmp_path), SMALL), world)
+    spawn(_worker, (world, str(tmp_path / "init"), str(tmp_path), SMALL, chunks), world)
     reference = _layer()
     total = 0
     for rank in range(world):
         r = torch.load(tmp_path / f"rank{rank}.pt")
         slots = r["x"].shape[1] * TOP_K
-        capacity = math.ceil(SMALL * slots / EXPERTS)
+        capacity = -(-math.ceil(SMALL * slots / EXPERTS) // chunks) * chunks
         with torch.no_grad():
             want = _kept_reference(reference, r["x"], capacity)
             _, experts, _ = reference.router(r["x"].reshape(-1, DIM), reference.expert_bias)
@@ -141,3 +152,15 @@ def test_capacity_is_the_ceiling_of_factor_times_slots_per_expert():
     assert expert_capacity(1, 8, 0.1) == 1  # at least one slot
     with pytest.raises(ValueError, match="capacity_factor=0"):
         expert_capacity(16, 8, 0)
+
+
+def test_chunked_capacity_rounds_up_to_a_multiple_of_the_chunks():
+    assert chunked_capacity(16, 8, 1.25, 1) == 3
+    assert chunked_capacity(16, 8, 1.25, 2) == 4
+    assert chunked_capacity(32768, 128, 1.25, 2) == 320  # Qwen3-30B-A3B, seq 4096, top-8
+
+
+def test_chunk_major_puts_each_chunk_of_every_expert_in_one_block():
+    # E = 2 experts, C = 4 slots each, 2 chunks of 2: rows e·C + i -> j·E·2 + e·2 + i % 2
+    dest = torch.tensor([0, 1, 2, 3, 4, 6, 8])  # expert 0's four slots, expert 1's 0 and 2
+    assert chunk_major(dest, 2, 4, 2).tolist() == [0, 1, 4, 5, 2, 6, 8]  # 8 = E·C: dropped

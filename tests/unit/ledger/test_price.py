@@ -8,7 +8,14 @@ from __future__ import annotations
 
 import pytest
 
-from titanlab.ledger.price import LedgerEfficiency, Overlap, fused_traffic, price, waits
+from titanlab.ledger.price import (
+    LedgerEfficiency,
+    Overlap,
+    fused_traffic,
+    in_graph_schedule,
+    price,
+    waits,
+)
 from titanlab.ledger.record import OpRecord
 from titanlab.planning.cluster import PROFILES
 from titanlab.planning.comm_model import ring_seconds
@@ -220,3 +227,49 @@ def test_a_host_sync_stalls_the_gpu_and_a_copy_crosses_pcie():
     assert got.seconds[0] == pytest.approx(EFF.host_sync_s + 4 / EFF.host_copy_bandwidth)
     assert got.seconds[1] == pytest.approx(EFF.host_sync_s + 1e9 / EFF.host_copy_bandwidth)
     assert got.step_s == pytest.approx(sum(got.seconds))
+
+
+def test_a_compiled_block_overlapping_its_collectives_issues_each_once_its_input_is_ready():
+    """`in_graph_overlap` (Inductor's raise_comms and sink_waits in an MoE block exchanged in
+    chunks): as recorded, the backward's all-to-alls are waited at once (C++'s wait) and the
+    second is issued after the first chunk's gradient GEMMs, though its input was ready
+    before; in the compiled order it is issued there and waited at its first use, so it runs
+    beside those GEMMs. A collective is not moved out of its block's graph (the previous
+    block's ops), and the pricing keeps the ops' own order and seconds."""
+
+    def a2a(tensor_in: int, tensor_out: int, module: str = "layers.1.moe") -> OpRecord:
+        op = _collective("_c10d_functional.all_to_all_single.default", "all_to_all",
+                         "backward", "g")  # fmt: skip
+        op.module, op.inputs, op.outputs = module, (tensor_in,), (tensor_out,)
+        return op
+
+    def wait(tensor_in: int, tensor_out: int) -> OpRecord:
+        return OpRecord("_c10d_functional.wait_tensor.default", "layers.1.moe", "backward",
+                        "view", inputs=(tensor_in,), outputs=(tensor_out,))  # fmt: skip
+
+    def gemm(tensor_in: int, tensor_out: int, seconds: float) -> OpRecord:
+        op = _gemm_of(seconds)
+        op.module, op.phase = "layers.1.moe", "backward"
+        op.inputs, op.outputs = (tensor_in,), (tensor_out,)
+        return op
+
+    length = price([a2a(0, 1)], H100).seconds[0]
+    grads = OpRecord("aten.clone.default", "layers.1.moe", "backward", "pointwise",
+                     outputs=(1, 2), bytes_read=8, bytes_written=8)  # fmt: skip
+    ops = [grads, a2a(1, 10), wait(10, 11), gemm(11, 12, length),
+           a2a(2, 20), wait(20, 21), gemm(21, 22, length)]  # fmt: skip
+    order, scheduled = in_graph_schedule(ops)
+    assert order == [0, 1, 4, 2, 3, 5, 6]  # the second exchange raised to its input
+    assert all(op.deferred for op in scheduled if op.op.startswith("_c10d_functional.wait"))
+    recorded = price(ops, H100, {"g": "ep"})
+    compiled = price(ops, H100, {"g": "ep"}, in_graph_overlap=True)
+    assert recorded.exposed_comm_s == pytest.approx(2 * length)
+    assert compiled.exposed_comm_s == pytest.approx(length)  # the second beside the GEMM
+    assert compiled.ops == ops and compiled.seconds == recorded.seconds
+    # an input written early in the previous block's graph raises it to the start of its own
+    # graph only, not among the previous graph's ops
+    earlier = OpRecord("aten.clone.default", "layers.2.moe", "backward", "pointwise",
+                       outputs=(30,), bytes_read=8, bytes_written=8)  # fmt: skip
+    other = [earlier, gemm(0, 31, length), grads, a2a(30, 10), wait(10, 11)]
+    other[1].module = "layers.2.moe"
+    assert in_graph_schedule(other)[0] == [0, 1, 3, 2, 4]
