@@ -206,14 +206,22 @@ def test_an_exchange_in_chunks_compiled_by_inductor_runs_its_all_to_alls_beside_
         assert len(beside(backward)) == 4 and all(beside(backward)[1:]), backward
 
 
-def _qwen3_moe(ac_mode: str) -> torch.nn.Module:
+def _moe_decoder(ac_mode: str, family_name: str = "qwen3_moe") -> torch.nn.Module:
+    """`family_name`'s debug flavor cut to the fewest blocks (at least 2) that hold an MoE
+    block, without multi-token prediction, bf16 on the grouped GEMMs, under `ac_mode`."""
     import dataclasses
 
     from titanlab.distributed.activation_checkpoint import apply_ac
+    from titanlab.models.common.decoder import moe_layer_args
     from titanlab.models.registry import get_family
 
-    family = get_family("qwen3_moe")
-    args = dataclasses.replace(family.flavors["debugmodel"], n_layers=2, vocab_size=256)
+    family = get_family(family_name)
+    flavor = family.flavors["debugmodel"]
+    blocks = next(n for n in range(2, flavor.n_layers + 1)
+                  if moe_layer_args(dataclasses.replace(flavor, n_layers=n)))  # fmt: skip
+    args = dataclasses.replace(flavor, n_layers=blocks, vocab_size=256)
+    if hasattr(args, "mtp_layers"):  # a plain forward does not run the MTP depths
+        args = dataclasses.replace(args, mtp_layers=0)
     torch.manual_seed(0)
     model = family.model_cls(args)
     model.init_weights()
@@ -226,11 +234,25 @@ def _qwen3_moe(ac_mode: str) -> torch.nn.Module:
     return model
 
 
-@pytest.mark.parametrize("ac_mode", ["none", "full", "selective"])
-def test_a_decoder_with_moe_blocks_compiled_whole_trains_like_eager(ac_mode):
-    """`apply_compile(moe_whole=True)` on a 2-block Qwen3-MoE, without AC, under full AC and
-    under per-op selective AC (the block compiled around its checkpoint): logits and every
-    gradient equal eager, each layer's tokens counted once."""
+def _moe_families() -> list[str]:
+    """The registered families whose debug flavor has MoE blocks."""
+    from titanlab.models.common.decoder import moe_layer_args
+    from titanlab.models.registry import FAMILIES, get_family
+
+    return [f for f in FAMILIES if moe_layer_args(get_family(f).flavors["debugmodel"])]
+
+
+CASES = [("qwen3_moe", "none"), ("qwen3_moe", "full")]
+CASES += [(family, "selective") for family in _moe_families()]
+
+
+@pytest.mark.parametrize("family, ac_mode", CASES, ids=[f"{f}-{a}" for f, a in CASES])
+def test_a_decoder_with_moe_blocks_compiled_whole_trains_like_eager(family, ac_mode):
+    """`apply_compile(moe_whole=True)` on a 2-block Qwen3-MoE without AC and under full AC, and
+    on every MoE family (Qwen3-MoE; DeepSeek-V3, MLA and shared experts; gpt-oss, biased and
+    clamped experts; Qwen3.5-MoE, Gated DeltaNet blocks) under per-op selective AC (the block
+    compiled around its checkpoint): logits and every gradient equal eager bitwise
+    (aot_eager), each layer's tokens counted once."""
     from titanlab.distributed.compile import apply_compile
 
     tokens = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(3))
@@ -239,16 +261,17 @@ def test_a_decoder_with_moe_blocks_compiled_whole_trains_like_eager(ac_mode):
         out = model(tokens)
         out.float().pow(2).mean().backward()
         grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
-        counts = [m.tokens_per_expert.clone() for m in model.modules() if isinstance(m, MoE)]
-        return {"logits": out.detach(), **grads}, counts
+        layers = [m for m in model.modules() if isinstance(m, MoE)]
+        return {"logits": out.detach(), **grads}, [m.tokens_per_expert.clone() for m in layers]
 
-    want, want_counts = step(_qwen3_moe(ac_mode))
-    compiled = _qwen3_moe(ac_mode)
+    want, want_counts = step(_moe_decoder(ac_mode, family))
+    compiled = _moe_decoder(ac_mode, family)
     apply_compile(compiled, "aot_eager", moe_whole=True)
     got, got_counts = step(compiled)
     _assert_alike(got, want, atol=0)
-    assert all(torch.equal(g, w) for g, w in zip(got_counts, want_counts))
-    assert all(c.sum() == 2 * 32 * compiled.args.moe.top_k for c in got_counts)
+    assert got_counts and all(torch.equal(g, w) for g, w in zip(got_counts, want_counts))
+    top_k = [m.args.top_k for m in compiled.modules() if isinstance(m, MoE)]
+    assert all(c.sum() == 2 * 32 * k for c, k in zip(got_counts, top_k))
 
 
 def _matmuls(graph: torch.fx.Graph) -> list[str]:
@@ -279,7 +302,7 @@ def test_per_op_selective_ac_keeps_every_other_matmul_inside_the_compiled_block(
         return compiler
 
     torch._dynamo.reset()  # a graph cached by another test would skip the compilers
-    model = _qwen3_moe(ac_mode)
+    model = _moe_decoder(ac_mode)
     apply_compile(model, aot_autograd(fw_compiler=keep("forward"), bw_compiler=keep("backward")),
                   moe_whole=True)  # fmt: skip
     tokens = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(3))
