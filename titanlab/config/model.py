@@ -54,6 +54,13 @@ class Model:
     tensor or context parallel). Empty: the flavor's (Qwen3-MoE: global, DeepSeek-V3:
     sequence)."""
 
+    moe_grouped_mm: str = "auto"
+    """MoE models: the routed experts as grouped GEMMs (`torch._grouped_mm`, one kernel for all
+    experts) or as the exact per-expert loop. "auto": grouped where it is a GPU kernel (bf16 on
+    a Hopper-class GPU), else the loop; "on": grouped wherever torch runs it (the CPU's bf16
+    too, where a test then takes the GPU's code path: the MoE block compiles whole,
+    `titanlab.distributed.compile.moe_compiles_whole`); "off": the loop."""
+
     mtp_loss_weight: float = -1.0
     """Models with multi-token prediction depths (deepseek_v3): λ, the weight of their loss
     (0: not computed, the depths do not train). -1: the flavor's (DeepSeek-V3: 0.3)."""
@@ -67,6 +74,10 @@ class Model:
             )
         _require(
             self.n_layers >= 0, f"model.n_layers={self.n_layers} must be >= 0 (0: every block)"
+        )
+        _require(
+            self.moe_grouped_mm in ("auto", "on", "off"),
+            f"model.moe_grouped_mm={self.moe_grouped_mm!r}; valid: auto, on, off",
         )
         _require(
             self.moe_load_balance_type in ("", "global", "sequence"),

@@ -22,17 +22,27 @@ def moe_compiles_whole(
     """Whether an MoE block compiles whole (`apply_compile`'s `moe_whole`) on `device` with
     parameters computed in `compute_dtype` (`parallelize.param_dtype`): its shapes must not
     depend on the routing, so the experts run as grouped GEMMs (bf16 on a Hopper-class GPU,
-    `grouped_mm_supported`; the per-expert loop splits by counts read on the host) and the
+    `grouped_mm_supported`, or anywhere with `model.moe_grouped_mm = "on"`; the per-expert
+    loop splits by counts read on the host) and the
     tokens stay on the rank (ep 1) or are exchanged with static splits (a capacity factor,
-    `titanlab.distributed.expert_capacity`); tensor parallel's MoE hooks are not traced yet.
+    `titanlab.distributed.expert_capacity`); tensor parallel's MoE hooks are not traced yet,
+    nor data parallel's: under FSDP or DDP the router is its own unit (fp32, `ROUTER_MP`), and
+    so are expert parallel's experts, and their hooks are `torch._dynamo.disable`d, which a
+    full graph cannot call ("Attempted to call function marked as skipped", measured in the
+    trainer on CPU, EP 2 × FSDP 2, with and without AC), so the block then compiles its
+    attention only. torchtitan compiles such blocks in pieces around those hooks.
     Any activation checkpointing: the block compiles around its checkpoint (`apply_compile`)."""
-    grouped = (
-        device_type(device) == "cuda"
+    grouped = config.model.moe_grouped_mm == "on" or (
+        config.model.moe_grouped_mm == "auto"
+        and device_type(device) == "cuda"
         and device_capability(device) >= (9, 0)
         and compute_dtype == torch.bfloat16
     )
     static = not parallel_dims.ep_enabled or config.parallelism.expert_capacity_factor > 0
-    return grouped and static and not parallel_dims.tp_enabled
+    # FSDP and DDP make the router (and expert parallel's experts) units of their own, whose
+    # hooks Dynamo does not trace inside a full graph
+    own_units = parallel_dims.dp_enabled or parallel_dims.fsdp_enabled
+    return grouped and static and not parallel_dims.tp_enabled and not own_units
 
 
 def apply_compile(

@@ -9,6 +9,7 @@ with `to_empty` + `init_weights` (or a checkpoint load).
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, cast
 
 import torch
@@ -44,6 +45,8 @@ from titanlab.distributed.tensor_parallel.one_d import apply_tp
 from titanlab.models.common.decoder import moe_layers
 from titanlab.models.common.token_mixer import own_cp_layers
 from titanlab.config.device_path import device_type
+
+logger = logging.getLogger("titanlab")
 
 if TYPE_CHECKING:
     from titanlab.models.common.decoder import Decoder
@@ -121,6 +124,9 @@ def parallelize_model(
             and device_type(device) == "cuda",
             lora=config.peft.method == "lora",
         )
+    grouped = {"auto": None, "on": True, "off": False}[config.model.moe_grouped_mm]
+    for moe in moe_layers(model):
+        moe.experts.use_grouped_mm = grouped
     if parallel_dims.ep_enabled:
         ep_mesh = parallel_dims.mesh("ep")
         assert ep_mesh is not None  # built whenever ep > 1
@@ -133,6 +139,8 @@ def parallelize_model(
         apply_offload(list(model.layers.values()), device)
     if config.compile.enable and "model" in config.compile.components:
         moe_whole = moe_compiles_whole(config, parallel_dims, device, param_dtype(config, device))
+        if moe_whole and moe_layers(model):
+            logger.info("compile: MoE blocks compiled whole (routing, exchange, experts, combine)")
         # tensor and context parallel put collectives inside the compiled blocks, and expert
         # parallel's all-to-alls do in an MoE block compiled whole
         in_graph = parallel_dims.tp_enabled or parallel_dims.cp > 1

@@ -316,44 +316,34 @@ def test_per_op_selective_ac_keeps_every_other_matmul_inside_the_compiled_block(
     assert recomputed.count("grouped") in (1, 2) or ac_mode == "none"
 
 
-@pytest.mark.parametrize(
-    "options, whole",
-    [
-        (["--parallelism.expert_capacity_factor", "1.25"], True),
-        (
-            [
-                "--activation_checkpoint.mode",
-                "full",
-                "--parallelism.expert_capacity_factor",
-                "1.25",
-            ],
-            True,
-        ),
-        ([], False),  # the exact exchange reads its splits on the host
-        (
-            [
-                "--parallelism.expert_capacity_factor",
-                "1.25",
-                "--activation_checkpoint.mode",
-                "selective",
-                "--activation_checkpoint.selective_ac_option",
-                "op",
-            ],
-            True,
-        ),
-    ],
-)
-def test_the_moe_layer_compiles_whole_only_where_it_can(options, whole):
-    """On an H100's code path, bf16, EP 8: with a capacity factor, under any AC; never on the
-    CPU's (the per-expert loop)."""
+AC_OPTIONS = [
+    [],
+    ["--activation_checkpoint.mode", "full"],
+    ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option",
+     "op"],
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("options", AC_OPTIONS, ids=["none", "full", "selective-op"])
+def test_the_moe_layer_compiles_whole_only_where_it_can(options):
+    """On an H100's code path, bf16, one GPU: under any AC; never on the CPU's (the per-expert
+    loop) unless `model.moe_grouped_mm = "on"`; never under FSDP (EP 8 over dp_shard 8: the
+    router's and experts' own FSDP units), even with a capacity factor's static exchange."""
     from titanlab.config.device_path import Target, code_path_of
     from titanlab.config.manager import build_config
     from titanlab.distributed.parallel_dims import ParallelDims
     from titanlab.distributed.compile import moe_compiles_whole
 
-    config = build_config(["--job.config_file", "train_configs/qwen3_moe_debug.toml",
-                           "--activation_checkpoint.mode", "none", *options])  # fmt: skip
-    dims = ParallelDims(dp_replicate=1, dp_shard=8, cp=1, tp=1, pp=1, world_size=8, ep=8)
+    base = ["--job.config_file", "train_configs/qwen3_moe_debug.toml", *options]
+    config = build_config(base)
+    capacity = build_config([*base, "--parallelism.expert_parallel_degree", "8",
+                             "--parallelism.expert_capacity_factor", "1.25"])  # fmt: skip
+    forced = build_config([*base, "--model.moe_grouped_mm", "on"])
+    one = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, world_size=1, ep=1)
+    fsdp = ParallelDims(dp_replicate=1, dp_shard=8, cp=1, tp=1, pp=1, world_size=8, ep=8)
     with code_path_of(Target("cuda", (9, 0))):
-        assert moe_compiles_whole(config, dims, torch.device("cuda"), torch.bfloat16) is whole
-    assert not moe_compiles_whole(config, dims, torch.device("cpu"), torch.float32)
+        assert moe_compiles_whole(config, one, torch.device("cuda"), torch.bfloat16)
+        assert not moe_compiles_whole(capacity, fsdp, torch.device("cuda"), torch.bfloat16)
+        assert not moe_compiles_whole(config, one, torch.device("cuda"), torch.float32)
+    assert not moe_compiles_whole(config, one, torch.device("cpu"), torch.bfloat16)
+    assert moe_compiles_whole(forced, one, torch.device("cpu"), torch.bfloat16)
