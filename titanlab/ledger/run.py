@@ -48,7 +48,10 @@ class Ledger:
 def overlaps_in_graph(config: JobConfig, trainer: Trainer) -> bool:
     """Whether the run's compiled blocks overlap their collectives (what `parallelize_model`
     asks of `apply_compile`: MoE blocks compiled whole with the exchange in chunks), so that
-    the step is priced in the order Inductor gives (`price.in_graph_schedule`)."""
+    the step is priced in the order Inductor gives (`price.in_graph_schedule`). Chunks need
+    expert parallel, which borrows dp_shard, and a block does not compile whole under FSDP yet
+    (`moe_compiles_whole`), so the trainer never asks this today: it is kept, with its unit
+    tests, for the block compiled whole under FSDP (docs/moe.md, "Not yet under FSDP or DDP")."""
     from titanlab.distributed.compile import moe_compiles_whole
     from titanlab.distributed.parallelize import param_dtype
 

@@ -78,23 +78,28 @@ def test_one_graph_that_trains_like_eager_and_counts_once(backend):
     torch.testing.assert_close(compiled.step_aux, 2 * eager.step_aux, rtol=1e-5, atol=0)
 
 
+def _ep_layers(world: int, chunks: int) -> list[MoE]:
+    """Two identical MoE layers under EP over `world` gloo ranks, the capacity exchange in
+    `chunks` chunks with a factor that never drops (E / top_k)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from titanlab.distributed.expert_parallel import apply_ep
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
+    layers = []
+    for _ in range(2):
+        holder = torch.nn.Module()
+        holder.moe = _layer()
+        apply_ep(holder, mesh, capacity_factor=EXPERTS / TOP_K, dispatch_chunks=chunks)
+        layers.append(holder.moe)
+    return layers
+
+
 def _ep_worker(rank: int, world: int, init_file: str, out_dir: str, chunks: int) -> None:
     init_gloo(rank, world, init_file)
     ok = False
     try:
-        from torch.distributed.device_mesh import init_device_mesh
-
-        from titanlab.distributed.expert_parallel import apply_ep
-
-        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
-        layers = []
-        for _ in range(2):
-            holder = torch.nn.Module()
-            holder.moe = _layer()
-            # never drops
-            apply_ep(holder, mesh, capacity_factor=EXPERTS / TOP_K, dispatch_chunks=chunks)
-            layers.append(holder.moe)
-        eager, compiled = layers
+        eager, compiled = _ep_layers(world, chunks)
         x, grad = _inputs(100 + rank)
         explained = torch._dynamo.explain(compiled)(x)
         compiled.tokens_per_expert.zero_()
@@ -156,19 +161,10 @@ def _inductor_worker(rank: int, world: int, init_file: str, out_dir: str) -> Non
     try:
         import torch._inductor.config
         from torch._inductor.utils import run_and_get_code
-        from torch.distributed.device_mesh import init_device_mesh
 
         from titanlab.distributed.compile import overlap_in_graph_collectives
-        from titanlab.distributed.expert_parallel import apply_ep
 
-        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
-        layers = []
-        for _ in range(2):
-            holder = torch.nn.Module()
-            holder.moe = _layer()
-            apply_ep(holder, mesh, capacity_factor=EXPERTS / TOP_K, dispatch_chunks=2)
-            layers.append(holder.moe)
-        eager, compiled = layers
+        eager, compiled = _ep_layers(world, 2)
         overlap_in_graph_collectives()  # what apply_compile(overlap_collectives=True) sets
         torch._inductor.config.fx_graph_cache = False  # the graph of this process's groups
         torch._inductor.config.benchmark_harness = False  # its code reads sys.argv
