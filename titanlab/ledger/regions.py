@@ -11,12 +11,18 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_leaves
 
+from titanlab.distributed.compile import forward_compiled
+
 
 def _compiled(module: torch.nn.Module) -> bool:
-    """Whether `module` runs compiled: `nn.Module.compile` (titanlab's blocks) or wrapped by
-    `torch.compile(module)` (an `OptimizedModule`, as torchtitan compiles its blocks)."""
-    return getattr(module, "_compiled_call_impl", None) is not None or isinstance(
-        module, torch._dynamo.eval_frame.OptimizedModule
+    """Whether `module` runs compiled: `nn.Module.compile` (titanlab's blocks), its forward
+    compiled by `titanlab.distributed.compile.compile_forward` (the norms of an MoE block), or
+    wrapped by `torch.compile(module)` (an `OptimizedModule`, as torchtitan compiles its
+    blocks)."""
+    return (
+        getattr(module, "_compiled_call_impl", None) is not None
+        or forward_compiled(module)
+        or isinstance(module, torch._dynamo.eval_frame.OptimizedModule)
     )
 
 

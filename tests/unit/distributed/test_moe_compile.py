@@ -238,18 +238,25 @@ def _moe_families() -> list[str]:
     return [f for f in FAMILIES if moe_layer_args(get_family(f).flavors["debugmodel"])]
 
 
-CASES = [("qwen3_moe", "none"), ("qwen3_moe", "full")]
-CASES += [(family, "selective") for family in _moe_families()]
+CASES = [("qwen3_moe", "none", True), ("qwen3_moe", "full", True)]
+CASES += [(family, "selective", True) for family in _moe_families()]
+CASES += [(family, "full", False) for family in _moe_families()]
 
 
-@pytest.mark.parametrize("family, ac_mode", CASES, ids=[f"{f}-{a}" for f, a in CASES])
-def test_a_decoder_with_moe_blocks_compiled_whole_trains_like_eager(family, ac_mode):
+@pytest.mark.parametrize(
+    "family, ac_mode, whole",
+    CASES,
+    ids=[f"{f}-{a}-{'whole' if w else 'pieces'}" for f, a, w in CASES],
+)
+def test_a_decoder_with_moe_blocks_compiled_trains_like_eager(family, ac_mode, whole):
     """`apply_compile(moe_whole=True)` on a 2-block Qwen3-MoE without AC and under full AC, and
     on every MoE family (Qwen3-MoE; DeepSeek-V3, MLA and shared experts; gpt-oss, biased and
     clamped experts; Qwen3.5-MoE, Gated DeltaNet blocks) under per-op selective AC (the block
-    compiled around its checkpoint): logits and every gradient equal eager bitwise
+    compiled around its checkpoint); and every family's blocks compiled in pieces (the path
+    under FSDP: the MoE layer eager, each other child compiled, torch norms by
+    `compile_forward`) under full AC: logits and every gradient equal eager bitwise
     (aot_eager), each layer's tokens counted once."""
-    from titanlab.distributed.compile import apply_compile
+    from titanlab.distributed.compile import apply_compile, forward_compiled
 
     tokens = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(3))
 
@@ -262,7 +269,15 @@ def test_a_decoder_with_moe_blocks_compiled_whole_trains_like_eager(family, ac_m
 
     want, want_counts = step(_moe_decoder(ac_mode, family))
     compiled = _moe_decoder(ac_mode, family)
-    apply_compile(compiled, "aot_eager", moe_whole=True)
+    apply_compile(compiled, "aot_eager", moe_whole=whole)
+    if not whole:
+        inner = [getattr(b, "_checkpoint_wrapped_module", b) for b in compiled.layers.values()]
+        inner = [b for b in inner if any(isinstance(m, MoE) for m in b.modules())]
+        children = [c for b in inner for c in b.children() if not isinstance(c, MoE)]
+        assert children and all(
+            forward_compiled(c) if type(c).__module__.startswith("torch.")
+            else c._compiled_call_impl is not None for c in children
+        )  # fmt: skip
     got, got_counts = step(compiled)
     _assert_alike(got, want, atol=0)
     assert got_counts and all(torch.equal(g, w) for g, w in zip(got_counts, want_counts))
