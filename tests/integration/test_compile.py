@@ -102,6 +102,23 @@ CASES = [
             *CI_COMPILE_BACKEND,
         ],
     ),
+    # ... and under full AC the MoE layer compiles too, in pieces around FSDP's hooks
+    (
+        2,
+        2,
+        [
+            *GPU_MOE_PATH,
+            "--activation_checkpoint.mode",
+            "full",
+            "--parallelism.expert_parallel_degree",
+            "2",
+            "--parallelism.expert_capacity_factor",
+            "4",
+            "--parallelism.expert_dispatch_chunks",
+            "2",
+            *CI_COMPILE_BACKEND,
+        ],
+    ),
     # DeepSeek-V3: MLA's tensor-parallel hooks (replicated latent projections, the rotary
     # key's gradient summed over tp) inside compiled blocks, with full AC. Its routed
     # experts make it an MoE case: compiled numerics can flip a near-tied routing choice
@@ -152,6 +169,7 @@ IDS = [
     "moe_ep2_fsdp2_sac",
     "moe_whole_1proc_op_sac",
     "moe_gpu_path_ep2_fsdp2_chunks_op_sac",
+    "moe_gpu_path_ep2_fsdp2_chunks_full_ac",
     "deepseek_v3_tp2_ep2_full_ac",
     "gpt_oss_tp2_ep2_sac",
 ]
@@ -164,6 +182,7 @@ CELLS = {
     "moe_ep2_fsdp2_sac": ["compile×dp_shard", "compile×ep"],
     "moe_whole_1proc_op_sac": ["ac:selective-op"],
     "moe_gpu_path_ep2_fsdp2_chunks_op_sac": ["compile×dp_shard", "compile×ep", "ep-capacity×ep"],
+    "moe_gpu_path_ep2_fsdp2_chunks_full_ac": ["compile×dp_shard", "compile×ep", "ac:full"],
     "deepseek_v3_tp2_ep2_full_ac": ["compile×tp", "compile×ep", "ac:full"],
     "gpt_oss_tp2_ep2_sac": ["compile×tp", "compile×ep"],
 }
@@ -185,9 +204,14 @@ def test_compiled_matches_eager(nproc, local_batch, extra, train, tmp_path):
     train(nproc, *args, dump=eager).check()
     run = train(nproc, *args, "--compile.enable", "true", dump=compiled).check()
     assert "compile: enable=true" in run.stdout  # the compact config shows compile on
-    # the GPU's path: the MoE blocks compile whole on one process; under FSDP, the attention
-    whole = "--model.moe_grouped_mm" in extra and nproc == 1
-    assert ("MoE blocks compiled whole" in run.stdout + run.stderr) == whole
+    # the GPU's path: the MoE blocks compile whole on one process; under FSDP in pieces, but
+    # under per-op SAC (the attention and norms alone)
+    gpu_path, log = "--model.moe_grouped_mm" in extra, run.stdout + run.stderr
+    modes = [extra[i + 1] for i, a in enumerate(extra[:-1]) if a == "--activation_checkpoint.mode"]
+    ac_mode = modes[-1] if modes else ""
+    assert ("MoE blocks compiled whole" in log) == (gpu_path and nproc == 1)
+    pieces = gpu_path and nproc > 1 and ac_mode == "full"
+    assert ("MoE blocks compiled in pieces" in log) == pieces
     a, b = read_metrics(eager), read_metrics(compiled)
     assert sorted(a) == sorted(b) == [1, 2, 3, 4, 5]
     if "--training.mixed_precision_on_cpu" in extra:

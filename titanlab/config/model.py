@@ -58,8 +58,8 @@ class Model:
     """MoE models: the routed experts as grouped GEMMs (`torch._grouped_mm`, one kernel for all
     experts) or as the exact per-expert loop. "auto": grouped where it is a GPU kernel (bf16 on
     a Hopper-class GPU), else the loop; "on": grouped wherever torch runs it (the CPU's bf16
-    too, where a test then takes the GPU's code path: the MoE block compiles whole,
-    `titanlab.distributed.compile.moe_compiles_whole`); "off": the loop."""
+    too, where a test then takes the GPU's code path: the MoE layer compiles with its block,
+    `titanlab.distributed.compile.moe_compile_mode`); "off": the loop."""
 
     mtp_loss_weight: float = -1.0
     """Models with multi-token prediction depths (deepseek_v3): λ, the weight of their loss

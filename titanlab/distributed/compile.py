@@ -1,5 +1,5 @@
 """torch.compile applied from outside the model: each transformer block compiled in place
-(`apply_compile`), and whether an MoE block can compile whole (`moe_compiles_whole`). Applied by
+(`apply_compile`), and how an MoE block compiles (`moe_compile_mode`). Applied by
 `titanlab.distributed.parallelize.parallelize_model` after TP, EP and AC, before FSDP."""
 
 from __future__ import annotations
@@ -17,22 +17,33 @@ from titanlab.models.common.decoder import Decoder, moe_layers
 from titanlab.models.common.moe import MoE
 
 
-def moe_compiles_whole(
+MOE_COMPILE_MODES = ("whole", "pieces", "eager")
+"""How `apply_compile` compiles a block with routed experts (`moe_compile_mode`): "whole", one
+graph; "pieces", the graphs between FSDP's (or DDP's) hooks; "eager", its MoE layer eager."""
+
+
+def moe_compile_mode(
     config: JobConfig, parallel_dims: ParallelDims, device: torch.device, compute_dtype: torch.dtype
-) -> bool:
-    """Whether an MoE block compiles whole (`apply_compile`'s `moe_whole`) on `device` with
-    parameters computed in `compute_dtype` (`parallelize.param_dtype`): its shapes must not
-    depend on the routing, so the experts run as grouped GEMMs (bf16 on a Hopper-class GPU,
-    `grouped_mm_supported`, or anywhere with `model.moe_grouped_mm = "on"`; the per-expert
-    loop splits by counts read on the host) and the
-    tokens stay on the rank (ep 1) or are exchanged with static splits (a capacity factor,
-    `titanlab.distributed.expert_capacity`); tensor parallel's MoE hooks are not traced yet,
-    nor data parallel's: under FSDP or DDP the router is its own unit (fp32, `ROUTER_MP`), and
-    so are expert parallel's experts, and their hooks are `torch._dynamo.disable`d, which a
-    full graph cannot call ("Attempted to call function marked as skipped", measured in the
-    trainer on CPU, EP 2 × FSDP 2, with and without AC), so the block then compiles its
-    attention only. torchtitan compiles such blocks in pieces around those hooks.
-    Any activation checkpointing: the block compiles around its checkpoint (`apply_compile`)."""
+) -> str:
+    """How an MoE block compiles (`apply_compile`'s `moe`, one of `MOE_COMPILE_MODES`) on
+    `device` with parameters computed in `compute_dtype` (`parallelize.param_dtype`).
+
+    Its shapes must not depend on the routing for its MoE layer to compile: the experts run as
+    grouped GEMMs (bf16 on a Hopper-class GPU, `grouped_mm_supported`, or anywhere with
+    `model.moe_grouped_mm = "on"`; the per-expert loop splits by counts read on the host), and
+    the tokens stay on the rank (ep 1) or are exchanged with static splits (a capacity factor,
+    `titanlab.distributed.expert_capacity`); tensor parallel's MoE hooks are not traced yet.
+    Otherwise "eager". Then "whole" without data parallel, and "pieces" under FSDP or DDP:
+    there the router is a unit of its own (fp32, `ROUTER_MP`), and so are expert parallel's
+    experts, and their hooks are `torch._dynamo.disable`d, which a full graph cannot call
+    ("Attempted to call function marked as skipped", measured in the trainer on CPU, EP 2 ×
+    FSDP 2, with and without AC); Dynamo breaks the graph at each and compiles the code between
+    (as torchtitan compiles such blocks), but under per-op selective AC, whose eager region
+    around the pieces stopped at their first mutating op ("no rule registered for
+    HigherOrderOperator auto_functionalized_v2 and mode _CachingTorchDispatchMode", the
+    layer's token count, `titanlab.models.common.forward_counts.add_once`; measured on CPU,
+    EP 2 × FSDP 2) and would keep none of their ops: "eager" there. "whole" under any
+    activation checkpointing (`apply_compile`)."""
     grouped = config.model.moe_grouped_mm == "on" or (
         config.model.moe_grouped_mm == "auto"
         and device_type(device) == "cuda"
@@ -40,10 +51,12 @@ def moe_compiles_whole(
         and compute_dtype == torch.bfloat16
     )
     static = not parallel_dims.ep_enabled or config.parallelism.expert_capacity_factor > 0
-    # FSDP and DDP make the router (and expert parallel's experts) units of their own, whose
-    # hooks Dynamo does not trace inside a full graph
-    own_units = parallel_dims.dp_enabled or parallel_dims.fsdp_enabled
-    return grouped and static and not parallel_dims.tp_enabled and not own_units
+    if not (grouped and static) or parallel_dims.tp_enabled:
+        return "eager"
+    if not (parallel_dims.dp_enabled or parallel_dims.fsdp_enabled):
+        return "whole"
+    ac = config.activation_checkpoint
+    return "eager" if ac.mode == "selective" and ac.selective_ac_option == "op" else "pieces"
 
 
 def apply_compile(
@@ -52,7 +65,7 @@ def apply_compile(
     collectives_in_graph: bool = False,
     fullgraph: bool = True,
     inside_checkpoint: bool = False,
-    moe_whole: bool = False,
+    moe: str = "eager",
     overlap_collectives: bool = False,
 ) -> None:
     """Compile each transformer block in place (`Module.compile`, so parameter names do not
@@ -66,29 +79,38 @@ def apply_compile(
     gradients came out up to 5e-4 off eager's with nothing reported; the other way round, the
     run stopped with "Could not resolve the process group registered under the name 4".
 
-    In a block with routed experts the exact token dispatch splits the tokens by data-dependent
-    per-expert counts (a graph break for every expert, and a recompile whenever the counts
-    change), so the block's attention is compiled whole (`fullgraph=True`), and so is each norm
-    (torch modules, whose forward Dynamo compiles only from a frame of titanlab's:
-    `compile_forward`; left eager, the two norms of Qwen3-30B-A3B's blocks were 3.1% of its
-    step on the ledger's H100 profile, EP 8 on 16 ranks), and the MoE layer (router, dispatch,
-    experts) runs eagerly; with `moe_whole` (`moe_compiles_whole`: static shapes) the
-    block compiles whole, the MoE layer's routing, permutation, grouped experts, combine and
-    shared expert with its norms and attention, around its activation checkpoint as a dense
-    block does, so that per-op selective AC's policy is applied inside the graph (by
-    AOTAutograd's partitioner; an eager SAC region around compiled code sees no ops to keep,
-    and recomputes the whole block). The layer's Python side effects (its aux loss and its
-    exchange's state, kept as attributes) are then applied once, after the forward, and not
-    again when backward recomputes it (`torch._dynamo.config`
-    `.skip_fwd_side_effects_in_bwd_under_checkpoint`; without it Dynamo refuses them: "HOP:
-    Unsafe side effect"), which is what the eager layer does too: its counts are added once
-    (`titanlab.models.common.forward_counts.add_once`) and its attributes rewritten with the
-    same values. The blocks of multi-token prediction depths (`model.mtp`) compile the same way.
+    A block with routed experts compiles as `moe` says (`moe_compile_mode`):
+    - "eager": the exact token dispatch splits the tokens by data-dependent per-expert counts
+      (a graph break for every expert, and a recompile whenever the counts change), so the
+      block's attention is compiled whole (`fullgraph=True`), and so is each norm (torch
+      modules, whose forward Dynamo compiles only from a frame of titanlab's:
+      `compile_forward`; left eager, the two norms of Qwen3-30B-A3B's blocks were 3.1% of its
+      step on the ledger's H100 profile, EP 8 on 16 ranks), and the MoE layer (router,
+      dispatch, experts) runs eagerly.
+    - "whole": the block compiles whole, the MoE layer's routing, permutation, grouped experts,
+      combine and shared expert with its norms and attention, around its activation checkpoint
+      as a dense block does, so that per-op selective AC's policy is applied inside the graph
+      (by AOTAutograd's partitioner; an eager SAC region around compiled code sees no ops to
+      keep, and recomputes the whole block). The layer's Python side effects (its aux loss and
+      its exchange's state, kept as attributes) are then applied once, after the forward, and
+      not again when backward recomputes it (`torch._dynamo.config`
+      `.skip_fwd_side_effects_in_bwd_under_checkpoint`; without it Dynamo refuses them: "HOP:
+      Unsafe side effect"), which is what the eager layer does too: its counts are added once
+      (`titanlab.models.common.forward_counts.add_once`) and its attributes rewritten with
+      the same values.
+    - "pieces" (FSDP or DDP): the block inside its checkpoint compiles with `fullgraph=False`,
+      and Dynamo compiles the code between the router's and the experts' FSDP hooks (which run
+      eagerly): attention and norms, the router, the permutation and dispatch, the grouped
+      experts, the combine and the residual, each a graph of its own that every block shares;
+      the checkpoint runs eagerly around them (compiled around it, a graph break inside the
+      checkpoint left the whole block eager: measured, torch 2.13, EP 2 × FSDP 2 under full AC).
+    The blocks of multi-token prediction depths (`model.mtp`) compile the same way.
 
     `overlap_collectives` (expert parallel's exchange in chunks, `expert_dispatch_chunks` > 1):
     Dynamo traces each functional collective's wait right after it, so Inductor's scheduler is
     asked to overlap them (`overlap_in_graph_collectives`): a chunk's all-to-all then runs
-    beside the other chunks' experts in the compiled block as in eager code.
+    beside the other chunks' experts in the compiled block as in eager code. Raises ValueError
+    for a `moe` not in `MOE_COMPILE_MODES`.
 
     `fullgraph=False` (titanlab's context-parallel attention, whose collectives run eagerly:
     `titanlab.distributed.context_parallel.documents`): each block compiles in the pieces around its
@@ -101,6 +123,8 @@ def apply_compile(
     Tensors, got ... DeviceMesh" (measured on CPU, aot_eager and Inductor alike; the mesh that
     the tensor-parallel input hooks pass to `DTensor.from_local` was taken for a saved value of
     the checkpointed region)."""
+    if moe not in MOE_COMPILE_MODES:
+        raise ValueError(f"moe={moe!r}: expected one of {', '.join(MOE_COMPILE_MODES)}")
     if collectives_in_graph:
         import torch._functorch.config
         import torch._inductor.config
@@ -116,11 +140,14 @@ def apply_compile(
         if not moe_layers(inner):
             (inner if inside_checkpoint else block).compile(backend=backend, fullgraph=fullgraph)
             continue
-        if moe_whole:
+        if moe == "whole":
             import torch._dynamo.config
 
             torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
             block.compile(backend=backend, fullgraph=fullgraph)
+            continue
+        if moe == "pieces":
+            inner.compile(backend=backend, fullgraph=False)
             continue
         for child in inner.children():
             if isinstance(child, MoE):

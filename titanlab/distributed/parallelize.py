@@ -32,7 +32,7 @@ from titanlab.config.job_config import JobConfig
 from titanlab.distributed.activation_checkpoint import apply_ac
 from titanlab.distributed.context_parallel.documents import own_cp_attention
 from titanlab.distributed.activation_offload import apply_offload
-from titanlab.distributed.compile import apply_compile, moe_compiles_whole
+from titanlab.distributed.compile import apply_compile, moe_compile_mode
 from titanlab.distributed.expert_parallel import apply_ep
 from titanlab.distributed.expert_sharding import (
     ExpertSharding,
@@ -138,19 +138,20 @@ def parallelize_model(
     if config.activation_checkpoint.offload:
         apply_offload(list(model.layers.values()), device)
     if config.compile.enable and "model" in config.compile.components:
-        moe_whole = moe_compiles_whole(config, parallel_dims, device, param_dtype(config, device))
-        if moe_whole and moe_layers(model):
-            logger.info("compile: MoE blocks compiled whole (routing, exchange, experts, combine)")
+        moe_mode = moe_compile_mode(config, parallel_dims, device, param_dtype(config, device))
+        if moe_mode != "eager" and moe_layers(model):
+            how = "whole" if moe_mode == "whole" else "in pieces around data parallel's hooks"
+            logger.info(f"compile: MoE blocks compiled {how} (routing, exchange, experts, combine)")
         # tensor and context parallel put collectives inside the compiled blocks, and expert
-        # parallel's all-to-alls do in an MoE block compiled whole
+        # parallel's all-to-alls do in a compiled MoE layer
         in_graph = parallel_dims.tp_enabled or parallel_dims.cp > 1
-        in_graph |= moe_whole and parallel_dims.ep_enabled
+        in_graph |= moe_mode != "eager" and parallel_dims.ep_enabled
         apply_compile(model, config.compile.backend, collectives_in_graph=in_graph,
                       fullgraph=not own_cp_attention(config, own_cp_layers(model.args)),
                       inside_checkpoint=parallel_dims.tp_enabled
                       and config.activation_checkpoint.mode == "full",
-                      moe_whole=moe_whole,
-                      overlap_collectives=moe_whole
+                      moe=moe_mode,
+                      overlap_collectives=moe_mode != "eager"
                       and config.parallelism.expert_dispatch_chunks > 1)  # fmt: skip
     if parallel_dims.dp_replicate_enabled and not parallel_dims.fsdp_enabled:
         dp_mesh = parallel_dims.mesh("dp_replicate")

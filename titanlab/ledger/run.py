@@ -47,18 +47,16 @@ class Ledger:
 
 def overlaps_in_graph(config: JobConfig, trainer: Trainer) -> bool:
     """Whether the run's compiled blocks overlap their collectives (what `parallelize_model`
-    asks of `apply_compile`: MoE blocks compiled whole with the exchange in chunks), so that
-    the step is priced in the order Inductor gives (`price.in_graph_schedule`). Chunks need
-    expert parallel, which borrows dp_shard, and a block does not compile whole under FSDP yet
-    (`moe_compiles_whole`), so the trainer never asks this today: it is kept, with its unit
-    tests, for the block compiled whole under FSDP (docs/moe.md, "Not yet under FSDP or DDP")."""
-    from titanlab.distributed.compile import moe_compiles_whole
+    asks of `apply_compile`: an MoE layer compiled, whole or in pieces, with the exchange in
+    chunks), so that the step is priced in the order Inductor gives
+    (`price.in_graph_schedule`)."""
+    from titanlab.distributed.compile import moe_compile_mode
     from titanlab.distributed.parallelize import param_dtype
 
     compiled = config.compile.enable and "model" in config.compile.components
     dims, device = trainer.parallel_dims, trainer.device
-    whole = moe_compiles_whole(config, dims, device, param_dtype(config, device))
-    return compiled and whole and config.parallelism.expert_dispatch_chunks > 1
+    moe = moe_compile_mode(config, dims, device, param_dtype(config, device))
+    return compiled and moe != "eager" and config.parallelism.expert_dispatch_chunks > 1
 
 
 def build_ledger(argv: list[str], device: str = "") -> Ledger:

@@ -1,10 +1,11 @@
-"""An MoE block compiled whole (`apply_compile(moe_whole=True)`, `moe_compiles_whole`): routing,
+"""An MoE block compiled whole (`apply_compile(moe="whole")`, `moe_compile_mode`): routing,
 top-k, permutation, grouped experts, combine, shared expert and load-balance loss trace as one
 graph (`fullgraph=True`) and train like eager code, on one process and under expert parallel
 with the capacity-bounded exchange (2 gloo ranks); its statistics are counted once, also when
 an activation checkpoint recomputes it. bf16 with `torch._grouped_mm`, the GPU's path (run
 here on the CPU's grouped GEMM); the exact exchange and the per-expert loop are not traced
-(their splits are read on the host), so `moe_compiles_whole` leaves them eager."""
+(their splits are read on the host), so `moe_compile_mode` leaves them eager. Under FSDP
+the block compiles in pieces: test_moe_compile_pieces.py."""
 
 from __future__ import annotations
 
@@ -246,15 +247,15 @@ CASES += [(family, "full", False) for family in _moe_families()]
 @pytest.mark.parametrize(
     "family, ac_mode, whole",
     CASES,
-    ids=[f"{f}-{a}-{'whole' if w else 'pieces'}" for f, a, w in CASES],
+    ids=[f"{f}-{a}-{'whole' if w else 'eager-moe'}" for f, a, w in CASES],
 )
 def test_a_decoder_with_moe_blocks_compiled_trains_like_eager(family, ac_mode, whole):
-    """`apply_compile(moe_whole=True)` on a 2-block Qwen3-MoE without AC and under full AC, and
+    """`apply_compile(moe="whole")` on a 2-block Qwen3-MoE without AC and under full AC, and
     on every MoE family (Qwen3-MoE; DeepSeek-V3, MLA and shared experts; gpt-oss, biased and
     clamped experts; Qwen3.5-MoE, Gated DeltaNet blocks) under per-op selective AC (the block
-    compiled around its checkpoint); and every family's blocks compiled in pieces (the path
-    under FSDP: the MoE layer eager, each other child compiled, torch norms by
-    `compile_forward`) under full AC: logits and every gradient equal eager bitwise
+    compiled around its checkpoint); and every family's blocks compiled with the MoE layer
+    eager (`moe="eager"`: the exact exchange, per-op SAC under FSDP; each other child compiled,
+    torch norms by `compile_forward`) under full AC: logits and every gradient equal eager bitwise
     (aot_eager), each layer's tokens counted once."""
     from titanlab.distributed.compile import apply_compile, forward_compiled
 
@@ -269,7 +270,7 @@ def test_a_decoder_with_moe_blocks_compiled_trains_like_eager(family, ac_mode, w
 
     want, want_counts = step(_moe_decoder(ac_mode, family))
     compiled = _moe_decoder(ac_mode, family)
-    apply_compile(compiled, "aot_eager", moe_whole=whole)
+    apply_compile(compiled, "aot_eager", moe="whole" if whole else "eager")
     if not whole:
         inner = [getattr(b, "_checkpoint_wrapped_module", b) for b in compiled.layers.values()]
         inner = [b for b in inner if any(isinstance(m, MoE) for m in b.modules())]
@@ -315,7 +316,7 @@ def test_per_op_selective_ac_keeps_every_other_matmul_inside_the_compiled_block(
     torch._dynamo.reset()  # a graph cached by another test would skip the compilers
     model = _moe_decoder(ac_mode)
     apply_compile(model, aot_autograd(fw_compiler=keep("forward"), bw_compiler=keep("backward")),
-                  moe_whole=True)  # fmt: skip
+                  moe="whole")  # fmt: skip
     tokens = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(3))
     model(tokens).float().pow(2).mean().backward()
     forward, backward = graphs["forward"][0], graphs["backward"][0]
@@ -336,25 +337,33 @@ AC_OPTIONS = [
 
 
 @pytest.mark.parametrize("options", AC_OPTIONS, ids=["none", "full", "selective-op"])
-def test_the_moe_layer_compiles_whole_only_where_it_can(options):
-    """On an H100's code path, bf16, one GPU: under any AC; never on the CPU's (the per-expert
-    loop) unless `model.moe_grouped_mm = "on"`; never under FSDP (EP 8 over dp_shard 8: the
-    router's and experts' own FSDP units), even with a capacity factor's static exchange."""
+def test_how_the_moe_layer_compiles_on_each_layout(options):
+    """On an H100's code path, bf16: whole on one GPU under any AC; in pieces under FSDP (EP 8
+    over dp_shard 8 with a capacity factor's static exchange: the router's and experts' own
+    FSDP units) and under DDP, but eager there under per-op selective AC; eager with the exact
+    exchange and in fp32; on the CPU's code path (the per-expert loop) eager unless
+    `model.moe_grouped_mm = "on"`."""
     from titanlab.config.device_path import Target, code_path_of
     from titanlab.config.manager import build_config
+    from titanlab.distributed.compile import moe_compile_mode
     from titanlab.distributed.parallel_dims import ParallelDims
-    from titanlab.distributed.compile import moe_compiles_whole
 
     base = ["--job.config_file", "train_configs/qwen3_moe_debug.toml", *options]
     config = build_config(base)
+    exact = build_config([*base, "--parallelism.expert_parallel_degree", "8"])
     capacity = build_config([*base, "--parallelism.expert_parallel_degree", "8",
                              "--parallelism.expert_capacity_factor", "1.25"])  # fmt: skip
     forced = build_config([*base, "--model.moe_grouped_mm", "on"])
     one = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, world_size=1, ep=1)
     fsdp = ParallelDims(dp_replicate=1, dp_shard=8, cp=1, tp=1, pp=1, world_size=8, ep=8)
+    ddp = ParallelDims(dp_replicate=8, dp_shard=1, cp=1, tp=1, pp=1, world_size=8, ep=1)
+    data_parallel = "eager" if "op" in options else "pieces"
+    cuda, cpu, bf16 = torch.device("cuda"), torch.device("cpu"), torch.bfloat16
     with code_path_of(Target("cuda", (9, 0))):
-        assert moe_compiles_whole(config, one, torch.device("cuda"), torch.bfloat16)
-        assert not moe_compiles_whole(capacity, fsdp, torch.device("cuda"), torch.bfloat16)
-        assert not moe_compiles_whole(config, one, torch.device("cuda"), torch.float32)
-    assert not moe_compiles_whole(config, one, torch.device("cpu"), torch.bfloat16)
-    assert moe_compiles_whole(forced, one, torch.device("cpu"), torch.bfloat16)
+        assert moe_compile_mode(config, one, cuda, bf16) == "whole"
+        assert moe_compile_mode(capacity, fsdp, cuda, bf16) == data_parallel
+        assert moe_compile_mode(config, ddp, cuda, bf16) == data_parallel
+        assert moe_compile_mode(exact, fsdp, cuda, bf16) == "eager"
+        assert moe_compile_mode(config, one, cuda, torch.float32) == "eager"
+    assert moe_compile_mode(config, one, cpu, bf16) == "eager"
+    assert moe_compile_mode(forced, one, cpu, bf16) == "whole"
