@@ -29,7 +29,7 @@ def moe_compile_mode(
     `device` with parameters computed in `compute_dtype` (`parallelize.param_dtype`).
 
     Its shapes must not depend on the routing for its MoE layer to compile: the experts run as
-    grouped GEMMs (bf16 on a Hopper-class GPU, `grouped_mm_supported`, or anywhere with
+    bf16 grouped GEMMs (on a Hopper-class GPU, `grouped_mm_supported`, or anywhere with
     `model.moe_grouped_mm = "on"`; the per-expert loop splits by counts read on the host), and
     the tokens stay on the rank (ep 1) or are exchanged with static splits (a capacity factor,
     `titanlab.distributed.expert_capacity`); tensor parallel's MoE hooks are not traced yet.
@@ -44,11 +44,11 @@ def moe_compile_mode(
     layer's token count, `titanlab.models.common.forward_counts.add_once`; measured on CPU,
     EP 2 × FSDP 2) and would keep none of their ops: "eager" there. "whole" under any
     activation checkpointing (`apply_compile`)."""
-    grouped = config.model.moe_grouped_mm == "on" or (
-        config.model.moe_grouped_mm == "auto"
-        and device_type(device) == "cuda"
-        and device_capability(device) >= (9, 0)
-        and compute_dtype == torch.bfloat16
+    on_gpu = device_type(device) == "cuda" and device_capability(device) >= (9, 0)
+    # bf16 also under "on": torch 2.13's fake kernel of `_grouped_mm`, which Dynamo runs,
+    # takes bf16 alone ("Expected inputs of BF16 type"; the CPU's eager kernel takes fp32 too)
+    grouped = compute_dtype == torch.bfloat16 and (
+        config.model.moe_grouped_mm == "on" or (config.model.moe_grouped_mm == "auto" and on_gpu)
     )
     static = not parallel_dims.ep_enabled or config.parallelism.expert_capacity_factor > 0
     if not (grouped and static) or parallel_dims.tp_enabled:

@@ -342,7 +342,7 @@ def test_how_the_moe_layer_compiles_on_each_layout(options):
     over dp_shard 8 with a capacity factor's static exchange: the router's and experts' own
     FSDP units) and under DDP, but eager there under per-op selective AC; eager with the exact
     exchange and in fp32; on the CPU's code path (the per-expert loop) eager unless
-    `model.moe_grouped_mm = "on"`."""
+    `model.moe_grouped_mm = "on"`, and then in bf16 only."""
     from titanlab.config.device_path import Target, code_path_of
     from titanlab.config.manager import build_config
     from titanlab.distributed.compile import moe_compile_mode
@@ -367,3 +367,5 @@ def test_how_the_moe_layer_compiles_on_each_layout(options):
         assert moe_compile_mode(config, one, cuda, torch.float32) == "eager"
     assert moe_compile_mode(config, one, cpu, bf16) == "eager"
     assert moe_compile_mode(forced, one, cpu, bf16) == "whole"
+    # fp32 grouped GEMMs run eagerly on the CPU, but Dynamo's fake kernel takes bf16 alone
+    assert moe_compile_mode(forced, one, cpu, torch.float32) == "eager"
