@@ -4,7 +4,7 @@ full graph cannot call; compiled with `fullgraph=False` inside its activation ch
 Dynamo breaks the block at those hooks alone and compiles the rest (attention and norms,
 router, permutation, experts, combine) in graphs every block shares, and the decoder trains
 like eager code (bitwise, aot_eager; 2 gloo ranks, FSDP 2, bf16 grouped GEMMs, the GPU's
-path). Without AC the same pieces run outside a checkpoint (make test-full)."""
+path): Qwen3-MoE in CI; without AC, and every MoE family, in make test-full."""
 
 from __future__ import annotations
 
@@ -20,17 +20,17 @@ from titanlab.distributed.init import destroy_distributed
 from titanlab.models.common.moe import MoE
 
 
-def _sharded_decoder(ac_mode: str) -> torch.nn.Module:
-    """The 2-block Qwen3-MoE debug decoder of test_moe_compile, sharded as `apply_fsdp` shards
-    it: each router a unit in fp32 (`ROUTER_MP`), each experts module a unit, each block, the
-    root."""
+def _sharded_decoder(ac_mode: str, family: str) -> torch.nn.Module:
+    """`family`'s debug decoder of test_moe_compile (the fewest blocks holding an MoE block),
+    sharded as `apply_fsdp` shards it: each router a unit in fp32 (`ROUTER_MP`), each experts
+    module a unit, each block, the root."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     from test_moe_compile import _moe_decoder
     from titanlab.distributed.parallelize import ROUTER_MP
 
-    model = _moe_decoder(ac_mode)
+    model = _moe_decoder(ac_mode, family)
     mesh = init_device_mesh("cpu", (torch.distributed.get_world_size(),))
     for moe in (m for m in model.modules() if isinstance(m, MoE)):
         fully_shard(moe.router, mesh=mesh, mp_policy=ROUTER_MP)
@@ -48,7 +48,7 @@ def _step(model: torch.nn.Module, tokens: torch.Tensor) -> dict:
     return {"logits": out.detach(), **grads}
 
 
-def _worker(rank: int, world: int, init_file: str, out_dir: str, ac_mode: str) -> None:
+def _worker(rank: int, world: int, init_file: str, out_dir: str, ac_mode: str, family: str) -> None:
     init_gloo(rank, world, init_file)
     ok = False
     try:
@@ -56,13 +56,13 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str, ac_mode: str) -
 
         torch._dynamo.reset()
         tokens = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(rank))
-        results: dict = {"eager": _step(_sharded_decoder(ac_mode), tokens)}
-        compiled = _sharded_decoder(ac_mode)
+        results: dict = {"eager": _step(_sharded_decoder(ac_mode, family), tokens)}
+        compiled = _sharded_decoder(ac_mode, family)
         counter = CompileCounterWithBackend("aot_eager")
         apply_compile(compiled, counter, moe="pieces")
         results["compiled"] = _step(compiled, tokens)
         results["graphs"] = counter.frame_count
-        whole = _sharded_decoder(ac_mode)
+        whole = _sharded_decoder(ac_mode, family)
         apply_compile(whole, "aot_eager", moe="whole")
         try:
             _step(whole, tokens)
@@ -76,12 +76,25 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str, ac_mode: str) -
 
 
 FULL = os.environ.get("TITANLAB_PARITY_FULL") == "1"
-SKIP_IN_CI = pytest.mark.skipif(not FULL, reason="make test-full: without AC (CI: full AC)")
+SKIP_IN_CI = pytest.mark.skipif(not FULL, reason="make test-full (CI: Qwen3-MoE, full AC)")
 
 
-@pytest.mark.parametrize("ac_mode", [pytest.param("none", marks=SKIP_IN_CI), "full"])
-def test_under_fsdp_the_moe_block_compiles_in_pieces_that_train_like_eager(ac_mode, tmp_path):
-    spawn(_worker, (2, str(tmp_path / "init"), str(tmp_path), ac_mode), 2)
+def _cases() -> list:
+    """Qwen3-MoE under full AC in CI; without AC, and every other MoE family (DeepSeek-V3's
+    MLA and shared experts, gpt-oss's biased experts, Qwen3.5-MoE's Gated DeltaNet blocks)
+    under full AC, in make test-full."""
+    from test_moe_compile import _moe_families
+
+    cases = [pytest.param("qwen3_moe", "full"), pytest.param("qwen3_moe", "none", marks=SKIP_IN_CI)]
+    others = [f for f in _moe_families() if f != "qwen3_moe"]
+    return cases + [pytest.param(f, "full", marks=SKIP_IN_CI) for f in others]
+
+
+@pytest.mark.parametrize("family, ac_mode", _cases())
+def test_under_fsdp_the_moe_block_compiles_in_pieces_that_train_like_eager(
+    family, ac_mode, tmp_path
+):
+    spawn(_worker, (2, str(tmp_path / "init"), str(tmp_path), ac_mode, family), 2)
     for rank in range(2):
         got = torch.load(tmp_path / f"rank{rank}.pt")
         print(f"rank {rank}: {got['graphs']} graphs; compiled whole: {got['whole']}")
