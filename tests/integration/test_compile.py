@@ -119,6 +119,21 @@ CASES = [
             *CI_COMPILE_BACKEND,
         ],
     ),
+    # ... and under DDP (ep 1: no exchange), in pieces too
+    (
+        2,
+        2,
+        [
+            *GPU_MOE_PATH,
+            "--activation_checkpoint.mode",
+            "full",
+            "--parallelism.data_parallel_replicate_degree",
+            "2",
+            "--parallelism.data_parallel_shard_degree",
+            "1",
+            *CI_COMPILE_BACKEND,
+        ],
+    ),
     # DeepSeek-V3: MLA's tensor-parallel hooks (replicated latent projections, the rotary
     # key's gradient summed over tp) inside compiled blocks, with full AC. Its routed
     # experts make it an MoE case: compiled numerics can flip a near-tied routing choice
@@ -170,6 +185,7 @@ IDS = [
     "moe_whole_1proc_op_sac",
     "moe_gpu_path_ep2_fsdp2_chunks_op_sac",
     "moe_gpu_path_ep2_fsdp2_chunks_full_ac",
+    "moe_gpu_path_ddp2_full_ac",
     "deepseek_v3_tp2_ep2_full_ac",
     "gpt_oss_tp2_ep2_sac",
 ]
@@ -183,6 +199,7 @@ CELLS = {
     "moe_whole_1proc_op_sac": ["ac:selective-op"],
     "moe_gpu_path_ep2_fsdp2_chunks_op_sac": ["compile×dp_shard", "compile×ep", "ep-capacity×ep"],
     "moe_gpu_path_ep2_fsdp2_chunks_full_ac": ["compile×dp_shard", "compile×ep", "ac:full"],
+    "moe_gpu_path_ddp2_full_ac": ["compile×dp_replicate", "ac:full"],
     "deepseek_v3_tp2_ep2_full_ac": ["compile×tp", "compile×ep", "ac:full"],
     "gpt_oss_tp2_ep2_sac": ["compile×tp", "compile×ep"],
 }
