@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Callable
 
+from titanlab.ledger.price import fsdp_copy
 from titanlab.ledger.run import Ledger, build_ledger
 from titanlab.planning.compute_costs import ComputeCosts
 
@@ -78,7 +79,7 @@ def costs_of(
                 moved += op.bytes_read  # the gathered buffer, the reduce-scatter's input
             continue
         parts = op.module.split(".")
-        if _fsdp_copy(op.op, op.phase):
+        if fsdp_copy(op.op, op.phase):
             copies += s
         elif op.phase in UPDATE_PHASES:
             update += s
@@ -105,14 +106,6 @@ def costs_of(
         block, head, embedding, update / per_rank, fsdp_copy_s_per_byte=per_byte,
         source=ledger.config_summary,
     )  # fmt: skip
-
-
-def _fsdp_copy(op: str, phase: str) -> bool:
-    """Whether the op is FSDP2's copy through its flat buffers (`fsdp.*` custom ops, and the
-    foreach copy-out into the unsharded parameters), which it runs per collective call."""
-    return op.startswith("fsdp.") or (
-        op == "aten._foreach_copy_.default" and phase in ("forward", "backward")
-    )
 
 
 def ledger_costs(argv: list[str], device: str) -> Callable[[str, int], ComputeCosts]:
