@@ -232,10 +232,13 @@ def test_compiled_matches_eager(nproc, local_batch, extra, train, tmp_path):
     a, b = read_metrics(eager), read_metrics(compiled)
     assert sorted(a) == sorted(b) == [1, 2, 3, 4, 5]
     if "--training.mixed_precision_on_cpu" in extra:
-        # bf16: the first step's loss within 1e-5 of eager's (equal on one process, 1e-6 off
-        # under FSDP); the updates' bf16 gradients round apart (measured: 1.2e-3 by step 5 of
-        # losses near 8.3, 1.4e-4 relative)
-        assert abs(a[1] - b[1]) <= 1e-5, (a, b)
+        # bf16: the first step's loss within 1e-5 of eager's under aot_eager (equal on one
+        # process, 1e-6 off under FSDP), within 5e-4 under Inductor, whose fused kernels round
+        # bf16 otherwise (measured: 1.7e-4 of 8.97 at EP 2 × FSDP 2); the updates' bf16
+        # gradients round apart (measured: 1.2e-3 by step 5 of losses near 8.3, 1.4e-4
+        # relative; under per-op SAC the MoE layer compiled in pieces was 0.13 off by step 4
+        # with Inductor, which is why `moe_compile_mode` leaves it eager there)
+        assert abs(a[1] - b[1]) <= (1e-5 if CI_COMPILE_BACKEND else 5e-4), (a, b)
         assert max(abs(a[s] - b[s]) for s in a) <= 5e-3, (a, b)
         return
     assert max(abs(a[s] - b[s]) for s in a) <= 1e-5

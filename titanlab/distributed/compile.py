@@ -42,7 +42,8 @@ def moe_compile_mode(
     around the pieces stopped at their first mutating op ("no rule registered for
     HigherOrderOperator auto_functionalized_v2 and mode _CachingTorchDispatchMode", the
     layer's token count, `titanlab.models.common.forward_counts.add_once`; measured on CPU,
-    EP 2 × FSDP 2) and would keep none of their ops: "eager" there. "whole" under any
+    EP 2 × FSDP 2), and under Inductor ran but trained wrong (the loss 0.13 off eager's by
+    step 4, bf16, where full AC's pieces stayed within 2e-3): "eager" there. "whole" under any
     activation checkpointing (`apply_compile`)."""
     on_gpu = device_type(device) == "cuda" and device_capability(device) >= (9, 0)
     # bf16 also under "on": torch 2.13's fake kernel of `_grouped_mm`, which Dynamo runs,
