@@ -21,6 +21,11 @@ GPU_MOE_PATH = ["--model.name", "qwen3_moe", "--model.moe_grouped_mm", "on",
                 "--training.mixed_precision_on_cpu", "true", "--activation_checkpoint.mode",
                 "selective", "--activation_checkpoint.selective_ac_option", "op"]  # fmt: skip
 
+EP2_CHUNKS = ["--parallelism.expert_parallel_degree", "2",
+              "--parallelism.expert_capacity_factor", "4",
+              "--parallelism.expert_dispatch_chunks", "2"]  # fmt: skip
+"""EP 2 with the capacity exchange in 2 chunks."""
+
 CASES = [
     (2, 2, []),
     pytest.param(
@@ -85,39 +90,15 @@ CASES = [
     ),
     # The GPU's MoE path on the CPU's bf16 grouped GEMM (`model.moe_grouped_mm = "on"`), per-op
     # SAC: on one process the MoE block compiles whole (around its checkpoint); under EP 2 ×
-    # FSDP 2 with the capacity exchange in 2 chunks the router's and experts' FSDP units keep
-    # it to its attention (`moe_compiles_whole`), and it trains like eager either way.
+    # FSDP 2 with the capacity exchange in 2 chunks the MoE layer stays eager
+    # (`moe_compile_mode`), and it trains like eager either way.
     (1, 4, [*GPU_MOE_PATH, *CI_COMPILE_BACKEND]),
-    (
-        2,
-        2,
-        [
-            *GPU_MOE_PATH,
-            "--parallelism.expert_parallel_degree",
-            "2",
-            "--parallelism.expert_capacity_factor",
-            "4",
-            "--parallelism.expert_dispatch_chunks",
-            "2",
-            *CI_COMPILE_BACKEND,
-        ],
-    ),
+    (2, 2, [*GPU_MOE_PATH, *EP2_CHUNKS, *CI_COMPILE_BACKEND]),
     # ... and under full AC the MoE layer compiles too, in pieces around FSDP's hooks
     (
         2,
         2,
-        [
-            *GPU_MOE_PATH,
-            "--activation_checkpoint.mode",
-            "full",
-            "--parallelism.expert_parallel_degree",
-            "2",
-            "--parallelism.expert_capacity_factor",
-            "4",
-            "--parallelism.expert_dispatch_chunks",
-            "2",
-            *CI_COMPILE_BACKEND,
-        ],
+        [*GPU_MOE_PATH, "--activation_checkpoint.mode", "full", *EP2_CHUNKS, *CI_COMPILE_BACKEND],
     ),
     # ... and under DDP (ep 1: no exchange), in pieces too
     (

@@ -251,43 +251,29 @@ def test_a_compiled_moe_step_with_the_moe_layers_eager_fuses_its_norms(monkeypat
     assert set(failed) == {"unfused_in_compiled_blocks"} and "_norm" in str(failed)
 
 
-def test_under_fsdp_an_moe_block_compiled_in_pieces_fuses_its_moe_ops(monkeypatch):
-    """Qwen3-30B-A3B at EP 8 on 16 ranks (FSDP), compiled, full AC, a capacity factor: the MoE
-    layers compile in pieces around FSDP's hooks (`moe_compile_mode` "pieces"), so their
-    router, permutation and combine pointwise ops are in Inductor's regions, every gate
-    passes, no host sync is left, and their non-GEMM kernels take under half the time they
-    take with the MoE layers eager (the same run with `moe_compile_mode` answering "eager")."""
-    pieces = ledger_of("qwen3-30b-a3b-ep8", *COMPILED, *CAPACITY)
-    assert check(pieces) == {}
-    assert [op.op for op in pieces.ops if op.kind == "sync"] == []
-    moe_ops = [op for op in pieces.ops if ".feed_forward" in op.module and op.kind == "pointwise"]
+MOE_COMPILED = {
+    "pieces": CAPACITY,
+    "whole": ("--comm.fake_world_size", "1", "--parallelism.expert_parallel_degree", "1"),
+}
+"""Qwen3-30B-A3B's options where its MoE layers compile (`moe_compile_mode`), compiled and
+under full AC: in pieces around FSDP's hooks at EP 8 on 16 ranks with a capacity factor,
+whole on one GPU (no data parallel, ep 1)."""
+
+
+@pytest.mark.parametrize("mode", list(MOE_COMPILED))
+def test_a_compiled_moe_layer_fuses_its_pointwise_ops_and_passes_every_gate(mode, monkeypatch):
+    """The MoE layers' router, permutation and combine pointwise ops are in Inductor's regions,
+    every gate passes, no host sync is left, and their non-GEMM kernels take under half the
+    time they take with the MoE layers eager (the same run with `moe_compile_mode` answering
+    "eager")."""
+    compiled = ledger_of("qwen3-30b-a3b-ep8", *COMPILED, *MOE_COMPILED[mode])
+    assert check(compiled) == {}
+    assert [op.op for op in compiled.ops if op.kind == "sync"] == []
+    moe_ops = [op for op in compiled.ops if ".feed_forward" in op.module and op.kind == "pointwise"]
     assert moe_ops and all(op.region is not None for op in moe_ops)
 
     monkeypatch.setattr(parallelize_module, "moe_compile_mode", lambda *args: "eager")
-    eager_moe = ledger_of.__wrapped__("qwen3-30b-a3b-ep8", *COMPILED, *CAPACITY)
-    fused, eager = moe_memory_bound(pieces), moe_memory_bound(eager_moe)
-    print(f"MoE layers' non-GEMM kernels: {fused * 1e3:.1f} ms in pieces, {eager * 1e3:.1f} eager")
-    assert fused < 0.5 * eager
-
-
-def test_an_moe_block_compiled_whole_fuses_its_moe_pointwise_ops(monkeypatch):
-    """Qwen3-30B-A3B on one GPU (no data parallel, ep 1), compiled, full AC: the MoE layers
-    compile with their blocks (`moe_compile_mode` "whole"), so their router, permutation and combine
-    pointwise ops are in Inductor's regions, every gate passes, no host sync, and their
-    non-GEMM kernels take under half the time they take with the MoE layers eager (the same
-    layout with `moe_compile_mode` answering "eager")."""
-    one = ("--comm.fake_world_size", "1", "--parallelism.expert_parallel_degree", "1")
-    whole = ledger_of("qwen3-30b-a3b-ep8", *COMPILED, *one)
-    assert check(whole) == {}
-    assert [op.op for op in whole.ops if op.kind == "sync"] == []
-    moe_ops = [op for op in whole.ops if ".feed_forward" in op.module and op.kind == "pointwise"]
-    assert moe_ops and all(op.region is not None for op in moe_ops)
-
-    monkeypatch.setattr(parallelize_module, "moe_compile_mode", lambda *args: "eager")
-    eager_moe = ledger_of.__wrapped__("qwen3-30b-a3b-ep8", *COMPILED, *one)
-
-    fused, eager = moe_memory_bound(whole), moe_memory_bound(eager_moe)
-    print(
-        f"MoE layers' non-GEMM kernels: {fused * 1e3:.1f} ms compiled whole, {eager * 1e3:.1f} eager"
-    )
+    eager_moe = ledger_of.__wrapped__("qwen3-30b-a3b-ep8", *COMPILED, *MOE_COMPILED[mode])
+    fused, eager = moe_memory_bound(compiled), moe_memory_bound(eager_moe)
+    print(f"MoE layers' non-GEMM kernels: {fused * 1e3:.1f} ms {mode}, {eager * 1e3:.1f} eager")
     assert fused < 0.5 * eager
