@@ -101,7 +101,7 @@ CASES = [
         [*GPU_MOE_PATH, "--activation_checkpoint.mode", "full", *EP2_CHUNKS, *CI_COMPILE_BACKEND],
     ),
     # ... and under DDP (ep 1: no exchange), in pieces too
-    (
+    pytest.param(
         2,
         2,
         [
@@ -114,6 +114,7 @@ CASES = [
             "1",
             *CI_COMPILE_BACKEND,
         ],
+        marks=full_only("the pieces under data parallel: CI's EP 2 x FSDP 2 full-AC case"),
     ),
     # DeepSeek-V3: MLA's tensor-parallel hooks (replicated latent projections, the rotary
     # key's gradient summed over tp) inside compiled blocks, with full AC. Its routed
