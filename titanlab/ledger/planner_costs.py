@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Callable
 
-from titanlab.ledger.price import fsdp_copy
+from titanlab.ledger.record import fsdp_copy
 from titanlab.ledger.run import Ledger, build_ledger
 from titanlab.planning.compute_costs import ComputeCosts
 

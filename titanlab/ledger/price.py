@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from titanlab.ledger.record import OpRecord
+from titanlab.ledger.record import OpRecord, fsdp_copy
 from titanlab.planning.cluster import Cluster
 from titanlab.planning.comm_model import ring_seconds
 
@@ -107,24 +107,11 @@ def dtype_key(dtype: str) -> str:
     return {"bfloat16": "bfloat16", "float16": "float16"}.get(dtype, "float32")
 
 
-def fsdp_copy(op: str, phase: str) -> bool:
-    """Whether the op is FSDP2's copy through its flat buffers (`fsdp.*` custom ops, and the
-    foreach copy-out into the unsharded parameters), which it runs per collective call, in its
-    hooks: eager code, also inside a compiled block (the hooks are `torch._dynamo.disable`d)."""
-    return op.startswith("fsdp.") or (
-        op == "aten._foreach_copy_.default" and phase in ("forward", "backward")
-    )
-
-
 def _fuses(op: OpRecord) -> bool:
-    """Whether Inductor generates `op` into the fused kernels of its compiled region: every op
-    there but the extern kernels (GEMMs, attention, collectives), host syncs and FSDP's copies
-    (`fsdp_copy`), which run in FSDP's eager hooks."""
-    return (
-        op.region is not None
-        and op.kind in ("pointwise", "other")
-        and not fsdp_copy(op.op, op.phase)
-    )
+    """Whether Inductor fuses `op` into its compiled region's kernels: every op there but extern
+    kernels (GEMMs, attention, collectives), host syncs and FSDP's eager copies (`fsdp_copy`)."""
+    fusible = op.region is not None and op.kind in ("pointwise", "other")
+    return fusible and not fsdp_copy(op.op, op.phase)
 
 
 def fused_traffic(ops: list[OpRecord]) -> list[tuple[int, int]]:

@@ -345,3 +345,12 @@ def _collective(rec: OpRecord, kind: str, leaves: list) -> None:
     sizes = [_nbytes(t) for t in leaves if isinstance(t, torch.Tensor)]
     moved = sum(sizes) if kind == "all_reduce" else max(sizes, default=0)
     rec.bytes_read = rec.bytes_written = moved
+
+
+def fsdp_copy(op: str, phase: str) -> bool:
+    """Whether the op is FSDP2's copy through its flat buffers (`fsdp.*` custom ops, and the
+    foreach copy-out into the unsharded parameters), which it runs per collective call, in its
+    hooks: eager code, also inside a compiled block (the hooks are `torch._dynamo.disable`d)."""
+    return op.startswith("fsdp.") or (
+        op == "aten._foreach_copy_.default" and phase in ("forward", "backward")
+    )
