@@ -149,13 +149,16 @@ test-parity-full: setup
 # then every valid layout of 1-8 ranks (tools/parity_matrix.py) and every published flavor's
 # planner pick dry-run at its real size (tools/dry_run_flavors.py); both rewrite their tables
 # in docs/. Hours on 2 cores.
-# make test-full's pytest stages in parts: PART=k/n runs the test modules of part k of n
-# (tests/full_parts.py: each module in exactly one part), so that the whole can be run across
-# sessions of a few hours; the parity matrix resumes from outputs/parity_matrix/results.jsonl
-# (`python tools/parity_matrix.py` skips the layouts measured there).
+# make test-full in parts: PART=k/n runs part k of n of its pytest stages (the test modules,
+# tests/full_parts.py: each module in exactly one part), of the parity matrix's layouts and of
+# the flavors' dry runs (by name, tools/lib/parts.py), so that the whole can be run across
+# sessions of a few hours. The parity matrix records each layout with its commit in
+# docs/parity_matrix.jsonl and skips the layouts recorded while the training code is unchanged.
 test-full-part: setup llama-cpp
 	@test -n "$(PART)" || { echo "make test-full-part: give PART=k/n, e.g. PART=1/4"; exit 2; }
 	TITANLAB_FULL_PART=$(PART) TITANLAB_PARITY_FULL=1 TITANLAB_SLURM_TESTS=1 TITANLAB_LLAMA_CPP_TESTS=1 $(MAKE) test PYTEST_ARGS="-p tests.full_parts $(PYTEST_ARGS)"
+	OMP_NUM_THREADS=1 $(PY) tools/parity_matrix.py --part $(PART)
+	OMP_NUM_THREADS=1 $(PY) tools/dry_run_flavors.py --part $(PART)
 
 test-full: setup llama-cpp
 	TITANLAB_PARITY_FULL=1 TITANLAB_SLURM_TESTS=1 TITANLAB_LLAMA_CPP_TESTS=1 $(MAKE) test

@@ -9,26 +9,11 @@ module falls in exactly one part (`tests/unit/test_full_parts.py`).
 from __future__ import annotations
 
 import os
-import zlib
 
 import pytest
 
-
-def part_of(module_path: str, parts: int) -> int:
-    """The part (1-based) of the test module at `module_path` (relative to the repository, with
-    forward slashes) among `parts`."""
-    return zlib.crc32(module_path.encode()) % parts + 1
-
-
-def parse(value: str) -> tuple[int, int]:
-    """ "k/n" → (k, n). Raises ValueError (one line) for anything else."""
-    try:
-        k, n = (int(v) for v in value.split("/"))
-    except ValueError:
-        raise ValueError(f"TITANLAB_FULL_PART={value!r}: give k/n, e.g. 1/4") from None
-    if not 1 <= k <= n:
-        raise ValueError(f"TITANLAB_FULL_PART={value!r}: k must be between 1 and n")
-    return k, n
+from tools.lib.parts import parse as parse
+from tools.lib.parts import part_of as part_of
 
 
 def pytest_collection_modifyitems(config, items) -> None:

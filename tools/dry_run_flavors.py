@@ -1,6 +1,6 @@
 """The layout planner's pick for every published flavor at a real world size, then its dry run.
 
-    python tools/dry_run_flavors.py [--only "llama3 8B" ...]
+    python tools/dry_run_flavors.py [--only "llama3 8B" ...] [--part k/n]
 
 For each family's published flavors (Llama 3, Qwen3 dense and MoE, DeepSeek-V3, gpt-oss, Qwen3.5
 dense and MoE; not the debug ones) on the H100 cluster of `FLAVORS` (the world size such a model is trained on), with the
@@ -23,6 +23,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from tools.lib.bench import write_block
+from tools.lib.parts import parse_part, part_of
 
 FLAVORS: dict[str, tuple[str, int]] = {
     "llama3 1B": ("llama_8b.toml", 8),
@@ -135,7 +136,11 @@ def table(picks: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--only", nargs="+", default=list(FLAVORS), choices=list(FLAVORS))
+    p.add_argument("--part", default="", help="k/n: only the flavors of part k of n (by name)")
     a = p.parse_args(argv)
+    if a.part:
+        k, n = parse_part(p, a.part)
+        a.only = [name for name in a.only if part_of(name, n) == k]
     picks: dict = {}
     if os.path.exists(PICKS):
         with open(PICKS, encoding="utf-8") as f:

@@ -16,15 +16,17 @@ stages need (`least_blocks`: 2 without a pipeline), and its losses are compared 
 part of a step a layout changes: the forward at the seed (step 1), a first update (gradients,
 clipping, the optimizer's first step; step 2) and a second one from the optimizer's state,
 the warmup over (step 3). Running a layout against the reference is `tools/lib/parity_runs.py`.
-Results are appended to `<work-dir>/results.jsonl` as they come (a rerun skips layouts already
-there), and the table is written between markers in `docs/parallelism.md` (`--output`).
+Results are appended as they come to `docs/parity_matrix.jsonl` with the commit each ran on
+(`tools/lib/parity_record.py`; a rerun skips the layouts recorded while the training code is
+unchanged, on any machine), `--part k/n` runs one part of the layouts (by name, as `make
+test-full-part` does), and the table is written between markers in `docs/parallelism.md`
+(`--output`).
 `make test-parity-full` runs the whole matrix.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import sys
@@ -34,6 +36,7 @@ sys.path.insert(0, REPO)
 
 from titanlab.planning.layout_cover import pairwise_subset
 from titanlab.planning.layouts import Layout, check_layout, enumerate_layouts
+from tools.lib import parity_record
 from tools.lib.parity_runs import BASE_ARGS as BASE_ARGS
 from tools.lib.parity_runs import GLOBAL_BATCH as GLOBAL_BATCH
 from tools.lib.parity_runs import LAYOUT_STEPS as LAYOUT_STEPS
@@ -43,6 +46,7 @@ from tools.lib.parity_runs import least_blocks as least_blocks
 from tools.lib.parity_runs import Outcome as Outcome
 from tools.lib.parity_runs import prepare_reference as prepare_reference
 from tools.lib.parity_runs import run_layout as run_layout
+from tools.lib.parts import parse_part, part_of
 
 WORLD_SIZES = (1, 2, 4, 8)
 ZERO_STAGES = (0, 1, 2, 3)
@@ -174,6 +178,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--work-dir", default=os.path.join(REPO, "outputs", "parity_matrix"))
     ap.add_argument(
+        "--record",
+        default=parity_record.RECORD,
+        help="JSON-lines record of outcomes with their commits, reused while the training code "
+        "is unchanged ('' to keep none)",
+    )
+    ap.add_argument("--part", default="", help="k/n: only the layouts of part k of n (by name)")
+    ap.add_argument(
         "--output",
         default=os.path.join(REPO, "docs", "parallelism.md"),
         help="Markdown file to write the table into ('' to skip)",
@@ -190,23 +201,27 @@ def main(argv: list[str] | None = None) -> int:
     verdicts = [
         (lay, why) for lay, why in verdicts if lay in chosen and re.search(args.only, lay.name)
     ]
+    whole = verdicts
+    if args.part:
+        k, n = parse_part(ap, args.part)
+        verdicts = [(lay, why) for lay, why in verdicts if part_of(lay.name, n) == k]
     os.makedirs(args.work_dir, exist_ok=True)
-    done_path = os.path.join(args.work_dir, "results.jsonl")
-    done = {}
-    if os.path.exists(done_path):
-        with open(done_path, encoding="utf-8") as f:
-            done = {rec["layout"]: Outcome(**rec) for rec in map(json.loads, f)}
+    done = parity_record.load(args.record) if args.record else {}
+    commit = parity_record.run_commit()
+    if args.record and commit is None:
+        print("the training code has uncommitted edits: this run's layouts are not reusable")
     dataset, seed, reference = prepare_reference(args.work_dir)
     outcomes = []
     for i, (lay, why) in enumerate(verdicts, 1):
         if why is not None:
             outcome = Outcome(lay.name, lay.world_size, None, refused=why)
-        elif lay.name in done and done[lay.name].error is None:
+        elif lay.name in done:
             outcome = done[lay.name]
         else:
             outcome = run_layout(lay, dataset, seed, reference, args.work_dir)
-            with open(done_path, "a", encoding="utf-8") as f:
-                f.write(json.dumps(outcome.__dict__) + "\n")
+            outcome.commit = commit
+            if args.record:
+                parity_record.append(outcome, args.record)
         outcomes.append(outcome)
         status = (
             "refused"
@@ -215,14 +230,24 @@ def main(argv: list[str] | None = None) -> int:
         )
         print(f"[{i}/{len(verdicts)}] {lay.name}: {status} ({outcome.seconds:.0f} s)", flush=True)
     print(format_table(outcomes))
-    if args.output:
+    table = outcomes
+    if args.part and args.record:  # the table is the whole selection's, once every part has run
+        recorded = parity_record.load(args.record)
+        table = [recorded.get(lay.name) or Outcome(lay.name, lay.world_size, None, refused=why)
+                 for lay, why in whole if why is not None or lay.name in recorded]  # fmt: skip
+        if len(table) < len(whole):
+            print(
+                f"table not written: {len(whole) - len(table)} layouts of other parts not run yet"
+            )
+            table = []
+    if args.output and table:
         from titanlab.observability.hostinfo import cpu_model, ram_gib
 
         command = "python tools/parity_matrix.py " + " ".join(
             argv if argv is not None else sys.argv[1:]
         )
         host = f"{cpu_model()}, {os.cpu_count()} cores, {ram_gib():.0f} GiB, no GPU (gloo)"
-        write_doc(args.output, outcomes, command.strip(), host, args.block)
+        write_doc(args.output, table, command.strip(), host, args.block)
     failed = [o for o in outcomes if not o.refused and not o.passed]
     print(
         f"parity matrix: {len(outcomes) - len(failed)} of {len(outcomes)} ok"

@@ -111,6 +111,7 @@ class Outcome:
     seconds: float = 0.0
     log: str | None = None  # the whole output of a failed launch
     reference_dir: str | None = None  # the dump folder of the reference compared with
+    commit: str | None = None  # the commit the layout ran on (`tools/parity_record.py`)
 
     def report(self, lines: int = 60) -> str:
         """`error`, followed by the last `lines` lines of the failed launch's output."""
