@@ -1,7 +1,7 @@
 """Parts of a long run, so that it can be spread over sessions of a few hours: item `name`
 falls in part `crc32(name) mod n + 1` of `n`. `make test-full-part PART=k/n` takes part k of
-the test modules (by path, `tests/full_parts.py`) and of the parity matrix's layouts (by name,
-`tools/parity_matrix.py --part k/n`)."""
+the test modules (by path, `tests/full_parts.py`), of the parity matrix's layouts (by name,
+`tools/parity_matrix.py --part k/n`) and of the flavors' dry runs (`tools/dry_run_flavors.py`)."""
 
 from __future__ import annotations
 
