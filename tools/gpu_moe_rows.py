@@ -9,7 +9,8 @@ from the hardware.
 
 Rows: bf16 compiled (the experts eager, compile's MoE boundary: docs/moe.md), bf16 eager,
 float8 tensorwise compiled (torchao's float8 on the dense linears: attention and the router's
-projections; the experts stay bf16, their float8 grouped GEMM is issue 94's). Selective AC
+projections; the experts stay bf16), and the experts' grouped GEMMs in float8 rowwise
+(`float8.grouped_experts`, torchao's float8 grouped GEMM; the dense linears bf16). Selective AC
 (op), as train_configs/qwen3_30b_a3b.toml ships. One GPU: no expert parallel, so no
 all-to-all; what the row prices is the experts' grouped GEMMs, the router, the permutation and
 attention at the real width. A printed table: the measured median step, tokens/s and MFU, the
@@ -65,7 +66,13 @@ ROWS = (
             "tensorwise",
         ),
     ),
-)
+    MoERow(
+        "float8 rowwise grouped experts (dense linears bf16) · compile",
+        ("--compile.enable", "true", "--compile.components", "model,loss",
+         "--float8.enable", "true", "--float8.grouped_experts", "true",
+         "--float8.filter_fqns", "output,attention,router"),
+    ),
+)  # fmt: skip
 
 
 def trainer_args(row: MoERow, dump: str, steps: int) -> list[str]:

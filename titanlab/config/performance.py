@@ -83,6 +83,13 @@ class Float8:
     emulate: bool = False
     """Run the float8 numerics with ordinary matmuls (for CPU tests; no speed-up)."""
 
+    grouped_experts: bool = False
+    """With `enable`: the routed experts' grouped GEMMs in float8 too, scaled per row
+    (torchao's float8 rowwise grouped GEMM, `torchao.prototype.moe_training`), each expert's
+    token group padded to a multiple of 16 rows as its kernel needs. SwiGLU experts
+    (qwen3_moe, deepseek_v3, qwen3_5's MoE); a GPU with float8 only: torchao's kernels are
+    Triton's and have no emulate mode (docs/moe.md)."""
+
     enable_fsdp_float8_all_gather: bool = True
     """With FSDP and the tensorwise recipe, all-gather weights in float8 (half the bytes of bf16)."""
 
@@ -91,6 +98,10 @@ class Float8:
 
     def validate(self) -> None:
         _require(all(self.filter_fqns), f"float8.filter_fqns={self.filter_fqns} has an empty name")
+        _require(
+            self.enable or not self.grouped_experts,
+            "float8.grouped_experts=true needs float8.enable=true",
+        )
 
 
 @dataclass

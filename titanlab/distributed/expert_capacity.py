@@ -130,6 +130,14 @@ def chunked_capacity(slots: int, num_experts: int, capacity_factor: float, chunk
     return -(-capacity // chunks) * chunks
 
 
+def aligned_capacity(capacity: int, ep: int, chunks: int, multiple: int) -> int:
+    """C (a multiple of `chunks`) rounded up so that every expert's group of rows in one chunk,
+    ep · C / chunks, is a multiple of `multiple` (the experts' `group_multiple`: 16 for float8's
+    grouped GEMM), so that the experts need not pad their groups; C itself when `multiple` is 1."""
+    step = chunks * multiple // math.gcd(multiple, ep)
+    return -(-capacity // step) * step
+
+
 def chunk_major(dest: torch.Tensor, experts: int, capacity: int, chunks: int) -> torch.Tensor:
     """`place_slots`'s rows e · C + i (or E · C, dropped) renumbered chunk-major: the i-th slot
     of expert e goes to row j · E · c + e · c + (i − j · c), c = C / chunks, j = i // c, so each

@@ -43,6 +43,7 @@ from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
 from titanlab.config import host_reads
 from titanlab.distributed.expert_capacity import (
+    aligned_capacity,
     capacity_combine,
     capacity_dispatch,
     chunked_capacity,
@@ -94,6 +95,8 @@ class ExpertParallel(ParallelStyle):
         self.dispatch_chunks = dispatch_chunks
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if self.capacity_factor > 0:  # every group ep · C / chunks rows, `_aligned`
+            module.groups_aligned = True  # type: ignore[assignment]
         if self.dispatch_chunks > 1:
             distribute_module(module, device_mesh, partition_fn=_shard_experts)
             _overlap(module, device_mesh, self.capacity_factor, self.dispatch_chunks)
@@ -105,6 +108,7 @@ class ExpertParallel(ParallelStyle):
             def dispatch(module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
                 x, counts = inputs  # distribute_module calls a hook with 3 arguments
                 capacity = expert_capacity(x.shape[0], counts.numel(), factor)
+                capacity = _aligned(module, capacity, mesh.size(), 1)
                 return capacity_dispatch(module, x, counts, mesh, capacity)
 
             combine = capacity_combine
@@ -126,9 +130,16 @@ def _overlap(module: nn.Module, mesh: DeviceMesh, factor: float, chunks: int) ->
 
     def forward(x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         capacity = chunked_capacity(x.shape[0], counts.numel(), factor, chunks)
+        capacity = _aligned(module, capacity, mesh.size(), chunks)
         return overlapped_exchange(module, experts, x, counts, mesh, capacity, chunks)
 
     module.forward = forward  # type: ignore[method-assign]
+
+
+def _aligned(module: nn.Module, capacity: int, ep: int, chunks: int) -> int:
+    """The capacity with every expert group a multiple of the module's `group_multiple` rows
+    (`aligned_capacity`), so that the groups need no padding (`_apply` sets `groups_aligned`)."""
+    return aligned_capacity(capacity, ep, chunks, getattr(module, "group_multiple", 1))
 
 
 def _shard_experts(name: str, module: nn.Module, mesh: DeviceMesh) -> None:

@@ -54,6 +54,7 @@ def _flop_formulas() -> dict[Any, Any]:
     ]
     if hasattr(aten, "_grouped_mm"):
         table[aten._grouped_mm] = _grouped_mm_flops
+        table[aten._scaled_grouped_mm] = _grouped_mm_flops  # float8 experts: the same count
     table[torch.ops.titanlab.flex_attention] = _flex_flops  # FlexAttention's stand-in
     table[torch.ops.titanlab.flex_attention_backward] = _flex_backward_flops
     table[torch.ops.titanlab.gated_delta_attention] = _delta_flops  # fla's kernel's stand-in

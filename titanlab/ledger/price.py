@@ -109,9 +109,9 @@ def dtype_key(dtype: str) -> str:
 
 def _fuses(op: OpRecord) -> bool:
     """Whether Inductor fuses `op` into its compiled region's kernels: every op there but extern
-    kernels (GEMMs, attention, collectives), host syncs and FSDP's eager copies (`fsdp_copy`)."""
+    kernels (GEMMs, attention, collectives, `titanlab::` stand-ins), syncs and `fsdp_copy`."""
     fusible = op.region is not None and op.kind in ("pointwise", "other")
-    return fusible and not fsdp_copy(op.op, op.phase)
+    return fusible and not fsdp_copy(op.op, op.phase) and not op.op.startswith("titanlab.")
 
 
 def fused_traffic(ops: list[OpRecord]) -> list[tuple[int, int]]:

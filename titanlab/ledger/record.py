@@ -68,8 +68,10 @@ from titanlab.ledger.regions import Regions
 _WRAPPERS = ("._checkpoint_wrapped_module", "._orig_mod", "._fsdp_wrapped_module")
 _SHAPE_PROPAGATION = "_propagate_tensor_meta_non_cached"
 _ASYNC_WRAPPER = "_maybe_wrap_tensor"  # torch.distributed._functional_collectives
+# is_pinned: a host-side query (torchao's float8 FSDP hooks ask it), no kernel
 _FREE = {"empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided", "detach",
-         "lift_fresh", "device", "_unsafe_view", "alias", "set_", "wait_tensor"}  # fmt: skip
+         "lift_fresh", "device", "_unsafe_view", "alias", "set_", "wait_tensor",
+         "is_pinned"}  # fmt: skip
 _WRITE_ONLY = {"zeros", "ones", "full", "zeros_like", "ones_like", "full_like", "new_zeros",
                "new_ones", "new_full", "scalar_tensor", "fill_", "zero_", "arange"}  # fmt: skip
 """Ops that write their output and read no tensor's values (a memset, a fill)."""
@@ -133,7 +135,7 @@ class OpRecord:
     inputs: tuple[int, ...] = ()
     outputs: tuple[int, ...] = ()
     rowwise: bool = False
-    """A float8 GEMM (`_scaled_mm`) scaled per row rather than per tensor."""
+    """A float8 GEMM (`_scaled_mm`, `_scaled_grouped_mm`) scaled per row, not per tensor."""
     tiles: float | None = None
     """FlexAttention (its stand-in, `titanlab::flex_attention`): the share of its (128 × 128)
     tiles the block mask computes."""
@@ -318,7 +320,7 @@ class Recorder(TorchDispatchMode):
             rec.bytes_written = touched
         if kind in ("gemm", "attention"):
             rec.flops = int(FLOPS[func.overloadpacket](*args, **kwargs, out_val=out))
-        if name.startswith("aten._scaled_mm"):
+        if name.startswith(("aten._scaled_mm", "aten._scaled_grouped_mm")):
             rec.rowwise = args[2].numel() > 1  # scale_a: one per tensor, or one per row
         if name == "titanlab.flex_attention.default":
             rec.tiles = float(args[3])

@@ -32,6 +32,7 @@ from titanlab.config.job_config import ConfigError
 from titanlab.data.batches import BatchPreparer
 from titanlab.data.document_masking import DocumentMasking
 from titanlab.ledger.gpu_kernels import gpu_attention
+from titanlab.precision.float8_experts_stand_in import torchao_kernels_priced
 from titanlab.ledger.record import OpRecord, Recorder
 
 
@@ -145,6 +146,7 @@ def record_loop(
     with (
         code_path_of(target),
         attention,
+        torchao_kernels_priced(),
         torch.compiler.set_stance("force_eager"),
         FakeTensorMode(allow_non_fake_inputs=True),
         HostReads(),

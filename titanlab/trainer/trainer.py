@@ -48,6 +48,7 @@ from titanlab.planning.memory import local_world_size
 from titanlab.posttrain.distill import PipelineDistillLoss
 from titanlab.posttrain.teacher import build_teacher, join_teacher_load, teacher_args
 from titanlab.precision.float8 import apply_float8
+from titanlab.precision.float8_experts import apply_float8_experts
 from titanlab.trainer import dry_run, peft_steps, rl_steps
 from titanlab.trainer.host_allocator import fix_malloc_thresholds
 from titanlab.resilience.replica_group import ReplicaGroup, data_rank, group_dump_folder
@@ -204,6 +205,7 @@ class Trainer(TrainLoop):
             dims,
         )
         apply_float8(model, self.float8, self.device, dims.fsdp_enabled)
+        apply_float8_experts(model, self.float8, self.device)
         return model, flops_per_token
 
     def _parallelize(self, model: Decoder):

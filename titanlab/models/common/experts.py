@@ -59,6 +59,29 @@ def _local(w: torch.Tensor) -> torch.Tensor:
     return w.to_local() if hasattr(type(w), "to_local") else w  # type: ignore[attr-defined]
 
 
+def pad_groups(
+    x_td: torch.Tensor, counts: torch.Tensor, multiple: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each expert's group of rows padded with zero rows to a multiple of `multiple`, in static
+    shapes and without a host read: x_td (T, dim) sorted by expert with `counts` (E,) int64
+    rows per expert → (padded (R, dim), padded counts (E,) int64, rows (T,) int64: where each
+    row of x_td went), R = T + E·(multiple − 1) rounded up to a multiple of `multiple`, the
+    bound of the padded counts' sum. A grouped GEMM computes the groups only: the rows past
+    their sum are left out (as torchtitan's padded permutation leaves them). A float8 grouped
+    GEMM needs every group a multiple of 16 rows (torchao's
+    `_to_fp8_rowwise_then_scaled_grouped_mm`)."""
+    tokens, experts, m = x_td.shape[0], counts.numel(), multiple
+    padded = (counts + m - 1) // m * m
+    rows_total = -(-(tokens + experts * (m - 1)) // m) * m
+    shift = (padded.cumsum(0) - padded) - (counts.cumsum(0) - counts)  # group start moved by
+    expert = torch.repeat_interleave(
+        torch.arange(experts, device=x_td.device), counts, output_size=tokens
+    )
+    rows = torch.arange(tokens, device=x_td.device) + shift[expert]
+    out = x_td.new_zeros(rows_total, x_td.shape[1]).index_copy(0, rows, x_td)
+    return out, padded, rows
+
+
 class GroupedExperts(nn.Module):
     """`num_experts` SwiGLU experts with stacked weights: w1, w3 (E, hidden, dim), w2 (E, dim,
     hidden); expert e computes w2[e](silu(w1[e] x) * w3[e] x) like `FeedForward`.
@@ -74,6 +97,12 @@ class GroupedExperts(nn.Module):
         self.w3 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
         self.use_grouped_mm: bool | None = None
         """None: grouped GEMM where `grouped_mm_supported`, else the loop; True/False: force."""
+        self.group_multiple = 1
+        """The grouped GEMMs' token groups padded to a multiple of this many rows
+        (`pad_groups`; 16 under float8's grouped experts, `titanlab.precision.float8_experts`)."""
+        self.groups_aligned = False
+        """True where the caller's groups are multiples of `group_multiple` by construction
+        (expert parallel's capacity exchange), so none is padded."""
 
     def init_weights(self, out_std: float) -> None:
         trunc_normal_(self.w1, 0.02)
@@ -87,10 +116,14 @@ class GroupedExperts(nn.Module):
         dtype = _grouped(self, x_td)
         if dtype is not None:
             x_td, w1, w2, w3 = (t.to(dtype) for t in (x_td, w1, w2, w3))
+            rows = None
+            if self.group_multiple > 1 and not self.groups_aligned:
+                x_td, counts, rows = pad_groups(x_td, counts, self.group_multiple)
             offs = counts.cumsum(0).to(torch.int32)
             h = F.silu(torch._grouped_mm(x_td, w1.transpose(-2, -1), offs=offs))
             h = h * torch._grouped_mm(x_td, w3.transpose(-2, -1), offs=offs)
-            return torch._grouped_mm(h, w2.transpose(-2, -1), offs=offs)
+            out = torch._grouped_mm(h, w2.transpose(-2, -1), offs=offs)
+            return out if rows is None else out.index_select(0, rows)
         outs = []
         for e, x in enumerate(torch.split(x_td, counts.tolist())):
             h = F.silu(x @ w1[e].t()) * (x @ w3[e].t())
