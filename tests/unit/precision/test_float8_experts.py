@@ -116,7 +116,7 @@ def test_qwen3_30b_a3b_experts_in_float8_on_the_ledger():
     """2 blocks of Qwen3-30B-A3B on 8 ranks, EP 8, compiled, full AC, capacity 1.25 in 2 chunks
     (the MoE A/B's pieces): the experts' GEMMs in float8 against bf16 (the dense linears stay
     bf16). Prints both steps; float8 fails no gate that bf16 passes (both fail
-    `hidden_all_to_alls` here, the chunked exchange's pricing: docs/moe.md) and has the same
+    `hidden_all_to_alls` here: docs/performance.md, the MoE rows) and has the same
     expert GEMM FLOPs (the capacity's groups are multiples of 16 rows: no padding)."""
     from titanlab.ledger.gates import check
 
